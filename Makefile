@@ -1,0 +1,31 @@
+# `make demo` and `make test` create/reuse .venv. torch is installed first, as the local CPU build when no
+# torch is importable, and pinned by a constraint while the rest installs, so pip never swaps in a CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+DEMO_OUT ?= demo-out
+
+.PHONY: install demo test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[dev]"
+	touch $@
+
+demo: install
+	$(PY) -m pretrieve.demo --out $(DEMO_OUT)
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/data_pipeline.py
+
+clean:
+	rm -rf $(DEMO_OUT) .pytest_cache

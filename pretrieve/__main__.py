@@ -1,0 +1,3 @@
+from pretrieve.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""`pretrieve <command>`: the command line. Each command parses its arguments and calls one module."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pretrieve import __version__
+
+# Commands that later issues add are listed so `--help` shows the whole tool and says what is not there yet.
+PLANNED = {
+    "pretrain": "pre-train a registered method with DeepSpeed (engine issue)",
+    "export": "export a checkpoint as a HF directory (engine issue)",
+    "eval": "fine-tune and score a checkpoint on BEIR / MS MARCO (evaluation issue)",
+    "farm": "run an evaluation farm over checkpoints x datasets (evaluation issue)",
+    "report": "compare runs from MLflow (evaluation issue)",
+    "launch-info": "print the resolved world of a launch (launcher issue)",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pretrieve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"pretrieve {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_prepare(commands)
+    _add_stream(commands)
+    for name, help_text in PLANNED.items():
+        commands.add_parser(name, help=f"[not yet available] {help_text}")
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command in PLANNED:
+        print(f"pretrieve {args.command}: not implemented yet ({PLANNED[args.command]})", file=sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except (ValueError, RuntimeError, OSError) as e:  # our errors carry file/line/key; no traceback needed
+        print(f"pretrieve {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _add_prepare(commands) -> None:
+    from pretrieve.data.corpora import SOURCES
+
+    p = commands.add_parser("prepare", help="raw corpus -> tokenized, packed webdataset shards + manifest.json",
+                            description="Read a raw corpus, tokenize, pack sentences into blocks and write "
+                                        "webdataset shards and manifest.json. Re-running resumes.")
+    p.add_argument("--source", required=True, choices=SOURCES)
+    p.add_argument("--input", required=True, nargs="+", metavar="PATH", help="files or directories")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="local HF tokenizer directory "
+                   "(default: the bundled bert-base-uncased WordPiece vocabulary)")
+    p.add_argument("--max-len", type=int, default=512, help="model sequence length; blocks hold max_len-2 tokens")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores; 0 = in-process)")
+    p.add_argument("--shard-size", type=int, default=10000, help="samples per shard")
+    p.add_argument("--on-error", choices=("fail", "skip"), default="fail",
+                   help="bad records: stop with file:line (fail) or skip and count them in the manifest")
+    p.add_argument("--packing", choices=("sentences", "passage"), default=None,
+                   help="sentences: greedy sentence packing; passage: one text per sample (default for "
+                        "msmarco-passage and beir)")
+    p.add_argument("--short-seq-prob", type=float, default=0.0, help="probability of a shorter block target (BERT: 0.1)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--text-field", default="text", help="jsonl / parquet: field holding the text")
+    p.add_argument("--id-field", default="id", help="jsonl / parquet: field holding the document id")
+    p.add_argument("--title-field", default="title", help="jsonl / parquet: optional title field ('' for none)")
+    p.add_argument("--books-format", choices=("file", "lines"), default="file",
+                   help="books: paragraphs separated by blank lines (file) or one sentence per line (lines)")
+    p.add_argument("--overwrite", action="store_true", help="delete an earlier output in --out first")
+    p.set_defaults(run=_run_prepare)
+
+
+def _run_prepare(args) -> int:
+    from pretrieve.data.prepare import PrepareOptions, prepare
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
+
+    opts = PrepareOptions(
+        source=args.source, inputs=args.input, out=args.out, tokenizer=args.tokenizer or DEFAULT_TOKENIZER,
+        max_len=args.max_len, shard_size=args.shard_size, on_error=args.on_error, packing=args.packing,
+        short_seq_prob=args.short_seq_prob, seed=args.seed, text_field=args.text_field, id_field=args.id_field,
+        title_field=args.title_field or None, books_format=args.books_format, overwrite=args.overwrite,
+    )
+    if args.workers is not None:
+        opts.workers = args.workers
+    m = prepare(opts)
+    print(f"{args.out}: {m['num_documents']:,} documents -> {m['num_samples']:,} samples, {m['num_tokens']:,} tokens "
+          f"in {len(m['shards'])} shards; skipped {m['skipped'] or 'none'}; truncated {m['truncated_documents']}")
+    return 0
+
+
+def _add_stream(commands) -> None:
+    p = commands.add_parser("stream", help="stream shards for N epochs and print counts and throughput",
+                            description="Read prepared shards through the training stream (mixture, shuffle, "
+                                        "rank/worker split) and report what came out.")
+    p.add_argument("manifests", nargs="+", metavar="MANIFEST", help="manifest.json files (or their directories)")
+    p.add_argument("--weights", type=float, nargs="+", default=None, help="mixture weights, one per manifest")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers")
+    p.add_argument("--shuffle-buffer", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=_run_stream)
+
+
+def _run_stream(args) -> int:
+    import time
+
+    from pretrieve.data.stream import ShardStream, StreamLoader
+
+    stream = ShardStream(args.manifests, weights=args.weights, seed=args.seed, shuffle_buffer=args.shuffle_buffer)
+    loader = StreamLoader(stream, batch_size=args.batch_size, num_workers=args.workers)
+    for _ in range(args.epochs):
+        epoch = stream.epoch
+        samples = tokens = batches = 0
+        sources: dict[str, int] = {}
+        start = time.perf_counter()
+        for batch in loader:
+            batches += 1
+            samples += len(batch)
+            for sample in batch:
+                tokens += len(sample["ids"])
+                sources[sample["source"]] = sources.get(sample["source"], 0) + 1
+        seconds = time.perf_counter() - start
+        print(json.dumps({"epoch": epoch, "batches": batches, "samples": samples, "tokens": tokens, "sources": sources,
+                          "seconds": round(seconds, 3), "samples_per_s": round(samples / max(seconds, 1e-9), 1)}))
+    return 0

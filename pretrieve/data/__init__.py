@@ -1,0 +1,1 @@
+"""Raw corpora -> shards -> streams -> batches (see DESIGN.md "Data flow")."""

@@ -1,0 +1,339 @@
+"""`pretrieve prepare`: raw corpus -> tokenized, packed webdataset shards + manifest.json.
+
+Pipeline: a reader (corpora.py) yields records in file order; chunks of records go to `workers` processes
+that tokenize (HF fast tokenizer, one thread each) and pack (packing.py); the main process writes the
+results in input order into shards of `shard_size` samples (shards.py). The output does not depend on the
+number of workers.
+
+Crash safety and resume: shards are renamed into place only when complete, and after each one a state
+file records where the next shard starts (record index, block index) and the skip counts so far. Re-running
+the same command skips the records already in complete shards without tokenizing them again. The manifest
+is written last, atomically; its presence means the directory is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from pretrieve import __version__
+from pretrieve.data import corpora
+from pretrieve.data.corpora import BadRecord, CorpusError, Document, ReaderOptions
+from pretrieve.data.packing import pack_sentences, sentence_starts, sentence_token_bounds
+from pretrieve.data.shards import ShardWriter, token_extension
+from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, describe, load_backend
+
+MANIFEST = "manifest.json"
+STATE = ".prepare-state.json"
+FORMAT = "pretrieve-shards/1"
+PASSAGE_SOURCES = ("msmarco-passage", "beir")  # one text per sample by default
+CHUNK_CHARS = 1 << 20  # text sent to a worker at a time
+
+
+class PrepareError(RuntimeError):
+    pass
+
+
+@dataclass
+class PrepareOptions:
+    source: str
+    inputs: list[str]
+    out: str
+    tokenizer: str = DEFAULT_TOKENIZER
+    max_len: int = 512
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    shard_size: int = 10000
+    on_error: str = "fail"  # fail | skip
+    packing: str | None = None  # sentences | passage; None = passage for passage corpora, else sentences
+    short_seq_prob: float = 0.0
+    seed: int = 42
+    text_field: str = "text"
+    id_field: str = "id"
+    title_field: str | None = "title"
+    books_format: str = "file"
+    overwrite: bool = False
+    progress: bool | None = None  # None: a bar when stderr is a terminal
+
+    def resolved_packing(self) -> str:
+        return self.packing or ("passage" if self.source in PASSAGE_SOURCES else "sentences")
+
+    def validate(self) -> None:
+        if self.source not in corpora.SOURCES:
+            raise PrepareError(f"--source {self.source!r}: choose one of {', '.join(corpora.SOURCES)}")
+        if self.max_len < 4:
+            raise PrepareError(f"--max-len must be at least 4, got {self.max_len}")
+        if self.shard_size < 1:
+            raise PrepareError(f"--shard-size must be positive, got {self.shard_size}")
+        if self.on_error not in ("fail", "skip"):
+            raise PrepareError(f"--on-error must be fail or skip, got {self.on_error!r}")
+        if self.resolved_packing() not in ("sentences", "passage"):
+            raise PrepareError(f"--packing must be sentences or passage, got {self.packing!r}")
+        if not 0.0 <= self.short_seq_prob <= 1.0:
+            raise PrepareError(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
+        if self.books_format not in ("file", "lines"):
+            raise PrepareError(f"--books-format must be file or lines, got {self.books_format!r}")
+
+    def output_arguments(self) -> dict:
+        """The arguments that determine the output (not workers, progress, overwrite)."""
+        args = asdict(self)
+        for key in ("workers", "progress", "overwrite", "out"):
+            args.pop(key)
+        args["packing"] = self.resolved_packing()
+        return args
+
+
+def prepare(opts: PrepareOptions) -> dict:
+    """Run (or resume) a prepare job; returns the manifest."""
+    opts.validate()
+    out = Path(opts.out)
+    files = corpora.list_input_files(opts.source, opts.inputs)
+    backend = load_backend(opts.tokenizer)
+    info = describe(opts.tokenizer, backend)
+    inputs = [{"path": str(p), "bytes": p.stat().st_size} for p in files]
+    job = {"arguments": opts.output_arguments(), "inputs": inputs, "tokenizer": info.fingerprint}
+    job_id = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
+
+    state = _load_previous(out, job_id, opts.overwrite)
+    if state.get("complete"):
+        return state["manifest"]
+    out.mkdir(parents=True, exist_ok=True)
+    token_ext = token_extension(info.vocab_size)
+    writer_state = _ShardSequence(out, opts.source, token_ext, opts.shard_size, job_id, state)
+
+    records = corpora.read_corpus(opts.source, files, ReaderOptions(
+        text_field=opts.text_field, id_field=opts.id_field, title_field=opts.title_field, books_format=opts.books_format))
+    resume_record, resume_block = state.get("next", [0, 0])
+    work = _chunks(records, resume_record)
+    started = time.perf_counter()
+    try:
+        for item in _tokenized(work, opts):
+            kind, index = item[0], item[1]
+            if kind == "bad":
+                _, _, reason, where, detail = item
+                if opts.on_error == "fail":
+                    raise CorpusError(f"{where}: {detail} ({reason}); fix the input or pass --on-error skip")
+                writer_state.skipped[reason] += 1
+                continue
+            _, _, doc_id, blocks, truncated = item
+            first = resume_block if index == resume_record else 0
+            if first == 0:  # a document split over the resume point was counted before the stop
+                writer_state.truncated += truncated
+                writer_state.documents += 1
+            for block_index in range(first, len(blocks)):
+                meta = {"doc": doc_id, "block": block_index, "source": opts.source}
+                writer_state.add(blocks[block_index], meta, next_position=(index, block_index + 1))
+    except BaseException:
+        writer_state.abort()
+        raise
+    writer_state.finish()
+    if writer_state.num_samples == 0:
+        raise PrepareError(f"no samples produced from {', '.join(map(str, opts.inputs))} "
+                           f"(skipped: {dict(writer_state.skipped) or 'none'})")
+    manifest = {
+        "format": FORMAT,
+        "num_samples": writer_state.num_samples,
+        "num_tokens": writer_state.num_tokens,
+        "num_documents": writer_state.documents,
+        "token_dtype": "uint16" if token_ext == "ids.u16" else "int32",
+        "max_len": opts.max_len,
+        "max_tokens_per_sample": opts.max_len - 2,
+        "source": opts.source,
+        "tokenizer": info.as_dict(),
+        "inputs": inputs,
+        "arguments": opts.output_arguments(),
+        "skipped": dict(sorted(writer_state.skipped.items())),
+        "truncated_documents": writer_state.truncated,
+        "shards": [s.as_dict() for s in writer_state.shards],
+        "job_id": job_id,
+        "pretrieve_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "prepare_seconds": round(time.perf_counter() - started, 3),
+    }
+    _write_json_atomic(out / MANIFEST, manifest)
+    (out / STATE).unlink(missing_ok=True)
+    return manifest
+
+
+def _load_previous(out: Path, job_id: str, overwrite: bool) -> dict:
+    """The resume state of an earlier run of the same job; refuses to mix different jobs in one directory."""
+    manifest_path, state_path = out / MANIFEST, out / STATE
+    if overwrite and out.exists():
+        for p in list(out.glob("*.tar")) + list(out.glob(".*.tmp")) + [manifest_path, state_path]:
+            p.unlink(missing_ok=True)
+        return {}
+    for path, what in ((manifest_path, "a complete prepare"), (state_path, "an unfinished prepare")):
+        if path.exists():
+            previous = json.loads(path.read_text(encoding="utf-8"))
+            if previous.get("job_id") != job_id:
+                raise PrepareError(f"{out} holds {what} with other arguments or inputs; "
+                                   "use another --out or pass --overwrite")
+            if path == manifest_path:
+                return {"complete": True, "manifest": previous}
+            return previous
+    if out.exists() and any(out.glob("*.tar")):
+        raise PrepareError(f"{out} holds shards but no manifest or resume state; use another --out or --overwrite")
+    return {}
+
+
+class _ShardSequence:
+    """Cuts the sample stream into shards and checkpoints progress after each complete shard."""
+
+    def __init__(self, out: Path, source: str, token_ext: str, shard_size: int, job_id: str, state: dict):
+        from pretrieve.data.shards import ShardStats
+
+        self.out, self.source, self.token_ext, self.shard_size, self.job_id = out, source, token_ext, shard_size, job_id
+        self.shards = [ShardStats(**s) for s in state.get("shards", [])]
+        self.skipped = Counter(state.get("skipped", {}))
+        self.documents = state.get("documents", 0)
+        self.truncated = state.get("truncated", 0)
+        self.writer: ShardWriter | None = None
+        for shard in self.shards:  # a resumed run trusts complete shards only if they are intact
+            path = out / shard.file
+            if not path.exists() or path.stat().st_size != shard.bytes:
+                raise PrepareError(f"{path}: listed as complete in {out / STATE} but missing or changed; "
+                                   "re-run with --overwrite")
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.num_samples for s in self.shards) + (self.writer.num_samples if self.writer else 0)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.shards) + (self.writer.num_tokens if self.writer else 0)
+
+    def add(self, ids: np.ndarray, meta: dict, next_position: tuple[int, int]) -> None:
+        if self.writer is None:
+            self.writer = ShardWriter(self.out / f"{self.source}-{len(self.shards):06d}.tar", self.token_ext)
+        self.writer.add(ids, meta)
+        if self.writer.num_samples == self.shard_size:
+            self._close_shard()
+            self._save_state(next_position)
+
+    def _close_shard(self) -> None:
+        self.shards.append(self.writer.close())
+        self.writer = None
+
+    def _save_state(self, next_position: tuple[int, int]) -> None:
+        _write_json_atomic(self.out / STATE, {
+            "job_id": self.job_id, "next": list(next_position), "shards": [s.as_dict() for s in self.shards],
+            "skipped": dict(self.skipped), "documents": self.documents, "truncated": self.truncated,
+        })
+
+    def finish(self) -> None:
+        if self.writer is not None and self.writer.num_samples:
+            self._close_shard()
+        elif self.writer is not None:
+            self.writer.abort()
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+
+
+def _chunks(records: Iterator, resume_record: int) -> Iterator[list[tuple]]:
+    """Groups of (index, record) of about CHUNK_CHARS text; records before `resume_record` are dropped."""
+    chunk, chars = [], 0
+    for index, record in enumerate(records):
+        if index < resume_record:
+            continue
+        if isinstance(record, BadRecord):
+            chunk.append((index, "bad", record.reason, record.where, record.detail))
+        else:
+            chunk.append((index, "doc", record.doc_id, record.text, record.where))
+            chars += len(record.text)
+        if chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _tokenized(work: Iterator[list[tuple]], opts: PrepareOptions) -> Iterator[tuple]:
+    """Results per record in input order: ("doc", index, doc_id, blocks, truncated) or ("bad", index, ...)."""
+    config = (opts.tokenizer, opts.max_len - 2, opts.resolved_packing(), opts.short_seq_prob, opts.seed)
+    with _progress(opts) as bar:
+        if opts.workers <= 0:
+            _init_worker(config)
+            results = map(_process_chunk, work)
+            pool = None
+        else:
+            pool = multiprocessing.get_context("fork").Pool(opts.workers, initializer=_init_worker, initargs=(config,))
+            results = pool.imap(_process_chunk, work)
+        try:
+            for chunk_result in results:
+                for item in chunk_result:
+                    if item[0] == "doc":
+                        bar.update(1)
+                    yield item
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+
+
+def _progress(opts: PrepareOptions):
+    from tqdm import tqdm
+
+    disable = None if opts.progress is None else not opts.progress
+    return tqdm(desc=f"prepare {opts.source}", unit=" docs", disable=disable, mininterval=1.0)
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(config: tuple) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker; parallelism comes from the pool
+    tokenizer_path, max_tokens, packing, short_seq_prob, seed = config
+    _WORKER.update(backend=load_backend(tokenizer_path), max_tokens=max_tokens, packing=packing,
+                   short_seq_prob=short_seq_prob, seed=seed)
+
+
+def _process_chunk(chunk: list[tuple]) -> list[tuple]:
+    docs = [item for item in chunk if item[1] == "doc"]
+    encodings = _WORKER["backend"].encode_batch([item[3] for item in docs], add_special_tokens=False)
+    encoded = {item[0]: enc for item, enc in zip(docs, encodings)}
+    results = []
+    for item in chunk:
+        index = item[0]
+        if item[1] == "bad":
+            results.append(("bad", index, *item[2:]))
+            continue
+        _, _, doc_id, text, where = item
+        enc = encoded[index]
+        ids = np.asarray(enc.ids, dtype=np.int32)
+        if len(ids) == 0:
+            results.append(("bad", index, "empty", where, "no tokens after tokenization"))
+            continue
+        blocks, truncated = _blocks(ids, text, enc, index)
+        results.append(("doc", index, doc_id, blocks, truncated))
+    return results
+
+
+def _blocks(ids: np.ndarray, text: str, enc, index: int) -> tuple[list[np.ndarray], int]:
+    max_tokens = _WORKER["max_tokens"]
+    if _WORKER["packing"] == "passage":
+        return [ids[:max_tokens]], int(len(ids) > max_tokens)
+    token_starts = np.fromiter((start for start, _ in enc.offsets), dtype=np.int64, count=len(ids))
+    ends = sentence_token_bounds(token_starts, sentence_starts(text))
+    prob = _WORKER["short_seq_prob"]
+    rng = np.random.default_rng([_WORKER["seed"], index]) if prob > 0 else None
+    return [ids[a:b] for a, b in pack_sentences(ends, max_tokens, prob, rng)], 0
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, ensure_ascii=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

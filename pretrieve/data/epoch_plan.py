@@ -15,6 +15,8 @@ Epoch e:
    topped up with at most world-1 samples from the start of the epoch, flagged `pad`. Every rank thus yields
    the same number of batches and an uneven split never hangs a collective.
 4. Inside a rank, workers get contiguous shares differing by at most one sample.
+5. Each (rank, worker) slot reads its share in order and emits it shuffled in windows of `shuffle_buffer`
+   samples, each window in an order drawn from (seed, epoch, stage, rank, slot, window).
 """
 
 from __future__ import annotations
@@ -63,10 +65,11 @@ def drop(segments: Sequence[Segment], count: int) -> list[Segment]:
 
 class EpochPlan:
     def __init__(self, manifest_shards: list[list[int]], shard_sizes: list[int], weights: list[float] | None,
-                 seed: int, epoch_samples: int | None = None):
+                 seed: int, epoch_samples: int | None = None, shuffle_buffer: int = 1000):
         self.manifest_shards = manifest_shards
         self.shard_sizes = shard_sizes
         self.seed = seed
+        self.window = max(1, shuffle_buffer)
         sizes = [sum(shard_sizes[s] for s in shards) for shards in manifest_shards]
         if any(n == 0 for n in sizes):
             raise ValueError("a manifest with no samples cannot be streamed")
@@ -82,7 +85,7 @@ class EpochPlan:
             epoch_total = epoch_samples if epoch_samples is not None else sum(sizes)
             self.quotas = [round(epoch_total * w / sum(weights)) for w in weights]
         self.fingerprint = hashlib.sha256(json.dumps(
-            [manifest_shards, shard_sizes, weights, seed, epoch_samples]).encode()).hexdigest()[:16]
+            [manifest_shards, shard_sizes, weights, seed, epoch_samples, self.window]).encode()).hexdigest()[:16]
 
     # --- epoch contents -------------------------------------------------------------------------------
     def epoch_sequence(self, epoch: int) -> list[Segment]:
@@ -132,18 +135,32 @@ class EpochPlan:
             out.append([take(rank_seq, bounds[w], bounds[w + 1]) for w in range(workers)])
         return out
 
-    @classmethod
-    def remaining(cls, sequence: list[Segment], world: int, workers: int, offsets: list[int]) -> list[Segment]:
-        """What a stage (world, workers) left unread when each rank's worker w had consumed offsets[w]."""
-        rest: list[Segment] = []
-        for rank_slots in cls.layout(sequence, world, workers):
-            for w, slot in enumerate(rank_slots):
-                rest.extend(s for s in drop(slot, offsets[w]) if not s.pad)
-        return rest
+    def window_order(self, epoch: int, stage: int, rank: int, slot: int, window: int, size: int) -> np.ndarray:
+        """The order in which a slot emits the `size` samples of one shuffle window."""
+        if self.window == 1:
+            return np.arange(size)
+        return np.random.default_rng([self.seed, 3, epoch, stage, rank, slot, window]).permutation(size)
+
+    def unread(self, slot_segments: list[Segment], consumed: int, epoch: int, stage: int, rank: int,
+               slot: int) -> list[Segment]:
+        """The samples of a slot not among its first `consumed` outputs (the open window's rest, in input order)."""
+        window, emitted = divmod(consumed, self.window)
+        if emitted == 0:
+            return drop(slot_segments, consumed)
+        begin = window * self.window
+        size = min(self.window, total(slot_segments) - begin)
+        open_window = take(slot_segments, begin, begin + size)
+        left = np.sort(self.window_order(epoch, stage, rank, slot, window, size)[emitted:])
+        return [take(open_window, int(p), int(p) + 1)[0] for p in left] + drop(slot_segments, begin + size)
 
     def stage_sequence(self, epoch: int, finished_stages: list[dict]) -> list[Segment]:
         """The samples of `epoch` left after the finished stages of an elastic resume, in order."""
         sequence = self.epoch_sequence(epoch)
-        for stage in finished_stages:
-            sequence = self.remaining(sequence, stage["world"], stage["workers"], stage["offsets"])
+        for stage_index, stage in enumerate(finished_stages):
+            rest: list[Segment] = []
+            for rank, rank_slots in enumerate(self.layout(sequence, stage["world"], stage["workers"])):
+                for slot, segments in enumerate(rank_slots):
+                    unread = self.unread(segments, stage["offsets"][slot], epoch, stage_index, rank, slot)
+                    rest.extend(s for s in unread if not s.pad)
+            sequence = rest
         return sequence

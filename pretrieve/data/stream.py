@@ -97,7 +97,7 @@ class ShardStream(IterableDataset):
         if tokenizer is not None:
             self._check_tokenizer(tokenizer, fingerprints)
         self.plan = EpochPlan(groups, [s.num_samples for s in self.shards],
-                              list(weights) if weights is not None else None, seed, epoch_samples)
+                              list(weights) if weights is not None else None, seed, epoch_samples, shuffle_buffer)
         self.seed = seed
         self.shuffle_buffer = shuffle_buffer
         self.verify = verify
@@ -181,25 +181,41 @@ class ShardStream(IterableDataset):
 
     def _iter_slot(self, slot: int, offset: int) -> Iterator[dict]:
         segments = self._slots()[slot]
-        n, window = total(segments), max(1, self.shuffle_buffer)
+        n, window = total(segments), self.plan.window
         first_window = offset // window
         reader = self._read(drop(segments, first_window * window))
         for w in range(first_window, math.ceil(n / window)):
             samples = list(islice(reader, min(window, n - w * window)))
-            order = range(len(samples)) if window == 1 else np.random.default_rng(
-                [self.seed, 3, self.epoch, len(self._stages), self.rank, slot, w]).permutation(len(samples))
+            order = self.plan.window_order(self.epoch, len(self._stages) - 1, self.rank, slot, w, len(samples))
             skip = offset - w * window if w == first_window else 0
             for i in order[skip:]:
                 yield samples[i]
 
     def _read(self, segments: list[Segment]) -> Iterator[dict]:
-        for seg in segments:
-            ref = self.shards[seg.shard]
-            sha = ref.sha256 if self.verify else None
-            count = ref.num_samples if seg.stop == ref.num_samples else None
-            for index, (ids, meta) in enumerate(read_shard(ref.path, seg.start, seg.stop, sha, count), seg.start):
-                yield {"ids": ids, "doc": meta["doc"], "block": meta["block"], "source": meta["source"],
-                       "pad": seg.pad, "shard": seg.shard, "index": index}
+        """Samples of `segments` in order; a run of increasing segments of one shard is one read of it."""
+        for run in _shard_runs(segments):
+            ref = self.shards[run[0].shard]
+            count = ref.num_samples if run[-1].stop == ref.num_samples else None
+            samples = read_shard(ref.path, run[0].start, run[-1].stop, ref.sha256 if self.verify else None, count)
+            segs = iter(run)
+            seg = next(segs)
+            for index, (ids, meta) in enumerate(samples, run[0].start):
+                if index >= seg.stop:
+                    seg = next(segs)
+                if index >= seg.start:
+                    yield {"ids": ids, "doc": meta["doc"], "block": meta["block"], "source": meta["source"],
+                           "pad": seg.pad, "shard": seg.shard, "index": index}
+
+
+def _shard_runs(segments: list[Segment]) -> Iterator[list[Segment]]:
+    run: list[Segment] = []
+    for seg in segments:
+        if run and (seg.shard != run[-1].shard or seg.start < run[-1].stop):
+            yield run
+            run = []
+        run.append(seg)
+    if run:
+        yield run
 
 
 class StreamLoader(DataLoader):

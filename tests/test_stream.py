@@ -7,7 +7,6 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import prepare_sample
 from pretrieve.data.shards import ShardError
 from pretrieve.data.stream import ShardStream, StreamError, StreamLoader
 

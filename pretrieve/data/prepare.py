@@ -27,7 +27,7 @@ import numpy as np
 
 from pretrieve import __version__
 from pretrieve.data import corpora
-from pretrieve.data.corpora import BadRecord, CorpusError, Document, ReaderOptions
+from pretrieve.data.corpora import BadRecord, CorpusError, ReaderOptions
 from pretrieve.data.packing import pack_sentences, sentence_starts, sentence_token_bounds
 from pretrieve.data.shards import ShardWriter, token_extension
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, describe, load_backend

@@ -61,7 +61,8 @@ class ShardWriter:
         self.dtype = TOKEN_EXTENSIONS[token_ext]
         self._file = open(self.tmp_path, "wb")
         self._hash = hashlib.sha256()
-        self._tar = tarfile.open(fileobj=_HashingWriter(self._file, self._hash), mode="w|", format=tarfile.USTAR_FORMAT)
+        self._sink = _HashingWriter(self._file, self._hash)
+        self._tar = tarfile.open(fileobj=self._sink, mode="w|", format=tarfile.USTAR_FORMAT)
         self.num_samples = 0
         self.num_tokens = 0
 
@@ -87,15 +88,18 @@ class ShardWriter:
         return ShardStats(self.path.name, self.num_samples, self.num_tokens, self._hash.hexdigest(), self.path.stat().st_size)
 
     def abort(self) -> None:
+        self._sink.aborted = True  # the tar stream's finaliser must not write into the closed file
         self._file.close()
         self.tmp_path.unlink(missing_ok=True)
 
 
 class _HashingWriter:
     def __init__(self, file, digest):
-        self.file, self.digest = file, digest
+        self.file, self.digest, self.aborted = file, digest, False
 
     def write(self, data) -> int:
+        if self.aborted:
+            return len(data)
         self.digest.update(data)
         return self.file.write(data)
 

@@ -35,7 +35,6 @@ from itertools import islice
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -99,7 +98,6 @@ class ShardStream(IterableDataset):
         self.plan = EpochPlan(groups, [s.num_samples for s in self.shards],
                               list(weights) if weights is not None else None, seed, epoch_samples, shuffle_buffer)
         self.seed = seed
-        self.shuffle_buffer = shuffle_buffer
         self.verify = verify
         self.rank, self.world_size = _distributed_position(rank, world_size)
         if not 0 <= self.rank < self.world_size:

@@ -1,0 +1,130 @@
+"""Data pipeline benchmark: `prepare` vs the raw tokenizer, and the stream vs bare webdataset, in one run.
+
+    python benchmarks/data_pipeline.py [--data ../shared/data/pretrain] [--out benchmarks/results/data_pipeline.json]
+
+1. Tokenizer baseline: `tokenizers.Tokenizer.encode_batch` on one core (TOKENIZERS_PARALLELISM=false) over
+   exactly the document texts prepare tokenizes, in the same ~1 MB chunks.
+2. prepare with 1 worker (and 2, for scaling) on Wikipedia (WikiExtractor jsonl.gz) + Gutenberg books;
+   MB/s counts the UTF-8 bytes of the document text. The main process reads and writes while the worker
+   tokenizes, as in real runs.
+3. The stream over the resulting 512-token shards: StreamLoader with 0 and 2 workers, batch 32, shuffle
+   buffer 1000, samples decoded to token-id arrays; against a bare `webdataset.WebDataset` iteration
+   (no decoding) over the same shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core: the numbers are per worker
+
+from pretrieve.data.corpora import Document, read_corpus  # noqa: E402
+from pretrieve.data.prepare import CHUNK_CHARS, PrepareOptions, prepare  # noqa: E402
+from pretrieve.data.stream import ShardStream, StreamLoader  # noqa: E402
+from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend  # noqa: E402
+
+CORPORA = [("wikipedia", "enwiki-sample"), ("books", "gutenberg")]
+
+
+def tokenizer_baseline(data: Path) -> dict:
+    texts = [r.text for source, folder in CORPORA for r in read_corpus(source, [data / folder]) if isinstance(r, Document)]
+    chunks, current, size = [], [], 0
+    for text in texts:
+        current.append(text)
+        size += len(text)
+        if size >= CHUNK_CHARS:
+            chunks.append(current)
+            current, size = [], 0
+    chunks.append(current)
+    backend = load_backend(DEFAULT_TOKENIZER)
+    started = time.perf_counter()
+    tokens = sum(len(e.ids) for chunk in chunks for e in backend.encode_batch(chunk, add_special_tokens=False))
+    seconds = time.perf_counter() - started
+    megabytes = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+    return {"documents": len(texts), "text_mb": round(megabytes, 2), "tokens": tokens, "seconds": round(seconds, 2),
+            "mb_per_s": round(megabytes / seconds, 3), "tokens_per_s": round(tokens / seconds)}
+
+
+def run_prepare(data: Path, out: Path, workers: int, text_mb: float) -> tuple[dict, list[Path]]:
+    started = time.perf_counter()
+    manifests, tokens = [], 0
+    for source, folder in CORPORA:
+        m = prepare(PrepareOptions(source=source, inputs=[str(data / folder)], out=str(out / source), workers=workers,
+                                   shard_size=10000, overwrite=True, progress=False,
+                                   on_error="skip"))  # Gutenberg has a latin-1 line: skipped, counted
+        manifests.append(out / source / "manifest.json")
+        tokens += m["num_tokens"]
+    seconds = time.perf_counter() - started
+    return {"workers": workers, "skipped": m["skipped"], "seconds": round(seconds, 2), "mb_per_s": round(text_mb / seconds, 3),
+            "mb_per_s_per_worker": round(text_mb / seconds / workers, 3),
+            "tokens_per_s_per_worker": round(tokens / seconds / workers)}, manifests
+
+
+def stream_rate(manifests: list[Path], workers: int) -> dict:
+    stream = ShardStream(manifests, seed=0, shuffle_buffer=1000)
+    loader = StreamLoader(stream, batch_size=32, num_workers=workers)
+    started = time.perf_counter()
+    samples = tokens = 0
+    for batch in loader:
+        samples += len(batch)
+        tokens += sum(len(s["ids"]) for s in batch)
+    seconds = time.perf_counter() - started
+    return {"workers": workers, "samples": samples, "seconds": round(seconds, 2),
+            "samples_per_s": round(samples / seconds), "samples_per_s_per_worker": round(samples / seconds / max(1, workers)),
+            "mean_tokens_per_sample": round(tokens / samples, 1)}
+
+
+def bare_webdataset_rate(manifests: list[Path]) -> dict:
+    import webdataset as wds
+
+    urls = [str(m.parent / s["file"]) for m in manifests for s in json.loads(m.read_text())["shards"]]
+    started = time.perf_counter()
+    samples = sum(1 for _ in wds.WebDataset(urls, shardshuffle=False))
+    seconds = time.perf_counter() - started
+    return {"samples": samples, "seconds": round(seconds, 2), "samples_per_s": round(samples / seconds)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[1].parent / "shared/data/pretrain")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results/data_pipeline.json")
+    parser.add_argument("--work-dir", type=Path, default=None, help="where shards go (default: a temp dir)")
+    args = parser.parse_args()
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="pretrieve-bench-"))
+
+    baseline = tokenizer_baseline(args.data)
+    print("tokenizer", baseline, flush=True)
+    prep1, manifests = run_prepare(args.data, work / "w1", 1, baseline["text_mb"])
+    print("prepare", prep1, flush=True)
+    prep2, _ = run_prepare(args.data, work / "w2", 2, baseline["text_mb"])
+    print("prepare", prep2, flush=True)
+    bare = bare_webdataset_rate(manifests)
+    print("webdataset", bare, flush=True)
+    streams = [stream_rate(manifests, w) for w in (0, 2)]
+    print("stream", streams, flush=True)
+
+    result = {
+        "prepare_to_tokenizer_ratio": round(prep1["mb_per_s_per_worker"] / baseline["mb_per_s"], 3),
+        "stream_samples_per_s_per_worker": streams[0]["samples_per_s_per_worker"],
+        "stream_to_raw_webdataset_ratio": round(streams[0]["samples_per_s"] / bare["samples_per_s"], 3),
+        "detail": {"tokenizer_encode_batch": baseline, "prepare": [prep1, prep2], "raw_webdataset": bare,
+                   "stream": streams},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "command": "python benchmarks/data_pipeline.py",
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}))
+    if args.work_dir is None:
+        shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()

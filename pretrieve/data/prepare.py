@@ -29,7 +29,7 @@ from pretrieve import __version__
 from pretrieve.data import corpora
 from pretrieve.data.corpora import BadRecord, CorpusError, ReaderOptions
 from pretrieve.data.packing import pack_sentences, sentence_starts, sentence_token_bounds
-from pretrieve.data.shards import ShardWriter, token_extension
+from pretrieve.data.shards import ShardStats, ShardWriter, token_extension
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, describe, load_backend
 
 MANIFEST = "manifest.json"
@@ -107,7 +107,7 @@ def prepare(opts: PrepareOptions) -> dict:
         return state["manifest"]
     out.mkdir(parents=True, exist_ok=True)
     token_ext = token_extension(info.vocab_size)
-    writer_state = _ShardSequence(out, opts.source, token_ext, opts.shard_size, job_id, state)
+    output = _ShardSequence(out, opts.source, token_ext, opts.shard_size, job_id, state)
 
     records = corpora.read_corpus(opts.source, files, ReaderOptions(
         text_field=opts.text_field, id_field=opts.id_field, title_field=opts.title_field, books_format=opts.books_format))
@@ -121,28 +121,28 @@ def prepare(opts: PrepareOptions) -> dict:
                 _, _, reason, where, detail = item
                 if opts.on_error == "fail":
                     raise CorpusError(f"{where}: {detail} ({reason}); fix the input or pass --on-error skip")
-                writer_state.skipped[reason] += 1
+                output.skipped[reason] += 1
                 continue
             _, _, doc_id, blocks, truncated = item
             first = resume_block if index == resume_record else 0
             if first == 0:  # a document split over the resume point was counted before the stop
-                writer_state.truncated += truncated
-                writer_state.documents += 1
+                output.truncated += truncated
+                output.documents += 1
             for block_index in range(first, len(blocks)):
                 meta = {"doc": doc_id, "block": block_index, "source": opts.source}
-                writer_state.add(blocks[block_index], meta, next_position=(index, block_index + 1))
+                output.add(blocks[block_index], meta, next_position=(index, block_index + 1))
     except BaseException:
-        writer_state.abort()
+        output.abort()
         raise
-    writer_state.finish()
-    if writer_state.num_samples == 0:
+    output.finish()
+    if output.num_samples == 0:
         raise PrepareError(f"no samples produced from {', '.join(map(str, opts.inputs))} "
-                           f"(skipped: {dict(writer_state.skipped) or 'none'})")
+                           f"(skipped: {dict(output.skipped) or 'none'})")
     manifest = {
         "format": FORMAT,
-        "num_samples": writer_state.num_samples,
-        "num_tokens": writer_state.num_tokens,
-        "num_documents": writer_state.documents,
+        "num_samples": output.num_samples,
+        "num_tokens": output.num_tokens,
+        "num_documents": output.documents,
         "token_dtype": "uint16" if token_ext == "ids.u16" else "int32",
         "max_len": opts.max_len,
         "max_tokens_per_sample": opts.max_len - 2,
@@ -150,9 +150,9 @@ def prepare(opts: PrepareOptions) -> dict:
         "tokenizer": info.as_dict(),
         "inputs": inputs,
         "arguments": opts.output_arguments(),
-        "skipped": dict(sorted(writer_state.skipped.items())),
-        "truncated_documents": writer_state.truncated,
-        "shards": [s.as_dict() for s in writer_state.shards],
+        "skipped": dict(sorted(output.skipped.items())),
+        "truncated_documents": output.truncated,
+        "shards": [s.as_dict() for s in output.shards],
         "job_id": job_id,
         "pretrieve_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -188,8 +188,6 @@ class _ShardSequence:
     """Cuts the sample stream into shards and checkpoints progress after each complete shard."""
 
     def __init__(self, out: Path, source: str, token_ext: str, shard_size: int, job_id: str, state: dict):
-        from pretrieve.data.shards import ShardStats
-
         self.out, self.source, self.token_ext, self.shard_size, self.job_id = out, source, token_ext, shard_size, job_id
         self.shards = [ShardStats(**s) for s in state.get("shards", [])]
         self.skipped = Counter(state.get("skipped", {}))

@@ -54,15 +54,16 @@ def tokenizer_baseline(data: Path) -> dict:
 
 def run_prepare(data: Path, out: Path, workers: int, text_mb: float) -> tuple[dict, list[Path]]:
     started = time.perf_counter()
-    manifests, tokens = [], 0
+    manifests, tokens, skipped = [], 0, {}
     for source, folder in CORPORA:
         m = prepare(PrepareOptions(source=source, inputs=[str(data / folder)], out=str(out / source), workers=workers,
                                    shard_size=10000, overwrite=True, progress=False,
                                    on_error="skip"))  # Gutenberg has a latin-1 line: skipped, counted
         manifests.append(out / source / "manifest.json")
         tokens += m["num_tokens"]
+        skipped.update({f"{source}:{reason}": n for reason, n in m["skipped"].items()})
     seconds = time.perf_counter() - started
-    return {"workers": workers, "skipped": m["skipped"], "seconds": round(seconds, 2), "mb_per_s": round(text_mb / seconds, 3),
+    return {"workers": workers, "skipped": skipped, "seconds": round(seconds, 2), "mb_per_s": round(text_mb / seconds, 3),
             "mb_per_s_per_worker": round(text_mb / seconds / workers, 3),
             "tokens_per_s_per_worker": round(tokens / seconds / workers)}, manifests
 

@@ -116,24 +116,26 @@ class EpochPlan:
         return out
 
     # --- who reads what ---------------------------------------------------------------------------------
-    @staticmethod
-    def layout(sequence: list[Segment], world: int, workers: int) -> list[list[list[Segment]]]:
+    @classmethod
+    def layout(cls, sequence: list[Segment], world: int, workers: int) -> list[list[list[Segment]]]:
         """[rank][worker] -> segments; equal per rank (padded), near-equal per worker."""
+        return [cls.rank_slots(sequence, world, workers, r) for r in range(world)]
+
+    @staticmethod
+    def rank_slots(sequence: list[Segment], world: int, workers: int, rank: int) -> list[list[Segment]]:
+        """One rank's row of `layout`, without computing the others."""
         n = total(sequence)
         per_rank = math.ceil(n / world) if n else 0
-        padded = list(sequence)
-        missing = per_rank * world - n
-        while missing > 0:  # wrap around; more than one lap only for datasets smaller than the world
-            piece = take(sequence, 0, min(missing, n), pad=True)
-            padded.extend(piece)
-            missing -= total(piece)
-        out = []
-        for r in range(world):
-            rank_seq = take(padded, r * per_rank, (r + 1) * per_rank)
-            sizes = [per_rank // workers + (w < per_rank % workers) for w in range(workers)]
-            bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-            out.append([take(rank_seq, bounds[w], bounds[w + 1]) for w in range(workers)])
-        return out
+        begin, end = rank * per_rank, (rank + 1) * per_rank
+        rank_seq = take(sequence, begin, min(end, n))
+        pos = max(begin, n)  # past the end: wrap around, flagged pad (more than one lap only for tiny data)
+        while pos < end:
+            piece = take(sequence, (pos - n) % n, min((pos - n) % n + end - pos, n), pad=True)
+            rank_seq.extend(piece)
+            pos += total(piece)
+        sizes = [per_rank // workers + (w < per_rank % workers) for w in range(workers)]
+        bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        return [take(rank_seq, bounds[w], bounds[w + 1]) for w in range(workers)]
 
     def window_order(self, epoch: int, stage: int, rank: int, slot: int, window: int, size: int) -> np.ndarray:
         """The order in which a slot emits the `size` samples of one shuffle window."""

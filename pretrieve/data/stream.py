@@ -131,7 +131,7 @@ class ShardStream(IterableDataset):
         """This rank's slots under the current stage."""
         sequence = self.plan.stage_sequence(self.epoch, self._stages[:-1])
         stage = self._stages[-1]
-        return EpochPlan.layout(sequence, stage["world"], stage["workers"])[self.rank]
+        return EpochPlan.rank_slots(sequence, stage["world"], stage["workers"], self.rank)
 
     def _end_epoch(self) -> None:
         self.epoch += 1

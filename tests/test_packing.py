@@ -35,7 +35,27 @@ def test_sentence_boundaries_follow_tokens():
     starts = sentence_starts(text)
     assert [text[s:s + 5] for s in starts] == ['"Then', "A new"]  # not before "she" (lower case), nor "e.g."
     enc = load_backend(DEFAULT_TOKENIZER).encode(text, add_special_tokens=False)
-    ends = sentence_token_bounds(np.array([o[0] for o in enc.offsets]), starts)
+    ends = sentence_token_bounds(enc, starts)
     pieces = np.split(np.array(enc.tokens), ends[:-1])
     assert [" ".join(p[:2]) for p in pieces] == ['he left', '" then', 'a new']
     assert ends[-1] == len(enc.ids)
+
+
+def test_sentence_bounds_match_token_offsets():
+    """Sentence starts map to the first token at or after them, also where the start character is dropped by
+    normalization (the NULs below), on short and long real documents (both lookup strategies)."""
+    from pretrieve.data.corpora import read_corpus
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
+    from tests.conftest import SAMPLES
+
+    texts = [doc.text for doc in read_corpus("wikipedia", [SAMPLES / "wikipedia"])][:10]
+    texts += [doc.text for doc in read_corpus("books", [SAMPLES / "books"])]
+    assert max(len(sentence_starts(text)) for text in texts) > 800  # a book takes the offsets path
+    texts.append("One line.\n\x00Two starts with NUL.\n\x07\x00Three.")
+    backend = load_backend(DEFAULT_TOKENIZER)
+    for text, enc in zip(texts, backend.encode_batch(texts, add_special_tokens=False)):
+        starts = sentence_starts(text)
+        token_starts = np.array([o[0] for o in enc.offsets])
+        expected = np.unique(np.searchsorted(token_starts, starts))
+        expected = np.append(expected[(expected > 0) & (expected < len(enc))], len(enc))
+        np.testing.assert_array_equal(sentence_token_bounds(enc, starts), expected)

@@ -16,7 +16,8 @@ import numpy as np
 # A sentence starts after [.!?] (plus closing quotes/brackets) and spaces, before an upper-case letter, digit
 # or opening quote; every line break is a boundary too (paragraphs). Boundaries only decide where a block
 # may end, so a wrong split ("Mr. Smith") costs nothing but a slightly earlier block end.
-_SENTENCE_BOUNDARY = re.compile(r"""[.!?]["')\]]*[ \t]+(?=["'(\[]?[A-Z0-9])|\s*\n\s*""")
+# (`\n\s*` rather than `\s*\n\s*`: the same match ends, 2.5x faster since a match must start at a newline.)
+_SENTENCE_BOUNDARY = re.compile(r"""[.!?]["')\]]*[ \t]+(?=["'(\[]?[A-Z0-9])|\n\s*""")
 
 
 def sentence_starts(text: str) -> list[int]:
@@ -24,14 +25,24 @@ def sentence_starts(text: str) -> list[int]:
     return [m.end() for m in _SENTENCE_BOUNDARY.finditer(text) if m.end() < len(text)]
 
 
-def sentence_token_bounds(token_starts: np.ndarray, char_starts: list[int]) -> np.ndarray:
+# `Encoding.char_to_token` scans the token offsets from the start (~0.4 ns per token, in Rust) while reading
+# `Encoding.offsets` builds a Python tuple per token (~300 ns): per-sentence lookups win below ~800 sentences.
+_MAX_SENTENCE_LOOKUPS = 800
+
+
+def sentence_token_bounds(encoding, char_starts: list[int]) -> np.ndarray:
     """Token indices where sentences end (exclusive), the last one being the number of tokens.
 
-    `token_starts` are the character offsets of the tokens; a sentence starting at character c begins at
-    the first token whose offset is >= c (BERT pre-tokenization splits at whitespace, so they line up).
+    `encoding` is a `tokenizers.Encoding` of the text. A sentence starting at character c begins at the first
+    token whose offset is >= c (BERT pre-tokenization splits at whitespace, so sentence starts are token
+    starts; a start character dropped by normalization, such as a control character, gives the next token).
     """
-    n = len(token_starts)
-    cuts = np.searchsorted(token_starts, np.asarray(char_starts, dtype=np.int64), side="left")
+    n = len(encoding)
+    cuts = [encoding.char_to_token(c) for c in char_starts] if len(char_starts) <= _MAX_SENTENCE_LOOKUPS else [None]
+    if None in cuts:
+        token_starts = np.fromiter((start for start, _ in encoding.offsets), dtype=np.int64, count=n)
+        cuts = np.searchsorted(token_starts, np.asarray(char_starts, dtype=np.int64), side="left")
+    cuts = np.asarray(cuts, dtype=np.int64)
     cuts = np.unique(cuts[(cuts > 0) & (cuts < n)])
     return np.append(cuts, n)
 

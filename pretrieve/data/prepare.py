@@ -321,8 +321,7 @@ def _blocks(ids: np.ndarray, text: str, enc, index: int) -> tuple[list[np.ndarra
     max_tokens = _WORKER["max_tokens"]
     if _WORKER["packing"] == "passage":
         return [ids[:max_tokens]], int(len(ids) > max_tokens)
-    token_starts = np.fromiter((start for start, _ in enc.offsets), dtype=np.int64, count=len(ids))
-    ends = sentence_token_bounds(token_starts, sentence_starts(text))
+    ends = sentence_token_bounds(enc, sentence_starts(text))
     prob = _WORKER["short_seq_prob"]
     rng = np.random.default_rng([_WORKER["seed"], index]) if prob > 0 else None
     return [ids[a:b] for a, b in pack_sentences(ends, max_tokens, prob, rng)], 0

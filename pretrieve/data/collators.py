@@ -1,0 +1,128 @@
+"""Batch builders, one per method, registered by method name (DESIGN.md "Batch").
+
+A collator turns stream samples (dicts with `ids`, the block's token ids without special tokens, plus the
+stream's `epoch`, `shard`, `index`, `pad`) into a dict of batch-first tensors. Its random choices come from
+(seed, epoch, shard, index, pad) of the batch's first sample, so a batch is a pure function of its samples:
+the same masks whatever the number of workers, and again after a resume. Samples flagged `pad` (a rank
+padded to an equal batch count, see stream.py) are collated but carry no target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from pretrieve.data.masking import (Vocabulary, corrupt, decoder_mask_pool, ordinary_positions, whole_word_mask,
+                                    word_ids)
+
+COLLATORS: dict[str, type] = {}
+
+
+def register_collator(name: str):
+    def add(cls):
+        COLLATORS[name] = cls
+        return cls
+    return add
+
+
+@dataclass
+class Padded:
+    ids: np.ndarray  # int64 [B, L]: [CLS] tokens [SEP] [PAD]...
+    lengths: np.ndarray  # int64 [B], special tokens included
+    pad: np.ndarray  # bool [B]: stream pad samples (no targets)
+
+
+@register_collator("mlm")
+@dataclass
+class MLMCollator:
+    """BERT MLM batches: `input_ids`, `attention_mask`, `mlm_labels` (whole-word masking, 80/10/10)."""
+
+    vocab: Vocabulary
+    max_len: int = 512
+    mlm_ratio: float = 0.15
+    seed: int = 0
+    pad_to_multiple_of: int = 8
+
+    @classmethod
+    def from_options(cls, options, vocab: Vocabulary, seed: int = 0):
+        """The collator configured by the same-named fields of a method's options."""
+        names = {f.name for f in fields(cls)} - {"vocab", "seed"}
+        return cls(vocab=vocab, seed=seed, **{n: getattr(options, n) for n in names if hasattr(options, n)})
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        rng = self._rng(samples)
+        batch = self.pad(samples)
+        words, num_words = word_ids(batch.ids, batch.lengths, self.vocab)
+        masked = whole_word_mask(words, num_words, batch.lengths - 2, self.mlm_ratio, rng)
+        masked[batch.pad] = False
+        input_ids, labels = corrupt(batch.ids, masked, self.vocab, rng)
+        attention_mask = (np.arange(batch.ids.shape[1])[None, :] < batch.lengths[:, None]).astype(np.int64)
+        out = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
+               "mlm_labels": torch.from_numpy(labels)}
+        self.extend(out, batch, words, num_words, rng)
+        return out
+
+    def extend(self, out: dict, batch: Padded, words: np.ndarray, num_words: np.ndarray,
+               rng: np.random.Generator) -> None:
+        """Method-specific keys; the MLM baseline has none."""
+
+    def pad(self, samples: list[dict]) -> Padded:
+        if not samples:
+            raise ValueError("cannot collate an empty batch")
+        room = self.max_len - 2
+        lengths = np.array([min(len(s["ids"]), room) + 2 for s in samples], dtype=np.int64)
+        width = int(lengths.max())
+        width = min(-(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of, max(self.max_len, width))
+        ids = np.full((len(samples), width), self.vocab.pad_id, dtype=np.int64)
+        ids[:, 0] = self.vocab.cls_id
+        for row, (s, n) in enumerate(zip(samples, lengths)):
+            ids[row, 1:n - 1] = s["ids"][:n - 2]
+            ids[row, n - 1] = self.vocab.sep_id
+        pad = np.array([bool(s.get("pad", False)) for s in samples])
+        return Padded(ids, lengths, pad)
+
+    def _rng(self, samples: list[dict]) -> np.random.Generator:
+        first = samples[0]
+        key = [self.seed, first.get("epoch", 0), first.get("shard", 0), first.get("index", 0),
+               int(bool(first.get("pad", False))), len(samples)]
+        return np.random.default_rng(key)
+
+
+@register_collator("retromae")
+@dataclass
+class RetroMAECollator(MLMCollator):
+    """RetroMAE batches: MLM keys plus the decoder's `dec_input_ids` (the unmasked ids), `dec_labels` (every
+    ordinary token, eq. 4) and the compact position-specific mask `dec_pool` / `dec_row` (eq. 5, see
+    masking.decoder_mask_pool)."""
+
+    mlm_ratio: float = 0.30
+    decoder_hide_ratio: float = 0.50
+    decoder_pool_size: int = 256
+
+    def extend(self, out, batch, words, num_words, rng):
+        ordinary = ordinary_positions(batch.lengths, batch.ids.shape[1]) & ~batch.pad[:, None]
+        pool, rows = decoder_mask_pool(words, num_words, batch.lengths, self.decoder_pool_size,
+                                       self.decoder_hide_ratio, rng)
+        out["dec_input_ids"] = torch.from_numpy(batch.ids)
+        out["dec_labels"] = torch.from_numpy(np.where(ordinary, batch.ids, -100))
+        out["dec_pool"] = torch.from_numpy(pool)
+        out["dec_row"] = torch.from_numpy(rows)
+
+
+@register_collator("dupmae")
+@dataclass
+class DupMAECollator(RetroMAECollator):
+    """DupMAE batches: RetroMAE keys plus `bow_targets` [B, U], the unique ordinary token ids of each input
+    (set(X) of eq. 8), padded with -100."""
+
+    def extend(self, out, batch, words, num_words, rng):
+        super().extend(out, batch, words, num_words, rng)
+        ordinary = ordinary_positions(batch.lengths, batch.ids.shape[1])
+        unique = [np.unique(row[keep]) if not is_pad else np.empty(0, dtype=np.int64)
+                  for row, keep, is_pad in zip(batch.ids, ordinary, batch.pad)]
+        targets = np.full((len(unique), max(1, max(len(u) for u in unique))), -100, dtype=np.int64)
+        for row, u in enumerate(unique):
+            targets[row, :len(u)] = u
+        out["bow_targets"] = torch.from_numpy(targets)

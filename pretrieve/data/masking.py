@@ -1,0 +1,124 @@
+"""Masking for the pre-training collators, vectorised over the batch (DESIGN.md "Batch", "Compact decoder mask").
+
+All functions take a padded batch `ids` [B, L] laid out as [CLS] tokens [SEP] [PAD]... with `lengths` [B]
+(special tokens included). Only the ordinary tokens, positions 1 .. length-2, are ever masked or hidden;
+[CLS] and the final [SEP] never are, as in BERT and the official RetroMAE collator.
+
+A word is a token that does not start with "##" plus the "##" pieces after it (WordPiece whole words).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """What masking needs to know about the token ids."""
+
+    size: int
+    cls_id: int
+    sep_id: int
+    pad_id: int
+    mask_id: int
+    continuation: np.ndarray  # bool [size]: the token is a "##" piece (continues the previous word)
+
+    @classmethod
+    def from_backend(cls, backend) -> "Vocabulary":
+        vocab = backend.get_vocab(with_added_tokens=True)
+        continuation = np.zeros(len(vocab), dtype=bool)
+        for token, index in vocab.items():
+            continuation[index] = token.startswith("##")
+        ids = {name: vocab.get(name) for name in ("[CLS]", "[SEP]", "[PAD]", "[MASK]")}
+        missing = [name for name, index in ids.items() if index is None]
+        if missing:
+            raise ValueError(f"tokenizer has no {', '.join(missing)} token; masking needs BERT's special tokens")
+        return cls(len(vocab), ids["[CLS]"], ids["[SEP]"], ids["[PAD]"], ids["[MASK]"], continuation)
+
+
+def ordinary_positions(lengths: np.ndarray, width: int) -> np.ndarray:
+    """bool [B, L]: the positions 1 .. length-2 of each row (no [CLS], [SEP] or padding)."""
+    pos = np.arange(width)
+    return (pos >= 1) & (pos < (lengths[:, None] - 1))
+
+
+def word_ids(ids: np.ndarray, lengths: np.ndarray, vocab: Vocabulary) -> tuple[np.ndarray, np.ndarray]:
+    """(word index of every ordinary position, -1 elsewhere; number of words per row)."""
+    ordinary = ordinary_positions(lengths, ids.shape[1])
+    starts = ordinary & ~vocab.continuation[ids]
+    starts[:, 1] = ordinary[:, 1]  # a block that begins mid-word still begins a word
+    words = np.cumsum(starts, axis=1) - 1
+    return np.where(ordinary, words, -1), starts.sum(axis=1)
+
+
+def whole_word_mask(words: np.ndarray, num_words: np.ndarray, num_tokens: np.ndarray, ratio: float,
+                    rng: np.random.Generator) -> np.ndarray:
+    """bool [B, L]: whole words covering about `ratio` of each row's ordinary tokens (BERT / HF whole-word masking).
+
+    Words are taken in a random order while the total stays within max(1, round(ratio * tokens)) tokens,
+    the budget of HF's `DataCollatorForWholeWordMask`; one argsort per row.
+    """
+    batch, max_words = len(num_words), max(int(num_words.max(initial=0)), 1)
+    word_len = np.zeros((batch, max_words + 1), dtype=np.int64)  # the extra column collects position -1
+    rows = np.broadcast_to(np.arange(batch)[:, None], words.shape)
+    np.add.at(word_len, (rows, words), 1)
+    word_len = word_len[:, :max_words]
+    keys = rng.random((batch, max_words))
+    keys[np.arange(max_words)[None, :] >= num_words[:, None]] = np.inf  # absent words sort last
+    order = np.argsort(keys, axis=1)
+    taken_len = np.cumsum(np.take_along_axis(word_len, order, axis=1), axis=1)
+    budget = np.maximum(1, np.rint(ratio * num_tokens)).astype(np.int64)
+    chosen = np.zeros((batch, max_words + 1), dtype=bool)
+    np.put_along_axis(chosen, order, taken_len <= budget[:, None], axis=1)
+    return np.take_along_axis(chosen, np.where(words < 0, max_words, words), axis=1)
+
+
+def bernoulli_word_mask(words: np.ndarray, num_words: np.ndarray, rows: int, ratio: float,
+                        rng: np.random.Generator) -> np.ndarray:
+    """bool [B, rows, L]: `rows` independent whole-word samples per row, each word hidden with probability `ratio`.
+
+    The expected hidden share of tokens is `ratio`, as with an exact budget; drawing words independently
+    costs one random byte pair per word instead of a sort per row, which matters for 256 rows per sample.
+    """
+    batch, max_words = len(num_words), max(int(num_words.max(initial=0)), 1)
+    threshold = np.uint16(round(ratio * 65536)) if ratio < 1 else None
+    draws = np.frombuffer(rng.bytes(batch * rows * max_words * 2), dtype=np.uint16).reshape(batch, rows, max_words)
+    hidden_words = np.ones(draws.shape, dtype=bool) if threshold is None else draws < threshold
+    hidden_words = np.concatenate([hidden_words, np.zeros((batch, rows, 1), dtype=bool)], axis=2)
+    index = np.where(words < 0, max_words, words)[:, None, :]
+    return np.take_along_axis(hidden_words, np.broadcast_to(index, (batch, rows, words.shape[1])), axis=2)
+
+
+def corrupt(ids: np.ndarray, masked: np.ndarray, vocab: Vocabulary, rng: np.random.Generator,
+            mask_prob: float = 0.8, random_prob: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """BERT's 80/10/10: (encoder input, MLM labels with -100 off the masked positions)."""
+    labels = np.where(masked, ids, -100).astype(np.int64)
+    draw = rng.random(ids.shape)
+    corrupted = ids.astype(np.int64)
+    corrupted[masked & (draw < mask_prob)] = vocab.mask_id
+    swap = masked & (draw >= mask_prob) & (draw < mask_prob + random_prob)
+    corrupted[swap] = rng.integers(0, vocab.size, size=int(swap.sum()))
+    return corrupted, labels
+
+
+def decoder_mask_pool(words: np.ndarray, num_words: np.ndarray, lengths: np.ndarray, pool_size: int,
+                      hide_ratio: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """The compact position-specific decoder mask of RetroMAE eq. (5): (dec_pool, dec_row).
+
+    dec_pool: uint8 [B, P, ceil(L / 8)], bit-packed (little-endian bit order) visibility rows, 1 = visible.
+    Each row hides whole words with probability `hide_ratio` among the ordinary tokens; [CLS] and [SEP] stay
+    visible and padding is never visible. P = min(L, pool_size); a sample of length n uses its first
+    min(n, pool_size) rows, as the official collator samples min(n, 256) masks per text.
+    dec_row: int16 [B, L], the pool row each query position i reads (uniform over the sample's rows).
+    The consumer also hides the diagonal (j == i) and j >= length: see kernels.reference.expand_decoder_mask.
+    """
+    batch, width = words.shape
+    rows = min(width, pool_size)
+    hidden = bernoulli_word_mask(words, num_words, rows, hide_ratio, rng)
+    visible = (np.arange(width)[None, None, :] < lengths[:, None, None]) & ~hidden
+    packed = np.packbits(visible, axis=2, bitorder="little")
+    used_rows = np.minimum(lengths, rows)
+    dec_row = (rng.random((batch, width)) * used_rows[:, None]).astype(np.int16)
+    return packed, dec_row

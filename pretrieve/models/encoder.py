@@ -1,0 +1,132 @@
+"""The shared BERT encoder every head trains: HF transformers `BertModel` plus BERT's MLM head.
+
+The MLM head (transform + output bias, output weights tied to the word embeddings, as in BERT) lives here
+because several methods use it beyond MLM (RetroMAE's decoder predictions, DupMAE's OT projection).
+Logits are computed only where a loss needs them (`mlm_logits` takes any [..., hidden] selection), not over
+the whole [B, L, vocab] grid.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import BertConfig, BertModel
+from transformers.models.bert.modeling_bert import BertPredictionHeadTransform
+
+log = logging.getLogger(__name__)
+
+HEAD_WEIGHTS = "pretrieve_head.safetensors"  # a head's extra weights beside an exported encoder
+# Where BERT's MLM head sits in HF checkpoints (BertForMaskedLM / BertForPreTraining) and in ours.
+_HF_MLM_KEYS = {"cls.predictions.transform.": "mlm_transform.", "cls.predictions.bias": "mlm_bias"}
+
+
+@dataclass
+class ModelOptions:
+    """The `model:` section of a config. With `init_from`, the architecture is the checkpoint's."""
+
+    init_from: str | None = None  # local HF directory: a BERT checkpoint or a pretrieve export
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    max_position_embeddings: int = 512
+    dropout: float = 0.1
+
+    def bert_config(self) -> BertConfig:
+        return BertConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                          num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+                          intermediate_size=self.intermediate_size,
+                          max_position_embeddings=self.max_position_embeddings,
+                          hidden_dropout_prob=self.dropout, attention_probs_dropout_prob=self.dropout)
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: BertConfig, bert: BertModel | None = None):
+        super().__init__()
+        self.config = config
+        self.bert = bert if bert is not None else BertModel(config, add_pooling_layer=True)
+        # The pooler is kept so an export is a complete BertModel, but pre-training never uses it.
+        self.bert.pooler.requires_grad_(False)
+        self.mlm_transform = BertPredictionHeadTransform(config)
+        self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.init_new(self.mlm_transform)
+        self.load_report: list[str] = []  # what init_from did not provide (and was initialised)
+
+    @classmethod
+    def build(cls, options: ModelOptions) -> "Encoder":
+        if options.init_from:
+            return cls.from_pretrained(options.init_from)
+        return cls(options.bert_config())
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "Encoder":
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"init_from: {path} is not a HF model directory (no config.json)")
+        bert, info = BertModel.from_pretrained(str(path), add_pooling_layer=True, output_loading_info=True,
+                                               local_files_only=True)
+        encoder = cls(bert.config, bert=bert)
+        report = [f"{key}: not in {path}, initialised" for key in info["missing_keys"]]
+        head = {new + key[len(old):]: value for key, value in read_weights(path).items()
+                for old, new in _HF_MLM_KEYS.items() if key.startswith(old)}
+        head.update({key[len("encoder."):]: value for key, value in read_weights(path, HEAD_WEIGHTS).items()
+                     if key.startswith("encoder.mlm_")})
+        missing = [k for k in ("mlm_bias", *(f"mlm_transform.{n}" for n, _ in encoder.mlm_transform.named_parameters()))
+                   if k not in head]
+        encoder.load_state_dict(head, strict=False)
+        if missing:
+            report.append(f"MLM head ({', '.join(missing)}): not in {path}, initialised")
+        for line in report:
+            log.warning("init_from %s", line)
+        encoder.load_report = report
+        return encoder
+
+    def init_new(self, module: nn.Module) -> None:
+        """BERT's initialisation (normal(0, initializer_range), LayerNorm 1/0) for a module added to the encoder."""
+        for m in module.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=self.config.initializer_range)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    @property
+    def embeddings(self):
+        return self.bert.embeddings
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Last hidden states [B, L, hidden]."""
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., vocab] logits of BERT's MLM head for hidden states [..., hidden]."""
+        return F.linear(self.mlm_transform(hidden), self.embeddings.word_embeddings.weight, self.mlm_bias)
+
+    def token_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the MLM head over the positions whose label is not -100 (only those are projected)."""
+        selected = labels != -100
+        if not selected.any():
+            return hidden.sum() * 0.0  # a batch of pad samples: zero loss, graph kept
+        return F.cross_entropy(self.mlm_logits(hidden[selected]).float(), labels[selected])
+
+
+def read_weights(path: Path, name: str | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of a HF model directory (all *.safetensors, else pytorch_model.bin), or of one named file."""
+    from safetensors.torch import load_file
+
+    if name is not None:
+        file = path / name
+        return load_file(str(file)) if file.is_file() else {}
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != HEAD_WEIGHTS)
+    if files:
+        return {k: v for f in files for k, v in load_file(str(f)).items()}
+    legacy = path / "pytorch_model.bin"
+    return torch.load(legacy, map_location="cpu", weights_only=True) if legacy.is_file() else {}

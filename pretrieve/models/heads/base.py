@@ -1,0 +1,47 @@
+"""What every pre-training head shares: the encoder, the loss dict, and its extra weights for export."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pretrieve.models.encoder import HEAD_WEIGHTS, Encoder, read_weights
+
+log = logging.getLogger(__name__)
+
+
+class PretrainingHead(nn.Module):
+    """`forward(batch) -> {"loss": total, "<part>": detached component, ...}` over one shared encoder."""
+
+    def __init__(self, encoder: Encoder, options):
+        super().__init__()
+        self.encoder = encoder
+        self.options = options
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """Every weight that is not the exported BertModel: MLM head, decoders, projections."""
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("encoder.bert.")}
+
+    def load_extra_weights(self, path: str | Path) -> list[str]:
+        """Load the head weights saved beside an export (continue pre-training); returns what was missing."""
+        state = read_weights(Path(path), HEAD_WEIGHTS)
+        if not state:
+            missing = [k for k in self.extra_state() if not k.startswith("encoder.mlm_")]
+            if missing:
+                log.warning("init_from %s: no %s, head weights initialised: %s", path, HEAD_WEIGHTS, ", ".join(missing))
+            return missing
+        result = self.load_state_dict(state, strict=False)
+        missing = [k for k in result.missing_keys if not k.startswith("encoder.bert.")]
+        if missing or result.unexpected_keys:
+            log.warning("init_from %s: head weights missing %s, unexpected %s", path, missing, result.unexpected_keys)
+        return missing
+
+
+def detached(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value.detach() for name, value in parts.items()}

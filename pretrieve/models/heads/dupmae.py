@@ -1,0 +1,87 @@
+"""`dupmae`: DupMAE / RetroMAE-2 (Liu et al. 2023), dupmae-retromae-2-acl2023.txt §3.3, eqs. (6)-(9)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrieve.data.collators import DupMAECollator
+from pretrieve.models.heads.registry import register_method
+from pretrieve.models.heads.retromae import RetroMAEHead, RetroMAEOptions
+
+LPU_CHOICES = ("mlm_head", "linear")
+OT_POSITION_CHOICES = ("unmasked", "all")
+BOW_NORMALIZE_CHOICES = ("length", "none")
+
+
+@dataclass
+class DupMAEOptions(RetroMAEOptions):
+    bow_weight: float = 1.0  # eq. (9) adds the three losses with weight 1
+    lpu: str = "mlm_head"  # W^O of eq. (6): the tied MLM head (official code) or a separate linear d x |V|
+    ot_positions: str = "unmasked"  # "unmasked": masked tokens excluded (paper §3.3); "all": official code
+    bow_normalize: str = "length"  # "length": each unique token weighs 1/len(X) (official); "none": eq. (8) sum
+
+    def __post_init__(self):
+        for name, choices in (("lpu", LPU_CHOICES), ("ot_positions", OT_POSITION_CHOICES),
+                              ("bow_normalize", BOW_NORMALIZE_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"method.{name}: {getattr(self, name)!r} is not one of {', '.join(choices)}")
+
+
+class DupMAEHead(RetroMAEHead):
+    """L = L_mlm + L_dec + bow_weight * L_BoW (eq. 9).
+
+    [CLS] decoding is RetroMAE's (eqs. 1-5). OT decoding: the ordinary-token states of the masked input go
+    through the linear projection unit to the vocabulary, mu_xi = h_xi^T W^O (eq. 6), are max-pooled per
+    vocabulary entry, mu_X = token.Max({mu_xi}) (eq. 7), and L_BoW = -sum_{x in set(X)} w_x log softmax(mu_X)[x]
+    (eq. 8) with w_x = 1 (paper) or 1/len(X) (official), averaged over the batch's texts.
+    """
+
+    def __init__(self, encoder, options):
+        super().__init__(encoder, options)
+        if options.lpu == "linear":
+            self.lpu = nn.Linear(encoder.config.hidden_size, encoder.config.vocab_size)
+            encoder.init_new(self.lpu)
+
+    def lpu_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """mu_xi of eq. (6) for hidden states [..., hidden] -> [..., vocab]."""
+        return self.lpu(hidden) if self.options.lpu == "linear" else self.encoder.mlm_logits(hidden)
+
+    def forward(self, batch):
+        hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
+        mlm = self.encoder.token_loss(hidden, batch["mlm_labels"])
+        dec = self.decoder_loss(hidden[:, 0], batch)
+        bow = self.bow_loss(hidden, batch)
+        loss = mlm + dec + self.options.bow_weight * bow
+        return {"loss": loss, "mlm": mlm.detach(), "dec": dec.detach(), "bow": bow.detach()}
+
+    def ot_vector(self, hidden: torch.Tensor, ot_mask: torch.Tensor) -> torch.Tensor:
+        """mu_X [B, vocab] of eq. (7): the max of eq. (6) over the positions of `ot_mask` (rows without any: 0)."""
+        logits = self.lpu_logits(hidden).float()
+        pooled = logits.masked_fill(~ot_mask[..., None], float("-inf")).amax(dim=1)
+        return torch.where(ot_mask.any(dim=1, keepdim=True), pooled, torch.zeros_like(pooled))
+
+    def bow_loss(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
+        lengths = batch["attention_mask"].sum(dim=1)
+        ot_mask = ordinary_positions_t(lengths, hidden.shape[1])
+        if self.options.ot_positions == "unmasked":
+            ot_mask &= batch["mlm_labels"] == -100
+        log_probs = F.log_softmax(self.ot_vector(hidden, ot_mask), dim=-1)
+        targets = batch["bow_targets"]
+        present = targets != -100
+        picked = torch.gather(log_probs, 1, targets.clamp(min=0)) * present
+        weight = 1.0 / (lengths - 2).clamp(min=1) if self.options.bow_normalize == "length" else 1.0
+        per_text = -(picked.sum(dim=1) * weight)
+        texts = present.any(dim=1)  # stream pad samples have no targets
+        return per_text[texts].sum() / texts.sum().clamp(min=1)
+
+
+def ordinary_positions_t(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Positions 1 .. length-2 (torch twin of data.masking.ordinary_positions)."""
+    pos = torch.arange(width, device=lengths.device)
+    return (pos >= 1) & (pos < (lengths[:, None] - 1))
+
+register_method("dupmae", DupMAEHead, DupMAECollator, DupMAEOptions)

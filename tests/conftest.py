@@ -26,3 +26,21 @@ def books_shards(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("books")
     prepare_sample(out, "books", "books", shard_size=16)
     return out
+
+
+@pytest.fixture(scope="session")
+def vocab():
+    from pretrieve.data.masking import Vocabulary
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
+
+    return Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER))
+
+
+@pytest.fixture(scope="session")
+def wiki_samples(wiki_shards) -> list[dict]:
+    """The first 64 samples of a stream over the bundled Wikipedia shards (real text, up to 510 tokens)."""
+    from itertools import islice
+
+    from pretrieve.data.stream import ShardStream
+
+    return list(islice(iter(ShardStream([wiki_shards / "manifest.json"], seed=0, shuffle_buffer=64)), 64))

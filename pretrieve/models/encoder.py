@@ -118,6 +118,12 @@ class Encoder(nn.Module):
         return F.cross_entropy(self.mlm_logits(hidden[selected]).float(), labels[selected])
 
 
+def ordinary_positions(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """bool [B, L]: positions 1 .. length-2, the ordinary tokens between [CLS] and [SEP] (data.masking's twin)."""
+    pos = torch.arange(width, device=lengths.device)
+    return (pos >= 1) & (pos < (lengths[:, None] - 1))
+
+
 def read_weights(path: Path, name: str | None = None) -> dict[str, torch.Tensor]:
     """Tensors of a HF model directory (all *.safetensors, else pytorch_model.bin), or of one named file."""
     from safetensors.torch import load_file

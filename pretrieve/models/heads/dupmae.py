@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrieve.data.collators import DupMAECollator
+from pretrieve.models.encoder import ordinary_positions
 from pretrieve.models.heads.registry import register_method
 from pretrieve.models.heads.retromae import RetroMAEHead, RetroMAEOptions
 
@@ -58,30 +59,35 @@ class DupMAEHead(RetroMAEHead):
         loss = mlm + dec + self.options.bow_weight * bow
         return {"loss": loss, "mlm": mlm.detach(), "dec": dec.detach(), "bow": bow.detach()}
 
-    def ot_vector(self, hidden: torch.Tensor, ot_mask: torch.Tensor) -> torch.Tensor:
-        """mu_X [B, vocab] of eq. (7): the max of eq. (6) over the positions of `ot_mask` (rows without any: 0)."""
-        logits = self.lpu_logits(hidden).float()
-        pooled = logits.masked_fill(~ot_mask[..., None], float("-inf")).amax(dim=1)
-        return torch.where(ot_mask.any(dim=1, keepdim=True), pooled, torch.zeros_like(pooled))
-
     def bow_loss(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
         lengths = batch["attention_mask"].sum(dim=1)
-        ot_mask = ordinary_positions_t(lengths, hidden.shape[1])
+        ot_mask = ordinary_positions(lengths, hidden.shape[1])
         if self.options.ot_positions == "unmasked":
             ot_mask &= batch["mlm_labels"] == -100
-        log_probs = F.log_softmax(self.ot_vector(hidden, ot_mask), dim=-1)
-        targets = batch["bow_targets"]
-        present = targets != -100
-        picked = torch.gather(log_probs, 1, targets.clamp(min=0)) * present
-        weight = 1.0 / (lengths - 2).clamp(min=1) if self.options.bow_normalize == "length" else 1.0
-        per_text = -(picked.sum(dim=1) * weight)
-        texts = present.any(dim=1)  # stream pad samples have no targets
-        return per_text[texts].sum() / texts.sum().clamp(min=1)
+        return bag_of_words_loss(self.lpu_logits(hidden), ot_mask, batch["bow_targets"], lengths,
+                                 self.options.bow_normalize)
 
 
-def ordinary_positions_t(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """Positions 1 .. length-2 (torch twin of data.masking.ordinary_positions)."""
-    pos = torch.arange(width, device=lengths.device)
-    return (pos >= 1) & (pos < (lengths[:, None] - 1))
+def ot_vector(logits: torch.Tensor, ot_mask: torch.Tensor) -> torch.Tensor:
+    """mu_X [B, vocab] of eq. (7): token-wise max of the LPU logits [B, L, vocab] over `ot_mask` (none: 0)."""
+    with torch.no_grad():  # pick the winning position per entry, then gather: a far cheaper backward than amax's
+        winner = logits.masked_fill(~ot_mask[..., None], float("-inf")).argmax(dim=1, keepdim=True)
+    pooled = torch.gather(logits, 1, winner).squeeze(1)
+    pooled = pooled.to(torch.promote_types(pooled.dtype, torch.float32))  # softmax over |V| in fp32 at least
+    return torch.where(ot_mask.any(dim=1, keepdim=True), pooled, torch.zeros_like(pooled))
+
+
+def bag_of_words_loss(logits: torch.Tensor, ot_mask: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor,
+                      normalize: str = "length") -> torch.Tensor:
+    """Eq. (8) averaged over texts: -sum_{x in set(X)} w_x log softmax(mu_X)[x]; `targets` [B, U] = set(X)
+    padded with -100; w_x = 1/(length - 2), the number of ordinary tokens ("length"), or 1 ("none")."""
+    log_probs = F.log_softmax(ot_vector(logits, ot_mask), dim=-1)
+    present = targets != -100
+    picked = torch.gather(log_probs, 1, targets.clamp(min=0)) * present
+    weight = 1.0 / (lengths - 2).clamp(min=1).to(picked.dtype) if normalize == "length" else 1.0
+    per_text = -(picked.sum(dim=1) * weight)
+    texts = present.any(dim=1)  # stream pad samples have no targets
+    return per_text[texts].sum() / texts.sum().clamp(min=1)
+
 
 register_method("dupmae", DupMAEHead, DupMAECollator, DupMAEOptions)

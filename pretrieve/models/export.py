@@ -1,0 +1,69 @@
+"""Export a pre-training head as a plain HF model directory, and load one back to continue pre-training.
+
+An export holds what `transformers.AutoModel.from_pretrained(OUT)` needs (config.json, model.safetensors
+with the BertModel, the tokenizer files) plus, beside it, the head's extra weights (`pretrieve_head.safetensors`:
+MLM head, decoder, projections) and `pretrieve_head.json` (method name and options). It is written to a
+temporary directory and renamed, so an export is complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from pretrieve import __version__
+from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
+from pretrieve.models.encoder import HEAD_WEIGHTS, ModelOptions
+from pretrieve.models.heads.base import PretrainingHead
+from pretrieve.models.heads.registry import METHODS, get_method
+
+EXPORT_FORMAT = "pretrieve-export/1"
+HEAD_CONFIG = "pretrieve_head.json"
+
+
+def method_name(head: PretrainingHead) -> str:
+    get_method("mlm")  # make sure the built-in methods are registered
+    for name, method in METHODS.items():
+        if type(head) is method.head:
+            return name
+    raise KeyError(f"{type(head).__name__} is not a registered method head")
+
+
+def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAULT_TOKENIZER) -> Path:
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    head.encoder.bert.save_pretrained(str(tmp))
+    AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).save_pretrained(str(tmp))
+    save_file(head.extra_state(), str(tmp / HEAD_WEIGHTS))
+    meta = {"format": EXPORT_FORMAT, "method": method_name(head), "options": asdict(head.options),
+            "pretrieve_version": __version__}
+    (tmp / HEAD_CONFIG).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
+    return out
+
+
+def load_export(path: str | Path, method_options: dict | None = None) -> PretrainingHead:
+    """The head of an export with all its weights (encoder, MLM head, decoder, projections)."""
+    path = Path(path)
+    config = path / HEAD_CONFIG
+    if not config.is_file():
+        raise FileNotFoundError(f"{path}: no {HEAD_CONFIG}; not a pretrieve export")
+    meta = json.loads(config.read_text(encoding="utf-8"))
+    if meta.get("format") != EXPORT_FORMAT:
+        raise ValueError(f"{config}: format {meta.get('format')!r}, expected {EXPORT_FORMAT!r}")
+    method = get_method(meta["method"])
+    options = method.options_from({**meta["options"], **(method_options or {})}, where=str(config))
+    return method.build(options, ModelOptions(init_from=str(path)))

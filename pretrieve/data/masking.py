@@ -75,20 +75,51 @@ def whole_word_mask(words: np.ndarray, num_words: np.ndarray, num_tokens: np.nda
     return np.take_along_axis(chosen, np.where(words < 0, max_words, words), axis=1)
 
 
-def bernoulli_word_mask(words: np.ndarray, num_words: np.ndarray, rows: int, ratio: float,
-                        rng: np.random.Generator) -> np.ndarray:
-    """bool [B, rows, L]: `rows` independent whole-word samples per row, each word hidden with probability `ratio`.
+def visible_word_samples(words: np.ndarray, num_words: np.ndarray, lengths: np.ndarray, rows: int,
+                         hide_ratio: float, rng: np.random.Generator) -> np.ndarray:
+    """bool [B, rows, L]: `rows` independent whole-word samples per text, each word hidden with probability
+    `hide_ratio` (quantised to 1/256); [CLS] and [SEP] always visible, padding never.
 
-    The expected hidden share of tokens is `ratio`, as with an exact budget; drawing words independently
-    costs one random byte pair per word instead of a sort per row, which matters for 256 rows per sample.
+    The expected hidden share of tokens is `hide_ratio`, as with an exact budget, but drawing words
+    independently needs no sort per row, which matters at 256 rows per text (see `random_bits`).
     """
-    batch, max_words = len(num_words), max(int(num_words.max(initial=0)), 1)
-    threshold = np.uint16(round(ratio * 65536)) if ratio < 1 else None
-    draws = np.frombuffer(rng.bytes(batch * rows * max_words * 2), dtype=np.uint16).reshape(batch, rows, max_words)
-    hidden_words = np.ones(draws.shape, dtype=bool) if threshold is None else draws < threshold
-    hidden_words = np.concatenate([hidden_words, np.zeros((batch, rows, 1), dtype=bool)], axis=2)
-    index = np.where(words < 0, max_words, words)[:, None, :]
-    return np.take_along_axis(hidden_words, np.broadcast_to(index, (batch, rows, words.shape[1])), axis=2)
+    batch, width = words.shape
+    max_words = max(int(num_words.max(initial=0)), 1)
+    visible_words = random_bits(rng, (batch, rows, max_words + 2), 1.0 - hide_ratio)
+    visible_words[:, :, max_words] = True  # read by [CLS] and [SEP]
+    visible_words[:, :, max_words + 1] = False  # read by padding
+    padding = np.arange(width)[None, :] >= lengths[:, None]
+    index = np.where(words >= 0, words, np.where(padding, max_words + 1, max_words))
+    out = np.empty((batch, rows, width), dtype=bool)
+    for b in range(batch):  # per-text fancy indexing: ~5x faster than one take_along_axis over the batch
+        np.take(visible_words[b], index[b], axis=1, out=out[b], mode="clip")  # "raise" would buffer `out`
+    return out
+
+
+def random_bits(rng: np.random.Generator, shape: tuple[int, ...], probability: float) -> np.ndarray:
+    """bool array, each entry True with probability round(probability * 256) / 256, independently.
+
+    Compares a random 8-bit number u with t = round(256 p) bit plane by bit plane, from the most significant
+    bit, on packed bytes (8 entries per byte), and stops after t's last 1 bit: p = 0.5 costs one random bit
+    per entry instead of a random byte or two.
+    """
+    threshold = min(256, max(0, round(probability * 256)))
+    count = int(np.prod(shape))
+    if threshold in (0, 256):
+        return np.full(shape, threshold == 256)
+    nbytes = -(-count // 8)
+    less = np.zeros(nbytes, dtype=np.uint8)  # u < t decided so far
+    equal = np.full(nbytes, 0xFF, dtype=np.uint8)  # u and t equal on the bits seen so far
+    bit = 7
+    while bit >= 0 and threshold & ((2 << bit) - 1):  # a 1 bit of t remains at or below this plane
+        plane = rng.bit_generator.random_raw(-(-nbytes // 8)).view(np.uint8)[:nbytes]  # 3x faster than rng.bytes
+        if threshold >> bit & 1:
+            less |= equal & ~plane
+            equal &= plane
+        else:
+            equal &= ~plane
+        bit -= 1
+    return np.unpackbits(less)[:count].view(bool).reshape(shape)
 
 
 def corrupt(ids: np.ndarray, masked: np.ndarray, vocab: Vocabulary, rng: np.random.Generator,
@@ -116,8 +147,7 @@ def decoder_mask_pool(words: np.ndarray, num_words: np.ndarray, lengths: np.ndar
     """
     batch, width = words.shape
     rows = min(width, pool_size)
-    hidden = bernoulli_word_mask(words, num_words, rows, hide_ratio, rng)
-    visible = (np.arange(width)[None, None, :] < lengths[:, None, None]) & ~hidden
+    visible = visible_word_samples(words, num_words, lengths, rows, hide_ratio, rng)
     packed = np.packbits(visible, axis=2, bitorder="little")
     used_rows = np.minimum(lengths, rows)
     dec_row = (rng.random((batch, width)) * used_rows[:, None]).astype(np.int16)

@@ -1,0 +1,142 @@
+"""Collator throughput on the data-loader path: samples/s on one core and decoder-mask bytes per sample.
+
+    python benchmarks/collators.py [--batches 20] [--out benchmarks/results/collators.json]
+
+B = 32, L = 512 (the bundled Wikipedia sample prepared at max_len 512; blocks of up to 510 tokens), one
+process, one thread. The baseline, measured in the same run on a few batches, is the official RetroMAE
+collator's algorithm: per text, min(L, 256) whole-word masks drawn token list by token list in Python, then an
+L x L int64 mask built row by row (a row = a copy of a random pool mask with its own position hidden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import tempfile
+import time
+from itertools import islice
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from pretrieve.data.masking import Vocabulary  # noqa: E402
+from pretrieve.data.prepare import PrepareOptions, prepare  # noqa: E402
+from pretrieve.data.stream import ShardStream  # noqa: E402
+from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend  # noqa: E402
+from pretrieve.models.heads import get_method  # noqa: E402
+
+SAMPLES = Path(__file__).resolve().parent.parent / "pretrieve" / "assets" / "samples"
+BATCH, MAX_LEN, METHODS = 32, 512, ("mlm", "retromae", "dupmae")
+
+
+def load_samples(work: Path, count: int) -> list[dict]:
+    prepare(PrepareOptions(source="wikipedia", inputs=[str(SAMPLES / "wikipedia")], out=str(work), workers=0,
+                           progress=False))
+    stream = ShardStream([work / "manifest.json"], seed=0, shuffle_buffer=1)
+    full = [s for s in iter(stream) if len(s["ids"]) == MAX_LEN - 2]  # full-length blocks: L = 512 exactly
+    return [dict(s, index=i) for i, s in enumerate(islice((s for _ in range(count) for s in full), count))]
+
+
+def measure(collate, batches: list[list[dict]]) -> tuple[float, dict]:
+    collate(batches[0])  # warm-up
+    started = time.perf_counter()
+    for batch in batches:
+        out = collate(batch)
+    seconds = time.perf_counter() - started
+    return len(batches) * BATCH / seconds, out
+
+
+class OfficialRetroMAECollator:
+    """The official algorithm (RetroMAE's pretrain/data.py with HF's whole-word masking), re-stated here."""
+
+    def __init__(self, backend, encoder_ratio=0.3, decoder_ratio=0.5):
+        self.id_to_token = {i: t for t, i in backend.get_vocab().items()}
+        self.encoder_ratio, self.decoder_ratio = encoder_ratio, decoder_ratio
+
+    def _whole_word_mask(self, tokens: list[str], ratio: float) -> list[int]:
+        words = []
+        for i, token in enumerate(tokens):
+            if token in ("[CLS]", "[SEP]"):
+                continue
+            if words and token.startswith("##"):
+                words[-1].append(i)
+            else:
+                words.append([i])
+        random.shuffle(words)
+        budget = max(1, int(round(len(tokens) * ratio)))
+        covered: set[int] = set()
+        for word in words:
+            if len(covered) >= budget:
+                break
+            if len(covered) + len(word) > budget:
+                continue
+            covered.update(word)
+        return [1 if i in covered else 0 for i in range(len(tokens))]
+
+    def __call__(self, samples: list[dict]) -> dict:
+        masks, encoder_masks = [], []
+        for s in samples:
+            ids = [101, *s["ids"].tolist(), 102]
+            tokens = [self.id_to_token[i] for i in ids]
+            encoder_masks.append(self._whole_word_mask(tokens, self.encoder_ratio))
+            pool = [self._whole_word_mask(tokens, self.decoder_ratio) for _ in range(min(len(tokens), 256))]
+            rows = []
+            for i in range(len(tokens)):
+                row = list(pool[random.randint(0, len(pool) - 1)])
+                row[i] = 1
+                rows.append(row)
+            masks.append(1 - torch.tensor(rows))
+        return {"decoder_attention_mask": torch.stack(masks), "encoder_mask": torch.tensor(encoder_masks)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--official-batches", type=int, default=1, help="the baseline takes ~7 s per batch")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "collators.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    backend = load_backend(DEFAULT_TOKENIZER)
+    vocab = Vocabulary.from_backend(backend)
+    with tempfile.TemporaryDirectory() as work:
+        samples = load_samples(Path(work), BATCH * args.batches)
+    batches = [samples[i:i + BATCH] for i in range(0, len(samples), BATCH)]
+    dense_bytes = MAX_LEN * MAX_LEN * 8  # the official L x L int64 mask
+
+    results: dict = {}
+    for name in METHODS:
+        method = get_method(name)
+        options = method.options_from({"max_len": MAX_LEN})
+        rate, out = measure(method.collator.from_options(options, vocab, seed=0), batches)
+        assert out["input_ids"].shape == (BATCH, MAX_LEN)
+        mask_bytes = sum(out[k].numel() * out[k].element_size() for k in ("dec_pool", "dec_row") if k in out) / BATCH
+        results[name] = {"samples_per_s": round(rate, 1), "mask_bytes_per_sample": int(mask_bytes),
+                         "mask_fraction_of_dense": round(mask_bytes / dense_bytes, 5)}
+        print(name, results[name], flush=True)
+
+    random.seed(0)
+    rate, out = measure(OfficialRetroMAECollator(backend), batches[:max(1, args.official_batches)])
+    official = {"samples_per_s": round(rate, 2), "mask_bytes_per_sample": dense_bytes,
+                "mask_shape": list(out["decoder_attention_mask"].shape), "batches": args.official_batches}
+    print("official retromae", official, flush=True)
+
+    report = {name: results[name] for name in METHODS}
+    report["baseline_official_retromae"] = official
+    report["retromae_speedup_vs_official"] = round(results["retromae"]["samples_per_s"] / official["samples_per_s"], 1)
+    report["setup"] = {"batch": BATCH, "seq_len": MAX_LEN, "batches": args.batches, "threads": 1,
+                       "machine": f"{platform.machine()}, {os.cpu_count()} cores", "numpy": np.__version__,
+                       "torch": torch.__version__, "command": "python benchmarks/collators.py"}
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: report[k] for k in ("retromae", "dupmae", "retromae_speedup_vs_official")}))
+
+
+if __name__ == "__main__":
+    main()

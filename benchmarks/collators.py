@@ -1,6 +1,6 @@
 """Collator throughput on the data-loader path: samples/s on one core and decoder-mask bytes per sample.
 
-    python benchmarks/collators.py [--batches 20] [--out benchmarks/results/collators.json]
+    python benchmarks/collators.py [--batches 100] [--out benchmarks/results/collators.json]
 
 B = 32, L = 512 (the bundled Wikipedia sample prepared at max_len 512; blocks of up to 510 tokens), one
 process, one thread. The baseline, measured in the same run on a few batches, is the official RetroMAE
@@ -97,7 +97,7 @@ class OfficialRetroMAECollator:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--batches", type=int, default=100)
     parser.add_argument("--official-batches", type=int, default=1, help="the baseline takes ~7 s per batch")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "collators.json"))
     args = parser.parse_args()

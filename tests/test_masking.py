@@ -128,3 +128,13 @@ def test_bow_targets_are_the_unique_ordinary_tokens(wiki_samples, vocab):
         expected = sorted(set(sample["ids"][:62].tolist()))
         got = batch["bow_targets"][row]
         assert got[got != -100].tolist() == expected
+
+
+@pytest.mark.parametrize("probability", [0.5, 0.3, 0.85])
+def test_random_bits_rate(probability):
+    from pretrieve.data.masking import random_bits
+
+    bits = random_bits(np.random.default_rng(0), (400, 1001), probability)  # not a multiple of 8
+    assert bits.shape == (400, 1001) and bits.dtype == bool
+    assert abs(bits.mean() - round(probability * 256) / 256) < 0.003  # ~4 standard deviations
+    assert abs(bits[:, :500].mean() - bits[:, 500:].mean()) < 0.006  # no drift along the packed bytes

@@ -14,8 +14,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from pretrieve.models.encoder import ModelOptions
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the file and key."""

@@ -9,11 +9,12 @@ padded to an equal batch count, see stream.py) are collated but carry no target.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
 
+from pretrieve.data.neighbours import NeighbourBlocks
 from pretrieve.data.masking import (Vocabulary, corrupt, decoder_mask_pool, ordinary_positions, whole_word_mask,
                                     word_ids)
 
@@ -48,7 +49,7 @@ class MLMCollator:
     @classmethod
     def from_options(cls, options, vocab: Vocabulary, seed: int = 0):
         """The collator configured by the same-named fields of a method's options."""
-        names = {f.name for f in fields(cls)} - {"vocab", "seed"}
+        names = {f.name for f in fields(cls) if f.init} - {"vocab", "seed", "neighbours"}
         return cls(vocab=vocab, seed=seed, **{n: getattr(options, n) for n in names if hasattr(options, n)})
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
@@ -126,3 +127,54 @@ class DupMAECollator(RetroMAECollator):
         for row, u in enumerate(unique):
             targets[row, :len(u)] = u
         out["bow_targets"] = torch.from_numpy(targets)
+
+
+def next_token_labels(ids: np.ndarray, lengths: np.ndarray, pad: np.ndarray) -> np.ndarray:
+    """Labels for a causal decoder whose position t predicts token t + 1: the ordinary tokens, shifted left."""
+    ordinary = ordinary_positions(lengths, ids.shape[1]) & ~pad[:, None]
+    labels = np.full(ids.shape, -100, dtype=np.int64)
+    labels[:, :-1] = np.where(ordinary[:, 1:], ids[:, 1:], -100)
+    return labels
+
+
+@register_collator("seed")
+@dataclass
+class SEEDCollator(MLMCollator):
+    """SEED-Encoder batches: MLM keys plus `dec_input_ids` (the unmasked ids) and `dec_labels` (next ordinary
+    token at each position; position 0 will hold the encoder's [CLS] state)."""
+
+    def extend(self, out, batch, words, num_words, rng):
+        out["dec_input_ids"] = torch.from_numpy(batch.ids)
+        out["dec_labels"] = torch.from_numpy(next_token_labels(batch.ids, batch.lengths, batch.pad))
+
+
+@register_collator("cotmae")
+@dataclass
+class CoTMAECollator(MLMCollator):
+    """CoT-MAE batches: MLM keys for the anchor block plus its contextual span, a neighbouring block of the same
+    document (data/neighbours.py): `ctx_input_ids` ([CLS] span [SEP]), `ctx_attention_mask`, `ctx_labels` (next
+    ordinary token, for the causal decoder) and `ctx_from_self` (True where the document has a single block and
+    the anchor's own block stands in)."""
+
+    mlm_ratio: float = 0.30
+    neighbours: NeighbourBlocks = field(default_factory=NeighbourBlocks, repr=False)
+
+    def extend(self, out, batch, words, num_words, rng):
+        contexts, from_self = [], []
+        for sample in self._samples:
+            picked = self.neighbours.pick(sample, rng) if "shard_file" in sample else None
+            from_self.append(picked is None)
+            contexts.append({"ids": sample["ids"] if picked is None else picked[0], "pad": sample.get("pad", False)})
+        ctx = self.pad(contexts)
+        out["ctx_input_ids"] = torch.from_numpy(ctx.ids)
+        out["ctx_attention_mask"] = torch.from_numpy(
+            (np.arange(ctx.ids.shape[1])[None, :] < ctx.lengths[:, None]).astype(np.int64))
+        out["ctx_labels"] = torch.from_numpy(next_token_labels(ctx.ids, ctx.lengths, ctx.pad))
+        out["ctx_from_self"] = torch.tensor(from_self)
+
+    def __call__(self, samples):
+        self._samples = samples
+        try:
+            return super().__call__(samples)
+        finally:
+            self._samples = None

@@ -202,7 +202,8 @@ class ShardStream(IterableDataset):
                     seg = next(segs)
                 if index >= seg.start:
                     yield {"ids": ids, "doc": meta["doc"], "block": meta["block"], "source": meta["source"],
-                           "pad": seg.pad, "shard": seg.shard, "index": index, "epoch": self.epoch}
+                           "pad": seg.pad, "shard": seg.shard, "index": index, "epoch": self.epoch,
+                           "shard_file": ref.path}
 
 
 def _shard_runs(segments: list[Segment]) -> Iterator[list[Segment]]:

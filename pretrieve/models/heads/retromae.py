@@ -9,7 +9,8 @@ import torch
 from pretrieve.data.collators import RetroMAECollator
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import register_method
-from pretrieve.models.heads.two_stream import TwoStreamDecoderLayer
+from pretrieve.kernels.reference import two_stream_attention
+from pretrieve.models.heads.decoder import DecoderLayer
 
 
 @dataclass
@@ -32,7 +33,7 @@ class RetroMAEHead(PretrainingHead):
 
     def __init__(self, encoder, options):
         super().__init__(encoder, options)
-        self.decoder = TwoStreamDecoderLayer(encoder.config)
+        self.decoder = DecoderLayer(encoder.config)
         encoder.init_new(self.decoder)
 
     def forward(self, batch):
@@ -48,7 +49,8 @@ class RetroMAEHead(PretrainingHead):
         h2 = torch.cat([h_cls[:, None], embeddings(input_ids=ids)[:, 1:]], dim=1)
         h1 = embeddings(inputs_embeds=h_cls[:, None].expand(batch_size, width, h_cls.shape[-1]))
         lengths = batch["attention_mask"].sum(dim=1)
-        out = self.decoder(h1, h2, batch["dec_pool"], batch["dec_row"], lengths)
+        out = self.decoder(h1, h2, lambda q, k, v, dropout_p: two_stream_attention(
+            q, k, v, batch["dec_pool"], batch["dec_row"], lengths, dropout_p))
         return self.encoder.token_loss(out, batch["dec_labels"])
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pretrieve.data.neighbours import NeighbourBlocks
+from pretrieve.data.spans import sample_spans, word_candidates
 from pretrieve.data.masking import (Vocabulary, corrupt, decoder_mask_pool, ordinary_positions, whole_word_mask,
                                     word_ids)
 
@@ -178,3 +179,21 @@ class CoTMAECollator(MLMCollator):
             return super().__call__(samples)
         finally:
             self._samples = None
+
+
+@register_collator("costa")
+@dataclass
+class COSTACollator(MLMCollator):
+    """COSTA batches: MLM keys plus `span_bounds` [B, 4 levels x spans_per_level, 2], (start, end) token positions
+    of the sampled multi-granularity spans (data/spans.py), (-1, -1) where a text is too short for a level."""
+
+    spans_per_level: int = 5
+    span_alpha: float = 4.0
+    span_beta: float = 2.0
+
+    def extend(self, out, batch, words, num_words, rng):
+        if not hasattr(self, "_candidates"):
+            self._candidates = word_candidates(list(self.vocab.tokens))
+        out["span_bounds"] = torch.from_numpy(sample_spans(batch.ids, batch.lengths, words, self.vocab,
+                                                           self._candidates, rng, self.spans_per_level,
+                                                           self.span_alpha, self.span_beta))

@@ -24,6 +24,7 @@ class Vocabulary:
     pad_id: int
     mask_id: int
     continuation: np.ndarray  # bool [size]: the token is a "##" piece (continues the previous word)
+    tokens: tuple[str, ...] = ()  # the token strings in id order
 
     @classmethod
     def from_backend(cls, backend) -> "Vocabulary":
@@ -35,7 +36,8 @@ class Vocabulary:
         missing = [name for name, index in ids.items() if index is None]
         if missing:
             raise ValueError(f"tokenizer has no {', '.join(missing)} token; masking needs BERT's special tokens")
-        return cls(len(vocab), ids["[CLS]"], ids["[SEP]"], ids["[PAD]"], ids["[MASK]"], continuation)
+        tokens = tuple(token for token, _ in sorted(vocab.items(), key=lambda item: item[1]))
+        return cls(len(vocab), ids["[CLS]"], ids["[SEP]"], ids["[PAD]"], ids["[MASK]"], continuation, tokens)
 
 
 def ordinary_positions(lengths: np.ndarray, width: int) -> np.ndarray:

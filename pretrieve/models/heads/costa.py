@@ -1,0 +1,102 @@
+"""`costa`: COSTA (Ma et al. 2022), costa.txt §3.2-3.3: contrastive span prediction + MLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from pretrieve.data.collators import COSTACollator
+from pretrieve.models.heads.base import PretrainingHead
+from pretrieve.models.heads.registry import register_method
+
+
+@dataclass
+class COSTAOptions:
+    max_len: int = 512
+    mlm_ratio: float = 0.15  # §3.3: MLM "similar to BERT"
+    spans_per_level: int = 5  # §4.5.1
+    span_alpha: float = 4.0  # §4.5.1: Beta(4, 2), skewed towards longer spans
+    span_beta: float = 2.0
+    temperature: float = 0.1  # §4.5.1: tau of eq. 8
+    mlm_weight: float = 0.1  # §4.5.1 sets "the hyper-parameter in Eq. 3.3" to 0.1; read as the MLM loss weight
+
+
+def span_means(hidden: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """[B, S, d] mean of the output vectors over each span [start, end) (eq. 7); invalid spans give 0."""
+    batch, width, size = hidden.shape
+    prefix = torch.cat([hidden.new_zeros(batch, 1, size), hidden.cumsum(dim=1)], dim=1)  # [B, L + 1, d]
+    start, end = bounds[..., 0].clamp(min=0), bounds[..., 1].clamp(min=0)
+    total = torch.gather(prefix, 1, end[..., None].expand(-1, -1, size)) \
+        - torch.gather(prefix, 1, start[..., None].expand(-1, -1, size))
+    return total / (end - start).clamp(min=1)[..., None].to(hidden.dtype)
+
+
+def gather_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's tensor along dim 0, keeping gradients for this rank's part."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tensor
+    from torch.distributed.nn.functional import all_gather
+
+    return torch.cat(all_gather(tensor), dim=0)
+
+
+def group_contrastive_loss(texts: torch.Tensor, spans: torch.Tensor, valid: torch.Tensor, temperature: float,
+                           first_anchor: int = 0, anchors: int | None = None) -> torch.Tensor:
+    """Eq. (8) over a (global) batch of N texts [N, d] and their spans [N, S, d] (`valid` [N, S]).
+
+    For a text i, the positives are its own spans P(i) and the candidates are every other representation in
+    the batch (all texts and all spans but z_i itself):
+    L_i = -1/|P(i)| sum_{p in P(i)} log( exp(z_i . z_p / tau) / sum_{a != i} exp(z_i . z_a / tau) ).
+    The loss is the mean over the anchors texts[first_anchor : first_anchor + anchors] that have spans.
+    """
+    n, s, size = spans.shape
+    anchors = n - first_anchor if anchors is None else anchors
+    candidates = torch.cat([texts, spans.reshape(n * s, size)])  # [N + N*S, d]
+    keep = torch.cat([torch.ones(n, dtype=torch.bool, device=valid.device), valid.reshape(-1)])
+    z = texts[first_anchor:first_anchor + anchors]
+    logits = (z @ candidates.T).float() / temperature  # [A, N + N*S]
+    own = torch.arange(first_anchor, first_anchor + anchors, device=z.device)
+    excluded = ~keep[None, :].expand_as(logits).clone()
+    excluded[torch.arange(anchors), own] = True  # z_i is not its own candidate
+    log_prob = logits.masked_fill(excluded, float("-inf")).log_softmax(dim=-1)
+    positive = torch.zeros_like(excluded)
+    span_cols = n + own[:, None] * s + torch.arange(s, device=z.device)[None, :]
+    positive.scatter_(1, span_cols, valid[own])
+    count = positive.sum(dim=1)
+    per_anchor = -(log_prob.masked_fill(~positive, 0.0)).sum(dim=1) / count.clamp(min=1)
+    has = count > 0
+    return per_anchor[has].sum() / has.sum().clamp(min=1)
+
+
+class COSTAHead(PretrainingHead):
+    """L = L_CSP + mlm_weight * L_MLM. The encoder reads the masked text once; z_i = g(h_CLS), with the
+    projector g a two-layer FFN with a ReLU (eqs. 5-6); span representations are the mean output vectors
+    over each span (eq. 7); L_CSP is the group-wise contrastive loss of eq. (8) over all texts and spans of
+    the global batch (gathered across ranks, anchors = this rank's texts); L_MLM of eq. (9)."""
+
+    def __init__(self, encoder, options):
+        super().__init__(encoder, options)
+        size = encoder.config.hidden_size
+        self.projector = nn.Sequential(nn.Linear(size, size), nn.ReLU(), nn.Linear(size, size))
+        encoder.init_new(self.projector)
+
+    def forward(self, batch):
+        hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
+        mlm = self.encoder.token_loss(hidden, batch["mlm_labels"])
+        bounds = batch["span_bounds"]
+        texts = self.projector(hidden[:, 0])
+        spans = span_means(hidden, bounds)
+        valid = bounds[..., 0] >= 0
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        csp = group_contrastive_loss(gather_across_ranks(texts), gather_across_ranks(spans),
+                                     gather_across_ranks(valid), self.options.temperature,
+                                     first_anchor=rank * len(texts), anchors=len(texts))
+        loss = csp + self.options.mlm_weight * mlm
+        return {"loss": loss, "mlm": mlm.detach(), "csp": csp.detach()}
+
+
+register_method("costa", COSTAHead, COSTACollator, COSTAOptions)

@@ -197,3 +197,16 @@ class COSTACollator(MLMCollator):
         out["span_bounds"] = torch.from_numpy(sample_spans(batch.ids, batch.lengths, words, self.vocab,
                                                            self._candidates, rng, self.spans_per_level,
                                                            self.span_alpha, self.span_beta))
+
+
+@register_collator("cotmote")
+@dataclass
+class CoTMoTECollator(CoTMAECollator):
+    """CoT-MoTE batches: CoT-MAE keys plus `text_type` [B] (1 = query, 0 = passage): samples whose corpus
+    `source` is listed in `query_sources` go through the query experts."""
+
+    query_sources: tuple[str, ...] = ()
+
+    def extend(self, out, batch, words, num_words, rng):
+        super().extend(out, batch, words, num_words, rng)
+        out["text_type"] = torch.tensor([int(s.get("source") in self.query_sources) for s in self._samples])

@@ -57,6 +57,8 @@ class Encoder(nn.Module):
         self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.init_new(self.mlm_transform)
         self.load_report: list[str] = []  # what init_from did not provide (and was initialised)
+        self.query_experts: nn.ModuleList | None = None  # MoTE (cot-mote.txt §3.1): see add_query_experts
+        self._text_type: torch.Tensor | None = None
 
     @classmethod
     def build(cls, options: ModelOptions) -> "Encoder":
@@ -98,13 +100,53 @@ class Encoder(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
+    def add_query_experts(self) -> None:
+        """Mixture-of-Textual-Experts (cot-mote.txt §3.1, eqs. 7-9): every layer keeps its one self-attention
+        and gets a second feed-forward block, the query expert (Q-FFN), initialised as a copy of the layer's
+        FFN, which stays the passage expert (P-FFN). Each sequence goes through the expert of its text type.
+
+        The passage experts stay in the BertModel, so an export loads in `AutoModel` as the passage encoder;
+        the query experts are head weights (`encoder.query_experts.*` in pretrieve_head.safetensors).
+        """
+        import copy
+
+        if self.query_experts is not None:
+            return
+        layers = self.bert.encoder.layer
+        self.query_experts = nn.ModuleList(
+            nn.ModuleDict({"intermediate": copy.deepcopy(layer.intermediate), "output": copy.deepcopy(layer.output)})
+            for layer in layers)
+        for layer, expert in zip(layers, self.query_experts):
+            layer.feed_forward_chunk = self._routed_feed_forward(layer, expert)
+
+    def _routed_feed_forward(self, layer, expert):
+        def feed_forward(x: torch.Tensor) -> torch.Tensor:
+            is_query = self._text_type
+            if is_query is None or not is_query.any():
+                return layer.output(layer.intermediate(x), x)
+            if is_query.all():
+                return expert["output"](expert["intermediate"](x), x)
+            out = torch.empty_like(x)
+            out[~is_query] = layer.output(layer.intermediate(x[~is_query]), x[~is_query])
+            out[is_query] = expert["output"](expert["intermediate"](x[is_query]), x[is_query])
+            return out
+        return feed_forward
+
     @property
     def embeddings(self):
         return self.bert.embeddings
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Last hidden states [B, L, hidden]."""
-        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                text_type: torch.Tensor | None = None) -> torch.Tensor:
+        """Last hidden states [B, L, hidden]. `text_type` [B] (1 = query, 0 = passage) picks each sequence's
+        expert in a MoTE encoder; without it, or without experts, every sequence is a passage."""
+        if text_type is not None and self.query_experts is None and bool(text_type.any()):
+            raise ValueError("text_type asks for query experts, but this encoder has none (add_query_experts)")
+        self._text_type = None if text_type is None else text_type.bool()
+        try:
+            return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        finally:
+            self._text_type = None
 
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., vocab] logits of BERT's MLM head for hidden states [..., hidden]."""

@@ -72,3 +72,16 @@ def joint_scores(queries: JointVectors, docs: JointVectors) -> torch.Tensor:
     dense = queries.dense @ docs.dense.T
     mu_q_at_docs = queries.ot_full[:, docs.ot_indices]  # [Q, D, k]
     return dense + (mu_q_at_docs * docs.ot_values.unsqueeze(0)).sum(dim=-1)
+
+
+def sparse_representation(logits: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """SPLADE-style [B, vocab] vector (cot-mote.txt eq. 4): max over the sequence's tokens of log(1 + relu(logits)),
+    `logits` [B, L, vocab] from the MLM head; padding contributes nothing (the terms are >= 0)."""
+    weights = torch.log1p(torch.relu(logits.float())) * attention_mask[..., None].to(torch.float32)
+    return weights.amax(dim=1)
+
+
+def hybrid_scores(dense_q: torch.Tensor, dense_d: torch.Tensor, sparse_q: torch.Tensor, sparse_d: torch.Tensor,
+                  sparse_weight: float = 1.0) -> torch.Tensor:
+    """[Q, D] dense + sparse inner products, CoT-MoTE's hybrid similarity (§3.3, eq. 13's s(q, p))."""
+    return dense_q @ dense_d.T + sparse_weight * (sparse_q @ sparse_d.T)

@@ -58,7 +58,8 @@ def group_contrastive_loss(texts: torch.Tensor, spans: torch.Tensor, valid: torc
     candidates = torch.cat([texts, spans.reshape(n * s, size)])  # [N + N*S, d]
     keep = torch.cat([torch.ones(n, dtype=torch.bool, device=valid.device), valid.reshape(-1)])
     z = texts[first_anchor:first_anchor + anchors]
-    logits = (z @ candidates.T).float() / temperature  # [A, N + N*S]
+    logits = z @ candidates.T
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # [A, N + N*S]
     own = torch.arange(first_anchor, first_anchor + anchors, device=z.device)
     excluded = ~keep[None, :].expand_as(logits).clone()
     excluded[torch.arange(anchors), own] = True  # z_i is not its own candidate

@@ -64,6 +64,8 @@ def _add_prepare(commands) -> None:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--text-field", default="text", help="jsonl / parquet: field holding the text")
     p.add_argument("--id-field", default="id", help="jsonl / parquet: field holding the document id")
+    p.add_argument("--queries-field", default="queries",
+                   help="jsonl / parquet: optional list of pseudo-queries per document (kept for CoT-MAE)")
     p.add_argument("--title-field", default="title", help="jsonl / parquet: optional title field ('' for none)")
     p.add_argument("--books-format", choices=("file", "lines"), default="file",
                    help="books: paragraphs separated by blank lines (file) or one sentence per line (lines)")
@@ -79,7 +81,8 @@ def _run_prepare(args) -> int:
         source=args.source, inputs=args.input, out=args.out, tokenizer=args.tokenizer or DEFAULT_TOKENIZER,
         max_len=args.max_len, shard_size=args.shard_size, on_error=args.on_error, packing=args.packing,
         short_seq_prob=args.short_seq_prob, seed=args.seed, text_field=args.text_field, id_field=args.id_field,
-        title_field=args.title_field or None, books_format=args.books_format, overwrite=args.overwrite,
+        title_field=args.title_field or None, queries_field=args.queries_field or None,
+        books_format=args.books_format, overwrite=args.overwrite,
     )
     if args.workers is not None:
         opts.workers = args.workers

@@ -228,3 +228,39 @@ def test_sparse_and_hybrid_representations():
     dense = torch.randn(2, 3, dtype=torch.float64)
     scores = hybrid_scores(dense, dense, sparse.double(), sparse.double(), sparse_weight=0.5)
     assert scores[0, 1].item() == pytest.approx((dense[0] @ dense[1] + 0.5 * sparse[0].double() @ sparse[1].double()).item())
+
+
+def test_cotmae_decodes_pseudo_queries_when_the_corpus_has_them(tmp_path, vocab):
+    import json
+
+    from pretrieve.data.prepare import PrepareOptions, prepare
+
+    docs = [{"id": "d1", "contents": "A passage about tides. The moon pulls the sea.",
+             "queries": ["what causes tides", "moon and sea"]},
+            {"id": "d2", "contents": "Another passage without any queries at all."}]
+    src = tmp_path / "corpus.jsonl"
+    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    prepare(PrepareOptions(source="jsonl", inputs=[str(src)], out=str(tmp_path / "shards"), workers=0,
+                           text_field="contents", progress=False))
+    samples = list(ShardStream([tmp_path / "shards" / "manifest.json"], shuffle_buffer=1))
+    by_doc = {s["doc"]: s for s in samples}
+    backend_ids = [vocab.tokens.index(t) for t in ("what", "causes", "tides")]
+    assert by_doc["d1"]["queries"][0] == backend_ids and "queries" not in by_doc["d2"]
+
+    batch = CoTMAECollator(vocab, max_len=64)([by_doc["d1"], by_doc["d2"]])
+    assert batch["ctx_is_query"].tolist() == [True, False] and batch["ctx_from_self"].tolist() == [False, True]
+    n = int(batch["ctx_attention_mask"][0].sum())
+    assert batch["ctx_input_ids"][0, 1:n - 1].tolist() in [q for q in by_doc["d1"]["queries"]]
+    neighbour_only = CoTMAECollator(vocab, max_len=64, context="neighbour")([by_doc["d1"]])
+    assert not neighbour_only["ctx_is_query"].any()
+    with pytest.raises(ValueError, match="no pseudo-queries"):
+        CoTMAECollator(vocab, max_len=64, context="query")([by_doc["d2"]])
+
+
+def test_bad_queries_field_is_a_bad_row(tmp_path):
+    from pretrieve.data.corpora import BadRecord, read_corpus
+
+    src = tmp_path / "c.jsonl"
+    src.write_text('{"id": "1", "text": "fine", "queries": "not a list"}\n')
+    (record,) = read_corpus("jsonl", [src])
+    assert isinstance(record, BadRecord) and record.reason == "bad_row" and "queries" in record.detail

@@ -152,26 +152,43 @@ class SEEDCollator(MLMCollator):
 @register_collator("cotmae")
 @dataclass
 class CoTMAECollator(MLMCollator):
-    """CoT-MAE batches: MLM keys for the anchor block plus its contextual span, a neighbouring block of the same
-    document (data/neighbours.py): `ctx_input_ids` ([CLS] span [SEP]), `ctx_attention_mask`, `ctx_labels` (next
-    ordinary token, for the causal decoder) and `ctx_from_self` (True where the document has a single block and
-    the anchor's own block stands in)."""
+    """CoT-MAE batches: MLM keys for the anchor block plus its contextual span for the causal decoder:
+    `ctx_input_ids` ([CLS] span [SEP]), `ctx_attention_mask`, `ctx_labels` (next ordinary token),
+    `ctx_is_query` and `ctx_from_self`.
+
+    The span is one of the document's pseudo-queries when the corpus has them (a jsonl `queries` field kept
+    by `prepare`) and `context` allows it, else a neighbouring block of the same document
+    (data/neighbours.py); a one-block document without queries reconstructs its own block (`ctx_from_self`).
+    """
 
     mlm_ratio: float = 0.30
+    context: str = "auto"  # auto: pseudo-query when the document has one, else neighbour | neighbour | query
     neighbours: NeighbourBlocks = field(default_factory=NeighbourBlocks, repr=False)
 
     def extend(self, out, batch, words, num_words, rng):
-        contexts, from_self = [], []
+        contexts, is_query, from_self = [], [], []
         for sample in self._samples:
-            picked = self.neighbours.pick(sample, rng) if "shard_file" in sample else None
-            from_self.append(picked is None)
-            contexts.append({"ids": sample["ids"] if picked is None else picked[0], "pad": sample.get("pad", False)})
+            span, query = self._context(sample, rng)
+            is_query.append(query)
+            from_self.append(span is None)
+            contexts.append({"ids": sample["ids"] if span is None else span, "pad": sample.get("pad", False)})
         ctx = self.pad(contexts)
         out["ctx_input_ids"] = torch.from_numpy(ctx.ids)
         out["ctx_attention_mask"] = torch.from_numpy(
             (np.arange(ctx.ids.shape[1])[None, :] < ctx.lengths[:, None]).astype(np.int64))
         out["ctx_labels"] = torch.from_numpy(next_token_labels(ctx.ids, ctx.lengths, ctx.pad))
+        out["ctx_is_query"] = torch.tensor(is_query)
         out["ctx_from_self"] = torch.tensor(from_self)
+
+    def _context(self, sample: dict, rng: np.random.Generator) -> tuple[np.ndarray | None, bool]:
+        queries = sample.get("queries") if self.context != "neighbour" else None
+        if queries:
+            return np.asarray(queries[int(rng.integers(len(queries)))], dtype=np.int64), True
+        if self.context == "query":
+            raise ValueError(f"method.context is 'query' but document {sample.get('doc')!r} of "
+                             f"{sample.get('source')!r} has no pseudo-queries (prepare a jsonl with a queries field)")
+        picked = self.neighbours.pick(sample, rng) if "shard_file" in sample else None
+        return (None if picked is None else picked[0]), False
 
     def __call__(self, samples):
         self._samples = samples
@@ -179,6 +196,19 @@ class CoTMAECollator(MLMCollator):
             return super().__call__(samples)
         finally:
             self._samples = None
+
+
+@register_collator("cotmote")
+@dataclass
+class CoTMoTECollator(CoTMAECollator):
+    """CoT-MoTE batches: CoT-MAE keys plus `text_type` [B] (1 = query, 0 = passage): samples whose corpus
+    `source` is listed in `query_sources` go through the query experts."""
+
+    query_sources: tuple[str, ...] = ()
+
+    def extend(self, out, batch, words, num_words, rng):
+        super().extend(out, batch, words, num_words, rng)
+        out["text_type"] = torch.tensor([int(s.get("source") in self.query_sources) for s in self._samples])
 
 
 @register_collator("costa")
@@ -197,16 +227,3 @@ class COSTACollator(MLMCollator):
         out["span_bounds"] = torch.from_numpy(sample_spans(batch.ids, batch.lengths, words, self.vocab,
                                                            self._candidates, rng, self.spans_per_level,
                                                            self.span_alpha, self.span_beta))
-
-
-@register_collator("cotmote")
-@dataclass
-class CoTMoTECollator(CoTMAECollator):
-    """CoT-MoTE batches: CoT-MAE keys plus `text_type` [B] (1 = query, 0 = passage): samples whose corpus
-    `source` is listed in `query_sources` go through the query experts."""
-
-    query_sources: tuple[str, ...] = ()
-
-    def extend(self, out, batch, words, num_words, rng):
-        super().extend(out, batch, words, num_words, rng)
-        out["text_type"] = torch.tensor([int(s.get("source") in self.query_sources) for s in self._samples])

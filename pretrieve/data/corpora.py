@@ -28,6 +28,7 @@ class Document:
     doc_id: str
     text: str
     where: str  # "file:line", for messages about this document
+    queries: tuple[str, ...] = ()  # pseudo-queries of the document (jsonl `queries` field), for CoT-MAE
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class ReaderOptions:
     text_field: str = "text"
     id_field: str = "id"
     title_field: str | None = "title"
+    queries_field: str | None = "queries"  # jsonl / parquet: optional list of pseudo-queries per document
     books_format: str = "file"  # file: paragraphs separated by blank lines | lines: one sentence per line
 
 
@@ -164,7 +166,13 @@ def _from_mapping(obj, options: ReaderOptions, where: str) -> Record:
     if doc_id is None:
         doc_id = where.rsplit("/", 1)[-1]  # "file:line" keeps ids unique when the corpus has none
     title = obj.get(options.title_field) if options.title_field else None
-    return _document(doc_id, _join_title(title if isinstance(title, str) else None, text), where)
+    queries = obj.get(options.queries_field, ()) if options.queries_field else ()
+    if not isinstance(queries, (list, tuple)) or not all(isinstance(q, str) for q in queries):
+        return BadRecord("bad_row", where, f"field {options.queries_field!r} must be a list of strings")
+    record = _document(doc_id, _join_title(title if isinstance(title, str) else None, text), where)
+    if isinstance(record, Document) and queries:
+        record = Document(record.doc_id, record.text, record.where, tuple(q for q in queries if q.strip()))
+    return record
 
 
 def _read_tsv(path: Path, num_fields: int, to_doc: Callable[[list[str]], tuple[str, str]]) -> Iterator[Record]:

@@ -59,6 +59,7 @@ class PrepareOptions:
     text_field: str = "text"
     id_field: str = "id"
     title_field: str | None = "title"
+    queries_field: str | None = "queries"
     books_format: str = "file"
     overwrite: bool = False
     progress: bool | None = None  # None: a bar when stderr is a terminal
@@ -110,7 +111,8 @@ def prepare(opts: PrepareOptions) -> dict:
     output = _ShardSequence(out, opts.source, token_ext, opts.shard_size, job_id, state)
 
     records = corpora.read_corpus(opts.source, files, ReaderOptions(
-        text_field=opts.text_field, id_field=opts.id_field, title_field=opts.title_field, books_format=opts.books_format))
+        text_field=opts.text_field, id_field=opts.id_field, title_field=opts.title_field,
+        queries_field=opts.queries_field, books_format=opts.books_format))
     resume_record, resume_block = state.get("next", [0, 0])
     work = _chunks(records, resume_record)
     started = time.perf_counter()
@@ -123,13 +125,15 @@ def prepare(opts: PrepareOptions) -> dict:
                     raise CorpusError(f"{where}: {detail} ({reason}); fix the input or pass --on-error skip")
                 output.skipped[reason] += 1
                 continue
-            _, _, doc_id, blocks, truncated = item
+            _, _, doc_id, blocks, truncated, queries = item
             first = resume_block if index == resume_record else 0
             if first == 0:  # a document split over the resume point was counted before the stop
                 output.truncated += truncated
                 output.documents += 1
             for block_index in range(first, len(blocks)):
                 meta = {"doc": doc_id, "block": block_index, "source": opts.source}
+                if queries:
+                    meta["queries"] = queries
                 output.add(blocks[block_index], meta, next_position=(index, block_index + 1))
     except BaseException:
         output.abort()
@@ -247,7 +251,7 @@ def _chunks(records: Iterator, resume_record: int) -> Iterator[list[tuple]]:
         if isinstance(record, BadRecord):
             chunk.append((index, "bad", record.reason, record.where, record.detail))
         else:
-            chunk.append((index, "doc", record.doc_id, record.text, record.where))
+            chunk.append((index, "doc", record.doc_id, record.text, record.where, record.queries))
             chars += len(record.text)
         if chars >= CHUNK_CHARS:
             yield chunk
@@ -257,7 +261,7 @@ def _chunks(records: Iterator, resume_record: int) -> Iterator[list[tuple]]:
 
 
 def _tokenized(work: Iterator[list[tuple]], opts: PrepareOptions) -> Iterator[tuple]:
-    """Results per record in input order: ("doc", index, doc_id, blocks, truncated) or ("bad", index, ...)."""
+    """Results per record in input order: ("doc", index, doc_id, blocks, truncated, query_ids) or ("bad", index, ...)."""
     config = (opts.tokenizer, opts.max_len - 2, opts.resolved_packing(), opts.short_seq_prob, opts.seed)
     with _progress(opts) as bar:
         if opts.workers <= 0:
@@ -300,20 +304,24 @@ def _process_chunk(chunk: list[tuple]) -> list[tuple]:
     docs = [item for item in chunk if item[1] == "doc"]
     encodings = _WORKER["backend"].encode_batch([item[3] for item in docs], add_special_tokens=False)
     encoded = {item[0]: enc for item, enc in zip(docs, encodings)}
+    queries = [q for item in docs for q in item[5]]
+    query_ids = iter(_WORKER["backend"].encode_batch(queries, add_special_tokens=False) if queries else ())
     results = []
     for item in chunk:
         index = item[0]
         if item[1] == "bad":
             results.append(("bad", index, *item[2:]))
             continue
-        _, _, doc_id, text, where = item
+        _, _, doc_id, text, where, doc_queries = item
+        # pseudo-queries as token id lists (JSON), each cut to a block's length
+        query_tokens = [next(query_ids).ids[:_WORKER["max_tokens"]] for _ in doc_queries]
         enc = encoded[index]
         ids = np.asarray(enc.ids, dtype=np.int32)
         if len(ids) == 0:
             results.append(("bad", index, "empty", where, "no tokens after tokenization"))
             continue
         blocks, truncated = _blocks(ids, text, enc, index)
-        results.append(("doc", index, doc_id, blocks, truncated))
+        results.append(("doc", index, doc_id, blocks, truncated, [q for q in query_tokens if q]))
     return results
 
 

@@ -201,9 +201,12 @@ class ShardStream(IterableDataset):
                 if index >= seg.stop:
                     seg = next(segs)
                 if index >= seg.start:
-                    yield {"ids": ids, "doc": meta["doc"], "block": meta["block"], "source": meta["source"],
-                           "pad": seg.pad, "shard": seg.shard, "index": index, "epoch": self.epoch,
-                           "shard_file": ref.path}
+                    sample = {"ids": ids, "doc": meta["doc"], "block": meta["block"], "source": meta["source"],
+                              "pad": seg.pad, "shard": seg.shard, "index": index, "epoch": self.epoch,
+                              "shard_file": ref.path}
+                    if "queries" in meta:  # pseudo-queries (token ids) of the document, for CoT-MAE
+                        sample["queries"] = meta["queries"]
+                    yield sample
 
 
 def _shard_runs(segments: list[Segment]) -> Iterator[list[Segment]]:

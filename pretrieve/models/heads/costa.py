@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from pretrieve.data.collators import COSTACollator

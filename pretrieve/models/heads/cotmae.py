@@ -15,12 +15,17 @@ class CoTMAEOptions:
     max_len: int = 512
     mlm_ratio: float = 0.30  # encoder masking (CoT-MAE: 30%)
     decoder_layers: int = 1  # §3.2: a single-layer shallow decoder
+    context: str = "auto"  # the decoder's target: a pseudo-query when the corpus has them, else a neighbour block
+
+    def __post_init__(self):
+        if self.context not in ("auto", "neighbour", "query"):
+            raise ValueError(f"method.context: {self.context!r} is not one of auto, neighbour, query")
 
 
 class CoTMAEHead(PretrainingHead):
     """L = L_mlm + L_dec. The masked anchor block goes through the encoder (eqs. 10-11, MLM at the masked
     positions); a causal decoder conditioned only on the encoder's [CLS] state reconstructs the contextual span,
-    a neighbouring block of the same document, token by token (eq. 12, CLM over the span)."""
+    a pseudo-query or a neighbouring block of the same document, token by token (eq. 12, CLM over the span)."""
 
     def __init__(self, encoder, options):
         super().__init__(encoder, options)

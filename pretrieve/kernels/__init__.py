@@ -1,1 +1,52 @@
-"""Two-stream masked attention for RetroMAE-style decoders: the reference (here) and fused kernels."""
+"""Two-stream masked attention for RetroMAE-style decoders, fed by the compact decoder mask.
+
+    out = two_stream_attention(q, k, v, CompactMask(dec_pool, dec_row, lengths), impl="auto")
+
+q from the query stream, k and v from the context stream, all [B, heads, L, d]. Implementations:
+`fused` (Triton kernel, kernels/fused.py; CUDA, or CPU under TRITON_INTERPRET=1), `sdpa` (PyTorch
+scaled_dot_product_attention with the dense boolean mask), `eager` (matmul, softmax, matmul: the
+reference). `auto` = fused on CUDA when triton is installed and no attention dropout is asked for, else sdpa.
+The fused kernel has no attention-probability dropout: asking for both is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IMPLEMENTATIONS = ("auto", "fused", "sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class CompactMask:
+    dec_pool: torch.Tensor  # uint8 [B, P, ceil(L / 8)], bit-packed visibility rows
+    dec_row: torch.Tensor  # int16 [B, L], the pool row of each query position
+    lengths: torch.Tensor  # [B] sequence lengths (special tokens included)
+
+
+def resolve(impl: str, device: torch.device, dropout_p: float = 0.0) -> str:
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    if impl == "auto":
+        from pretrieve.kernels.fused import available
+
+        return "fused" if device.type == "cuda" and available() and dropout_p == 0 else "sdpa"
+    if impl == "fused" and dropout_p > 0:
+        raise ValueError("the fused two-stream attention has no attention dropout; set the decoder's attention "
+                         "dropout to 0 or use attention_impl sdpa/eager")
+    return impl
+
+
+def two_stream_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: CompactMask,
+                         impl: str = "auto", dropout_p: float = 0.0) -> torch.Tensor:
+    from pretrieve.kernels import reference
+
+    impl = resolve(impl, q.device, dropout_p)
+    if impl == "fused":
+        from pretrieve.kernels.fused import fused_two_stream_attention
+
+        return fused_two_stream_attention(q, k, v, mask.dec_pool, mask.dec_row, mask.lengths)
+    if impl == "sdpa":
+        return reference.two_stream_attention(q, k, v, mask.dec_pool, mask.dec_row, mask.lengths, dropout_p)
+    return reference.eager_two_stream_attention(q, k, v, mask.dec_pool, mask.dec_row, mask.lengths, dropout_p)

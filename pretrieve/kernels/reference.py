@@ -40,3 +40,13 @@ def two_stream_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     """
     visible = decoder_visibility(dec_pool, dec_row, lengths)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=visible.unsqueeze(1), dropout_p=dropout_p)
+
+
+def eager_two_stream_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dec_pool: torch.Tensor,
+                               dec_row: torch.Tensor, lengths: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Eq. (3) spelled out: scores, an additive 0 / -inf mask, softmax, dropout, weighted values."""
+    visible = decoder_visibility(dec_pool, dec_row, lengths).unsqueeze(1)
+    scores = query @ key.transpose(-1, -2) / query.shape[-1] ** 0.5
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = F.dropout(torch.softmax(scores.float(), dim=-1).to(query.dtype), p=dropout_p, training=dropout_p > 0)
+    return probs @ value

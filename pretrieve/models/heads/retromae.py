@@ -9,7 +9,7 @@ import torch
 from pretrieve.data.collators import RetroMAECollator
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import register_method
-from pretrieve.kernels.reference import two_stream_attention
+from pretrieve.kernels import CompactMask, resolve, two_stream_attention
 from pretrieve.models.heads.decoder import DecoderLayer
 
 
@@ -19,6 +19,8 @@ class RetroMAEOptions:
     mlm_ratio: float = 0.30  # encoder masking, whole words, 80/10/10 (§3.1: 15-30%; 30% in DupMAE §3.1)
     decoder_hide_ratio: float = 0.50  # share of words each decoder mask row hides (eq. 5's sample s(X))
     decoder_pool_size: int = 256  # sampled mask rows per text: min(L, 256), as the official collator
+    attention_impl: str = "auto"  # decoder attention: fused (Triton) | sdpa | eager | auto (see pretrieve.kernels)
+    decoder_attention_dropout: float | None = None  # None: the encoder's; the fused kernel needs 0
 
 
 class RetroMAEHead(PretrainingHead):
@@ -35,6 +37,10 @@ class RetroMAEHead(PretrainingHead):
         super().__init__(encoder, options)
         self.decoder = DecoderLayer(encoder.config)
         encoder.init_new(self.decoder)
+        if options.decoder_attention_dropout is not None:
+            self.decoder.attention_dropout = options.decoder_attention_dropout
+        if options.attention_impl == "fused":  # refuse fused + attention dropout up front, not at the first step
+            resolve("fused", torch.device("cpu"), self.decoder.attention_dropout)
 
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
@@ -49,8 +55,9 @@ class RetroMAEHead(PretrainingHead):
         h2 = torch.cat([h_cls[:, None], embeddings(input_ids=ids)[:, 1:]], dim=1)
         h1 = embeddings(inputs_embeds=h_cls[:, None].expand(batch_size, width, h_cls.shape[-1]))
         lengths = batch["attention_mask"].sum(dim=1)
+        mask = CompactMask(batch["dec_pool"], batch["dec_row"], lengths)
         out = self.decoder(h1, h2, lambda q, k, v, dropout_p: two_stream_attention(
-            q, k, v, batch["dec_pool"], batch["dec_row"], lengths, dropout_p))
+            q, k, v, mask, self.options.attention_impl, dropout_p))
         return self.encoder.token_loss(out, batch["dec_labels"])
 
 

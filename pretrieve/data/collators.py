@@ -14,10 +14,10 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
-from pretrieve.data.neighbours import NeighbourBlocks
-from pretrieve.data.spans import sample_spans, word_candidates
 from pretrieve.data.masking import (Vocabulary, corrupt, decoder_mask_pool, ordinary_positions, whole_word_mask,
                                     word_ids)
+from pretrieve.data.neighbours import NeighbourBlocks
+from pretrieve.data.spans import sample_spans, word_candidates
 
 COLLATORS: dict[str, type] = {}
 
@@ -34,6 +34,7 @@ class Padded:
     ids: np.ndarray  # int64 [B, L]: [CLS] tokens [SEP] [PAD]...
     lengths: np.ndarray  # int64 [B], special tokens included
     pad: np.ndarray  # bool [B]: stream pad samples (no targets)
+    samples: list[dict]  # the stream samples, for collators that need more than the ids
 
 
 @register_collator("mlm")
@@ -83,7 +84,7 @@ class MLMCollator:
             ids[row, 1:n - 1] = s["ids"][:n - 2]
             ids[row, n - 1] = self.vocab.sep_id
         pad = np.array([bool(s.get("pad", False)) for s in samples])
-        return Padded(ids, lengths, pad)
+        return Padded(ids, lengths, pad, samples)
 
     def _rng(self, samples: list[dict]) -> np.random.Generator:
         first = samples[0]
@@ -167,7 +168,7 @@ class CoTMAECollator(MLMCollator):
 
     def extend(self, out, batch, words, num_words, rng):
         contexts, is_query, from_self = [], [], []
-        for sample in self._samples:
+        for sample in batch.samples:
             span, query = self._context(sample, rng)
             is_query.append(query)
             from_self.append(span is None)
@@ -190,13 +191,6 @@ class CoTMAECollator(MLMCollator):
         picked = self.neighbours.pick(sample, rng) if "shard_file" in sample else None
         return (None if picked is None else picked[0]), False
 
-    def __call__(self, samples):
-        self._samples = samples
-        try:
-            return super().__call__(samples)
-        finally:
-            self._samples = None
-
 
 @register_collator("cotmote")
 @dataclass
@@ -208,7 +202,7 @@ class CoTMoTECollator(CoTMAECollator):
 
     def extend(self, out, batch, words, num_words, rng):
         super().extend(out, batch, words, num_words, rng)
-        out["text_type"] = torch.tensor([int(s.get("source") in self.query_sources) for s in self._samples])
+        out["text_type"] = torch.tensor([int(s.get("source") in self.query_sources) for s in batch.samples])
 
 
 @register_collator("costa")
@@ -221,9 +215,10 @@ class COSTACollator(MLMCollator):
     span_alpha: float = 4.0
     span_beta: float = 2.0
 
+    def __post_init__(self):
+        self._candidates = word_candidates(self.vocab.tokens)  # one-token words the word level may take
+
     def extend(self, out, batch, words, num_words, rng):
-        if not hasattr(self, "_candidates"):
-            self._candidates = word_candidates(list(self.vocab.tokens))
         out["span_bounds"] = torch.from_numpy(sample_spans(batch.ids, batch.lengths, words, self.vocab,
                                                            self._candidates, rng, self.spans_per_level,
                                                            self.span_alpha, self.span_beta))

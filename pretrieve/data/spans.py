@@ -31,7 +31,7 @@ shouldn't wasn wasn't weren weren't won won't wouldn wouldn't
 """.split())
 
 
-def word_candidates(vocab_tokens: list[str]) -> np.ndarray:
+def word_candidates(vocab_tokens) -> np.ndarray:
     """bool [vocab]: a one-token word with this token may be sampled at word level."""
     return np.array([t not in STOPWORDS and any(c.isalnum() for c in t) and not (t.startswith("[") and t.endswith("]"))
                      for t in vocab_tokens])

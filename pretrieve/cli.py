@@ -10,7 +10,6 @@ from pretrieve import __version__
 
 # Commands that later issues add are listed so `--help` shows the whole tool and says what is not there yet.
 PLANNED = {
-    "pretrain": "pre-train a registered method with DeepSpeed (engine issue)",
     "export": "export a checkpoint as a HF directory (engine issue)",
     "eval": "fine-tune and score a checkpoint on BEIR / MS MARCO (evaluation issue)",
     "farm": "run an evaluation farm over checkpoints x datasets (evaluation issue)",
@@ -25,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_prepare(commands)
     _add_stream(commands)
+    _add_pretrain(commands)
     for name, help_text in PLANNED.items():
         commands.add_parser(name, help=f"[not yet available] {help_text}")
     args = parser.parse_args(argv)
@@ -39,6 +39,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as e:  # our errors carry file/line/key; no traceback needed
         print(f"pretrieve {args.command}: error: {e}", file=sys.stderr)
         return 1
+
+
+def _add_pretrain(commands) -> None:
+    p = commands.add_parser("pretrain", help="pre-train a registered method with DeepSpeed from a YAML config",
+                            description="Train CONFIG (configs/pretrain/*.yaml) with dotted key=value overrides, "
+                                        "e.g. run_dir=runs/x train.max_steps=100 checkpoint.every=50 resume=auto.")
+    p.add_argument("config", metavar="CONFIG")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.set_defaults(run=_run_pretrain)
+
+
+def _run_pretrain(args) -> int:
+    from pretrieve.config import experiment, load_config
+    from pretrieve.engine.train import train
+
+    config = load_config(args.config, args.overrides)
+    import os
+
+    result = train(experiment(config, world_size=int(os.environ.get("WORLD_SIZE", 1))))
+    print(json.dumps(result))
+    return 0
 
 
 def _add_prepare(commands) -> None:

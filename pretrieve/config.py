@@ -1,12 +1,13 @@
 """Experiment configs: YAML files (configs/), dotted `key=value` overrides, validation naming the bad key.
 
-A config has `seed`, `model:` (models.encoder.ModelOptions), `method:` (`name` + the method's options, whose
-defaults are the paper settings), and the `data:` and `train:` sections the training engine reads.
+A config has `seed`, `run_dir`, `resume`, `model:` (models.encoder.ModelOptions), `method:` (`name` + the
+method's options, whose defaults are the paper settings), `data:` (DataOptions), `train:` (TrainOptions) and
+`checkpoint:` (CheckpointOptions). `experiment(config)` validates all of it before any process group starts.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +61,139 @@ def method_options(config: DictConfig) -> tuple[Any, Any]:
         return method, method.options_from(values)
     except (KeyError, ValueError, TypeError) as e:
         raise ConfigError(str(e).strip('"')) from e
+
+
+DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class DataOptions:
+    manifests: list[str] = field(default_factory=list)  # manifest.json files written by `pretrieve prepare`
+    weights: list[float] | None = None  # mixture weights, one per manifest (default: by size)
+    shuffle_buffer: int = 1000
+    num_workers: int = 0
+    corpora: list[str] | None = None  # informational: the corpus names the manifests hold
+
+
+@dataclass
+class TrainOptions:
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    global_batch_size: int | None = None  # when given: must equal micro x accumulation x world size
+    max_steps: int = 1000
+    lr: float = 1e-4
+    warmup_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    precision: str = "fp32"
+    zero_stage: int = 0  # selects ds_configs/zero<N>.json unless ds_config is given
+    ds_config: str | None = None
+    log_every: int = 10
+
+
+@dataclass
+class CheckpointOptions:
+    every: int = 1000
+    keep: int = 3
+
+
+@dataclass
+class Experiment:
+    seed: int
+    run_dir: Path
+    resume: str | None
+    model: ModelOptions
+    method: Any  # the registered Method
+    options: Any  # its options
+    data: DataOptions
+    train: TrainOptions
+    checkpoint: CheckpointOptions
+    raw: DictConfig
+
+
+_TOP_LEVEL = {"seed", "run_dir", "resume", "model", "method", "data", "train", "checkpoint", "tracking"}
+
+
+def _section(config: DictConfig, name: str, cls):
+    values = OmegaConf.to_container(config.get(name) or OmegaConf.create({}), resolve=True)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{name}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ConfigError(f"{name}: {e}") from e
+
+
+def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
+    """The validated experiment; every error names its key."""
+    unknown = sorted(set(config) - _TOP_LEVEL)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown top-level key (known: {', '.join(sorted(_TOP_LEVEL))})")
+    model = model_options(config)
+    method, options = method_options(config)
+    data = _section(config, "data", DataOptions)
+    train = _section(config, "train", TrainOptions)
+    checkpoint = _section(config, "checkpoint", CheckpointOptions)
+    if not data.manifests:
+        raise ConfigError("data.manifests: empty; list the manifest.json files written by `pretrieve prepare`")
+    for i, path in enumerate(data.manifests):
+        if not Path(path).is_file():
+            raise ConfigError(f"data.manifests[{i}]: {path} not found (run `pretrieve prepare` first)")
+    if data.weights is not None and len(data.weights) != len(data.manifests):
+        raise ConfigError(f"data.weights: {len(data.weights)} weights for {len(data.manifests)} manifests")
+    if model.init_from and not Path(model.init_from).is_dir():
+        raise ConfigError(f"model.init_from: {model.init_from} is not a directory")
+    for key in ("micro_batch_size", "grad_accum", "max_steps", "log_every"):
+        if getattr(train, key) < 1:
+            raise ConfigError(f"train.{key}: must be >= 1, got {getattr(train, key)}")
+    if train.global_batch_size is not None:
+        implied = train.micro_batch_size * train.grad_accum * world_size
+        if train.global_batch_size != implied:
+            raise ConfigError(f"train.global_batch_size: {train.global_batch_size} != micro_batch_size "
+                              f"{train.micro_batch_size} x grad_accum {train.grad_accum} x world size {world_size} "
+                              f"= {implied}")
+    if train.precision not in PRECISIONS:
+        raise ConfigError(f"train.precision: {train.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if train.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"train.zero_stage: {train.zero_stage} is not 0, 1, 2 or 3")
+    if train.ds_config is not None and not Path(train.ds_config).is_file():
+        raise ConfigError(f"train.ds_config: {train.ds_config} not found")
+    if checkpoint.every < 1 or checkpoint.keep < 1:
+        raise ConfigError("checkpoint.every and checkpoint.keep must be >= 1")
+    resume = config.get("resume")
+    if resume not in (None, "auto", "never"):
+        raise ConfigError(f"resume: {resume!r} is not auto or never")
+    run_dir = Path(config.get("run_dir") or f"runs/{method.name}")
+    return Experiment(int(config.get("seed", 42)), run_dir, resume, model, method, options, data, train, checkpoint,
+                      config)
+
+
+def deepspeed_config(exp: Experiment) -> dict:
+    """The DeepSpeed JSON of the experiment with its "auto" fields filled from `train:`."""
+    import json
+
+    path = Path(exp.train.ds_config) if exp.train.ds_config else DS_CONFIG_DIR / f"zero{exp.train.zero_stage}.json"
+    ds = json.loads(path.read_text())
+    t = exp.train
+    fill = {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps": t.grad_accum,
+            "gradient_clipping": t.grad_clip, "lr": t.lr, "weight_decay": t.weight_decay, "warmup_max_lr": t.lr,
+            "warmup_num_steps": max(1, round(t.warmup_ratio * t.max_steps)), "total_num_steps": t.max_steps}
+
+    def resolve_auto(node, parent=None):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if value == "auto":
+                    if key == "enabled":
+                        node[key] = {"bf16": t.precision == "bf16", "fp16": t.precision == "fp16"}[parent]
+                    elif key in fill:
+                        node[key] = fill[key]
+                    else:
+                        raise ConfigError(f"{path}: no value for \"auto\" field {key!r}")
+                else:
+                    resolve_auto(value, key)
+        return node
+
+    return resolve_auto(ds)

@@ -1,0 +1,1 @@
+"""Training engine: the DeepSpeed loop, checkpoints and resume (train.py)."""

@@ -1,0 +1,173 @@
+"""`pretrieve pretrain`: one readable training loop around a DeepSpeed engine.
+
+config -> head (registry) -> stream + collator -> deepspeed.initialize (ds_configs/, "auto" filled from
+`train:`) -> loop: forward, backward, step; metrics.jsonl every `log_every` steps; a checkpoint every
+`checkpoint.every` steps and at the end (model, optimizer, scheduler, stream position, RNG states,
+counters); `resume: auto` continues from the latest complete checkpoint.
+
+Checkpoints are DeepSpeed tags under run_dir/checkpoints/. The `latest` file is written (atomically) only
+after a tag is complete, so a crash while saving leaves the previous checkpoint in charge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pretrieve.config import Experiment, deepspeed_config
+
+LATEST = "latest"
+
+
+def _distributed_env() -> tuple[int, int]:
+    """(rank, world size); a plain single process gets the env DeepSpeed needs to skip MPI discovery."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _seed_everything(seed: int, rank: int) -> None:
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(run_dir: Path) -> str | None:
+    latest = run_dir / "checkpoints" / LATEST
+    return latest.read_text().strip() if latest.is_file() else None
+
+
+def train(exp: Experiment) -> dict:
+    import deepspeed
+    from omegaconf import OmegaConf
+
+    from pretrieve.data.masking import Vocabulary
+    from pretrieve.data.stream import ShardStream, StreamLoader
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
+
+    rank, world = _distributed_env()
+    _seed_everything(exp.seed, rank)
+    run_dir, ckpt_dir = exp.run_dir, exp.run_dir / "checkpoints"
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(exp.raw, resolve=True))
+
+    head = exp.method.build(exp.options, exp.model, seed=exp.seed)
+    collate = exp.method.collator.from_options(exp.options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)),
+                                               seed=exp.seed)
+    stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
+                         shuffle_buffer=exp.data.shuffle_buffer)
+    # The loader's own generator: starting an iteration must not draw from the global RNG (dropout), or a
+    # resumed run, which starts its iteration at another step, would drift from an uninterrupted one.
+    loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, num_workers=exp.data.num_workers,
+                          collate_fn=collate, generator=torch.Generator().manual_seed(exp.seed))
+    engine, _, _, _ = deepspeed.initialize(model=head, config=deepspeed_config(exp),
+                                           model_parameters=[p for p in head.parameters() if p.requires_grad])
+
+    counters = {"samples": 0, "tokens": 0}
+    tag = latest_checkpoint(run_dir) if exp.resume == "auto" else None
+    if tag is not None:
+        _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        stream.load_state_dict(client["stream"][rank])
+        _set_rng_state(client["rng"][rank])
+        counters = client["counters"]
+
+    metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
+    window = {"loss": 0.0, "parts": {}, "micro": 0, "tokens": 0, "samples": 0, "started": time.perf_counter()}
+    try:
+        while engine.global_steps < exp.train.max_steps:
+            for batch in loader:
+                batch = {k: v.to(engine.device) for k, v in batch.items()}
+                out = engine(batch)
+                engine.backward(out["loss"])
+                engine.step()
+                tokens = int(batch["attention_mask"].sum())
+                counters["samples"] += len(batch["input_ids"])
+                counters["tokens"] += tokens
+                window["micro"] += 1
+                window["tokens"] += tokens
+                window["samples"] += len(batch["input_ids"])
+                window["loss"] += out["loss"].item()
+                for name, value in out.items():
+                    if name != "loss":
+                        window["parts"][name] = window["parts"].get(name, 0.0) + value.item()
+                if not engine.is_gradient_accumulation_boundary():
+                    continue
+                step = engine.global_steps
+                if step % exp.train.log_every == 0 or step == exp.train.max_steps:
+                    _log(metrics, step, window, engine)
+                if step % exp.checkpoint.every == 0 or step == exp.train.max_steps:
+                    save_checkpoint(engine, ckpt_dir, step, stream, counters, exp.checkpoint.keep, rank, world)
+                if step >= exp.train.max_steps:
+                    break
+    finally:
+        if metrics is not None:
+            metrics.close()
+    return {"step": engine.global_steps, **counters, "checkpoint": latest_checkpoint(run_dir)}
+
+
+def _log(metrics, step: int, window: dict, engine) -> None:
+    seconds = time.perf_counter() - window["started"]
+    micro = max(window["micro"], 1)
+    record = {"step": step, "loss": window["loss"] / micro,
+              **{name: value / micro for name, value in window["parts"].items()},
+              "lr": engine.get_lr()[0], "tokens_per_s": window["tokens"] / seconds,
+              "samples_per_s": window["samples"] / seconds}
+    if metrics is not None:
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+    window.update(loss=0.0, parts={}, micro=0, tokens=0, samples=0, started=time.perf_counter())
+
+
+def save_checkpoint(engine, ckpt_dir: Path, step: int, stream, counters: dict, keep: int, rank: int,
+                    world: int) -> str:
+    """Save tag `step<N>`, then point `latest` at it, then drop all but the newest `keep` tags."""
+    import torch.distributed as dist
+
+    tag = f"step{step:08d}"
+    mine = {"stream": stream.state_dict(), "rng": _rng_state()}
+    every = [mine] if world == 1 else [None] * world  # DeepSpeed saves client state from rank 0 only
+    if world > 1:
+        dist.all_gather_object(every, mine)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False,
+                           client_state={"stream": [s["stream"] for s in every], "rng": [s["rng"] for s in every],
+                                         "counters": dict(counters)})
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        _write_atomic(ckpt_dir / LATEST, tag)
+        tags = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
+        for old in tags[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return tag

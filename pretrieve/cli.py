@@ -10,7 +10,6 @@ from pretrieve import __version__
 
 # Commands that later issues add are listed so `--help` shows the whole tool and says what is not there yet.
 PLANNED = {
-    "export": "export a checkpoint as a HF directory (engine issue)",
     "eval": "fine-tune and score a checkpoint on BEIR / MS MARCO (evaluation issue)",
     "farm": "run an evaluation farm over checkpoints x datasets (evaluation issue)",
     "report": "compare runs from MLflow (evaluation issue)",
@@ -25,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_prepare(commands)
     _add_stream(commands)
     _add_pretrain(commands)
+    _add_export(commands)
     for name, help_text in PLANNED.items():
         commands.add_parser(name, help=f"[not yet available] {help_text}")
     args = parser.parse_args(argv)
@@ -51,14 +51,35 @@ def _add_pretrain(commands) -> None:
 
 
 def _run_pretrain(args) -> int:
-    from pretrieve.config import experiment, load_config
-    from pretrieve.engine.train import train
-
-    config = load_config(args.config, args.overrides)
     import os
 
-    result = train(experiment(config, world_size=int(os.environ.get("WORLD_SIZE", 1))))
+    from pretrieve.config import experiment, load_config
+    from pretrieve.engine.train import Preempted, train
+
+    config = load_config(args.config, args.overrides)
+    try:
+        result = train(experiment(config, world_size=int(os.environ.get("WORLD_SIZE", 1))))
+    except Preempted as stopped:  # checkpoint saved; the launcher requeues on this code
+        print(f"pretrieve pretrain: preempted, checkpoint saved; exit {stopped.code} (resume=auto continues)",
+              file=sys.stderr)
+        return stopped.code
     print(json.dumps(result))
+    return 0
+
+
+def _add_export(commands) -> None:
+    p = commands.add_parser("export", help="export a training checkpoint as a HF directory (+ head weights)",
+                            description="CHECKPOINT: a run directory (latest checkpoint), its checkpoints/ "
+                                        "directory or a tag directory; ZeRO partitions are consolidated.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument("out", metavar="OUT")
+    p.set_defaults(run=_run_export)
+
+
+def _run_export(args) -> int:
+    from pretrieve.engine.export_checkpoint import export_checkpoint
+
+    print(export_checkpoint(args.checkpoint, args.out))
     return 0
 
 

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from pretrieve.config import ConfigError, deepspeed_config, experiment, load_config
 
@@ -69,3 +71,12 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, wiki_shards, stage):
     assert (tmp_path / "split" / "checkpoints" / "latest").read_text() == "step00000004"
     kept = sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir() if p.is_dir())
     assert kept == ["step00000002", "step00000004"]  # checkpoint.keep = 2
+
+    # `pretrieve export` of the last checkpoint (consolidated for ZeRO 2) equals the run's own export
+    out = tmp_path / "exported"
+    subprocess.run([sys.executable, "-m", "pretrieve", "export", str(tmp_path / "split"), str(out)], check=True,
+                   capture_output=True)
+    ours, run_export = load_file(out / "model.safetensors"), load_file(tmp_path / "split" / "export" / "model.safetensors")
+    assert ours.keys() == run_export.keys() and all(torch.equal(ours[k], run_export[k]) for k in ours)
+    heads = load_file(out / "pretrieve_head.safetensors"), load_file(tmp_path / "split" / "export" / "pretrieve_head.safetensors")
+    assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[1])

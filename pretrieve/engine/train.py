@@ -15,6 +15,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -22,8 +23,47 @@ import numpy as np
 import torch
 
 from pretrieve.config import Experiment, deepspeed_config
+from pretrieve.engine.export_checkpoint import ENCODER_CONFIG
 
 LATEST = "latest"
+PREEMPTED_EXIT_CODE = 85  # the SLURM launcher requeues on this code
+
+
+class Preempted(SystemExit):
+    """Raised after the preemption checkpoint is saved; exits the process with PREEMPTED_EXIT_CODE."""
+
+    def __init__(self):
+        super().__init__(PREEMPTED_EXIT_CODE)
+
+
+class StopFlag:
+    """SIGTERM / SIGUSR1 (SLURM's pre-timeout signal) ask for a checkpoint at the next step boundary; a second
+    signal exits at once (the last complete checkpoint is untouched: `latest` moves only after a save)."""
+
+    def __init__(self, max_runtime: float | None):
+        self.requested = False
+        self.deadline = None if max_runtime is None else time.monotonic() + max_runtime
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            os._exit(128 + signum)
+        self.requested = True
+
+    def should_stop(self, world: int) -> bool:
+        """All ranks agree: any rank's signal or deadline stops everyone at the same step."""
+        stop = self.requested or (self.deadline is not None and time.monotonic() > self.deadline)
+        if world > 1:
+            import torch.distributed as dist
+
+            flag = torch.tensor([int(stop)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        return stop
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _distributed_env() -> tuple[int, int]:
@@ -84,6 +124,8 @@ def train(exp: Experiment) -> dict:
         _write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(exp.raw, resolve=True))
 
     head = exp.method.build(exp.options, exp.model, seed=exp.seed)
+    if rank == 0:  # the architecture, also when it came from model.init_from: `pretrieve export` rebuilds from it
+        head.encoder.config.to_json_file(run_dir / ENCODER_CONFIG)
     collate = exp.method.collator.from_options(exp.options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)),
                                                seed=exp.seed)
     stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
@@ -105,6 +147,7 @@ def train(exp: Experiment) -> dict:
 
     metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
     window = {"loss": 0.0, "parts": {}, "micro": 0, "tokens": 0, "samples": 0, "started": time.perf_counter()}
+    stop = StopFlag(exp.train.max_runtime)
     try:
         while engine.global_steps < exp.train.max_steps:
             for batch in loader:
@@ -127,14 +170,34 @@ def train(exp: Experiment) -> dict:
                 step = engine.global_steps
                 if step % exp.train.log_every == 0 or step == exp.train.max_steps:
                     _log(metrics, step, window, engine)
-                if step % exp.checkpoint.every == 0 or step == exp.train.max_steps:
+                preempted = stop.should_stop(world)
+                if step % exp.checkpoint.every == 0 or step == exp.train.max_steps or preempted:
                     save_checkpoint(engine, ckpt_dir, step, stream, counters, exp.checkpoint.keep, rank, world)
+                if preempted:
+                    raise Preempted()
                 if step >= exp.train.max_steps:
                     break
     finally:
+        stop.restore()
         if metrics is not None:
             metrics.close()
-    return {"step": engine.global_steps, **counters, "checkpoint": latest_checkpoint(run_dir)}
+    export_engine(engine, head, run_dir / "export", rank)
+    return {"step": engine.global_steps, **counters, "checkpoint": latest_checkpoint(run_dir),
+            "export": str(run_dir / "export")}
+
+
+def export_engine(engine, head, out: Path, rank: int) -> None:
+    """Export the trained head (HF directory + head weights); ZeRO-3 partitions are gathered first."""
+    from pretrieve.models.export import export
+
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(head.parameters()), modifier_rank=None):
+            if rank == 0:
+                export(head, out)
+    elif rank == 0:
+        export(head, out)
 
 
 def _log(metrics, step: int, window: dict, engine) -> None:

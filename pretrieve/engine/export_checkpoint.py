@@ -1,0 +1,52 @@
+"""`pretrieve export CHECKPOINT OUT`: a training checkpoint as an HF directory plus the head's weights.
+
+CHECKPOINT is a run directory (its latest checkpoint), its checkpoints/ directory, or one tag directory.
+The head is rebuilt from the run's config.yaml and encoder_config.json; ZeRO 1-3 partitions are consolidated
+with DeepSpeed's zero_to_fp32, a ZeRO-0 checkpoint is read directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ENCODER_CONFIG = "encoder_config.json"
+
+
+def _locate(path: Path) -> tuple[Path, Path, str]:
+    """(run_dir, checkpoints dir, tag)."""
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if (path / "latest").is_file():
+        return path.parent, path, (path / "latest").read_text().strip()
+    if path.is_dir() and path.name.startswith("step"):
+        return path.parent.parent, path.parent, path.name
+    raise FileNotFoundError(f"{path}: not a run directory, checkpoints directory or checkpoint tag")
+
+
+def export_checkpoint(path: str | Path, out: str | Path) -> Path:
+    from transformers import BertConfig
+
+    from pretrieve.config import load_config, method_options
+    from pretrieve.models.encoder import Encoder
+    from pretrieve.models.export import export
+
+    run_dir, ckpt_dir, tag = _locate(Path(path))
+    method, options = method_options(load_config(run_dir / "config.yaml"))
+    head = method.head(Encoder(BertConfig.from_json_file(run_dir / ENCODER_CONFIG)), options)
+    tag_dir = ckpt_dir / tag
+    if not tag_dir.is_dir():
+        raise FileNotFoundError(f"{tag_dir}: checkpoint tag missing")
+    if any(tag_dir.glob("*optim_states.pt")):  # ZeRO 1-3: consolidate the partitions
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    else:
+        state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("position_ids") and not k.endswith("token_type_ids")]
+    if missing or unexpected:
+        raise ValueError(f"{tag_dir}: checkpoint does not match the run's head (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+    return export(head, out)

@@ -110,6 +110,7 @@ class Experiment:
     data: DataOptions
     train: TrainOptions
     checkpoint: CheckpointOptions
+    tracking: Any  # engine.tracking.TrackingOptions
     raw: DictConfig
 
 
@@ -138,6 +139,9 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     data = _section(config, "data", DataOptions)
     train = _section(config, "train", TrainOptions)
     checkpoint = _section(config, "checkpoint", CheckpointOptions)
+    from pretrieve.engine.tracking import TrackingOptions
+
+    tracking = _section(config, "tracking", TrackingOptions)
     if not data.manifests:
         raise ConfigError("data.manifests: empty; list the manifest.json files written by `pretrieve prepare`")
     for i, path in enumerate(data.manifests):
@@ -169,7 +173,7 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
         raise ConfigError(f"resume: {resume!r} is not auto or never")
     run_dir = Path(config.get("run_dir") or f"runs/{method.name}")
     return Experiment(int(config.get("seed", 42)), run_dir, resume, model, method, options, data, train, checkpoint,
-                      config)
+                      tracking, config)
 
 
 def deepspeed_config(exp: Experiment) -> dict:

@@ -24,6 +24,7 @@ import torch
 
 from pretrieve.config import Experiment, deepspeed_config
 from pretrieve.engine.export_checkpoint import ENCODER_CONFIG
+from pretrieve.engine.tracking import Tracker, run_params, run_tags
 
 LATEST = "latest"
 PREEMPTED_EXIT_CODE = 85  # the SLURM launcher requeues on this code
@@ -134,8 +135,13 @@ def train(exp: Experiment) -> dict:
     # resumed run, which starts its iteration at another step, would drift from an uninterrupted one.
     loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, num_workers=exp.data.num_workers,
                           collate_fn=collate, generator=torch.Generator().manual_seed(exp.seed))
-    engine, _, _, _ = deepspeed.initialize(model=head, config=deepspeed_config(exp),
+    ds_config = deepspeed_config(exp)
+    engine, _, _, _ = deepspeed.initialize(model=head, config=ds_config,
                                            model_parameters=[p for p in head.parameters() if p.requires_grad])
+    tracker = None
+    if rank == 0:
+        tracker = Tracker(exp.tracking, run_dir, run_params(OmegaConf.to_container(exp.raw, resolve=True), ds_config),
+                          run_tags(exp.method.name, exp.data.corpora, head.encoder.config))
 
     counters = {"samples": 0, "tokens": 0}
     tag = latest_checkpoint(run_dir) if exp.resume == "auto" else None
@@ -169,11 +175,13 @@ def train(exp: Experiment) -> dict:
                     continue
                 step = engine.global_steps
                 if step % exp.train.log_every == 0 or step == exp.train.max_steps:
-                    _log(metrics, step, window, engine)
+                    _log(metrics, tracker, step, window, engine)
                 preempted = stop.should_stop(world)
                 if step % exp.checkpoint.every == 0 or step == exp.train.max_steps or preempted:
                     save_checkpoint(engine, ckpt_dir, step, stream, counters, exp.checkpoint.keep, rank, world)
                 if preempted:
+                    if tracker is not None:
+                        tracker.finish("KILLED")  # reopened by resume=auto
                     raise Preempted()
                 if step >= exp.train.max_steps:
                     break
@@ -182,8 +190,10 @@ def train(exp: Experiment) -> dict:
         if metrics is not None:
             metrics.close()
     export_engine(engine, head, run_dir / "export", rank)
+    if tracker is not None:
+        tracker.finish()
     return {"step": engine.global_steps, **counters, "checkpoint": latest_checkpoint(run_dir),
-            "export": str(run_dir / "export")}
+            "export": str(run_dir / "export"), "mlflow_run_id": tracker.run_id if tracker else None}
 
 
 def export_engine(engine, head, out: Path, rank: int) -> None:
@@ -200,7 +210,7 @@ def export_engine(engine, head, out: Path, rank: int) -> None:
         export(head, out)
 
 
-def _log(metrics, step: int, window: dict, engine) -> None:
+def _log(metrics, tracker, step: int, window: dict, engine) -> None:
     seconds = time.perf_counter() - window["started"]
     micro = max(window["micro"], 1)
     record = {"step": step, "loss": window["loss"] / micro,
@@ -210,6 +220,8 @@ def _log(metrics, step: int, window: dict, engine) -> None:
     if metrics is not None:
         metrics.write(json.dumps(record) + "\n")
         metrics.flush()
+    if tracker is not None:
+        tracker.log_metrics(step, record)
     window.update(loss=0.0, parts={}, micro=0, tokens=0, samples=0, started=time.perf_counter())
 
 

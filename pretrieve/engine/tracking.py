@@ -1,0 +1,130 @@
+"""MLflow tracking for training runs (rank 0 only), never in the way of training.
+
+Default store: a local sqlite file beside the run directories (`sqlite:///<runs>/mlflow.db`, no server);
+`tracking.uri` points at a tracking server instead. The run id is kept in run_dir/run.json so a resumed run
+continues the same MLflow run. If the backend fails, the failure is reported once and tracking stops;
+metrics.jsonl in the run directory still has everything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrackingOptions:
+    enabled: bool = True
+    uri: str | None = None  # default: sqlite:///<run_dir parent>/mlflow.db
+    experiment: str = "pretrieve"
+
+
+def flatten(tree, prefix: str = "") -> dict[str, str]:
+    """{"train.lr": "0.0001", ...} for MLflow params (values cut to MLflow's 6,000 characters)."""
+    if isinstance(tree, dict):
+        out: dict[str, str] = {}
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): str(tree)[:6000]}
+
+
+def metric_name(name: str) -> str:
+    return name.replace("@", "_at_")  # MLflow rejects "@" (ndcg@10 -> ndcg_at_10)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class Tracker:
+    def __init__(self, options: TrackingOptions, run_dir: Path, params: dict, tags: dict):
+        self.client = None
+        self.run_id = None
+        if not options.enabled:
+            return
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a dead server must not stall training
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+        uri = options.uri or f"sqlite:///{run_dir.resolve().parent / 'mlflow.db'}"
+        run_file = run_dir / "run.json"
+        try:
+            from mlflow import MlflowClient
+
+            self.client = MlflowClient(tracking_uri=uri)
+            previous = json.loads(run_file.read_text()) if run_file.is_file() else {}
+            if previous.get("tracking_uri") == uri and previous.get("run_id"):
+                self.run_id = previous["run_id"]  # resume: continue the same run
+                self.client.update_run(self.run_id, status="RUNNING")
+            else:
+                experiment = self.client.get_experiment_by_name(options.experiment)
+                experiment_id = (experiment.experiment_id if experiment
+                                 else self.client.create_experiment(options.experiment))
+                self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name, tags=tags).info.run_id
+                for key, value in params.items():
+                    self.client.log_param(self.run_id, key, value)
+                tmp = run_file.with_name(".run.json.tmp")
+                tmp.write_text(json.dumps({"tracking_uri": uri, "run_id": self.run_id,
+                                           "experiment": options.experiment}, indent=1))
+                os.replace(tmp, run_file)
+        except Exception as e:  # noqa: BLE001 - any backend failure: report once, train on
+            self._fail(e)
+
+    def _fail(self, error: Exception) -> None:
+        print(f"pretrieve: MLflow tracking disabled ({type(error).__name__}: {str(error)[:300]}); "
+              "training continues and metrics.jsonl keeps every logged step", file=sys.stderr)
+        self.client = None
+
+    def log_metrics(self, step: int, metrics: dict) -> None:
+        if self.client is None:
+            return
+        try:
+            import time
+
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            self.client.log_batch(self.run_id, metrics=[Metric(metric_name(k), float(v), now, step)
+                                                        for k, v in metrics.items() if k != "step"])
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self.client is None:
+            return
+        try:
+            self.client.set_terminated(self.run_id, status=status)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+
+def run_params(config: dict, ds_config: dict) -> dict:
+    import importlib.metadata as metadata
+
+    params = flatten(config)
+    params.update(flatten(ds_config, "deepspeed."))
+    params["git_commit"] = _git_commit()
+    for package in ("torch", "deepspeed", "transformers", "pretrieve"):
+        try:
+            params[f"version.{package}"] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return params
+
+
+def run_tags(method: str, corpora, encoder_config) -> dict:
+    tags = {"method": method, "corpus_mix": ",".join(corpora or []),
+            "model_size": f"hidden{encoder_config.hidden_size}-layers{encoder_config.num_hidden_layers}"}
+    if os.environ.get("SLURM_JOB_ID"):
+        tags["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+    return tags

@@ -80,3 +80,30 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, wiki_shards, stage):
     assert ours.keys() == run_export.keys() and all(torch.equal(ours[k], run_export[k]) for k in ours)
     heads = load_file(out / "pretrieve_head.safetensors"), load_file(tmp_path / "split" / "export" / "pretrieve_head.safetensors")
     assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[1])
+
+
+def test_resume_at_world_size_two(tmp_path, wiki_shards):
+    """Two gloo ranks (torchrun), ZeRO 2: stop at step 2, resume to 4; the logged losses, averaged over both
+    ranks, equal the uninterrupted run's."""
+    def run(run_dir, *overrides):
+        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+            env.pop(key, None)
+        import socket
+
+        with socket.socket() as sock:  # a free port for the rendezvous
+            sock.bind(("127.0.0.1", 0))
+            port = str(sock.getsockname()[1])
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+               "-m", "pretrieve", "pretrain", str(CONFIGS / "tiny-retromae.yaml"), f"run_dir={run_dir}",
+               f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "method.max_len=64",
+               "checkpoint.every=2", "train.log_every=1", "train.zero_stage=2", "tracking.enabled=false",
+               "train.global_batch_size=16", *overrides]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    full = run(tmp_path / "full", "train.max_steps=4")
+    run(tmp_path / "split", "train.max_steps=2")
+    split = run(tmp_path / "split", "train.max_steps=4", "resume=auto")
+    assert [(r["step"], r["loss"], r["lr"]) for r in split] == [(r["step"], r["loss"], r["lr"]) for r in full]

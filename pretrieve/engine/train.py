@@ -154,6 +154,10 @@ def train(exp: Experiment) -> dict:
     metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
     window = {"loss": 0.0, "parts": {}, "micro": 0, "tokens": 0, "samples": 0, "started": time.perf_counter()}
     stop = StopFlag(exp.train.max_runtime)
+    from tqdm import tqdm
+
+    bar = tqdm(total=exp.train.max_steps, initial=engine.global_steps, desc=f"pretrain {exp.method.name}",
+               unit="step", disable=rank != 0, dynamic_ncols=True)
     try:
         while engine.global_steps < exp.train.max_steps:
             for batch in loader:
@@ -174,8 +178,10 @@ def train(exp: Experiment) -> dict:
                 if not engine.is_gradient_accumulation_boundary():
                     continue
                 step = engine.global_steps
+                bar.update(1)
                 if step % exp.train.log_every == 0 or step == exp.train.max_steps:
-                    _log(metrics, tracker, step, window, engine)
+                    record = _log(metrics, tracker, step, window, engine)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
                 preempted = stop.should_stop(world)
                 if step % exp.checkpoint.every == 0 or step == exp.train.max_steps or preempted:
                     save_checkpoint(engine, ckpt_dir, step, stream, counters, exp.checkpoint.keep, rank, world)
@@ -186,6 +192,7 @@ def train(exp: Experiment) -> dict:
                 if step >= exp.train.max_steps:
                     break
     finally:
+        bar.close()
         stop.restore()
         if metrics is not None:
             metrics.close()
@@ -210,19 +217,27 @@ def export_engine(engine, head, out: Path, rank: int) -> None:
         export(head, out)
 
 
-def _log(metrics, tracker, step: int, window: dict, engine) -> None:
+def _log(metrics, tracker, step: int, window: dict, engine) -> dict:
+    """One metrics record on rank 0: losses averaged over ranks and micro-batches, throughput over all ranks."""
+    import torch.distributed as dist
+
     seconds = time.perf_counter() - window["started"]
-    micro = max(window["micro"], 1)
-    record = {"step": step, "loss": window["loss"] / micro,
-              **{name: value / micro for name, value in window["parts"].items()},
-              "lr": engine.get_lr()[0], "tokens_per_s": window["tokens"] / seconds,
-              "samples_per_s": window["samples"] / seconds}
+    names = sorted(window["parts"])
+    sums = torch.tensor([window["loss"], *(window["parts"][n] for n in names), window["micro"], window["tokens"],
+                         window["samples"]], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    loss, *parts, micro, tokens, samples = sums.tolist()
+    micro = max(micro, 1)
+    record = {"step": step, "loss": loss / micro, **{n: v / micro for n, v in zip(names, parts)},
+              "lr": engine.get_lr()[0], "tokens_per_s": tokens / seconds, "samples_per_s": samples / seconds}
     if metrics is not None:
         metrics.write(json.dumps(record) + "\n")
         metrics.flush()
     if tracker is not None:
         tracker.log_metrics(step, record)
     window.update(loss=0.0, parts={}, micro=0, tokens=0, samples=0, started=time.perf_counter())
+    return record
 
 
 def save_checkpoint(engine, ckpt_dir: Path, step: int, stream, counters: dict, keep: int, rank: int,

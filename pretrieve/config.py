@@ -169,8 +169,8 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     if checkpoint.every < 1 or checkpoint.keep < 1:
         raise ConfigError("checkpoint.every and checkpoint.keep must be >= 1")
     resume = config.get("resume")
-    if resume not in (None, "auto", "never"):
-        raise ConfigError(f"resume: {resume!r} is not auto or never")
+    if resume not in (None, "auto"):
+        raise ConfigError(f"resume: {resume!r}: the only value is auto (continue from the latest checkpoint)")
     run_dir = Path(config.get("run_dir") or f"runs/{method.name}")
     return Experiment(int(config.get("seed", 42)), run_dir, resume, model, method, options, data, train, checkpoint,
                       tracking, config)

@@ -27,7 +27,7 @@ def _config(wiki_shards, *overrides):
     ("train.global_batch_size=64", "train.global_batch_size: 64 != micro_batch_size 8 x grad_accum 1 x world size 1"),
     ("train.precision=fp8", "train.precision: 'fp8'"),
     ("train.zero_stage=4", "train.zero_stage: 4"),
-    ("resume=sometimes", "resume: 'sometimes'"),
+    ("resume=sometimes", "resume: 'sometimes': the only value is auto"),
     ("data.weights=[1,2]", "data.weights: 2 weights for 1 manifests"),
 ])
 def test_config_errors_name_the_key(wiki_shards, override, message):
@@ -69,6 +69,9 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, wiki_shards, stage):
     assert [r["step"] for r in split] == [1, 2, 3, 4]
     assert [(r["loss"], r["lr"]) for r in split] == [(r["loss"], r["lr"]) for r in full]
     assert (tmp_path / "split" / "checkpoints" / "latest").read_text() == "step00000004"
+    if stage == 0:  # a run directory with checkpoints is never overwritten by accident
+        with pytest.raises(AssertionError, match="already holds checkpoints; pass resume=auto"):
+            _pretrain(tmp_path / "split", wiki_shards, zero, "train.max_steps=6")
     kept = sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir() if p.is_dir())
     assert kept == ["step00000002", "step00000004"]  # checkpoint.keep = 2
 

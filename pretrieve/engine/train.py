@@ -112,6 +112,7 @@ def latest_checkpoint(run_dir: Path) -> str | None:
 def train(exp: Experiment) -> dict:
     import deepspeed
     from omegaconf import OmegaConf
+    from tqdm import tqdm
 
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.stream import ShardStream, StreamLoader
@@ -120,6 +121,9 @@ def train(exp: Experiment) -> dict:
     rank, world = _distributed_env()
     _seed_everything(exp.seed, rank)
     run_dir, ckpt_dir = exp.run_dir, exp.run_dir / "checkpoints"
+    if exp.resume != "auto" and latest_checkpoint(run_dir) is not None:
+        raise ValueError(f"run_dir: {run_dir} already holds checkpoints; pass resume=auto to continue that run, "
+                         "or choose another run_dir")
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         _write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(exp.raw, resolve=True))
@@ -154,8 +158,6 @@ def train(exp: Experiment) -> dict:
     metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
     window = {"loss": 0.0, "parts": {}, "micro": 0, "tokens": 0, "samples": 0, "started": time.perf_counter()}
     stop = StopFlag(exp.train.max_runtime)
-    from tqdm import tqdm
-
     bar = tqdm(total=exp.train.max_steps, initial=engine.global_steps, desc=f"pretrain {exp.method.name}",
                unit="step", disable=rank != 0, dynamic_ncols=True)
     try:

@@ -42,6 +42,3 @@ class PretrainingHead(nn.Module):
             log.warning("init_from %s: head weights missing %s, unexpected %s", path, missing, result.unexpected_keys)
         return missing
 
-
-def detached(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: value.detach() for name, value in parts.items()}

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -59,6 +59,3 @@ def get_method(name: str) -> Method:
         raise KeyError(f"method {name!r} is not registered (known: {', '.join(sorted(METHODS))})")
     return METHODS[name]
 
-
-def options_dict(options: Any) -> dict:
-    return asdict(options)

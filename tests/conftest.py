@@ -12,6 +12,15 @@ from pretrieve.data.prepare import PrepareOptions, prepare
 SAMPLES = Path(__file__).resolve().parent.parent / "pretrieve" / "assets" / "samples"
 
 
+def pretrain_env(**extra: str) -> dict:
+    """Environment for a `pretrieve pretrain` subprocess: DeepSpeed on CPU, one thread per rank, and none of
+    this process's rank variables (the child is its own world, or torchrun sets them)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", **extra)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    return env
+
+
 def prepare_sample(out: Path, source: str, folder: str, **kwargs) -> dict:
     opts = PrepareOptions(source=source, inputs=[str(SAMPLES / folder)], out=str(out), workers=0, **kwargs)
     return prepare(opts)

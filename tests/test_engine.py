@@ -1,7 +1,6 @@
 """The training engine slice that exists: config validation, DeepSpeed config filling, and exact resume on CPU."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import pretrain_env
 from pretrieve.config import ConfigError, deepspeed_config, experiment, load_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
@@ -47,9 +47,7 @@ def test_deepspeed_config_auto_fields(wiki_shards):
 
 
 def _pretrain(run_dir, wiki_shards, *overrides):
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        env.pop(key, None)
+    env = pretrain_env()
     cmd = [sys.executable, "-m", "pretrieve", "pretrain", str(CONFIGS / "tiny-retromae.yaml"), f"run_dir={run_dir}",
            f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "method.max_len=64",
            "checkpoint.every=2", "train.log_every=1", *overrides]
@@ -89,9 +87,7 @@ def test_resume_at_world_size_two(tmp_path, wiki_shards):
     """Two gloo ranks (torchrun), ZeRO 2: stop at step 2, resume to 4; the logged losses, averaged over both
     ranks, equal the uninterrupted run's."""
     def run(run_dir, *overrides):
-        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
-            env.pop(key, None)
+        env = pretrain_env()
         import socket
 
         with socket.socket() as sock:  # a free port for the rendezvous

@@ -2,7 +2,6 @@
 the same final weights as an uninterrupted run; the run's export loads in AutoModel."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import time
 from pathlib import Path
 
 import torch
+from conftest import pretrain_env
 from safetensors.torch import load_file
 from transformers import AutoModel
 
@@ -22,19 +22,12 @@ def _command(run_dir, wiki_shards, *overrides):
             "train.log_every=1", "checkpoint.every=1000", *overrides]
 
 
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
 def test_sigterm_checkpoints_exits_85_and_resume_matches(tmp_path, wiki_shards):
     steps = "train.max_steps=12"
-    subprocess.run(_command(tmp_path / "full", wiki_shards, steps), env=_env(), check=True, capture_output=True)
+    subprocess.run(_command(tmp_path / "full", wiki_shards, steps), env=pretrain_env(), check=True, capture_output=True)
 
     run = tmp_path / "stopped"
-    proc = subprocess.Popen(_command(run, wiki_shards, steps), env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_command(run, wiki_shards, steps), env=pretrain_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 300
@@ -49,7 +42,7 @@ def test_sigterm_checkpoints_exits_85_and_resume_matches(tmp_path, wiki_shards):
     assert 3 <= stopped_at < 12
     assert not (run / "export").exists()
 
-    done = subprocess.run(_command(run, wiki_shards, steps, "resume=auto"), env=_env(), capture_output=True,
+    done = subprocess.run(_command(run, wiki_shards, steps, "resume=auto"), env=pretrain_env(), capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     full = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]

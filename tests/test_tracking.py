@@ -2,20 +2,18 @@
 MLflow run, and a dead tracking server is reported once without stopping training."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from conftest import pretrain_env
 from mlflow import MlflowClient
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 
 
 def _pretrain(run_dir, wiki_shards, *overrides):
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", SLURM_JOB_ID="4242")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        env.pop(key, None)
+    env = pretrain_env(SLURM_JOB_ID="4242")
     cmd = [sys.executable, "-m", "pretrieve", "pretrain", str(CONFIGS / "tiny-mlm.yaml"), f"run_dir={run_dir}",
            f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "method.max_len=64",
            "train.log_every=1", "checkpoint.every=2", *overrides]

@@ -39,16 +39,44 @@ if triton is not None:
         return (bit != 0) & key_ok & (offs_n[None, :] != offs_m[:, None]) & (offs_m[:, None] < seq_len)
 
     @triton.jit
+    def _tile(ptr, base, offs, seq_len, HEAD_DIM: tl.constexpr):
+        """[len(offs), HEAD_DIM]: rows `offs` of one (batch, head) slice of a [B, H, L, D] tensor; 0 past seq_len."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        return tl.load(ptr + base + offs[:, None] * HEAD_DIM + offs_d[None, :], mask=offs[:, None] < seq_len,
+                       other=0.0)
+
+    @triton.jit
+    def _store_tile(ptr, base, offs, seq_len, value, HEAD_DIM: tl.constexpr):
+        offs_d = tl.arange(0, HEAD_DIM)
+        tl.store(ptr + base + offs[:, None] * HEAD_DIM + offs_d[None, :], value.to(ptr.dtype.element_ty),
+                 mask=offs[:, None] < seq_len)
+
+    @triton.jit
+    def _query_rows(LSE, DELTA, ROW, b, bh, offs_m, seq_len):
+        """Per query row: the forward's log-sum-exp, rowsum(dO * O), and the row's pool index."""
+        row_ok = offs_m < seq_len
+        lse = tl.load(LSE + bh * seq_len + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + bh * seq_len + offs_m, mask=row_ok, other=0.0)
+        rows = tl.load(ROW + b * seq_len + offs_m, mask=row_ok, other=0).to(tl.int32)
+        return lse, delta, rows
+
+    @triton.jit
+    def _probabilities(q, k, lse, scale, pool_b, stride_pool_row, rows, offs_m, offs_n, length, seq_len):
+        """The forward's softmax recomputed from its log-sum-exp: exp(Q K^T * scale - lse), 0 where masked."""
+        s = tl.dot(q, tl.trans(k)) * scale
+        visible = _visible(pool_b, stride_pool_row, rows, offs_m, offs_n, length, seq_len)
+        return tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+
+    @triton.jit
     def _forward(Q, K, V, O, LSE, POOL, ROW, LEN, seq_len, heads, scale,
                  stride_b, stride_h, stride_pool_b, stride_pool_row,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
         pid_m, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
         base = b * stride_b + h * stride_h
         row_ok = offs_m < seq_len
-        q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        q = _tile(Q, base, offs_m, seq_len, HEAD_DIM)
         rows = tl.load(ROW + b * seq_len + offs_m, mask=row_ok, other=0).to(tl.int32)
         length = tl.load(LEN + b)
         pool_b = POOL + b * stride_pool_b
@@ -57,9 +85,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for start_n in range(0, length, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            kv_ok = offs_n[:, None] < seq_len
-            k = tl.load(K + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_ok, other=0.0)
-            v = tl.load(V + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_ok, other=0.0)
+            k = _tile(K, base, offs_n, seq_len, HEAD_DIM)
+            v = _tile(V, base, offs_n, seq_len, HEAD_DIM)
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(_visible(pool_b, stride_pool_row, rows, offs_m, offs_n, length, seq_len), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -70,8 +97,7 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        tl.store(O + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], (acc / l_safe[:, None]).to(O.dtype.element_ty),
-                 mask=row_ok[:, None])
+        _store_tile(O, base, offs_m, seq_len, acc / l_safe[:, None], HEAD_DIM)
         tl.store(LSE + bh * seq_len + offs_m, m_i + tl.log(l_safe), mask=row_ok)
 
     @triton.jit
@@ -81,33 +107,24 @@ if triton is not None:
         pid_n, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, HEAD_DIM)
         base = b * stride_b + h * stride_h
-        kv_ok = offs_n[:, None] < seq_len
-        k = tl.load(K + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(V + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_ok, other=0.0)
+        k = _tile(K, base, offs_n, seq_len, HEAD_DIM)
+        v = _tile(V, base, offs_n, seq_len, HEAD_DIM)
         length = tl.load(LEN + b)
         pool_b = POOL + b * stride_pool_b
         dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
         for start_m in range(0, seq_len, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < seq_len
-            q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            do = tl.load(DO + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            lse = tl.load(LSE + bh * seq_len + offs_m, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + bh * seq_len + offs_m, mask=row_ok, other=0.0)
-            rows = tl.load(ROW + b * seq_len + offs_m, mask=row_ok, other=0).to(tl.int32)
-            s = tl.dot(q, tl.trans(k)) * scale
-            visible = _visible(pool_b, stride_pool_row, rows, offs_m, offs_n, length, seq_len)
-            p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+            q = _tile(Q, base, offs_m, seq_len, HEAD_DIM)
+            do = _tile(DO, base, offs_m, seq_len, HEAD_DIM)
+            lse, delta, rows = _query_rows(LSE, DELTA, ROW, b, bh, offs_m, seq_len)
+            p = _probabilities(q, k, lse, scale, pool_b, stride_pool_row, rows, offs_m, offs_n, length, seq_len)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
+            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-        tl.store(DK + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
-                 mask=kv_ok)
-        tl.store(DV + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_ok)
+        _store_tile(DK, base, offs_n, seq_len, dk * scale, HEAD_DIM)
+        _store_tile(DV, base, offs_n, seq_len, dv, HEAD_DIM)
 
     @triton.jit
     def _backward_q(Q, K, V, DO, LSE, DELTA, DQ, POOL, ROW, LEN, seq_len, heads, scale,
@@ -116,30 +133,21 @@ if triton is not None:
         pid_m, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
         base = b * stride_b + h * stride_h
-        row_ok = offs_m < seq_len
-        q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        lse = tl.load(LSE + bh * seq_len + offs_m, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + bh * seq_len + offs_m, mask=row_ok, other=0.0)
-        rows = tl.load(ROW + b * seq_len + offs_m, mask=row_ok, other=0).to(tl.int32)
+        q = _tile(Q, base, offs_m, seq_len, HEAD_DIM)
+        do = _tile(DO, base, offs_m, seq_len, HEAD_DIM)
+        lse, delta, rows = _query_rows(LSE, DELTA, ROW, b, bh, offs_m, seq_len)
         length = tl.load(LEN + b)
         pool_b = POOL + b * stride_pool_b
         dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for start_n in range(0, length, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            kv_ok = offs_n[:, None] < seq_len
-            k = tl.load(K + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_ok, other=0.0)
-            v = tl.load(V + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
-            visible = _visible(pool_b, stride_pool_row, rows, offs_m, offs_n, length, seq_len)
-            p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
+            k = _tile(K, base, offs_n, seq_len, HEAD_DIM)
+            v = _tile(V, base, offs_n, seq_len, HEAD_DIM)
+            p = _probabilities(q, k, lse, scale, pool_b, stride_pool_row, rows, offs_m, offs_n, length, seq_len)
+            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k)
-        tl.store(DQ + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-                 mask=row_ok[:, None])
+        _store_tile(DQ, base, offs_m, seq_len, dq * scale, HEAD_DIM)
 
 
 def _blocks(device: torch.device, head_dim: int) -> tuple[int, int]:

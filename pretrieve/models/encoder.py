@@ -75,10 +75,12 @@ class Encoder(nn.Module):
                                                local_files_only=True)
         encoder = cls(bert.config, bert=bert)
         report = [f"{key}: not in {path}, initialised" for key in info["missing_keys"]]
-        head = {new + key[len(old):]: value for key, value in read_weights(path).items()
+        # only the MLM head's tensors: from_pretrained above has read the rest already
+        hf_head = read_weights(path, prefixes=tuple(_HF_MLM_KEYS))
+        head = {new + key[len(old):]: value for key, value in hf_head.items()
                 for old, new in _HF_MLM_KEYS.items() if key.startswith(old)}
-        head.update({key[len("encoder."):]: value for key, value in read_weights(path, HEAD_WEIGHTS).items()
-                     if key.startswith("encoder.mlm_")})
+        head.update({key[len("encoder."):]: value
+                     for key, value in read_weights(path, HEAD_WEIGHTS, prefixes=("encoder.mlm_",)).items()})
         missing = [k for k in ("mlm_bias", *(f"mlm_transform.{n}" for n, _ in encoder.mlm_transform.named_parameters()))
                    if k not in head]
         encoder.load_state_dict(head, strict=False)
@@ -166,15 +168,21 @@ def ordinary_positions(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return (pos >= 1) & (pos < (lengths[:, None] - 1))
 
 
-def read_weights(path: Path, name: str | None = None) -> dict[str, torch.Tensor]:
-    """Tensors of a HF model directory (all *.safetensors, else pytorch_model.bin), or of one named file."""
-    from safetensors.torch import load_file
+def read_weights(path: Path, name: str | None = None,
+                 prefixes: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of a HF model directory (all *.safetensors, else pytorch_model.bin), or of one named file;
+    with `prefixes`, only the keys starting with one of them are read from safetensors files."""
+    from safetensors import safe_open
+
+    def load(file: Path) -> dict[str, torch.Tensor]:
+        with safe_open(str(file), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if prefixes is None or k.startswith(prefixes)}
 
     if name is not None:
         file = path / name
-        return load_file(str(file)) if file.is_file() else {}
+        return load(file) if file.is_file() else {}
     files = sorted(f for f in path.glob("*.safetensors") if f.name != HEAD_WEIGHTS)
     if files:
-        return {k: v for f in files for k, v in load_file(str(f)).items()}
+        return {k: v for f in files for k, v in load(f).items()}
     legacy = path / "pytorch_model.bin"
     return torch.load(legacy, map_location="cpu", weights_only=True) if legacy.is_file() else {}

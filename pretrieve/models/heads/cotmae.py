@@ -32,7 +32,8 @@ class CoTMAEHead(PretrainingHead):
         self.decoder = CausalDecoder(encoder, options.decoder_layers, window=None)
 
     def forward(self, batch):
-        hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
+        # text_type only in CoT-MoTE batches: it picks each text's expert (cotmote.py)
+        hidden = self.encoder(batch["input_ids"], batch["attention_mask"], batch.get("text_type"))
         mlm = self.encoder.token_loss(hidden, batch["mlm_labels"])
         dec = self.decoder.loss(self.encoder, hidden[:, 0], batch["ctx_input_ids"], batch["ctx_attention_mask"],
                                 batch["ctx_labels"])

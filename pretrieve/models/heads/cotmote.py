@@ -27,12 +27,5 @@ class CoTMoTEHead(CoTMAEHead):
         encoder.add_query_experts()
         super().__init__(encoder, options)
 
-    def forward(self, batch):
-        hidden = self.encoder(batch["input_ids"], batch["attention_mask"], batch.get("text_type"))
-        mlm = self.encoder.token_loss(hidden, batch["mlm_labels"])
-        dec = self.decoder.loss(self.encoder, hidden[:, 0], batch["ctx_input_ids"], batch["ctx_attention_mask"],
-                                batch["ctx_labels"])
-        return {"loss": mlm + dec, "mlm": mlm.detach(), "dec": dec.detach()}
-
 
 register_method("cotmote", CoTMoTEHead, CoTMoTECollator, CoTMoTEOptions)

@@ -30,6 +30,7 @@ setup(
         "omegaconf>=2.3",
         "tqdm>=4.66",
         "rich>=13",
+        "psutil>=5.9",  # MLflow system metrics
     ],
     extras_require={
         # triton: the fused attention kernel; on CPU its tests run it under the Triton interpreter

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_stream(commands)
     _add_pretrain(commands)
     _add_export(commands)
+    _add_universal(commands)
     for name, help_text in PLANNED.items():
         commands.add_parser(name, help=f"[not yet available] {help_text}")
     args = parser.parse_args(argv)
@@ -80,6 +81,22 @@ def _run_export(args) -> int:
     from pretrieve.engine.export_checkpoint import export_checkpoint
 
     print(export_checkpoint(args.checkpoint, args.out))
+    return 0
+
+
+def _add_universal(commands) -> None:
+    p = commands.add_parser("universal", help="convert a run's latest checkpoint for resuming at another world size",
+                            description="Convert RUN's latest ZeRO 1-3 checkpoint into a DeepSpeed universal "
+                                        "checkpoint and make it `latest`; then `pretrain ... resume=auto` at any "
+                                        "world size continues the run.")
+    p.add_argument("run_dir", metavar="RUN")
+    p.set_defaults(run=_run_universal)
+
+
+def _run_universal(args) -> int:
+    from pretrieve.engine.universal import to_universal
+
+    print(to_universal(args.run_dir))
     return 0
 
 

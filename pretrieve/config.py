@@ -90,6 +90,7 @@ class TrainOptions:
     zero_stage: int = 0  # selects ds_configs/zero<N>.json unless ds_config is given
     ds_config: str | None = None
     log_every: int = 10
+    activation_checkpointing: bool = False  # recompute encoder layers in backward: less memory, ~1/3 more compute
     max_runtime: float | None = None  # seconds of wall clock; then checkpoint and exit 85, as on SIGTERM
 
 

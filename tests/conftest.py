@@ -21,6 +21,15 @@ def pretrain_env(**extra: str) -> dict:
     return env
 
 
+def free_port() -> str:
+    """A free TCP port on loopback for a torchrun rendezvous (`--master_port 0` hangs with gloo here)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
 def prepare_sample(out: Path, source: str, folder: str, **kwargs) -> dict:
     opts = PrepareOptions(source=source, inputs=[str(SAMPLES / folder)], out=str(out), workers=0, **kwargs)
     return prepare(opts)

@@ -1,6 +1,7 @@
 """The training engine slice that exists: config validation, DeepSpeed config filling, and exact resume on CPU."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import pretrain_env
+from conftest import free_port, pretrain_env
 from pretrieve.config import ConfigError, deepspeed_config, experiment, load_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
@@ -56,7 +57,7 @@ def _pretrain(run_dir, wiki_shards, *overrides):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, wiki_shards, stage):
     """fp32 on CPU, world 1: stop at step 2, resume to step 4; every logged loss and lr equals the
     uninterrupted run's, bit for bit (dropout on: the RNG states travel in the checkpoint)."""
@@ -83,26 +84,36 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, wiki_shards, stage):
     assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[1])
 
 
-def test_resume_at_world_size_two(tmp_path, wiki_shards):
+def test_resume_at_world_size_two_and_then_one(tmp_path, wiki_shards):
     """Two gloo ranks (torchrun), ZeRO 2: stop at step 2, resume to 4; the logged losses, averaged over both
-    ranks, equal the uninterrupted run's."""
-    def run(run_dir, *overrides):
-        env = pretrain_env()
-        import socket
-
-        with socket.socket() as sock:  # a free port for the rendezvous
-            sock.bind(("127.0.0.1", 0))
-            port = str(sock.getsockname()[1])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-               "-m", "pretrieve", "pretrain", str(CONFIGS / "tiny-retromae.yaml"), f"run_dir={run_dir}",
+    ranks, equal the uninterrupted run's. The step-2 checkpoint, converted by `pretrieve universal`, also
+    resumes on one rank (grad_accum 2 keeps the global batch at 16): the schedule, the optimizer's step count
+    and the sample count continue."""
+    def run(run_dir, *overrides, ranks=2):
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
+        cmd = [sys.executable, *(launcher if ranks == 2 else []), "-m", "pretrieve", "pretrain",
+               str(CONFIGS / "tiny-retromae.yaml"), f"run_dir={run_dir}",
                f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "method.max_len=64",
                "checkpoint.every=2", "train.log_every=1", "train.zero_stage=2", "tracking.enabled=false",
                "train.global_batch_size=16", *overrides]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(cmd, env=pretrain_env(), capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
-        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return records, json.loads(done.stdout.splitlines()[-1])
 
-    full = run(tmp_path / "full", "train.max_steps=4")
+    full, result = run(tmp_path / "full", "train.max_steps=4")
+    assert (result["step"], result["samples"]) == (4, 64)
     run(tmp_path / "split", "train.max_steps=2")
-    split = run(tmp_path / "split", "train.max_steps=4", "resume=auto")
+    shutil.copytree(tmp_path / "split", tmp_path / "elastic")
+    split, _ = run(tmp_path / "split", "train.max_steps=4", "resume=auto")
     assert [(r["step"], r["loss"], r["lr"]) for r in split] == [(r["step"], r["loss"], r["lr"]) for r in full]
+
+    subprocess.run([sys.executable, "-m", "pretrieve", "universal", str(tmp_path / "elastic")], env=pretrain_env(),
+                   check=True, capture_output=True)
+    assert (tmp_path / "elastic" / "checkpoints" / "latest").read_text() == "step00000002-universal"
+    elastic, result = run(tmp_path / "elastic", "train.max_steps=4", "train.grad_accum=2", "resume=auto", ranks=1)
+    assert [r["step"] for r in elastic] == [1, 2, 3, 4] and (result["step"], result["samples"]) == (4, 64)
+    assert [r["lr"] for r in elastic] == [r["lr"] for r in full]
+    optim = torch.load(tmp_path / "elastic" / "checkpoints" / "step00000004" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                       map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    assert int(optim["base_optimizer_state"]["state"][0]["step"]) == 4

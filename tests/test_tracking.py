@@ -16,7 +16,7 @@ def _pretrain(run_dir, wiki_shards, *overrides):
     env = pretrain_env(SLURM_JOB_ID="4242")
     cmd = [sys.executable, "-m", "pretrieve", "pretrain", str(CONFIGS / "tiny-mlm.yaml"), f"run_dir={run_dir}",
            f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "method.max_len=64",
-           "train.log_every=1", "checkpoint.every=2", *overrides]
+           "train.log_every=1", "checkpoint.every=2", "tracking.system_metrics_every=0.5", *overrides]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -41,7 +41,9 @@ def test_mlflow_run_contents_and_resume(tmp_path, wiki_shards):
     history = client.get_metric_history(first["run_id"], "loss")
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sorted((m.step, m.value) for m in history) == [(r["step"], r["loss"]) for r in logged]
-    assert {"mlm", "lr", "tokens_per_s", "samples_per_s"} <= set(run.data.metrics)
+    assert {"mlm", "lr", "tokens_per_s", "samples_per_s", "tflops_per_device", "mfu", "grad_norm"} <= set(run.data.metrics)
+    assert 0 < run.data.metrics["mfu"] < 1 and run.data.metrics["grad_norm"] > 0
+    assert any(name.startswith("system/cpu_utilization") for name in run.data.metrics)  # MLflow's system metrics
 
 
 def test_dead_tracking_server_does_not_stop_training(tmp_path, wiki_shards):

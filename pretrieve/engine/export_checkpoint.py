@@ -14,7 +14,7 @@ import torch
 ENCODER_CONFIG = "encoder_config.json"
 
 
-def _locate(path: Path) -> tuple[Path, Path, str]:
+def locate(path: Path) -> tuple[Path, Path, str]:
     """(run_dir, checkpoints dir, tag)."""
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
@@ -32,18 +32,24 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     from pretrieve.models.encoder import Encoder
     from pretrieve.models.export import export
 
-    run_dir, ckpt_dir, tag = _locate(Path(path))
+    run_dir, ckpt_dir, tag = locate(Path(path))
     method, options = method_options(load_config(run_dir / "config.yaml"))
     head = method.head(Encoder(BertConfig.from_json_file(run_dir / ENCODER_CONFIG)), options)
     tag_dir = ckpt_dir / tag
     if not tag_dir.is_dir():
         raise FileNotFoundError(f"{tag_dir}: checkpoint tag missing")
-    if any(tag_dir.glob("*optim_states.pt")):  # ZeRO 1-3: consolidate the partitions
+    module_file = tag_dir / "mp_rank_00_model_states.pt"  # ZeRO 0-2 (ZeRO 3 writes one per rank, partitioned)
+    module = torch.load(module_file, map_location="cpu", weights_only=False)["module"] if module_file.is_file() else {}
+    state = module
+    if any(tag_dir.glob("*optim_states.pt")):  # ZeRO 1-3: consolidate the fp32 partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-    else:
-        state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+        # ZeRO 1 leaves frozen weights (the pooler) out of the consolidated dict; the module states hold them
+        expected = head.state_dict()
+        for key, value in module.items():
+            if key not in state and key in expected and value.shape == expected[key].shape:
+                state[key] = value
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("position_ids") and not k.endswith("token_type_ids")]
     if missing or unexpected:

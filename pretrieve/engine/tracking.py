@@ -24,6 +24,7 @@ class TrackingOptions:
     enabled: bool = True
     uri: str | None = None  # default: sqlite:///<run_dir parent>/mlflow.db
     experiment: str = "pretrieve"
+    system_metrics_every: float | None = 10.0  # seconds between CPU/GPU/memory samples (None: off)
 
 
 def flatten(tree, prefix: str = "") -> dict[str, str]:
@@ -52,6 +53,7 @@ class Tracker:
     def __init__(self, options: TrackingOptions, run_dir: Path, params: dict, tags: dict):
         self.client = None
         self.run_id = None
+        self.system = None
         if not options.enabled:
             return
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a dead server must not stall training
@@ -63,7 +65,8 @@ class Tracker:
 
             self.client = MlflowClient(tracking_uri=uri)
             previous = json.loads(run_file.read_text()) if run_file.is_file() else {}
-            if previous.get("tracking_uri") == uri and previous.get("run_id"):
+            resumed = previous.get("tracking_uri") == uri and bool(previous.get("run_id"))
+            if resumed:
                 self.run_id = previous["run_id"]  # resume: continue the same run
                 self.client.update_run(self.run_id, status="RUNNING")
             else:
@@ -77,10 +80,19 @@ class Tracker:
                 tmp.write_text(json.dumps({"tracking_uri": uri, "run_id": self.run_id,
                                            "experiment": options.experiment}, indent=1))
                 os.replace(tmp, run_file)
+            if options.system_metrics_every:
+                from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+                self.system = SystemMetricsMonitor(self.run_id, sampling_interval=options.system_metrics_every,
+                                                   resume_logging=resumed, tracking_uri=uri)
+                self.system.start()
         except Exception as e:  # noqa: BLE001 - any backend failure: report once, train on
             self._fail(e)
 
     def _fail(self, error: Exception) -> None:
+        if self.system is not None:
+            self.system.finish()
+            self.system = None
         print(f"pretrieve: MLflow tracking disabled ({type(error).__name__}: {str(error)[:300]}); "
               "training continues and metrics.jsonl keeps every logged step", file=sys.stderr)
         self.client = None
@@ -100,6 +112,9 @@ class Tracker:
             self._fail(e)
 
     def finish(self, status: str = "FINISHED") -> None:
+        if self.system is not None:
+            self.system.finish()
+            self.system = None
         if self.client is None:
             return
         try:

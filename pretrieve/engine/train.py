@@ -22,9 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pretrieve.config import Experiment, deepspeed_config
-from pretrieve.engine.export_checkpoint import ENCODER_CONFIG
+from pretrieve.config import ConfigError, Experiment, deepspeed_config
+from pretrieve.engine.export_checkpoint import ENCODER_CONFIG, export_checkpoint
+from pretrieve.engine.flops import device_peak, train_flops
 from pretrieve.engine.tracking import Tracker, run_params, run_tags
+from pretrieve.engine.universal import is_universal
 
 LATEST = "latest"
 PREEMPTED_EXIT_CODE = 85  # the SLURM launcher requeues on this code
@@ -119,6 +121,9 @@ def train(exp: Experiment) -> dict:
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
 
     rank, world = _distributed_env()
+    if exp.train.precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("train.precision: fp16 needs a CUDA device (DeepSpeed refuses fp16 on CPU); "
+                          "use bf16 or fp32")
     _seed_everything(exp.seed, rank)
     run_dir, ckpt_dir = exp.run_dir, exp.run_dir / "checkpoints"
     if exp.resume != "auto" and latest_checkpoint(run_dir) is not None:
@@ -131,6 +136,8 @@ def train(exp: Experiment) -> dict:
     head = exp.method.build(exp.options, exp.model, seed=exp.seed)
     if rank == 0:  # the architecture, also when it came from model.init_from: `pretrieve export` rebuilds from it
         head.encoder.config.to_json_file(run_dir / ENCODER_CONFIG)
+    if exp.train.activation_checkpointing:  # HF's checkpointing of the encoder layers (dropout RNG is replayed)
+        head.encoder.bert.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     collate = exp.method.collator.from_options(exp.options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)),
                                                seed=exp.seed)
     stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
@@ -140,6 +147,9 @@ def train(exp: Experiment) -> dict:
     loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, num_workers=exp.data.num_workers,
                           collate_fn=collate, generator=torch.Generator().manual_seed(exp.seed))
     ds_config = deepspeed_config(exp)
+    tag = latest_checkpoint(run_dir) if exp.resume == "auto" else None
+    if tag is not None and is_universal(ckpt_dir / tag):  # written by `pretrieve universal`: any world size
+        ds_config["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = deepspeed.initialize(model=head, config=ds_config,
                                            model_parameters=[p for p in head.parameters() if p.requires_grad])
     tracker = None
@@ -148,15 +158,24 @@ def train(exp: Experiment) -> dict:
                           run_tags(exp.method.name, exp.data.corpora, head.encoder.config))
 
     counters = {"samples": 0, "tokens": 0}
-    tag = latest_checkpoint(run_dir) if exp.resume == "auto" else None
     if tag is not None:
         _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
-        stream.load_state_dict(client["stream"][rank])
-        _set_rng_state(client["rng"][rank])
-        counters = client["counters"]
+        if client is None:
+            raise RuntimeError(f"{ckpt_dir / tag}: DeepSpeed could not load this checkpoint (see its log above)")
+        if len(client["stream"]) == world:
+            stream.load_state_dict(client["stream"][rank])
+            _set_rng_state(client["rng"][rank])
+            counters = client["counters"][rank]
+        else:  # another world size (universal checkpoint): ranks ran in lockstep, any rank's position is all's
+            stream.load_state_dict(client["stream"][0])
+            _seed_everything(exp.seed + engine.global_steps, rank)
+            if rank == 0:  # the run's totals so far
+                counters = {key: sum(c[key] for c in client["counters"]) for key in counters}
 
     metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
-    window = {"loss": 0.0, "parts": {}, "micro": 0, "tokens": 0, "samples": 0, "started": time.perf_counter()}
+    peak = device_peak(engine.device, exp.train.precision) if rank == 0 else None
+    window = {"loss": 0.0, "parts": {}, "micro": 0, "tokens": 0, "samples": 0, "flops": 0,
+              "started": time.perf_counter()}
     stop = StopFlag(exp.train.max_runtime)
     bar = tqdm(total=exp.train.max_steps, initial=engine.global_steps, desc=f"pretrain {exp.method.name}",
                unit="step", disable=rank != 0, dynamic_ncols=True)
@@ -166,6 +185,10 @@ def train(exp: Experiment) -> dict:
                 batch = {k: v.to(engine.device) for k, v in batch.items()}
                 out = engine(batch)
                 engine.backward(out["loss"])
+                boundary = engine.is_gradient_accumulation_boundary()  # asked before step(), which advances it
+                logging = boundary and ((engine.global_steps + 1) % exp.train.log_every == 0
+                                        or engine.global_steps + 1 == exp.train.max_steps)
+                plain_norm = _plain_grad_norm(engine) if logging else None
                 engine.step()
                 tokens = int(batch["attention_mask"].sum())
                 counters["samples"] += len(batch["input_ids"])
@@ -173,16 +196,17 @@ def train(exp: Experiment) -> dict:
                 window["micro"] += 1
                 window["tokens"] += tokens
                 window["samples"] += len(batch["input_ids"])
+                window["flops"] += train_flops(exp.method.name, exp.options, head.encoder.config, batch)
                 window["loss"] += out["loss"].item()
                 for name, value in out.items():
                     if name != "loss":
                         window["parts"][name] = window["parts"].get(name, 0.0) + value.item()
-                if not engine.is_gradient_accumulation_boundary():
+                if not boundary:
                     continue
                 step = engine.global_steps
                 bar.update(1)
-                if step % exp.train.log_every == 0 or step == exp.train.max_steps:
-                    record = _log(metrics, tracker, step, window, engine)
+                if logging:
+                    record = _log(metrics, tracker, step, window, engine, peak, plain_norm)
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
                 preempted = stop.should_stop(world)
                 if step % exp.checkpoint.every == 0 or step == exp.train.max_steps or preempted:
@@ -198,47 +222,62 @@ def train(exp: Experiment) -> dict:
         stop.restore()
         if metrics is not None:
             metrics.close()
-    export_engine(engine, head, run_dir / "export", rank)
+    if world > 1:  # the run's totals; this also waits for every rank's last checkpoint shard
+        import torch.distributed as dist
+
+        totals = torch.tensor([counters["samples"], counters["tokens"]], dtype=torch.int64)
+        dist.all_reduce(totals)
+        counters = dict(zip(("samples", "tokens"), totals.tolist()))
+    if rank == 0:  # from the final checkpoint: ZeRO partitions consolidated, fp32 master weights under bf16/fp16
+        export_checkpoint(run_dir, run_dir / "export")
     if tracker is not None:
         tracker.finish()
     return {"step": engine.global_steps, **counters, "checkpoint": latest_checkpoint(run_dir),
             "export": str(run_dir / "export"), "mlflow_run_id": tracker.run_id if tracker else None}
 
 
-def export_engine(engine, head, out: Path, rank: int) -> None:
-    """Export the trained head (HF directory + head weights); ZeRO-3 partitions are gathered first."""
-    from pretrieve.models.export import export
-
-    if engine.zero_optimization_stage() == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(head.parameters()), modifier_rank=None):
-            if rank == 0:
-                export(head, out)
-    elif rank == 0:
-        export(head, out)
+def _plain_grad_norm(engine) -> float | None:
+    """The gradient norm where DeepSpeed does not keep it (ZeRO 0 in fp32 clips with it and drops it); the
+    gradients are already averaged over ranks at the accumulation boundary."""
+    if engine.zero_optimization() or engine.fp16_enabled() or engine.bfloat16_enabled():
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else None
 
 
-def _log(metrics, tracker, step: int, window: dict, engine) -> dict:
-    """One metrics record on rank 0: losses averaged over ranks and micro-batches, throughput over all ranks."""
+def _log(metrics, tracker, step: int, window: dict, engine, peak: float | None, grad_norm: float | None) -> dict:
+    """One metrics record on rank 0: losses averaged over ranks and micro-batches, throughput summed over all
+    ranks (tokens: non-padding), TFLOP/s and MFU per device (engine.flops), the last step's gradient norm
+    (before clipping) and, with fp16, the loss scale."""
     import torch.distributed as dist
 
     seconds = time.perf_counter() - window["started"]
     names = sorted(window["parts"])
     sums = torch.tensor([window["loss"], *(window["parts"][n] for n in names), window["micro"], window["tokens"],
-                         window["samples"]], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+                         window["samples"], window["flops"]], dtype=torch.float64)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
         dist.all_reduce(sums)
-    loss, *parts, micro, tokens, samples = sums.tolist()
+    loss, *parts, micro, tokens, samples, flops = sums.tolist()
     micro = max(micro, 1)
+    device_flops = flops / world / seconds
     record = {"step": step, "loss": loss / micro, **{n: v / micro for n, v in zip(names, parts)},
-              "lr": engine.get_lr()[0], "tokens_per_s": tokens / seconds, "samples_per_s": samples / seconds}
+              "lr": engine.get_lr()[0], "tokens_per_s": tokens / seconds, "samples_per_s": samples / seconds,
+              "tflops_per_device": device_flops / 1e12}
+    if peak:
+        record["mfu"] = device_flops / peak
+    if grad_norm is None:
+        grad_norm = engine.get_global_grad_norm()
+    if grad_norm is not None:
+        record["grad_norm"] = float(grad_norm)
+    if engine.fp16_enabled():
+        record["loss_scale"] = float(engine.optimizer.cur_scale)
     if metrics is not None:
         metrics.write(json.dumps(record) + "\n")
         metrics.flush()
     if tracker is not None:
         tracker.log_metrics(step, record)
-    window.update(loss=0.0, parts={}, micro=0, tokens=0, samples=0, started=time.perf_counter())
+    window.update(loss=0.0, parts={}, micro=0, tokens=0, samples=0, flops=0, started=time.perf_counter())
     return record
 
 
@@ -248,13 +287,12 @@ def save_checkpoint(engine, ckpt_dir: Path, step: int, stream, counters: dict, k
     import torch.distributed as dist
 
     tag = f"step{step:08d}"
-    mine = {"stream": stream.state_dict(), "rng": _rng_state()}
+    mine = {"stream": stream.state_dict(), "rng": _rng_state(), "counters": dict(counters)}
     every = [mine] if world == 1 else [None] * world  # DeepSpeed saves client state from rank 0 only
     if world > 1:
         dist.all_gather_object(every, mine)
     engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False,
-                           client_state={"stream": [s["stream"] for s in every], "rng": [s["rng"] for s in every],
-                                         "counters": dict(counters)})
+                           client_state={key: [s[key] for s in every] for key in mine})
     if world > 1:
         dist.barrier()
     if rank == 0:

@@ -1,0 +1,49 @@
+"""One optimizer step of each given method at each given ZeRO stage, in one process (one rank of torchrun when
+launched by it), so DeepSpeed's import and process group are paid once. Prints one JSON line per run on rank 0:
+the step count, the last logged loss, and how many trainable encoder tensors the steps changed.
+
+    python tests/one_step.py OUT MANIFEST retromae,dupmae 0,2,3 [fp32|bf16]
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from pretrieve.config import experiment, load_config
+from pretrieve.engine.train import train
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
+
+
+def main(out: str, manifest: str, methods: str, stages: str, precision: str = "fp32") -> None:
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    for method in methods.split(","):
+        for stage in stages.split(","):
+            run_dir = Path(out) / f"{method}-zero{stage}"
+            config = load_config(CONFIGS / f"tiny-{method}.yaml", [
+                f"run_dir={run_dir}", f"data.manifests=[{manifest}]", "data.weights=null", "method.max_len=64",
+                "train.max_steps=3", "train.log_every=1", "train.micro_batch_size=4", f"train.zero_stage={stage}",
+                "tracking.enabled=false", "train.warmup_ratio=0", f"train.precision={precision}"])  # WarmupDecayLR: lr 0 at steps 1-2
+            exp = experiment(config, world_size=world)
+            initial = {k: v.clone() for k, v in exp.method.build(exp.options, exp.model, seed=exp.seed)
+                       .encoder.bert.state_dict().items()}
+            result = train(exp)
+            if int(os.environ.get("RANK", 0)) != 0:
+                continue
+            trained = load_file(run_dir / "export" / "model.safetensors")
+            record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+            trainable = [k for k in trained if not k.startswith("pooler.")]  # the pooler is frozen
+            changed = sum(not torch.equal(trained[k], initial[k]) for k in trainable)
+            print(json.dumps({"method": method, "stage": int(stage), "world": world, "precision": precision, "step": result["step"],
+                              "loss": record["loss"], "finite": math.isfinite(record["loss"]),
+                              "trainable": len(trainable), "changed": changed}), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -117,3 +117,36 @@ def test_resume_at_world_size_two_and_then_one(tmp_path, wiki_shards):
     optim = torch.load(tmp_path / "elastic" / "checkpoints" / "step00000004" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                        map_location="cpu", weights_only=False)["optimizer_state_dict"]
     assert int(optim["base_optimizer_state"]["state"][0]["step"]) == 4
+
+
+def test_activation_checkpointing_recomputes_encoder_layers():
+    from pretrieve.models.encoder import ModelOptions
+    from pretrieve.models.heads import get_method
+
+    method = get_method("mlm")
+    head = method.build(method.options_from({}), ModelOptions(hidden_size=64, num_layers=2, num_heads=2,
+                                                              intermediate_size=256))
+    head.encoder.enable_activation_checkpointing()
+    calls = []
+    head.encoder.bert.encoder.layer[0].intermediate.register_forward_hook(lambda *args: calls.append(1))
+    ids = torch.randint(1000, 2000, (2, 16))
+    labels = torch.full((2, 16), -100)
+    labels[:, 3] = 5
+    head.train()({"input_ids": ids, "attention_mask": torch.ones_like(ids), "mlm_labels": labels})["loss"].backward()
+    assert len(calls) == 2  # forward, and again in backward
+
+
+def test_activation_checkpointing_changes_memory_not_numbers(tmp_path, wiki_shards):
+    plain = _pretrain(tmp_path / "plain", wiki_shards, "train.max_steps=3", "tracking.enabled=false")
+    recomputed = _pretrain(tmp_path / "recomputed", wiki_shards, "train.max_steps=3", "tracking.enabled=false",
+                           "train.activation_checkpointing=true")
+    assert [r["loss"] for r in recomputed] == pytest.approx([r["loss"] for r in plain], rel=1e-6)
+    assert [r["grad_norm"] for r in recomputed] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-5)
+
+
+def test_fp16_on_cpu_is_refused_by_name(tmp_path, wiki_shards):
+    done = subprocess.run([sys.executable, "-m", "pretrieve", "pretrain", str(CONFIGS / "tiny-mlm.yaml"),
+                           f"run_dir={tmp_path / 'fp16'}", f"data.manifests=[{wiki_shards / 'manifest.json'}]",
+                           "data.weights=null", "train.precision=fp16"], env=pretrain_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1 and "train.precision: fp16 needs a CUDA device" in done.stderr

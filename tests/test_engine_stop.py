@@ -53,3 +53,25 @@ def test_sigterm_checkpoints_exits_85_and_resume_matches(tmp_path, wiki_shards):
 
     model = AutoModel.from_pretrained(run / "export")
     assert model.config.hidden_size == 64
+
+
+def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, wiki_shards):
+    """The step-4 checkpoint fails half-written (ZeRO 2): `latest` still names step 2, and resume=auto from
+    there, over the broken tag, reproduces the uninterrupted run."""
+    steps = ["train.max_steps=6", "checkpoint.every=2", "train.zero_stage=2", "tracking.enabled=false"]
+    subprocess.run(_command(tmp_path / "full", wiki_shards, *steps), env=pretrain_env(), check=True,
+                   capture_output=True)
+    run = tmp_path / "crashed"
+    crashed = subprocess.run([sys.executable, str(Path(__file__).parent / "crash_save.py"),
+                              *_command(run, wiki_shards, *steps)[4:]], env=pretrain_env(), capture_output=True,
+                             text=True)
+    assert crashed.returncode != 0 and "injected by tests/crash_save.py" in crashed.stderr
+    assert (run / "checkpoints" / "latest").read_text() == "step00000002"
+    assert (run / "checkpoints" / "step00000004").is_dir()  # the broken tag is there, and ignored
+
+    done = subprocess.run(_command(run, wiki_shards, *steps, "resume=auto"), env=pretrain_env(),
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    full = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in logged] == [(r["step"], r["loss"]) for r in full]  # steps 3-4 once

@@ -136,8 +136,8 @@ def train(exp: Experiment) -> dict:
     head = exp.method.build(exp.options, exp.model, seed=exp.seed)
     if rank == 0:  # the architecture, also when it came from model.init_from: `pretrieve export` rebuilds from it
         head.encoder.config.to_json_file(run_dir / ENCODER_CONFIG)
-    if exp.train.activation_checkpointing:  # HF's checkpointing of the encoder layers (dropout RNG is replayed)
-        head.encoder.bert.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if exp.train.activation_checkpointing:
+        head.encoder.enable_activation_checkpointing()
     collate = exp.method.collator.from_options(exp.options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)),
                                                seed=exp.seed)
     stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
@@ -172,6 +172,8 @@ def train(exp: Experiment) -> dict:
             if rank == 0:  # the run's totals so far
                 counters = {key: sum(c[key] for c in client["counters"]) for key in counters}
 
+    if rank == 0 and tag is not None:  # steps logged after this checkpoint by a crashed attempt run again
+        _truncate_metrics(run_dir / "metrics.jsonl", engine.global_steps)
     metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
     peak = device_peak(engine.device, exp.train.precision) if rank == 0 else None
     window = {"loss": 0.0, "parts": {}, "micro": 0, "tokens": 0, "samples": 0, "flops": 0,
@@ -236,6 +238,12 @@ def train(exp: Experiment) -> dict:
             "export": str(run_dir / "export"), "mlflow_run_id": tracker.run_id if tracker else None}
 
 
+def _truncate_metrics(path: Path, step: int) -> None:
+    if path.is_file():
+        lines = path.read_text().splitlines(keepends=True)
+        _write_atomic(path, "".join(line for line in lines if json.loads(line)["step"] <= step))
+
+
 def _plain_grad_norm(engine) -> float | None:
     """The gradient norm where DeepSpeed does not keep it (ZeRO 0 in fp32 clips with it and drops it); the
     gradients are already averaged over ranks at the accumulation boundary."""
@@ -287,6 +295,8 @@ def save_checkpoint(engine, ckpt_dir: Path, step: int, stream, counters: dict, k
     import torch.distributed as dist
 
     tag = f"step{step:08d}"
+    if rank == 0:  # what a crashed attempt left of this tag (never `latest`: that moves only after a save);
+        shutil.rmtree(ckpt_dir / tag, ignore_errors=True)  # the all_gather below holds the other ranks back
     mine = {"stream": stream.state_dict(), "rng": _rng_state(), "counters": dict(counters)}
     every = [mine] if world == 1 else [None] * world  # DeepSpeed saves client state from rank 0 only
     if world > 1:

@@ -102,6 +102,11 @@ class Encoder(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
+    def enable_activation_checkpointing(self) -> None:
+        """Recompute each encoder layer in backward instead of keeping its activations (HF checkpointing; the
+        dropout RNG is replayed, so the numbers do not change)."""
+        self.bert.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
     def add_query_experts(self) -> None:
         """Mixture-of-Textual-Experts (cot-mote.txt §3.1, eqs. 7-9): every layer keeps its one self-attention
         and gets a second feed-forward block, the query expert (Q-FFN), initialised as a copy of the layer's

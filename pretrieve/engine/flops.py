@@ -11,10 +11,11 @@ LayerNorm, softmax, activations, losses (a few % at BERT sizes). A training step
     vocab(P)        = 2 P (h^2 + h V)                                  BERT's MLM transform + tied decoder
 
 and per method, on top of the encoder: retromae + layer(B, L, L) + vocab(decoder targets); dupmae: retromae
-+ vocab(B L) (the OT projection of every position, eq. 6); seed / cotmae / cotmote: decoder_layers x
-layer(B, L_dec, L_dec) + vocab(decoder targets); costa: the projector 4 B h^2 (its contrastive matrix,
-anchors x candidates x h, is left out); mlm: the encoder alone. tests/test_flops.py checks these against
-DeepSpeed's flops profiler.
++ vocab(B L), the OT projection of every position (eq. 6), whose 2 B L h V projection has no backward
+matmul (each vocabulary entry's gradient goes to its winning position: models.vocab_projection); seed,
+cotmae, cotmote: decoder_layers x layer(B, L_dec, L_dec) + vocab(decoder targets); costa: the projector
+4 B h^2 (its contrastive matrix, anchors x candidates x h, is left out); mlm: the encoder alone.
+tests/test_flops.py checks these against DeepSpeed's flops profiler.
 """
 
 from __future__ import annotations
@@ -54,8 +55,7 @@ def forward_flops(method: str, options, config, batch: dict[str, torch.Tensor]) 
     if method in ("retromae", "dupmae"):
         total += layer_flops(config, b, length, length) + vocab_flops(config, _targets(batch["dec_labels"]))
     if method == "dupmae":
-        ot = b * length
-        total += vocab_flops(config, ot) if options.lpu == "mlm_head" else 2 * ot * h * config.vocab_size
+        total += _ot_flops(options, config, b * length)
     if method in ("seed", "cotmae", "cotmote"):
         ids, labels = (batch["dec_input_ids"], batch["dec_labels"]) if method == "seed" else \
             (batch["ctx_input_ids"], batch["ctx_labels"])
@@ -66,9 +66,18 @@ def forward_flops(method: str, options, config, batch: dict[str, torch.Tensor]) 
     return total
 
 
+def _ot_flops(options, config, positions: int) -> int:
+    """DupMAE's OT projection of every position to the vocabulary (eq. 6)."""
+    return vocab_flops(config, positions) if options.lpu == "mlm_head" else 2 * positions * config.hidden_size * config.vocab_size
+
+
 def train_flops(method: str, options, config, batch: dict[str, torch.Tensor]) -> int:
-    """Forward + backward FLOPs of one micro-batch: 3x the forward."""
-    return 3 * forward_flops(method, options, config, batch)
+    """Forward + backward FLOPs of one micro-batch: 3x the forward, less the backward of DupMAE's OT
+    projection to the vocabulary (a gather of the winners, no matmul)."""
+    total = 3 * forward_flops(method, options, config, batch)
+    if method == "dupmae":
+        total -= 2 * 2 * batch["input_ids"].numel() * config.hidden_size * config.vocab_size
+    return total
 
 
 def measured_cpu_peak(size: int = 2048, repeats: int = 5) -> float:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import BertConfig, BertModel
 from transformers.models.bert.modeling_bert import BertPredictionHeadTransform
+from pretrieve.models.vocab_projection import linear_cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,9 @@ class Encoder(nn.Module):
         selected = labels != -100
         if not selected.any():
             return hidden.sum() * 0.0  # a batch of pad samples: zero loss, graph kept
-        return F.cross_entropy(self.mlm_logits(hidden[selected]).float(), labels[selected])
+        # == F.cross_entropy(self.mlm_logits(hidden[selected]), ...), without the [positions, vocab] logits
+        return linear_cross_entropy(self.mlm_transform(hidden[selected]), self.embeddings.word_embeddings.weight,
+                                    self.mlm_bias, labels[selected])
 
 
 def ordinary_positions(lengths: torch.Tensor, width: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from pretrieve.data.collators import DupMAECollator
 from pretrieve.models.encoder import ordinary_positions
 from pretrieve.models.heads.registry import register_method
 from pretrieve.models.heads.retromae import RetroMAEHead, RetroMAEOptions
+from pretrieve.models.vocab_projection import max_pooled_linear
 
 LPU_CHOICES = ("mlm_head", "linear")
 OT_POSITION_CHOICES = ("unmasked", "all")
@@ -51,6 +52,12 @@ class DupMAEHead(RetroMAEHead):
         """mu_xi of eq. (6) for hidden states [..., hidden] -> [..., vocab]."""
         return self.lpu(hidden) if self.options.lpu == "linear" else self.encoder.mlm_logits(hidden)
 
+    def lpu_parts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input, weight, bias) of the LPU's final linear map: lpu_logits = F.linear(*lpu_parts)."""
+        if self.options.lpu == "linear":
+            return hidden, self.lpu.weight, self.lpu.bias
+        return self.encoder.mlm_transform(hidden), self.encoder.embeddings.word_embeddings.weight, self.encoder.mlm_bias
+
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
         mlm = self.encoder.token_loss(hidden, batch["mlm_labels"])
@@ -64,8 +71,8 @@ class DupMAEHead(RetroMAEHead):
         ot_mask = ordinary_positions(lengths, hidden.shape[1])
         if self.options.ot_positions == "unmasked":
             ot_mask &= batch["mlm_labels"] == -100
-        return bag_of_words_loss(self.lpu_logits(hidden), ot_mask, batch["bow_targets"], lengths,
-                                 self.options.bow_normalize)
+        mu = max_pooled_linear(*self.lpu_parts(hidden), ot_mask)  # eq. (7), without [B, L, vocab] logits
+        return bag_of_words_loss(mu, batch["bow_targets"], lengths, self.options.bow_normalize)
 
 
 def ot_vector(logits: torch.Tensor, ot_mask: torch.Tensor) -> torch.Tensor:
@@ -77,11 +84,12 @@ def ot_vector(logits: torch.Tensor, ot_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(ot_mask.any(dim=1, keepdim=True), pooled, torch.zeros_like(pooled))
 
 
-def bag_of_words_loss(logits: torch.Tensor, ot_mask: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor,
+def bag_of_words_loss(mu: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor,
                       normalize: str = "length") -> torch.Tensor:
-    """Eq. (8) averaged over texts: -sum_{x in set(X)} w_x log softmax(mu_X)[x]; `targets` [B, U] = set(X)
-    padded with -100; w_x = 1/(length - 2), the number of ordinary tokens ("length"), or 1 ("none")."""
-    log_probs = F.log_softmax(ot_vector(logits, ot_mask), dim=-1)
+    """Eq. (8) averaged over texts: -sum_{x in set(X)} w_x log softmax(mu_X)[x] for mu_X [B, vocab] (eq. 7);
+    `targets` [B, U] = set(X) padded with -100; w_x = 1/(length - 2), the number of ordinary tokens
+    ("length"), or 1 ("none")."""
+    log_probs = F.log_softmax(mu.to(torch.promote_types(mu.dtype, torch.float32)), dim=-1)
     present = targets != -100
     picked = torch.gather(log_probs, 1, targets.clamp(min=0)) * present
     weight = 1.0 / (lengths - 2).clamp(min=1).to(picked.dtype) if normalize == "length" else 1.0

@@ -8,17 +8,22 @@ tokens), s/step, TFLOP/s and MFU (engine.flops: analytic FLOPs; CPU peak = a mea
 over the steps after `--warmup`. Sizes: tiny = hidden 64, 2 layers, 2 heads, FFN 256; minilm = 384, 6, 12,
 1536; base = BERT-base; vocab 30,522. fp32 with `--threads` torch threads on CPU (default 2, as the anchors),
 bf16 on a GPU. `ratio_to_anchor` compares with the official RetroMAE code measured on this kind of machine
-(transformers 4.34, fp32, AdamW, 2 threads; the figures the engine issue gives).
+(transformers 4.34, fp32, AdamW, 2 threads; the figures the engine issue gives). `--baseline` also times,
+in the same run and on the same batches, the official RetroMAE model re-stated (`OfficialRetroMAE`: HF
+BertForMaskedLM with MLM logits over all 30,522 words at every position, the decoder layer with a dense
+L x L additive mask and eager attention, logits at every decoder position, torch AdamW, no DeepSpeed) and
+reports `ratio_to_baseline`; the anchor figures came from a faster machine than this one can be at times.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import tempfile
 from pathlib import Path
+
+import torch
 
 SIZES = {"tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 256},
          "minilm": {"hidden_size": 384, "num_layers": 6, "num_heads": 12, "intermediate_size": 1536},
@@ -27,6 +32,71 @@ SIZES = {"tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermedi
 ANCHORS = {("tiny", 128, 8): 1509.0, ("minilm", 256, 8): 568.0}
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "pretrieve" / "assets" / "samples"
+
+
+class OfficialRetroMAE(torch.nn.Module):
+    """RetroMAE's official pre-training model (pretrain/modeling.py, enhancedDecoder.py), re-stated for timing."""
+
+    def __init__(self, config):
+        from transformers import BertForMaskedLM
+
+        from pretrieve.models.heads.decoder import DecoderLayer
+
+        super().__init__()
+        self.lm = BertForMaskedLM(config)
+        self.c_head = DecoderLayer(config)
+        self.c_head.apply(self.lm._init_weights)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        from pretrieve.kernels.reference import expand_decoder_mask
+
+        out = self.lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                      labels=batch["mlm_labels"], output_hidden_states=True)
+        cls = out.hidden_states[-1][:, :1]
+        ids = batch["dec_input_ids"]
+        embeddings = self.lm.bert.embeddings
+        keys = torch.cat([cls, embeddings(input_ids=ids)[:, 1:]], dim=1)
+        query = embeddings.position_embeddings(torch.arange(ids.shape[1]))[None] + cls
+        additive = (~expand_decoder_mask(batch))[:, None].float() * torch.finfo(torch.float32).min
+
+        def attend(q, k, v, dropout_p):  # eager: scores, + mask, softmax, dropout, x V
+            scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + additive
+            return torch.nn.functional.dropout(scores.softmax(dim=-1), dropout_p, self.training) @ v
+
+        logits = self.lm.cls(self.c_head(query, keys, attend))
+        return out.loss + torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
+                                                            batch["dec_labels"].view(-1))
+
+
+def time_official(size: dict, seq_len: int, batch_size: int, steps: int, warmup: int, manifest: Path) -> float:
+    """Tokens/s of OfficialRetroMAE on the engine's data (collated by the retromae collator), fp32."""
+    import time
+    from itertools import islice
+
+    from pretrieve.data.masking import Vocabulary
+    from pretrieve.data.stream import ShardStream
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
+    from pretrieve.models.encoder import ModelOptions
+    from pretrieve.models.heads import get_method
+
+    method = get_method("retromae")
+    options = method.options_from({"max_len": seq_len, "decoder_pool_size": min(seq_len, 256)})
+    collate = method.collator.from_options(options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)))
+    samples = list(islice(iter(ShardStream([manifest], seed=0, shuffle_buffer=64)), steps * batch_size))
+    torch.manual_seed(0)
+    model = OfficialRetroMAE(ModelOptions(**size).bert_config()).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    tokens, started = 0, None
+    for step in range(steps):
+        if step == warmup:
+            tokens, started = 0, time.perf_counter()
+        batch = collate(samples[step * batch_size:(step + 1) * batch_size])
+        model(batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        tokens += int(batch["attention_mask"].sum())
+    return tokens / (time.perf_counter() - started)
 
 
 def main() -> None:
@@ -39,14 +109,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the averages")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--zero-stage", type=int, default=0)
+    p.add_argument("--baseline", action="store_true", help="also time OfficialRetroMAE in this run (CPU)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pretrain_throughput.json"))
     args = p.parse_args()
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch loads
-
-    import torch
-
     from pretrieve.config import experiment, load_config
     from pretrieve.data.prepare import PrepareOptions, prepare
     from pretrieve.engine.train import train
@@ -68,6 +135,8 @@ def main() -> None:
             overrides.append(f"method.decoder_pool_size={min(args.seq_len, 256)}")
         train(experiment(load_config(ROOT / "configs" / "pretrain" / f"{args.method}.yaml", overrides)))
         records = [json.loads(line) for line in (Path(work) / "run" / "metrics.jsonl").read_text().splitlines()]
+        baseline = (time_official(size, args.seq_len, args.batch, args.steps, args.warmup, shards / "manifest.json")
+                    if args.baseline and not gpu else None)
     timed = records[args.warmup:]
     tokens_per_s = sum(r["tokens_per_s"] for r in timed) / len(timed)
     samples_per_s = sum(r["samples_per_s"] for r in timed) / len(timed)
@@ -80,6 +149,8 @@ def main() -> None:
         "tflops_per_device": round(sum(r["tflops_per_device"] for r in timed) / len(timed), 4),
         "mfu": round(sum(r.get("mfu", 0.0) for r in timed) / len(timed), 4),
     }
+    if baseline:
+        result.update(baseline_tokens_per_s=round(baseline, 1), ratio_to_baseline=round(tokens_per_s / baseline, 3))
     anchor = None if gpu else ANCHORS.get((args.size, args.seq_len, args.batch))
     if anchor:
         result.update(anchor_tokens_per_s=anchor, ratio_to_anchor=round(tokens_per_s / anchor, 3))

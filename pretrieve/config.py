@@ -91,6 +91,7 @@ class TrainOptions:
     ds_config: str | None = None
     log_every: int = 10
     activation_checkpointing: bool = False  # recompute encoder layers in backward: less memory, ~1/3 more compute
+    offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step on the CPU (zero_stage >= 1)
     max_runtime: float | None = None  # seconds of wall clock; then checkpoint and exit 85, as on SIGTERM
 
 
@@ -165,6 +166,8 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
         raise ConfigError(f"train.precision: {train.precision!r} is not one of {', '.join(PRECISIONS)}")
     if train.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage: {train.zero_stage} is not 0, 1, 2 or 3")
+    if train.offload_optimizer and train.zero_stage == 0:
+        raise ConfigError("train.offload_optimizer: needs train.zero_stage 1, 2 or 3 (ZeRO-Offload)")
     if train.ds_config is not None and not Path(train.ds_config).is_file():
         raise ConfigError(f"train.ds_config: {train.ds_config} not found")
     if checkpoint.every < 1 or checkpoint.keep < 1:
@@ -202,4 +205,10 @@ def deepspeed_config(exp: Experiment) -> dict:
                     resolve_auto(value, key)
         return node
 
-    return resolve_auto(ds)
+    ds = resolve_auto(ds)
+    if t.offload_optimizer:
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        # the configured torch AdamW steps on the CPU copy; DeepSpeedCPUAdam ("torch_adam": false) is faster on
+        # GPU nodes but is a C++ op DeepSpeed compiles on first use
+        ds["zero_force_ds_cpu_optimizer"] = False
+    return ds

@@ -30,6 +30,7 @@ def _config(wiki_shards, *overrides):
     ("train.zero_stage=4", "train.zero_stage: 4"),
     ("resume=sometimes", "resume: 'sometimes': the only value is auto"),
     ("data.weights=[1,2]", "data.weights: 2 weights for 1 manifests"),
+    ("train.offload_optimizer=true", "train.offload_optimizer: needs train.zero_stage 1, 2 or 3"),
 ])
 def test_config_errors_name_the_key(wiki_shards, override, message):
     with pytest.raises(ConfigError, match=message):
@@ -150,3 +151,13 @@ def test_fp16_on_cpu_is_refused_by_name(tmp_path, wiki_shards):
                            "data.weights=null", "train.precision=fp16"], env=pretrain_env(), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 1 and "train.precision: fp16 needs a CUDA device" in done.stderr
+
+
+def test_cpu_optimizer_offload_gives_the_same_losses(tmp_path, wiki_shards):
+    common = ["train.max_steps=3", "tracking.enabled=false", "train.zero_stage=2"]
+    plain = _pretrain(tmp_path / "plain", wiki_shards, *common)
+    offloaded = _pretrain(tmp_path / "offloaded", wiki_shards, *common, "train.offload_optimizer=true")
+    assert [r["loss"] for r in offloaded] == pytest.approx([r["loss"] for r in plain], rel=1e-6)
+    states = torch.load(tmp_path / "offloaded" / "checkpoints" / "step00000003" / "mp_rank_00_model_states.pt",
+                        map_location="cpu", weights_only=False)
+    assert states["ds_config"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}  # what DeepSpeed ran

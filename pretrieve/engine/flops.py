@@ -80,7 +80,7 @@ def train_flops(method: str, options, config, batch: dict[str, torch.Tensor]) ->
     return total
 
 
-def measured_cpu_peak(size: int = 2048, repeats: int = 5) -> float:
+def measured_cpu_peak(size: int = 2048, repeats: int = 10) -> float:
     """FLOP/s of the best of `repeats` fp32 size x size matmuls with torch's threads: the CPU's MFU peak."""
     generator = torch.Generator().manual_seed(0)  # not the global RNG: a resumed run must replay its dropout
     a, b = torch.randn(size, size, generator=generator), torch.randn(size, size, generator=generator)

@@ -83,6 +83,8 @@ class Tracker:
             if options.system_metrics_every:
                 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+                logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no start/stop chatter
+
                 self.system = SystemMetricsMonitor(self.run_id, sampling_interval=options.system_metrics_every,
                                                    resume_logging=resumed, tracking_uri=uri)
                 self.system.start()

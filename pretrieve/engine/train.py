@@ -188,9 +188,9 @@ def train(exp: Experiment) -> dict:
                 out = engine(batch)
                 engine.backward(out["loss"])
                 boundary = engine.is_gradient_accumulation_boundary()  # asked before step(), which advances it
-                logging = boundary and ((engine.global_steps + 1) % exp.train.log_every == 0
+                log_now = boundary and ((engine.global_steps + 1) % exp.train.log_every == 0
                                         or engine.global_steps + 1 == exp.train.max_steps)
-                plain_norm = _plain_grad_norm(engine) if logging else None
+                plain_norm = _plain_grad_norm(engine) if log_now else None
                 engine.step()
                 tokens = int(batch["attention_mask"].sum())
                 counters["samples"] += len(batch["input_ids"])
@@ -207,7 +207,7 @@ def train(exp: Experiment) -> dict:
                     continue
                 step = engine.global_steps
                 bar.update(1)
-                if logging:
+                if log_now:
                     record = _log(metrics, tracker, step, window, engine, peak, plain_norm)
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
                 preempted = stop.should_stop(world)

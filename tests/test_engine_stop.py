@@ -75,3 +75,19 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, wiki_shards)
     full = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in logged] == [(r["step"], r["loss"]) for r in full]  # steps 3-4 once
+
+
+def test_a_second_signal_exits_at_once():
+    """The first SIGUSR1 asks for a checkpoint at the next step boundary; the second ends the process now
+    (the last complete checkpoint stays `latest`: it moves only after a finished save)."""
+    script = ("import os, signal, time\n"
+              "from pretrieve.engine.train import StopFlag\n"
+              "stop = StopFlag(max_runtime=None)\n"
+              "os.kill(os.getpid(), signal.SIGUSR1)\n"
+              "assert stop.should_stop(world=1)\n"
+              "print('asked', flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGUSR1)\n"
+              "time.sleep(30)\n"
+              "print('still running')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "asked\n" and done.returncode == 128 + signal.SIGUSR1, done.stderr[-2000:]

@@ -48,41 +48,62 @@ def test_deepspeed_config_auto_fields(wiki_shards):
     assert ds["optimizer"]["params"]["lr"] == 1e-4 and "auto" not in json.dumps(ds)
 
 
+def _common(wiki_shards):
+    return [f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "method.max_len=64",
+            "checkpoint.every=2", "train.log_every=1"]
+
+
 def _pretrain(run_dir, wiki_shards, *overrides):
-    env = pretrain_env()
     cmd = [sys.executable, "-m", "pretrieve", "pretrain", str(CONFIGS / "tiny-retromae.yaml"), f"run_dir={run_dir}",
-           f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "method.max_len=64",
-           "checkpoint.every=2", "train.log_every=1", *overrides]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+           *_common(wiki_shards), *overrides]
+    done = subprocess.run(cmd, env=pretrain_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, wiki_shards, stage):
-    """fp32 on CPU, world 1: stop at step 2, resume to step 4; every logged loss and lr equals the
-    uninterrupted run's, bit for bit (dropout on: the RNG states travel in the checkpoint)."""
+STAGES = (0, 1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def first_halves(tmp_path_factory, wiki_shards):
+    """Per ZeRO stage, in one process: an uninterrupted 4-step run and a run stopped after step 2."""
+    base = tmp_path_factory.mktemp("resume")
+    runs = [[f"run_dir={base / name}{stage}", f"train.zero_stage={stage}", f"train.max_steps={steps}",
+             "tracking.enabled=false", *_common(wiki_shards)]
+            for stage in STAGES for name, steps in (("full", 4), ("split", 2))]
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "train_many.py"),
+                           str(CONFIGS / "tiny-retromae.yaml"), json.dumps(runs)], env=pretrain_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return base
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_resume_reproduces_the_uninterrupted_run(first_halves, wiki_shards, stage):
+    """fp32 on CPU, world 1: a fresh process resumes the run stopped at step 2 and goes to step 4; every
+    logged loss and lr, and the exported weights, equal the uninterrupted run's bit for bit (dropout on: the
+    RNG states travel in the checkpoint)."""
+    full_dir, split_dir = first_halves / f"full{stage}", first_halves / f"split{stage}"
     zero = f"train.zero_stage={stage}"
-    full = _pretrain(tmp_path / "full", wiki_shards, zero, "train.max_steps=4")
-    _pretrain(tmp_path / "split", wiki_shards, zero, "train.max_steps=2")
-    split = _pretrain(tmp_path / "split", wiki_shards, zero, "train.max_steps=4", "resume=auto")
+    full = [json.loads(line) for line in (full_dir / "metrics.jsonl").read_text().splitlines()]
+    split = _pretrain(split_dir, wiki_shards, zero, "train.max_steps=4", "resume=auto", "tracking.enabled=false")
     assert [r["step"] for r in split] == [1, 2, 3, 4]
     assert [(r["loss"], r["lr"]) for r in split] == [(r["loss"], r["lr"]) for r in full]
-    assert (tmp_path / "split" / "checkpoints" / "latest").read_text() == "step00000004"
+    assert (split_dir / "checkpoints" / "latest").read_text() == "step00000004"
+    kept = sorted(p.name for p in (split_dir / "checkpoints").iterdir() if p.is_dir())
+    assert kept == ["step00000002", "step00000004"]  # checkpoint.keep = 2
+    for name in ("model.safetensors", "pretrieve_head.safetensors"):  # consolidated from the final checkpoint
+        ours, reference = load_file(split_dir / "export" / name), load_file(full_dir / "export" / name)
+        assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+    if stage == 1:  # `pretrieve export` on the command line (ZeRO 1 keeps the frozen pooler out of its partitions)
+        out = first_halves / "exported"
+        subprocess.run([sys.executable, "-m", "pretrieve", "export", str(split_dir), str(out)], check=True,
+                       capture_output=True, env=pretrain_env())
+        ours, reference = load_file(out / "model.safetensors"), load_file(full_dir / "export" / "model.safetensors")
+        assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
     if stage == 0:  # a run directory with checkpoints is never overwritten by accident
         with pytest.raises(AssertionError, match="already holds checkpoints; pass resume=auto"):
-            _pretrain(tmp_path / "split", wiki_shards, zero, "train.max_steps=6")
-    kept = sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir() if p.is_dir())
-    assert kept == ["step00000002", "step00000004"]  # checkpoint.keep = 2
-
-    # `pretrieve export` of the last checkpoint (consolidated for ZeRO 2) equals the run's own export
-    out = tmp_path / "exported"
-    subprocess.run([sys.executable, "-m", "pretrieve", "export", str(tmp_path / "split"), str(out)], check=True,
-                   capture_output=True)
-    ours, run_export = load_file(out / "model.safetensors"), load_file(tmp_path / "split" / "export" / "model.safetensors")
-    assert ours.keys() == run_export.keys() and all(torch.equal(ours[k], run_export[k]) for k in ours)
-    heads = load_file(out / "pretrieve_head.safetensors"), load_file(tmp_path / "split" / "export" / "pretrieve_head.safetensors")
-    assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[1])
+            _pretrain(split_dir, wiki_shards, zero, "train.max_steps=6")
 
 
 def test_resume_at_world_size_two_and_then_one(tmp_path, wiki_shards):

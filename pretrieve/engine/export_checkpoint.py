@@ -11,18 +11,9 @@ from pathlib import Path
 
 import torch
 
+from pretrieve.engine.run_dir import locate
+
 ENCODER_CONFIG = "encoder_config.json"
-
-
-def locate(path: Path) -> tuple[Path, Path, str]:
-    """(run_dir, checkpoints dir, tag)."""
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    if (path / "latest").is_file():
-        return path.parent, path, (path / "latest").read_text().strip()
-    if path.is_dir() and path.name.startswith("step"):
-        return path.parent.parent, path.parent, path.name
-    raise FileNotFoundError(f"{path}: not a run directory, checkpoints directory or checkpoint tag")
 
 
 def export_checkpoint(path: str | Path, out: str | Path) -> Path:

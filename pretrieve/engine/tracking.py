@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrieve.engine.run_dir import write_atomic
+
 log = logging.getLogger(__name__)
 
 
@@ -76,10 +78,8 @@ class Tracker:
                 self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name, tags=tags).info.run_id
                 for key, value in params.items():
                     self.client.log_param(self.run_id, key, value)
-                tmp = run_file.with_name(".run.json.tmp")
-                tmp.write_text(json.dumps({"tracking_uri": uri, "run_id": self.run_id,
-                                           "experiment": options.experiment}, indent=1))
-                os.replace(tmp, run_file)
+                write_atomic(run_file, json.dumps({"tracking_uri": uri, "run_id": self.run_id,
+                                                   "experiment": options.experiment}, indent=1))
             if options.system_metrics_every:
                 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 

@@ -25,10 +25,10 @@ import torch
 from pretrieve.config import ConfigError, Experiment, deepspeed_config
 from pretrieve.engine.export_checkpoint import ENCODER_CONFIG, export_checkpoint
 from pretrieve.engine.flops import device_peak, train_flops
+from pretrieve.engine.run_dir import LATEST, latest_checkpoint, write_atomic
 from pretrieve.engine.tracking import Tracker, run_params, run_tags
 from pretrieve.engine.universal import is_universal
 
-LATEST = "latest"
 PREEMPTED_EXIT_CODE = 85  # the SLURM launcher requeues on this code
 
 
@@ -100,17 +100,6 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def latest_checkpoint(run_dir: Path) -> str | None:
-    latest = run_dir / "checkpoints" / LATEST
-    return latest.read_text().strip() if latest.is_file() else None
-
-
 def train(exp: Experiment) -> dict:
     import deepspeed
     from omegaconf import OmegaConf
@@ -131,7 +120,7 @@ def train(exp: Experiment) -> dict:
                          "or choose another run_dir")
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(exp.raw, resolve=True))
+        write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(exp.raw, resolve=True))
 
     head = exp.method.build(exp.options, exp.model, seed=exp.seed)
     if rank == 0:  # the architecture, also when it came from model.init_from: `pretrieve export` rebuilds from it
@@ -241,7 +230,7 @@ def train(exp: Experiment) -> dict:
 def _truncate_metrics(path: Path, step: int) -> None:
     if path.is_file():
         lines = path.read_text().splitlines(keepends=True)
-        _write_atomic(path, "".join(line for line in lines if json.loads(line)["step"] <= step))
+        write_atomic(path, "".join(line for line in lines if json.loads(line)["step"] <= step))
 
 
 def _plain_grad_norm(engine) -> float | None:
@@ -306,7 +295,7 @@ def save_checkpoint(engine, ckpt_dir: Path, step: int, stream, counters: dict, k
     if world > 1:
         dist.barrier()
     if rank == 0:
-        _write_atomic(ckpt_dir / LATEST, tag)
+        write_atomic(ckpt_dir / LATEST, tag)
         tags = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
         for old in tags[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

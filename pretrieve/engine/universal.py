@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrieve.engine.export_checkpoint import locate
+from pretrieve.engine.run_dir import LATEST, locate, write_atomic
 
 UNIVERSAL_SUFFIX = "-universal"
 
@@ -47,7 +47,5 @@ def to_universal(path: str | Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)  # complete before `latest` names it
     (ckpt_dir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer, to the temporary name
-    latest_tmp = ckpt_dir / ".latest.tmp"
-    latest_tmp.write_text(out.name)
-    os.replace(latest_tmp, ckpt_dir / "latest")
+    write_atomic(ckpt_dir / LATEST, out.name)
     return out

@@ -50,7 +50,7 @@ class DupMAEHead(RetroMAEHead):
 
     def lpu_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """mu_xi of eq. (6) for hidden states [..., hidden] -> [..., vocab]."""
-        return self.lpu(hidden) if self.options.lpu == "linear" else self.encoder.mlm_logits(hidden)
+        return F.linear(*self.lpu_parts(hidden))
 
     def lpu_parts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input, weight, bias) of the LPU's final linear map: lpu_logits = F.linear(*lpu_parts)."""

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pretrieve.config import ConfigError, Experiment, deepspeed_config
+from pretrieve.engine.allocator import keep_freed_memory
 from pretrieve.engine.export_checkpoint import ENCODER_CONFIG, export_checkpoint
 from pretrieve.engine.flops import device_peak, train_flops
 from pretrieve.engine.run_dir import LATEST, latest_checkpoint, write_atomic
@@ -113,6 +114,8 @@ def train(exp: Experiment) -> dict:
     if exp.train.precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("train.precision: fp16 needs a CUDA device (DeepSpeed refuses fp16 on CPU); "
                           "use bf16 or fp32")
+    if not torch.cuda.is_available():
+        keep_freed_memory()  # ~10% of a CPU step went to page faults on re-allocated tensors
     _seed_everything(exp.seed, rank)
     run_dir, ckpt_dir = exp.run_dir, exp.run_dir / "checkpoints"
     if exp.resume != "auto" and latest_checkpoint(run_dir) is not None:
@@ -205,6 +208,8 @@ def train(exp: Experiment) -> dict:
                 if preempted:
                     if tracker is not None:
                         tracker.finish("KILLED")  # reopened by resume=auto
+                    if world > 1:  # nobody exits before rank 0 has moved `latest`: a launcher that ends
+                        torch.distributed.barrier()  # all ranks when the first one leaves would cut it short
                     raise Preempted()
                 if step >= exp.train.max_steps:
                     break

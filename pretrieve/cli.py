@@ -13,7 +13,6 @@ PLANNED = {
     "eval": "fine-tune and score a checkpoint on BEIR / MS MARCO (evaluation issue)",
     "farm": "run an evaluation farm over checkpoints x datasets (evaluation issue)",
     "report": "compare runs from MLflow (evaluation issue)",
-    "launch-info": "print the resolved world of a launch (launcher issue)",
 }
 
 
@@ -26,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_pretrain(commands)
     _add_export(commands)
     _add_universal(commands)
+    _add_launch_info(commands)
     for name, help_text in PLANNED.items():
         commands.add_parser(name, help=f"[not yet available] {help_text}")
     args = parser.parse_args(argv)
@@ -65,6 +65,49 @@ def _run_pretrain(args) -> int:
               file=sys.stderr)
         return stopped.code
     print(json.dumps(result))
+    return 0
+
+
+def _add_launch_info(commands) -> None:
+    p = commands.add_parser("launch-info", help="print the world and batch a launch of CONFIG would use; no training",
+                            description="Resolve the world (hostfile, launcher environment, SLURM allocation or "
+                                        "this machine), validate CONFIG for it and print hosts, ranks, devices and "
+                                        "the batch arithmetic.")
+    p.add_argument("config", metavar="CONFIG")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--hostfile", default=None, help="DeepSpeed hostfile (launchers/make_hostfile.sh writes one)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    p.set_defaults(run=_run_launch_info)
+
+
+def _run_launch_info(args) -> int:
+    from pretrieve.config import deepspeed_config, experiment, load_config
+    from pretrieve.engine.run_dir import latest_checkpoint
+    from pretrieve.engine.world import local_devices, resolve_world
+
+    world = resolve_world(args.hostfile)
+    exp = experiment(load_config(args.config, args.overrides), world_size=world.size)
+    ds = deepspeed_config(exp)  # also checks the DeepSpeed JSON against the experiment
+    t = exp.train
+    devices, device_name = local_devices()
+    info = {"world_size": world.size, "source": world.source, "hosts": dict(world.hosts),
+            "devices_here": devices, "device": device_name, "micro_batch_size": t.micro_batch_size,
+            "grad_accum": t.grad_accum, "global_batch_size": t.micro_batch_size * t.grad_accum * world.size,
+            "max_len": getattr(exp.options, "max_len", None), "zero_stage": ds["zero_optimization"]["stage"],
+            "precision": t.precision, "ds_config": t.ds_config or f"ds_configs/zero{t.zero_stage}.json",
+            "method": exp.method.name, "run_dir": str(exp.run_dir), "resume_from": latest_checkpoint(exp.run_dir)}
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"world: {info['world_size']} ranks on {len(world.hosts)} host(s), from {world.source}")
+    for host, slots in world.hosts:
+        print(f"  {host}: {slots} rank(s)")
+    print(f"devices here: {devices} x {device_name}")
+    print(f"batch: micro {t.micro_batch_size} x grad_accum {t.grad_accum} x world {world.size} = global "
+          f"{info['global_batch_size']} sequences of <= {info['max_len']} tokens")
+    print(f"method {info['method']}, ZeRO {info['zero_stage']}, {t.precision} ({info['ds_config']})")
+    resume = f"resume=auto continues from {info['resume_from']}" if info["resume_from"] else "no checkpoint yet"
+    print(f"run_dir: {info['run_dir']} ({resume})")
     return 0
 
 

@@ -206,6 +206,12 @@ def deepspeed_config(exp: Experiment) -> dict:
         return node
 
     ds = resolve_auto(ds)
+    # a precision variant (ds_configs/zero2_bf16.json) must say what train.precision says
+    enabled = [name for name in ("bf16", "fp16") if ds.get(name, {}).get("enabled", False)]
+    if (enabled or ["fp32"]) != [t.precision]:
+        raise ConfigError(f"train.precision: {t.precision}, but {path} enables "
+                          f"{' and '.join(enabled) or 'neither bf16 nor fp16'}; make them agree, or write "
+                          '"auto" in its "enabled" fields')
     if t.offload_optimizer:
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         # the configured torch AdamW steps on the CPU copy; DeepSpeedCPUAdam ("torch_adam": false) is faster on

@@ -15,10 +15,10 @@ SAMPLES = Path(__file__).resolve().parent.parent / "pretrieve" / "assets" / "sam
 def pretrain_env(**extra: str) -> dict:
     """Environment for a `pretrieve pretrain` subprocess: DeepSpeed on CPU, one thread per rank, and none of
     this process's rank variables (the child is its own world, or torchrun sets them)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", **extra)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(key, None)
-    return env
+    return {**env, **extra}
 
 
 def free_port() -> str:

@@ -3,6 +3,8 @@ launched by it), so DeepSpeed's import and process group are paid once. Prints o
 the step count, the last logged loss, and how many trainable encoder tensors the steps changed.
 
     python tests/one_step.py OUT MANIFEST retromae,dupmae 0,2,3 [fp32|bf16]
+
+A stage that is not a number names a file of ds_configs/ (cpu_test, zero3_offload) to train with instead.
 """
 
 import json
@@ -16,7 +18,8 @@ from safetensors.torch import load_file
 from pretrieve.config import experiment, load_config
 from pretrieve.engine.train import train
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs" / "pretrain"
 
 
 def main(out: str, manifest: str, methods: str, stages: str, precision: str = "fp32") -> None:
@@ -26,9 +29,11 @@ def main(out: str, manifest: str, methods: str, stages: str, precision: str = "f
     for method in methods.split(","):
         for stage in stages.split(","):
             run_dir = Path(out) / f"{method}-zero{stage}"
+            ds = f"ds_configs/{stage}.json" if not stage.isdigit() else None
             config = load_config(CONFIGS / f"tiny-{method}.yaml", [
                 f"run_dir={run_dir}", f"data.manifests=[{manifest}]", "data.weights=null", "method.max_len=64",
-                "train.max_steps=3", "train.log_every=1", "train.micro_batch_size=4", f"train.zero_stage={stage}",
+                "train.max_steps=3", "train.log_every=1", "train.micro_batch_size=4",
+                f"train.zero_stage={stage}" if ds is None else f"train.ds_config={ROOT / ds}",
                 "tracking.enabled=false", "train.warmup_ratio=0", f"train.precision={precision}"])  # WarmupDecayLR: lr 0 at steps 1-2
             exp = experiment(config, world_size=world)
             initial = {k: v.clone() for k, v in exp.method.build(exp.options, exp.model, seed=exp.seed)
@@ -40,7 +45,7 @@ def main(out: str, manifest: str, methods: str, stages: str, precision: str = "f
             record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
             trainable = [k for k in trained if not k.startswith("pooler.")]  # the pooler is frozen
             changed = sum(not torch.equal(trained[k], initial[k]) for k in trainable)
-            print(json.dumps({"method": method, "stage": int(stage), "world": world, "precision": precision, "step": result["step"],
+            print(json.dumps({"method": method, "stage": int(stage) if ds is None else stage, "world": world, "precision": precision, "step": result["step"],
                               "loss": record["loss"], "finite": math.isfinite(record["loss"]),
                               "trainable": len(trainable), "changed": changed}), flush=True)
 

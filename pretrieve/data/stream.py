@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -234,6 +235,7 @@ class StreamLoader(DataLoader):
         for bad in ("persistent_workers", "drop_last", "shuffle", "sampler", "batch_sampler"):
             if kwargs.get(bad):
                 raise ValueError(f"StreamLoader does not support {bad}=...; the stream shuffles and splits itself")
+        kwargs["worker_init_fn"] = _StopSignalsIgnored(kwargs.get("worker_init_fn"))
         super().__init__(stream, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn or list,
                          **kwargs)
 
@@ -266,6 +268,21 @@ class StreamLoader(DataLoader):
         """Batches every rank yields in a full epoch (the same on all ranks)."""
         n, slots = self.dataset.samples_per_epoch(), max(1, self.num_workers)
         return sum(math.ceil((n // slots + (w < n % slots)) / self.batch_size) for w in range(slots))
+
+
+class _StopSignalsIgnored:
+    """Worker init: SLURM sends its pre-timeout USR1 and its TERM to every process of a job step. The main
+    process decides (a checkpoint at the next step, then it ends its workers); a worker killed under it
+    would make the DataLoader raise in the middle of that step."""
+
+    def __init__(self, then=None):
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+        if self.then is not None:
+            self.then(worker_id)
 
 
 def _distributed_position(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -1,0 +1,73 @@
+"""The world a launch will form, resolved without starting it: `pretrieve launch-info CONFIG`.
+
+Where the ranks come from, first match wins: a DeepSpeed hostfile (`host slots=N` lines, as
+launchers/make_hostfile.sh writes); a launcher's environment (WORLD_SIZE, as deepspeed / torchrun / the
+launchers set it for each rank); a SLURM allocation (SLURM_JOB_NODELIST expanded by `scontrol show hostnames`,
+SLURM_NTASKS ranks); otherwise this machine alone, one rank per GPU, or one CPU rank.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class World:
+    hosts: list[tuple[str, int]]  # (host, ranks on it)
+    source: str  # where it came from: hostfile PATH | launcher environment | SLURM job N | this machine
+
+    @property
+    def size(self) -> int:
+        return sum(slots for _, slots in self.hosts)
+
+
+def read_hostfile(path: str | Path) -> list[tuple[str, int]]:
+    """DeepSpeed hostfile lines `host slots=N` (# comments, blank lines); errors name the line."""
+    hosts = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.split("#")[0].strip()
+        if not line:
+            continue
+        words = line.split()
+        slots = [w for w in words[1:] if w.startswith("slots=")]
+        if len(words) != 2 or len(slots) != 1 or not slots[0][6:].isdigit() or int(slots[0][6:]) < 1:
+            raise ValueError(f"{path}:{number}: expected 'HOST slots=N' with N >= 1, got {line!r}")
+        if any(host == words[0] for host, _ in hosts):
+            raise ValueError(f"{path}:{number}: host {words[0]} listed twice")
+        hosts.append((words[0], int(slots[0][6:])))
+    if not hosts:
+        raise ValueError(f"{path}: no hosts")
+    return hosts
+
+
+def slurm_hostnames(nodelist: str) -> list[str]:
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise RuntimeError(f"scontrol show hostnames {nodelist!r} failed ({e}); is this a SLURM node?") from e
+    return out.stdout.split()
+
+
+def local_devices() -> tuple[int, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), torch.cuda.get_device_name()
+    return 1, "cpu"
+
+
+def resolve_world(hostfile: str | None = None, env: dict | None = None) -> World:
+    env = os.environ if env is None else env
+    if hostfile:
+        return World(read_hostfile(hostfile), f"hostfile {hostfile}")
+    if env.get("WORLD_SIZE"):
+        return World([(env.get("MASTER_ADDR", "localhost"), int(env["WORLD_SIZE"]))], "launcher environment")
+    if env.get("SLURM_JOB_NODELIST"):
+        hosts = slurm_hostnames(env["SLURM_JOB_NODELIST"])
+        ranks = int(env.get("SLURM_NTASKS", len(hosts)))
+        per_host = [ranks // len(hosts) + (i < ranks % len(hosts)) for i in range(len(hosts))]
+        return World(list(zip(hosts, per_host)), f"SLURM job {env.get('SLURM_JOB_ID', '?')}")
+    return World([("localhost", local_devices()[0])], "this machine")

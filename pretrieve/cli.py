@@ -10,7 +10,6 @@ from pretrieve import __version__
 
 # Commands that later issues add are listed so `--help` shows the whole tool and says what is not there yet.
 PLANNED = {
-    "eval": "fine-tune and score a checkpoint on BEIR / MS MARCO (evaluation issue)",
     "farm": "run an evaluation farm over checkpoints x datasets (evaluation issue)",
     "report": "compare runs from MLflow (evaluation issue)",
 }
@@ -26,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_export(commands)
     _add_universal(commands)
     _add_launch_info(commands)
+    _add_eval(commands)
     for name, help_text in PLANNED.items():
         commands.add_parser(name, help=f"[not yet available] {help_text}")
     args = parser.parse_args(argv)
@@ -108,6 +108,44 @@ def _run_launch_info(args) -> int:
     print(f"method {info['method']}, ZeRO {info['zero_stage']}, {t.precision} ({info['ds_config']})")
     resume = f"resume=auto continues from {info['resume_from']}" if info["resume_from"] else "no checkpoint yet"
     print(f"run_dir: {info['run_dir']} ({resume})")
+    return 0
+
+
+def _add_eval(commands) -> None:
+    from pretrieve.eval.search import INDEXES
+
+    p = commands.add_parser("eval", help="score an encoder (or BM25) on a BEIR / MS MARCO set: metrics, run, per query",
+                            description="Encode the corpus and the judged queries, search, and write OUT/metrics.json "
+                                        "(ndcg@10, mrr@10, mrr@100, recall@100, recall@1000, map), OUT/run.trec and "
+                                        "OUT/per_query.jsonl.")
+    p.add_argument("--model", default=None, metavar="DIR", help="HF encoder directory (`pretrieve export` output)")
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--beir", default=None, metavar="DIR", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/")
+    data.add_argument("--msmarco", default=None, metavar="DIR",
+                      help="MS MARCO folder: collection.tsv or msmarco-docs.tsv, queries.SPLIT.tsv, qrels.SPLIT.tsv")
+    p.add_argument("--split", default=None, help="qrels split (default: test for BEIR, dev for MS MARCO)")
+    p.add_argument("--pooling", choices=("cls", "mean"), default="cls")
+    p.add_argument("--normalize", action="store_true", help="L2-normalize vectors (cosine similarity)")
+    p.add_argument("--max-length", type=int, default=256, help="tokens per text, queries and documents")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--index", choices=INDEXES, default="flat", help="faiss index (flat is exact)")
+    p.add_argument("--depth", type=int, default=1000, help="documents retrieved per query")
+    p.add_argument("--bm25", action="store_true", help="BM25 baseline (alone, or beside --model in OUT/bm25/)")
+    p.add_argument("--on-missing", choices=("fail", "skip"), default="fail",
+                   help="qrels naming an unknown query or document: stop with file:line (fail), or drop and count")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.set_defaults(run=_run_eval)
+
+
+def _run_eval(args) -> int:
+    from pretrieve.eval.evaluate import EvalOptions, run_eval
+
+    split = args.split or ("test" if args.beir else "dev")
+    result = run_eval(EvalOptions(
+        out=args.out, model=args.model, beir=args.beir, msmarco=args.msmarco, split=split, pooling=args.pooling,
+        max_length=args.max_length, normalize=args.normalize, batch_size=args.batch_size, index=args.index,
+        depth=args.depth, bm25=args.bm25, on_missing=args.on_missing))
+    print(json.dumps({k: result[k] for k in ("ndcg@10", "mrr@10", "recall@100", "map", "dataset", "retriever")}))
     return 0
 
 

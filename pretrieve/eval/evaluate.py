@@ -1,0 +1,83 @@
+"""`pretrieve eval`: score one encoder (or BM25) on one retrieval set and write the evaluation outputs.
+
+OUT/metrics.json (the metrics of eval.metrics plus what was run), OUT/run.trec (top `depth` per query, in
+trec_eval's order) and OUT/per_query.jsonl (DESIGN.md "Evaluation output"), each written through a temporary
+file and a rename. `--bm25` with a model also writes the BM25 baseline to OUT/bm25/.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pretrieve.data.retrieval import RetrievalSet, load_retrieval_set
+from pretrieve.engine.run_dir import write_atomic
+from pretrieve.eval.encode import DenseEncoder, EncodeOptions
+from pretrieve.eval.metrics import evaluate, trec_run_lines
+from pretrieve.eval.search import bm25_search, dense_search
+
+
+@dataclass
+class EvalOptions:
+    out: str
+    model: str | None = None
+    beir: str | None = None
+    msmarco: str | None = None
+    split: str = "test"
+    pooling: str = "cls"
+    max_length: int = 256
+    normalize: bool = False
+    batch_size: int = 64
+    index: str = "flat"
+    depth: int = 1000
+    bm25: bool = False
+    on_missing: str = "fail"
+    progress: bool = True
+
+
+def run_eval(opts: EvalOptions) -> dict:
+    """Evaluate; returns the model's metrics.json content (BM25's when there is no model)."""
+    if opts.model is None and not opts.bm25:
+        raise ValueError("give --model DIR, or --bm25 for the BM25 baseline")
+    data = load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing)
+    out = Path(opts.out)
+    result = None
+    if opts.model is not None:
+        started = time.perf_counter()
+        encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size,
+                                                         opts.normalize))
+        doc_ids, query_ids = list(data.corpus), list(data.queries)
+        docs = encoder.encode([data.doc_text(d) for d in doc_ids], desc="encode corpus", progress=opts.progress)
+        queries = encoder.encode([data.queries[q] for q in query_ids], desc="encode queries", progress=opts.progress)
+        run = dense_search(docs, doc_ids, queries, query_ids, k=opts.depth, index=opts.index)
+        result = _write(out, data, run, {**_describe(opts, data), "retriever": "dense",
+                                         "seconds": round(time.perf_counter() - started, 1)})
+    if opts.bm25:
+        started = time.perf_counter()
+        run = bm25_search({d: data.doc_text(d) for d in data.corpus}, data.queries, k=opts.depth)
+        bm25 = _write(out / "bm25" if opts.model is not None else out, data, run,
+                      {**_describe(opts, data, dense=False), "retriever": "bm25", "k1": 0.9, "b": 0.4,
+                       "seconds": round(time.perf_counter() - started, 1)})
+        result = result or bm25
+    return result
+
+
+def _describe(opts: EvalOptions, data: RetrievalSet, dense: bool = True) -> dict:
+    encoder_only = ("model", "pooling", "max_length", "normalize", "batch_size", "index")
+    info = {k: v for k, v in asdict(opts).items()
+            if k not in ("out", "progress", "bm25") and (dense or k not in encoder_only)}
+    return {**info, "dataset": data.name, "documents": len(data.corpus), "queries": len(data.queries),
+            "skipped_qrels": data.skipped}
+
+
+def _write(out: Path, data: RetrievalSet, run: dict, info: dict) -> dict:
+    means, per_query = evaluate(data.qrels, run)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "run.trec", "".join(line + "\n" for line in trec_run_lines(run, info["retriever"])))
+    write_atomic(out / "per_query.jsonl", "".join(json.dumps({"query_id": q, **m}) + "\n"
+                                                   for q, m in per_query.items()))
+    result = {**{k: round(v, 6) for k, v in means.items()}, **info}
+    write_atomic(out / "metrics.json", json.dumps(result, indent=1) + "\n")  # last: its presence means done
+    return result

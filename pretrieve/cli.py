@@ -8,12 +8,6 @@ import sys
 
 from pretrieve import __version__
 
-# Commands that later issues add are listed so `--help` shows the whole tool and says what is not there yet.
-PLANNED = {
-    "farm": "run an evaluation farm over checkpoints x datasets (evaluation issue)",
-    "report": "compare runs from MLflow (evaluation issue)",
-}
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pretrieve", description=__doc__.splitlines()[0])
@@ -26,14 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_universal(commands)
     _add_launch_info(commands)
     _add_eval(commands)
-    for name, help_text in PLANNED.items():
-        commands.add_parser(name, help=f"[not yet available] {help_text}")
+    _add_farm(commands)
+    _add_report(commands)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        return 2
-    if args.command in PLANNED:
-        print(f"pretrieve {args.command}: not implemented yet ({PLANNED[args.command]})", file=sys.stderr)
         return 2
     try:
         return args.run(args)
@@ -146,6 +137,44 @@ def _run_eval(args) -> int:
         max_length=args.max_length, normalize=args.normalize, batch_size=args.batch_size, index=args.index,
         depth=args.depth, bm25=args.bm25, on_missing=args.on_missing))
     print(json.dumps({k: result[k] for k in ("ndcg@10", "mrr@10", "recall@100", "map", "dataset", "retriever")}))
+    return 0
+
+
+def _add_farm(commands) -> None:
+    p = commands.add_parser("farm", help="evaluate checkpoints x datasets x stages in parallel or on SLURM; MLflow",
+                            description="Run every pending `pretrieve eval` job of FARM.yaml (see "
+                                        "pretrieve/eval/farm.py), skipping done ones, and log each to MLflow.")
+    p.add_argument("farm", metavar="FARM.yaml")
+    p.add_argument("--slurm", default=None, metavar="JOBS",
+                   help="write the pending jobs to JOBS for launchers/slurm/eval_farm.sbatch instead of running them")
+    p.set_defaults(run=_run_farm)
+
+
+def _run_farm(args) -> int:
+    from pretrieve.eval.farm import run_farm
+
+    result = run_farm(args.farm, slurm_jobs=args.slurm)
+    print(json.dumps(result))
+    if args.slurm and result["pending_for_slurm"]:
+        print(f"submit: sbatch --array=0-{result['pending_for_slurm'] - 1} launchers/slurm/eval_farm.sbatch "
+              f"{args.slurm}; then run `pretrieve farm {args.farm}` again to log the results", file=sys.stderr)
+    return 1 if result["failed"] else 0
+
+
+def _add_report(commands) -> None:
+    p = commands.add_parser("report", help="comparison tables (markdown, CSV) and plots of evaluation runs in MLflow")
+    p.add_argument("--uri", required=True, help="MLflow tracking URI, e.g. sqlite:///farm-out/mlflow.db")
+    p.add_argument("--experiment", action="append", default=None, help="only these experiments (repeatable)")
+    p.add_argument("--metric", action="append", default=None, help="metrics to tabulate (default ndcg@10, mrr@10, "
+                                                                   "recall@100)")
+    p.add_argument("--out", default="report", metavar="DIR")
+    p.set_defaults(run=_run_report)
+
+
+def _run_report(args) -> int:
+    from pretrieve.eval.report import DEFAULT_METRICS, write_report
+
+    print(write_report(args.uri, args.out, args.experiment, tuple(args.metric or DEFAULT_METRICS)))
     return 0
 
 

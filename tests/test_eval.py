@@ -148,3 +148,64 @@ def test_pretrieve_eval_writes_metrics_run_and_per_query(tmp_path, tiny_encoder,
 
     assert cli(["eval", "--beir", str(SCIFACT), "--out", str(tmp_path / "none")]) == 1
     assert "give --model DIR, or --bm25" in capsys.readouterr().err
+
+
+def test_farm_runs_jobs_in_parallel_logs_mlflow_and_reruns_only_what_is_missing(tmp_path, tiny_encoder):
+    from mlflow.tracking import MlflowClient
+
+    from pretrieve.engine.tracking import Tracker, TrackingOptions
+    from pretrieve.eval.farm import run_farm
+    from pretrieve.eval.report import write_report
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    pretrain_run = tmp_path / "runs" / "a"  # a pre-training run in the same store: job runs nest under it
+    pretrain_run.mkdir(parents=True)
+    parent = Tracker(TrackingOptions(uri=uri, system_metrics_every=None), pretrain_run, {}, {})
+    parent.finish()
+    marco = write_msmarco(load_beir(SCIFACT), tmp_path / "marco", "dev")
+    second = tmp_path / "second"  # not there yet: its jobs fail, the others go on
+    farm = tmp_path / "farm.yaml"
+    farm.write_text(json.dumps({
+        "out": str(tmp_path / "farm"), "workers": 2, "tracking": {"uri": uri},
+        "eval": {"max_length": 32, "depth": 20},
+        "checkpoints": [{"name": "a", "model": str(tiny_encoder), "pooling": "mean", "normalize": True,
+                         "run_dir": str(pretrain_run)},
+                        {"name": "b", "model": str(second)}],
+        "datasets": [{"name": "scifact", "beir": str(SCIFACT)}, {"name": "marco", "msmarco": str(marco),
+                                                                  "split": "dev"}]}))
+    first = run_farm(farm, progress=False)
+    assert first["jobs"] == 4 and first["ran"] == 2 and sorted(first["failed"]) == ["b/marco/zero-shot",
+                                                                                    "b/scifact/zero-shot"]
+    assert "not a model directory" in first["failed"]["b/scifact/zero-shot"]
+    assert sorted(first["logged"]) == ["a/marco/zero-shot", "a/scifact/zero-shot"]
+
+    jobs = tmp_path / "jobs.txt"  # what is left, as a job list for launchers/slurm/eval_farm.sbatch
+    assert run_farm(farm, slurm_jobs=str(jobs), progress=False)["pending_for_slurm"] == 2
+    assert [line.split()[:3] for line in jobs.read_text().splitlines()] == [["eval", "--model", str(second)]] * 2
+
+    shutil.copytree(tiny_encoder, second)
+    again = run_farm(farm, progress=False)
+    assert again["ran"] == 2 and not again["failed"] and sorted(again["logged"]) == ["b/marco/zero-shot",
+                                                                                    "b/scifact/zero-shot"]
+    assert run_farm(farm, progress=False) == {"jobs": 4, "ran": 0, "failed": {}, "pending_for_slurm": 0, "logged": []}
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              filter_string="tags.`pretrieve.farm` = 'eval'")
+    assert len(runs) == 4
+    by_name = {(r.data.tags["checkpoint"], r.data.tags["dataset"]): r for r in runs}
+    scifact_a = json.loads((tmp_path / "farm" / "a" / "scifact" / "zero-shot" / "metrics.json").read_text())
+    assert by_name["a", "scifact"].data.metrics["ndcg_at_10"] == pytest.approx(scifact_a["ndcg@10"])
+    assert by_name["a", "scifact"].data.tags["mlflow.parentRunId"] == parent.run_id
+    assert "mlflow.parentRunId" not in by_name["b", "scifact"].data.tags
+    # the same encoder on the same set in two formats; b is a copy of a but pools CLS without normalizing
+    assert by_name["a", "marco"].data.metrics["ndcg_at_10"] == by_name["a", "scifact"].data.metrics["ndcg_at_10"]
+    artifacts = {f.path for f in client.list_artifacts(by_name["a", "scifact"].info.run_id)}
+    assert artifacts == {"metrics.json", "run.trec", "per_query.jsonl"}
+
+    markdown = write_report(uri, tmp_path / "report")
+    assert "| checkpoint | marco | scifact | mean |" in markdown
+    rows = (tmp_path / "report" / "ndcg@10.csv").read_text().splitlines()
+    assert rows[0] == "checkpoint,marco,scifact,mean" and [r.split(",")[0] for r in rows[1:]] == ["a", "b"]
+    assert float(rows[1].split(",")[2]) == pytest.approx(scifact_a["ndcg@10"])
+    assert (tmp_path / "report" / "ndcg@10.png").stat().st_size > 1000

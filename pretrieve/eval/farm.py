@@ -1,0 +1,193 @@
+"""`pretrieve farm FARM.yaml`: every checkpoint x dataset x stage as one `pretrieve eval` job, run in parallel
+on this machine or handed to SLURM, each logged as an MLflow run.
+
+    out: farm-out                      # job outputs: <out>/<checkpoint>/<dataset>/<stage>/
+    workers: 2                         # jobs at once on this machine
+    tracking: {uri: sqlite:///runs/mlflow.db, experiment: pretrieve-eval}
+    eval: {max_length: 256, depth: 1000, index: flat, batch_size: 64}
+    checkpoints:
+      - {name: minilm, model: path/to/export, pooling: mean, normalize: true, run_dir: runs/x}
+    datasets:
+      - {name: scifact, beir: ../shared/data/beir/scifact, split: test}
+      - {name: marco-dev, msmarco: data/msmarco, split: dev}
+    stages: [zero-shot]
+
+Each job is a separate process, so a failing job (reported with its log) stops nothing else. A job is done
+when its metrics.json exists (written last, atomically); re-running the farm skips done jobs and logs to
+MLflow the done jobs not yet logged (OUT/.../mlflow.json records the run). `--slurm JOBS` writes the pending
+jobs as a job list for launchers/slurm/eval_farm.sbatch instead of running them; re-run the farm after the
+array has finished to log the results. An eval run is nested under its checkpoint's pre-training run when the
+checkpoint names its `run_dir` and that run is in the same MLflow store. Stages: `zero-shot` (the checkpoint as
+it is); the fine-tuning stages come with the fine-tuning part of the evaluation issue.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from pretrieve.engine.run_dir import write_atomic
+from pretrieve.engine.tracking import metric_name
+
+STAGES = ("zero-shot",)
+EVAL_KEYS = ("max_length", "depth", "index", "batch_size")
+
+
+@dataclass
+class Job:
+    checkpoint: dict
+    dataset: dict
+    stage: str
+    out: Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.checkpoint['name']}/{self.dataset['name']}/{self.stage}"
+
+    def done(self) -> bool:
+        return (self.out / "metrics.json").is_file()
+
+    def eval_args(self, settings: dict) -> list[str]:
+        """The `pretrieve eval` arguments of this job."""
+        args = ["eval", "--model", str(self.checkpoint["model"]), "--out", str(self.out),
+                "--pooling", self.checkpoint.get("pooling", "cls")]
+        if self.checkpoint.get("normalize"):
+            args.append("--normalize")
+        kind = "beir" if "beir" in self.dataset else "msmarco"
+        args += [f"--{kind}", str(self.dataset[kind])]
+        if self.dataset.get("split"):
+            args += ["--split", str(self.dataset["split"])]
+        for key in EVAL_KEYS:
+            if key in settings:
+                args += [f"--{key.replace('_', '-')}", str(settings[key])]
+        return args
+
+
+def load_farm(path: str | Path) -> dict:
+    from omegaconf import OmegaConf
+
+    farm = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    known = {"out", "workers", "tracking", "eval", "checkpoints", "datasets", "stages"}
+    for key in farm:
+        if key not in known:
+            raise ValueError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+    for section, required in (("checkpoints", ("name", "model")), ("datasets", ("name",))):
+        if not farm.get(section):
+            raise ValueError(f"{path}: {section}: list at least one")
+        names = set()
+        for i, entry in enumerate(farm[section]):
+            for key in required:
+                if key not in entry:
+                    raise ValueError(f"{path}: {section}[{i}]: no {key!r}")
+            if entry["name"] in names:
+                raise ValueError(f"{path}: {section}[{i}]: name {entry['name']!r} used twice")
+            names.add(entry["name"])
+            if section == "datasets" and ("beir" in entry) == ("msmarco" in entry):
+                raise ValueError(f"{path}: datasets[{i}]: give one of beir: or msmarco:")
+    for i, stage in enumerate(farm.setdefault("stages", ["zero-shot"])):
+        if stage not in STAGES:
+            raise ValueError(f"{path}: stages[{i}]: {stage!r} is not one of {', '.join(STAGES)}")
+    for key in farm.setdefault("eval", {}):
+        if key not in EVAL_KEYS:
+            raise ValueError(f"{path}: eval.{key}: unknown (known: {', '.join(EVAL_KEYS)})")
+    farm.setdefault("out", "farm-out")
+    farm.setdefault("workers", 1)
+    farm.setdefault("tracking", {})
+    return farm
+
+
+def jobs_of(farm: dict) -> list[Job]:
+    out = Path(farm["out"])
+    return [Job(c, d, s, out / c["name"] / d["name"] / s)
+            for c in farm["checkpoints"] for d in farm["datasets"] for s in farm["stages"]]
+
+
+def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = True) -> dict:
+    """Run (or, with `slurm_jobs`, list) the pending jobs, then log every done job to MLflow once."""
+    farm = load_farm(path)
+    jobs = jobs_of(farm)
+    pending = [job for job in jobs if not job.done()]
+    failed: dict[str, str] = {}
+    if slurm_jobs is not None:
+        write_atomic(Path(slurm_jobs), "".join(shlex.join(job.eval_args(farm["eval"])) + "\n" for job in pending))
+    elif pending:
+        with ThreadPoolExecutor(max_workers=max(1, int(farm["workers"]))) as pool:
+            for job, error in zip(pending, pool.map(lambda j: _run_job(j, farm["eval"]), pending)):
+                if error:
+                    failed[job.name] = error
+                    if progress:
+                        print(f"farm: {job.name} failed: {error}", file=sys.stderr)
+                elif progress:
+                    print(f"farm: {job.name} done", file=sys.stderr)
+    logged = [job.name for job in jobs if job.done() and _log_job(job, farm)]
+    return {"jobs": len(jobs), "ran": 0 if slurm_jobs else len(pending) - len(failed), "failed": failed,
+            "pending_for_slurm": len(pending) if slurm_jobs else 0, "logged": logged}
+
+
+def _run_job(job: Job, settings: dict) -> str | None:
+    """Run one job in its own process; None on success, else where to read why."""
+    job.out.mkdir(parents=True, exist_ok=True)
+    log = job.out / "eval.log"
+    with open(log, "w") as stream:
+        code = subprocess.call([sys.executable, "-m", "pretrieve", *job.eval_args(settings)], stdout=stream,
+                               stderr=subprocess.STDOUT)
+    if code != 0 or not job.done():
+        last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
+        return f"exit {code}: {last[0] if last else ''} (log: {log})"
+    return None
+
+
+def _parent_run(job: Job, uri: str) -> tuple[str, str] | None:
+    """(run id, experiment id) of the checkpoint's pre-training run, when it is in this MLflow store."""
+    run_dir = job.checkpoint.get("run_dir")
+    record = Path(run_dir) / "run.json" if run_dir else None
+    if record is None or not record.is_file():
+        return None
+    info = json.loads(record.read_text())
+    if info.get("tracking_uri") != uri or not info.get("run_id"):
+        return None
+    from mlflow.tracking import MlflowClient
+
+    return info["run_id"], MlflowClient(tracking_uri=uri).get_run(info["run_id"]).info.experiment_id
+
+
+def _log_job(job: Job, farm: dict) -> bool:
+    """Log a done job as an MLflow run, once (OUT/mlflow.json); True when it was logged now."""
+    from mlflow.tracking import MlflowClient
+
+    record = job.out / "mlflow.json"
+    tracking = farm["tracking"]
+    if record.is_file() or tracking.get("enabled", True) is False:
+        return False
+    uri = tracking.get("uri") or f"sqlite:///{Path(farm['out']).resolve() / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    parent = _parent_run(job, uri)
+    if parent:
+        experiment_id = parent[1]
+    else:
+        name = tracking.get("experiment", "pretrieve-eval")
+        found = client.get_experiment_by_name(name)
+        artifacts = (Path(farm["out"]).resolve() / "mlartifacts").as_uri()  # not ./mlruns under the caller's cwd
+        experiment_id = found.experiment_id if found else client.create_experiment(name, artifact_location=artifacts)
+    metrics = json.loads((job.out / "metrics.json").read_text())
+    tags = {"pretrieve.farm": "eval", "checkpoint": job.checkpoint["name"], "dataset": job.dataset["name"],
+            "stage": job.stage}
+    if parent:
+        tags["mlflow.parentRunId"] = parent[0]
+    run = client.create_run(experiment_id, run_name=job.name.replace("/", "-"), tags=tags)
+    run_id = run.info.run_id
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            client.log_metric(run_id, metric_name(key), value)
+        elif value is not None and not isinstance(value, dict):
+            client.log_param(run_id, key, str(value)[:6000])
+    for artifact in ("metrics.json", "run.trec", "per_query.jsonl"):
+        client.log_artifact(run_id, str(job.out / artifact))
+    client.set_terminated(run_id)
+    write_atomic(record, json.dumps({"tracking_uri": uri, "run_id": run_id}))
+    return True

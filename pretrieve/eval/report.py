@@ -1,0 +1,99 @@
+"""`pretrieve report`: the evaluation runs in MLflow as comparison tables and plots.
+
+Rows are checkpoints, columns datasets (and stage, when there is more than one), one table per metric; the
+last column is the mean over datasets. Writes OUT/<metric>.md, OUT/<metric>.csv and OUT/<metric>.png (grouped
+bars), and prints the markdown. When a checkpoint x dataset x stage was evaluated more than once, the
+latest run counts.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from pretrieve.engine.run_dir import write_atomic
+from pretrieve.engine.tracking import metric_name
+
+DEFAULT_METRICS = ("ndcg@10", "mrr@10", "recall@100")
+
+
+def collect(uri: str, experiments: list[str] | None = None) -> list[dict]:
+    """One record per evaluation run: checkpoint, dataset, stage, start time, metrics (MLflow names)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    found = client.search_experiments()
+    ids = [e.experiment_id for e in found if experiments is None or e.name in experiments]
+    if experiments and len(ids) < len(experiments):
+        missing = sorted(set(experiments) - {e.name for e in found})
+        raise ValueError(f"{uri}: no experiment named {', '.join(missing)}")
+    runs = client.search_runs(ids, filter_string="tags.`pretrieve.farm` = 'eval'", max_results=50000) if ids else []
+    return [{"checkpoint": r.data.tags["checkpoint"], "dataset": r.data.tags["dataset"], "stage": r.data.tags["stage"],
+             "start": r.info.start_time, **r.data.metrics} for r in runs]
+
+
+def tables(records: list[dict], metrics=DEFAULT_METRICS) -> dict[str, list[list]]:
+    """{metric: rows}; the first row is the header."""
+    latest: dict[tuple, dict] = {}
+    for r in sorted(records, key=lambda r: r["start"]):
+        latest[(r["checkpoint"], r["dataset"], r["stage"])] = r
+    stages = sorted({k[2] for k in latest})
+    columns = sorted({(k[1], k[2]) for k in latest})
+    checkpoints = sorted({k[0] for k in latest})
+    out = {}
+    for metric in metrics:
+        key = metric_name(metric)
+        header = ["checkpoint"] + [d if len(stages) == 1 else f"{d} ({s})" for d, s in columns] + ["mean"]
+        rows = [header]
+        for checkpoint in checkpoints:
+            values = [latest.get((checkpoint, d, s), {}).get(key) for d, s in columns]
+            present = [v for v in values if v is not None]
+            rows.append([checkpoint, *values, sum(present) / len(present) if present else None])
+        out[metric] = rows
+    return out
+
+
+def write_report(uri: str, out: str | Path, experiments: list[str] | None = None, metrics=DEFAULT_METRICS) -> str:
+    """Write the tables and plots; returns the markdown of all tables."""
+    records = collect(uri, experiments)
+    if not records:
+        raise ValueError(f"{uri}: no evaluation runs (run `pretrieve farm` first)")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    markdown = []
+    for metric, rows in tables(records, metrics).items():
+        def cell(v):
+            return "–" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+        md = "\n".join(["| " + " | ".join(map(cell, row)) + " |" for row in rows[:1]]
+                       + ["|" + "---|" * len(rows[0])]
+                       + ["| " + " | ".join(map(cell, row)) + " |" for row in rows[1:]])
+        markdown.append(f"### {metric}\n\n{md}\n")
+        write_atomic(out / f"{metric}.md", md + "\n")
+        text = io.StringIO()
+        csv.writer(text).writerows([["" if v is None else v for v in row] for row in rows])
+        write_atomic(out / f"{metric}.csv", text.getvalue())
+        _plot(rows, metric, out / f"{metric}.png")
+    return "\n".join(markdown)
+
+
+def _plot(rows: list[list], metric: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    header, body = rows[0][1:-1], rows[1:]
+    fig, ax = plt.subplots(figsize=(max(4, 1.5 * len(header) * max(1, len(body)) / 2), 3.5))
+    width = 0.8 / max(1, len(body))
+    for i, row in enumerate(body):
+        ax.bar([c + i * width for c in range(len(header))], [v or 0.0 for v in row[1:-1]], width, label=row[0])
+    ax.set_xticks([c + width * (len(body) - 1) / 2 for c in range(len(header))], header)
+    ax.set_ylabel(metric)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)

@@ -34,6 +34,8 @@ setup(
         "pytrec-eval-terrier>=0.5.6",  # trec_eval metrics
         "bm25s>=0.2",  # the BM25 baseline
         "PyStemmer>=2.2",  # its English stemmer
+        "scipy>=1.10",  # sparse (inverted-index) scoring
+        "matplotlib>=3.7",  # report plots
     ],
     extras_require={
         # triton: the fused attention kernel; on CPU its tests run it under the Triton interpreter

@@ -209,3 +209,49 @@ def test_farm_runs_jobs_in_parallel_logs_mlflow_and_reruns_only_what_is_missing(
     assert rows[0] == "checkpoint,marco,scifact,mean" and [r.split(",")[0] for r in rows[1:]] == ["a", "b"]
     assert float(rows[1].split(",")[2]) == pytest.approx(scifact_a["ndcg@10"])
     assert (tmp_path / "report" / "ndcg@10.png").stat().st_size > 1000
+
+
+def _synthetic_sparse(rng, rows, vocab, nonzero):
+    weights = np.zeros((rows, vocab), dtype=np.float32)
+    for row in weights:
+        row[rng.choice(vocab, nonzero, replace=False)] = rng.random(nonzero).astype(np.float32)
+    return weights
+
+
+def test_sparse_and_hybrid_search_exact_and_candidate_union_recall():
+    from pretrieve.eval.search import hybrid_search, sparse_matrix, sparse_search
+    from pretrieve.models.representation import JointVectors, joint_scores
+
+    rng = np.random.default_rng(0)
+    docs_dense, queries_dense = rng.standard_normal((3000, 16)).astype(np.float32), \
+        rng.standard_normal((30, 16)).astype(np.float32)
+    docs_sparse, queries_sparse = _synthetic_sparse(rng, 3000, 500, 20), _synthetic_sparse(rng, 30, 500, 8)
+    doc_ids, query_ids = [f"d{i}" for i in range(3000)], [f"q{i}" for i in range(30)]
+    D, Q = sparse_matrix(docs_sparse), sparse_matrix(queries_sparse)
+
+    sparse_run = sparse_search(D, doc_ids, Q, query_ids, k=10)
+    brute = queries_sparse @ docs_sparse.T
+    for i, qid in enumerate(query_ids):
+        assert list(sparse_run[qid].values()) == pytest.approx(np.sort(brute[i])[::-1][:10].tolist(), rel=1e-5)
+
+    exact = hybrid_search(docs_dense, queries_dense, D, Q, doc_ids, query_ids, k=10, sparse_weight=0.5)
+    full = queries_dense @ docs_dense.T + 0.5 * brute
+    for i, qid in enumerate(query_ids):
+        assert set(exact[qid]) == {doc_ids[j] for j in np.argsort(-full[i])[:10]}
+    union = hybrid_search(docs_dense, queries_dense, D, Q, doc_ids, query_ids, k=10, sparse_weight=0.5,
+                          candidates=100)
+    recall = np.mean([len(set(union[q]) & set(exact[q])) / 10 for q in query_ids])
+    assert recall >= 0.95, recall  # a hybrid top 10 is almost always in the dense or the sparse top 100
+    for qid in query_ids:  # what the union returns is scored exactly
+        assert all(union[qid][d] == pytest.approx(exact[qid][d], rel=1e-5) for d in set(union[qid]) & set(exact[qid]))
+
+    # DupMAE eq. (12): the document keeps its top-k OT entries, the query its full mu; h^ . h^ + mu_q . mu_d[I_d]
+    mu_docs, mu_queries = torch.from_numpy(docs_sparse), torch.from_numpy(queries_sparse)
+    values, indices = mu_docs.topk(5, dim=-1)
+    joint = joint_scores(JointVectors(torch.from_numpy(queries_dense), None, None, mu_queries),
+                         JointVectors(torch.from_numpy(docs_dense), values, indices, mu_docs))
+    ours = hybrid_search(docs_dense, queries_dense, sparse_matrix(docs_sparse, top_k=5), Q, doc_ids, query_ids, k=5)
+    for i, qid in enumerate(query_ids):
+        top = torch.topk(joint[i], 5)
+        assert list(ours[qid]) == [doc_ids[j] for j in top.indices.tolist()]
+        assert list(ours[qid].values()) == pytest.approx(top.values.tolist(), rel=1e-5)

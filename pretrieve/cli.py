@@ -115,7 +115,14 @@ def _add_eval(commands) -> None:
     data.add_argument("--msmarco", default=None, metavar="DIR",
                       help="MS MARCO folder: collection.tsv or msmarco-docs.tsv, queries.SPLIT.tsv, qrels.SPLIT.tsv")
     p.add_argument("--split", default=None, help="qrels split (default: test for BEIR, dev for MS MARCO)")
-    p.add_argument("--pooling", choices=("cls", "mean"), default="cls")
+    p.add_argument("--pooling", choices=("cls", "mean", "dupmae", "sparse", "hybrid"), default="cls",
+                   help="cls / mean: dense; dupmae (eq. 12), sparse (SPLADE-style) and hybrid (CLS + sparse) need "
+                        "a pretrieve export with its head weights")
+    p.add_argument("--vocab-top-k", type=int, default=256, help="dupmae / sparse / hybrid: entries a document keeps")
+    p.add_argument("--sparse-weight", type=float, default=1.0, help="hybrid: weight of the sparse score")
+    p.add_argument("--candidates", type=int, default=None,
+                   help="dupmae / hybrid: re-score each query's dense + sparse top N instead of the whole corpus "
+                        "(default: exact up to 100,000 documents, 1,000 candidates beyond)")
     p.add_argument("--normalize", action="store_true", help="L2-normalize vectors (cosine similarity)")
     p.add_argument("--max-length", type=int, default=256, help="tokens per text, queries and documents")
     p.add_argument("--batch-size", type=int, default=64)
@@ -135,7 +142,8 @@ def _run_eval(args) -> int:
     result = run_eval(EvalOptions(
         out=args.out, model=args.model, beir=args.beir, msmarco=args.msmarco, split=split, pooling=args.pooling,
         max_length=args.max_length, normalize=args.normalize, batch_size=args.batch_size, index=args.index,
-        depth=args.depth, bm25=args.bm25, on_missing=args.on_missing))
+        depth=args.depth, bm25=args.bm25, on_missing=args.on_missing, vocab_top_k=args.vocab_top_k,
+        sparse_weight=args.sparse_weight, candidates=args.candidates))
     print(json.dumps({k: result[k] for k in ("ndcg@10", "mrr@10", "recall@100", "map", "dataset", "retriever")}))
     return 0
 

@@ -255,3 +255,60 @@ def test_sparse_and_hybrid_search_exact_and_candidate_union_recall():
         top = torch.topk(joint[i], 5)
         assert list(ours[qid]) == [doc_ids[j] for j in top.indices.tolist()]
         assert list(ours[qid].values()) == pytest.approx(top.values.tolist(), rel=1e-5)
+
+
+def test_vocabulary_poolings_of_a_dupmae_export(tmp_path):
+    """`--pooling dupmae` ranks as eq. (12) computed directly by JointRepresentation + joint_scores; sparse and
+    hybrid run on the same export."""
+    from pretrieve.eval.encode import EncodeOptions, VocabEncoder
+    from pretrieve.models.encoder import ModelOptions
+    from pretrieve.models.export import export
+    from pretrieve.models.heads import get_method
+    from pretrieve.models.representation import JointRepresentation, joint_scores
+
+    method = get_method("dupmae")
+    head = method.build(method.options_from({"max_len": 64}), ModelOptions(hidden_size=64, num_layers=2,
+                                                                             num_heads=2, intermediate_size=256))
+    model = export(head, tmp_path / "dupmae")
+    data = load_beir(SCIFACT)  # a fifth of the sample: every text projects onto all 30,522 words
+    query_ids = list(data.queries)[:20]
+    doc_ids = sorted({d for q in query_ids for d in data.qrels[q]} | set(list(data.corpus)[:80]))
+    mini = tmp_path / "mini"
+    (mini / "qrels").mkdir(parents=True)
+    (mini / "corpus.jsonl").write_text("".join(json.dumps({"_id": d, "title": data.corpus[d][0],
+                                                           "text": data.corpus[d][1]}) + "\n" for d in doc_ids))
+    (mini / "queries.jsonl").write_text("".join(json.dumps({"_id": q, "text": data.queries[q]}) + "\n"
+                                                for q in query_ids))
+    (mini / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
+        f"{q}\t{d}\t{r}\n" for q in query_ids for d, r in data.qrels[q].items()))
+    results = {}
+    for pooling in ("dupmae", "sparse", "hybrid"):
+        results[pooling] = run_eval(EvalOptions(out=str(tmp_path / pooling), model=str(model), beir=str(mini),
+                                                pooling=pooling, max_length=48, depth=10, vocab_top_k=32,
+                                                progress=False))
+        assert set(METRICS) <= set(results[pooling]) and results[pooling]["retriever"] == pooling
+    run = {}
+    for line in (tmp_path / "dupmae" / "run.trec").read_text().splitlines():
+        qid, _, doc, rank, score, _ = line.split()
+        run.setdefault(qid, []).append((doc, float(score)))
+
+    encoder = VocabEncoder(model, "dupmae", EncodeOptions(max_length=48), top_k=32)
+    head = encoder.head
+    joint = JointRepresentation(64, cls_dim=64)
+
+    def represent(texts, top_k):
+        batch = encoder.tokenizer(texts, truncation=True, max_length=48, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            joint.ot_topk = top_k
+            return joint(head.encoder(batch["input_ids"], batch["attention_mask"]), batch["attention_mask"],
+                         head.lpu_logits)
+
+    doc_ids, query_ids = doc_ids[:60], query_ids[:5]
+    with torch.no_grad():
+        scores = joint_scores(represent([data.queries[q] for q in query_ids], 32),
+                              represent([data.doc_text(d) for d in doc_ids], 32))
+    for i, qid in enumerate(query_ids):  # documents beyond the first 60 may rank higher: compare within them
+        ours = [(d, s) for d, s in run[qid] if d in set(doc_ids)]
+        expected = sorted(zip(doc_ids, scores[i].tolist()), key=lambda x: -x[1])[:len(ours)]
+        assert [d for d, _ in ours] == [d for d, _ in expected]
+        assert [s for _, s in ours] == pytest.approx([s for _, s in expected], rel=1e-4, abs=1e-4)

@@ -60,3 +60,79 @@ class DenseEncoder:
                 vectors = torch.nn.functional.normalize(vectors, dim=-1)
             out[rows] = vectors.cpu().numpy()
         return out
+
+
+VOCAB_POOLINGS = ("dupmae", "sparse", "hybrid")
+
+
+class VocabEncoder:
+    """Dense + vocabulary-sparse vectors from a pretrieve export (its MLM / LPU head weights are needed).
+
+    `dupmae`: eqs. (10)-(11) of dupmae-retromae-2-acl2023.txt: h^ = the [CLS] state through W^cls
+    (models.representation.JointRepresentation: identity at d' = hidden, else a fixed random orthogonal map
+    until fine-tuning learns it) and mu_X, the LPU logits max-pooled over the ordinary tokens (eq. 7).
+    `sparse`: SPLADE-style max over tokens of log(1 + relu(MLM logits)) (cot-mote.txt eq. 4), no dense part;
+    `hybrid`: the [CLS] vector plus that sparse vector (CoT-MoTE §3.3). The max over positions runs vocabulary
+    chunk by vocabulary chunk (models.vocab_projection.max_pooled_linear; log(1 + relu) is monotone, so it
+    commutes with the max): no [batch, length, 30,522] logits. Documents keep their `top_k` largest entries
+    (eq. 11's I_X); queries keep every entry, as eq. (12) reads mu_q at the document's entries.
+    """
+
+    def __init__(self, model_dir: str | Path, pooling: str, options: EncodeOptions, top_k: int = 256,
+                 device: str | None = None):
+        from transformers import AutoTokenizer
+
+        from pretrieve.models.export import load_export
+        from pretrieve.models.representation import JointRepresentation
+
+        if pooling not in VOCAB_POOLINGS:
+            raise ValueError(f"pooling: {pooling!r} is not one of {', '.join(VOCAB_POOLINGS)}")
+        self.pooling, self.options, self.top_k = pooling, options, top_k
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.head = load_export(model_dir).to(self.device).eval()
+        if pooling == "dupmae" and not hasattr(self.head, "lpu_parts"):
+            raise ValueError(f"{model_dir}: pooling dupmae needs a DupMAE export (this one is "
+                             f"{type(self.head).__name__})")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        hidden = self.head.encoder.config.hidden_size
+        self.joint = JointRepresentation(hidden, cls_dim=min(384, hidden)).to(self.device)
+
+    @torch.inference_mode()
+    def encode(self, texts: list[str], documents: bool, desc: str = "encode", progress: bool = True):
+        """(dense [N, d] float32 or None, CSR [N, vocab]) in the order of `texts`."""
+        from scipy import sparse
+        from tqdm import tqdm
+
+        from pretrieve.models.encoder import ordinary_positions
+        from pretrieve.models.vocab_projection import max_pooled_linear
+
+        ids = self.tokenizer(texts, truncation=True, max_length=self.options.max_length)["input_ids"]
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        encoder = self.head.encoder
+        dense = np.empty((len(texts), self.joint.cls_dim if self.pooling == "dupmae" else
+                          encoder.config.hidden_size), dtype=np.float32)
+        rows: list = [None] * len(texts)
+        size = self.options.batch_size
+        for start in tqdm(range(0, len(order), size), desc=desc, unit="batch", disable=not progress, leave=False):
+            picked = order[start:start + size]
+            batch = self.tokenizer.pad({"input_ids": [ids[i] for i in picked]}, return_tensors="pt").to(self.device)
+            hidden = encoder(batch["input_ids"], batch["attention_mask"]).float()
+            if self.pooling == "dupmae":
+                x, weight, bias = self.head.lpu_parts(hidden)
+                positions = ordinary_positions(batch["attention_mask"].sum(dim=1), hidden.shape[1])
+                vocab = max_pooled_linear(x, weight, bias, positions)
+                cls = self.joint.cls_proj(hidden[:, 0])
+            else:
+                mask = batch["attention_mask"].bool()
+                vocab = torch.log1p(torch.relu(max_pooled_linear(encoder.mlm_transform(hidden),
+                                                                 encoder.embeddings.word_embeddings.weight,
+                                                                 encoder.mlm_bias, mask)))
+                cls = hidden[:, 0]
+            if documents and self.top_k < vocab.shape[1]:
+                values, indices = vocab.topk(self.top_k, dim=-1)
+                vocab = torch.zeros_like(vocab).scatter_(1, indices, values)
+            dense[picked] = cls.cpu().numpy()
+            block = sparse.csr_matrix(vocab.cpu().numpy())
+            for j, i in enumerate(picked):
+                rows[i] = block[j]
+        return (None if self.pooling == "sparse" else dense), sparse.vstack(rows, format="csr")

@@ -14,9 +14,11 @@ from pathlib import Path
 
 from pretrieve.data.retrieval import RetrievalSet, load_retrieval_set
 from pretrieve.engine.run_dir import write_atomic
-from pretrieve.eval.encode import DenseEncoder, EncodeOptions
+from pretrieve.eval.encode import VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder
 from pretrieve.eval.metrics import evaluate, trec_run_lines
-from pretrieve.eval.search import bm25_search, dense_search
+from pretrieve.eval.search import bm25_search, dense_search, hybrid_search, sparse_search
+
+EXACT_HYBRID_DOCS = 100_000  # up to here hybrid / DupMAE scores are exact over the corpus; beyond, candidates
 
 
 @dataclass
@@ -34,6 +36,9 @@ class EvalOptions:
     depth: int = 1000
     bm25: bool = False
     on_missing: str = "fail"
+    vocab_top_k: int = 256  # dupmae / sparse / hybrid: vocabulary entries a document keeps
+    sparse_weight: float = 1.0  # hybrid: weight of the sparse score
+    candidates: int | None = None  # hybrid / dupmae: candidates per query (None: exact up to EXACT_HYBRID_DOCS)
     progress: bool = True
 
 
@@ -46,13 +51,18 @@ def run_eval(opts: EvalOptions) -> dict:
     result = None
     if opts.model is not None:
         started = time.perf_counter()
-        encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size,
-                                                         opts.normalize))
         doc_ids, query_ids = list(data.corpus), list(data.queries)
-        docs = encoder.encode([data.doc_text(d) for d in doc_ids], desc="encode corpus", progress=opts.progress)
-        queries = encoder.encode([data.queries[q] for q in query_ids], desc="encode queries", progress=opts.progress)
-        run = dense_search(docs, doc_ids, queries, query_ids, k=opts.depth, index=opts.index)
-        result = _write(out, data, run, {**_describe(opts, data), "retriever": "dense",
+        doc_texts, query_texts = [data.doc_text(d) for d in doc_ids], [data.queries[q] for q in query_ids]
+        if opts.pooling in VOCAB_POOLINGS:
+            run = _vocab_run(opts, doc_ids, doc_texts, query_ids, query_texts)
+        else:
+            encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size,
+                                                             opts.normalize))
+            docs = encoder.encode(doc_texts, desc="encode corpus", progress=opts.progress)
+            queries = encoder.encode(query_texts, desc="encode queries", progress=opts.progress)
+            run = dense_search(docs, doc_ids, queries, query_ids, k=opts.depth, index=opts.index)
+        retriever = "dense" if opts.pooling in ("cls", "mean") else opts.pooling
+        result = _write(out, data, run, {**_describe(opts, data), "retriever": retriever,
                                          "seconds": round(time.perf_counter() - started, 1)})
     if opts.bm25:
         started = time.perf_counter()
@@ -64,8 +74,22 @@ def run_eval(opts: EvalOptions) -> dict:
     return result
 
 
+def _vocab_run(opts: EvalOptions, doc_ids, doc_texts, query_ids, query_texts) -> dict:
+    encoder = VocabEncoder(opts.model, opts.pooling, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size),
+                           top_k=opts.vocab_top_k)
+    dense_docs, sparse_docs = encoder.encode(doc_texts, documents=True, desc="encode corpus", progress=opts.progress)
+    dense_queries, sparse_queries = encoder.encode(query_texts, documents=False, desc="encode queries",
+                                                   progress=opts.progress)
+    if opts.pooling == "sparse":
+        return sparse_search(sparse_docs, doc_ids, sparse_queries, query_ids, k=opts.depth)
+    candidates = opts.candidates or (None if len(doc_ids) <= EXACT_HYBRID_DOCS else 1000)
+    return hybrid_search(dense_docs, dense_queries, sparse_docs, sparse_queries, doc_ids, query_ids, k=opts.depth,
+                         sparse_weight=opts.sparse_weight, candidates=candidates)
+
+
 def _describe(opts: EvalOptions, data: RetrievalSet, dense: bool = True) -> dict:
-    encoder_only = ("model", "pooling", "max_length", "normalize", "batch_size", "index")
+    encoder_only = ("model", "pooling", "max_length", "normalize", "batch_size", "index", "vocab_top_k",
+                    "sparse_weight", "candidates")
     info = {k: v for k, v in asdict(opts).items()
             if k not in ("out", "progress", "bm25") and (dense or k not in encoder_only)}
     return {**info, "dataset": data.name, "documents": len(data.corpus), "queries": len(data.queries),

@@ -208,8 +208,8 @@ def train(exp: Experiment) -> dict:
                 if preempted:
                     if tracker is not None:
                         tracker.finish("KILLED")  # reopened by resume=auto
-                    if world > 1:  # nobody exits before rank 0 has moved `latest`: a launcher that ends
-                        torch.distributed.barrier()  # all ranks when the first one leaves would cut it short
+                    if world > 1:  # nobody exits before rank 0 has moved `latest`: the deepspeed launcher
+                        torch.distributed.barrier()  # and torchrun end every rank once one exits non-zero
                     raise Preempted()
                 if step >= exp.train.max_steps:
                     break

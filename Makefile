@@ -25,7 +25,7 @@ demo: install
 	$(PY) -m pretrieve.demo --out $(DEMO_OUT)
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 bench: install
 	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[bench]"

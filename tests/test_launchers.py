@@ -31,9 +31,11 @@ STEPS = 6
 
 
 def _env(**extra) -> dict:
-    """A launcher's environment: DeepSpeed on CPU, the fake SLURM commands and this interpreter on PATH."""
+    """A launcher's environment: DeepSpeed on CPU, the fake SLURM commands on PATH, this interpreter for the ranks.
+    (Not the venv's bin/ on PATH: its pip `ninja` differs from the system one, and DeepSpeed's JIT-built comm op
+    would then be rebuilt, about a minute, each time the two alternate.)"""
     env = {k: v for k, v in pretrain_env().items() if not k.startswith("SLURM_")}
-    return {**env, "PATH": f"{FAKE_SLURM}:{BIN}:{os.environ['PATH']}", "PRETRIEVE_PYTHON": sys.executable, **extra}
+    return {**env, "PATH": f"{FAKE_SLURM}:{os.environ['PATH']}", "PRETRIEVE_PYTHON": sys.executable, **extra}
 
 
 def _overrides(manifest: Path, *extra: str) -> list[str]:

@@ -72,7 +72,7 @@ def _add_launch_info(commands) -> None:
 
 
 def _run_launch_info(args) -> int:
-    from pretrieve.config import deepspeed_config, experiment, load_config
+    from pretrieve.config import deepspeed_config, ds_config_path, experiment, load_config
     from pretrieve.engine.run_dir import latest_checkpoint
     from pretrieve.engine.world import local_devices, resolve_world
 
@@ -85,7 +85,7 @@ def _run_launch_info(args) -> int:
             "devices_here": devices, "device": device_name, "micro_batch_size": t.micro_batch_size,
             "grad_accum": t.grad_accum, "global_batch_size": t.micro_batch_size * t.grad_accum * world.size,
             "max_len": getattr(exp.options, "max_len", None), "zero_stage": ds["zero_optimization"]["stage"],
-            "precision": t.precision, "ds_config": t.ds_config or f"ds_configs/zero{t.zero_stage}.json",
+            "precision": t.precision, "ds_config": str(ds_config_path(t)),
             "method": exp.method.name, "run_dir": str(exp.run_dir), "resume_from": latest_checkpoint(exp.run_dir)}
     if args.json:
         print(json.dumps(info))

@@ -180,11 +180,16 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
                       tracking, config)
 
 
+def ds_config_path(train: TrainOptions) -> Path:
+    """train.ds_config, or ds_configs/zero<train.zero_stage>.json."""
+    return Path(train.ds_config) if train.ds_config else DS_CONFIG_DIR / f"zero{train.zero_stage}.json"
+
+
 def deepspeed_config(exp: Experiment) -> dict:
     """The DeepSpeed JSON of the experiment with its "auto" fields filled from `train:`."""
     import json
 
-    path = Path(exp.train.ds_config) if exp.train.ds_config else DS_CONFIG_DIR / f"zero{exp.train.zero_stage}.json"
+    path = ds_config_path(exp.train)
     ds = json.loads(path.read_text())
     t = exp.train
     fill = {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps": t.grad_accum,

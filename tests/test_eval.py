@@ -292,7 +292,7 @@ def test_vocabulary_poolings_of_a_dupmae_export(tmp_path):
         qid, _, doc, rank, score, _ = line.split()
         run.setdefault(qid, []).append((doc, float(score)))
 
-    encoder = VocabEncoder(model, "dupmae", EncodeOptions(max_length=48), top_k=32)
+    encoder = VocabEncoder(model, EncodeOptions("dupmae", max_length=48), top_k=32)
     head = encoder.head
     joint = JointRepresentation(64, cls_dim=64)
 

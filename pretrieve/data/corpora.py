@@ -114,7 +114,7 @@ def _open_binary(path: Path):
     return open(path, "rb")
 
 
-def _lines(path: Path) -> Iterator[tuple[str, str | BadRecord]]:
+def numbered_lines(path: Path) -> Iterator[tuple[str, str | BadRecord]]:
     """(location, decoded line without newline | BadRecord) per line; a broken archive is a CorpusError."""
     try:
         with _open_binary(path) as f:
@@ -142,7 +142,7 @@ def _document(doc_id: str, text: str, where: str) -> Record:
 
 
 def _read_jsonl(path: Path, options: ReaderOptions) -> Iterator[Record]:
-    for where, line in _lines(path):
+    for where, line in numbered_lines(path):
         if isinstance(line, BadRecord):
             yield line
             continue
@@ -176,7 +176,7 @@ def _from_mapping(obj, options: ReaderOptions, where: str) -> Record:
 
 
 def _read_tsv(path: Path, num_fields: int, to_doc: Callable[[list[str]], tuple[str, str]]) -> Iterator[Record]:
-    for where, line in _lines(path):
+    for where, line in numbered_lines(path):
         if isinstance(line, BadRecord):
             yield line
             continue
@@ -194,7 +194,7 @@ def _read_book(path: Path, options: ReaderOptions) -> Iterator[Record]:
     """One document per file. `file`: hard-wrapped paragraphs separated by blank lines; `lines`: one sentence a line."""
     paragraphs: list[str] = []
     current: list[str] = []
-    for _, line in _lines(path):
+    for _, line in numbered_lines(path):
         if isinstance(line, BadRecord):
             yield line  # the line is dropped from the book; the rest of the book is kept
             continue

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pretrieve.data.corpora import BadRecord, numbered_lines
+
 
 class RetrievalDataError(ValueError):
     pass
@@ -49,12 +51,8 @@ def load_beir(folder: str | Path, split: str = "test", on_missing: str = "fail")
                                                                           str(record.get("text") or ""))
     queries = {_field(r, "_id", folder / "queries.jsonl", n): str(r.get("text") or "")
                for n, r in _jsonl(folder / "queries.jsonl")}
-    rows = []
-    for number, line in enumerate(qrels_file.read_text(encoding="utf-8").splitlines(), 1):
-        if number == 1 and line.lower().startswith("query-id"):
-            continue
-        if line.strip():
-            rows.append((number, line.split("\t"), (0, 1, 2)))
+    rows = [(number, cols, (0, 1, 2)) for number, cols in _tsv(qrels_file)
+            if not (number == 1 and cols[0].lower().startswith("query-id"))]
     return _assemble(folder.name, corpus, queries, qrels_file, rows, on_missing)
 
 
@@ -78,8 +76,7 @@ def load_msmarco(folder: str | Path, split: str = "dev", on_missing: str = "fail
         if len(cols) != 2:
             raise RetrievalDataError(f"{queries_file}:{number}: expected qid<TAB>text, got {len(cols)} columns")
         queries[cols[0]] = cols[1]
-    rows = [(number, line.split(), (0, 2, 3)) for number, line in
-            enumerate(qrels_file.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    rows = [(number, line.split(), (0, 2, 3)) for number, line in _text_lines(qrels_file)]
     return _assemble(folder.name, corpus, queries, qrels_file, rows, on_missing)
 
 
@@ -128,21 +125,26 @@ def _require(*paths: Path) -> None:
             raise RetrievalDataError(f"{path}: not found")
 
 
+def _text_lines(path: Path):
+    """(line number, text) of the non-blank lines, through the corpus readers' line reader (.gz / .bz2)."""
+    for number, (where, line) in enumerate(numbered_lines(path), 1):
+        if isinstance(line, BadRecord):
+            raise RetrievalDataError(f"{where}: {line.detail}")
+        if line.strip():
+            yield number, line
+
+
 def _jsonl(path: Path):
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if line.strip():
-                try:
-                    yield number, json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise RetrievalDataError(f"{path}:{number}: not JSON ({e.msg})") from None
+    for number, line in _text_lines(path):
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RetrievalDataError(f"{path}:{number}: not JSON ({e.msg})") from None
 
 
 def _tsv(path: Path):
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if line.strip():
-                yield number, line.rstrip("\n").split("\t")
+    for number, line in _text_lines(path):
+        yield number, line.split("\t")
 
 
 def _field(record, key: str, path: Path, number: int) -> str:

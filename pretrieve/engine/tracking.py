@@ -43,6 +43,12 @@ def metric_name(name: str) -> str:
     return name.replace("@", "_at_")  # MLflow rejects "@" (ndcg@10 -> ndcg_at_10)
 
 
+def experiment_id_of(client, name: str, artifact_location: str | None = None) -> str:
+    """The id of MLflow experiment `name`, created (with `artifact_location`) when missing."""
+    found = client.get_experiment_by_name(name)
+    return found.experiment_id if found else client.create_experiment(name, artifact_location=artifact_location)
+
+
 def _git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
@@ -72,9 +78,7 @@ class Tracker:
                 self.run_id = previous["run_id"]  # resume: continue the same run
                 self.client.update_run(self.run_id, status="RUNNING")
             else:
-                experiment = self.client.get_experiment_by_name(options.experiment)
-                experiment_id = (experiment.experiment_id if experiment
-                                 else self.client.create_experiment(options.experiment))
+                experiment_id = experiment_id_of(self.client, options.experiment)
                 self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name, tags=tags).info.run_id
                 for key, value in params.items():
                     self.client.log_param(self.run_id, key, value)

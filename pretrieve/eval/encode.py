@@ -25,6 +25,19 @@ class EncodeOptions:
     normalize: bool = False
 
 
+def length_sorted_batches(tokenizer, texts: list[str], options: EncodeOptions, device: torch.device,
+                          desc: str, progress: bool):
+    """(row indices into `texts`, padded batch on `device`), longest texts first, each text tokenized once."""
+    from tqdm import tqdm
+
+    ids = tokenizer(texts, truncation=True, max_length=options.max_length)["input_ids"]
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+    size = options.batch_size
+    for start in tqdm(range(0, len(order), size), desc=desc, unit="batch", disable=not progress, leave=False):
+        rows = order[start:start + size]
+        yield rows, tokenizer.pad({"input_ids": [ids[i] for i in rows]}, return_tensors="pt").to(device)
+
+
 class DenseEncoder:
     def __init__(self, model_dir: str | Path, options: EncodeOptions, device: str | None = None):
         from transformers import AutoModel, AutoTokenizer
@@ -41,18 +54,10 @@ class DenseEncoder:
     @torch.inference_mode()
     def encode(self, texts: list[str], desc: str = "encode", progress: bool = True) -> np.ndarray:
         """[len(texts), hidden] float32 vectors, in the order of `texts`."""
-        from tqdm import tqdm
-
-        ids = self.tokenizer(texts, truncation=True, max_length=self.options.max_length,
-                             add_special_tokens=True)["input_ids"]
-        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         out = np.empty((len(texts), self.model.config.hidden_size), dtype=np.float32)
         pool = POOLINGS[self.options.pooling]
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
-        size = self.options.batch_size
-        for start in tqdm(range(0, len(order), size), desc=desc, unit="batch", disable=not progress, leave=False):
-            rows = order[start:start + size]
-            batch = self.tokenizer.pad({"input_ids": [ids[i] for i in rows]}, return_tensors="pt").to(self.device)
+        for rows, batch in length_sorted_batches(self.tokenizer, texts, self.options, self.device, desc, progress):
             with autocast:
                 hidden = self.model(**batch).last_hidden_state
             vectors = pool(hidden.float(), batch["attention_mask"])
@@ -78,13 +83,13 @@ class VocabEncoder:
     (eq. 11's I_X); queries keep every entry, as eq. (12) reads mu_q at the document's entries.
     """
 
-    def __init__(self, model_dir: str | Path, pooling: str, options: EncodeOptions, top_k: int = 256,
-                 device: str | None = None):
+    def __init__(self, model_dir: str | Path, options: EncodeOptions, top_k: int = 256, device: str | None = None):
         from transformers import AutoTokenizer
 
         from pretrieve.models.export import load_export
         from pretrieve.models.representation import JointRepresentation
 
+        pooling = options.pooling
         if pooling not in VOCAB_POOLINGS:
             raise ValueError(f"pooling: {pooling!r} is not one of {', '.join(VOCAB_POOLINGS)}")
         self.pooling, self.options, self.top_k = pooling, options, top_k
@@ -101,21 +106,15 @@ class VocabEncoder:
     def encode(self, texts: list[str], documents: bool, desc: str = "encode", progress: bool = True):
         """(dense [N, d] float32 or None, CSR [N, vocab]) in the order of `texts`."""
         from scipy import sparse
-        from tqdm import tqdm
 
         from pretrieve.models.encoder import ordinary_positions
         from pretrieve.models.vocab_projection import max_pooled_linear
 
-        ids = self.tokenizer(texts, truncation=True, max_length=self.options.max_length)["input_ids"]
-        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         encoder = self.head.encoder
         dense = np.empty((len(texts), self.joint.cls_dim if self.pooling == "dupmae" else
                           encoder.config.hidden_size), dtype=np.float32)
         rows: list = [None] * len(texts)
-        size = self.options.batch_size
-        for start in tqdm(range(0, len(order), size), desc=desc, unit="batch", disable=not progress, leave=False):
-            picked = order[start:start + size]
-            batch = self.tokenizer.pad({"input_ids": [ids[i] for i in picked]}, return_tensors="pt").to(self.device)
+        for picked, batch in length_sorted_batches(self.tokenizer, texts, self.options, self.device, desc, progress):
             hidden = encoder(batch["input_ids"], batch["attention_mask"]).float()
             if self.pooling == "dupmae":
                 x, weight, bias = self.head.lpu_parts(hidden)

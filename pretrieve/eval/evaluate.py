@@ -75,7 +75,7 @@ def run_eval(opts: EvalOptions) -> dict:
 
 
 def _vocab_run(opts: EvalOptions, doc_ids, doc_texts, query_ids, query_texts) -> dict:
-    encoder = VocabEncoder(opts.model, opts.pooling, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size),
+    encoder = VocabEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size),
                            top_k=opts.vocab_top_k)
     dense_docs, sparse_docs = encoder.encode(doc_texts, documents=True, desc="encode corpus", progress=opts.progress)
     dense_queries, sparse_queries = encoder.encode(query_texts, documents=False, desc="encode queries",

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrieve.engine.run_dir import write_atomic
-from pretrieve.engine.tracking import metric_name
+from pretrieve.engine.tracking import experiment_id_of, metric_name
 
 STAGES = ("zero-shot",)
 EVAL_KEYS = ("max_length", "depth", "index", "batch_size")
@@ -167,13 +167,9 @@ def _log_job(job: Job, farm: dict) -> bool:
     uri = tracking.get("uri") or f"sqlite:///{Path(farm['out']).resolve() / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     parent = _parent_run(job, uri)
-    if parent:
-        experiment_id = parent[1]
-    else:
-        name = tracking.get("experiment", "pretrieve-eval")
-        found = client.get_experiment_by_name(name)
-        artifacts = (Path(farm["out"]).resolve() / "mlartifacts").as_uri()  # not ./mlruns under the caller's cwd
-        experiment_id = found.experiment_id if found else client.create_experiment(name, artifact_location=artifacts)
+    # artifacts beside the farm's outputs, not in ./mlruns under the caller's cwd
+    experiment_id = parent[1] if parent else experiment_id_of(
+        client, tracking.get("experiment", "pretrieve-eval"), (Path(farm["out"]).resolve() / "mlartifacts").as_uri())
     metrics = json.loads((job.out / "metrics.json").read_text())
     tags = {"pretrieve.farm": "eval", "checkpoint": job.checkpoint["name"], "dataset": job.dataset["name"],
             "stage": job.stage}

@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_export(commands)
     _add_universal(commands)
     _add_launch_info(commands)
+    _add_finetune(commands)
+    _add_mine(commands)
+    _add_teacher_scores(commands)
     _add_eval(commands)
     _add_farm(commands)
     _add_report(commands)
@@ -99,6 +102,99 @@ def _run_launch_info(args) -> int:
     print(f"method {info['method']}, ZeRO {info['zero_stage']}, {t.precision} ({info['ds_config']})")
     resume = f"resume=auto continues from {info['resume_from']}" if info["resume_from"] else "no checkpoint yet"
     print(f"run_dir: {info['run_dir']} ({resume})")
+    return 0
+
+
+def _add_finetune(commands) -> None:
+    p = commands.add_parser("finetune", help="fine-tune a retriever (stages 1-3) or its cross-encoder teacher",
+                            description="Fine-tune with DeepSpeed from CONFIG (configs/finetune/*.yaml; see "
+                                        "pretrieve/finetune/run.py) with dotted key=value overrides, e.g. "
+                                        "finetune.init_from=runs/x/export run_dir=runs/x-ft1 resume=auto.")
+    p.add_argument("config", metavar="CONFIG")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.set_defaults(run=_run_finetune)
+
+
+def _run_finetune(args) -> int:
+    import os
+
+    from pretrieve.config import load_config
+    from pretrieve.engine.train import Preempted
+    from pretrieve.finetune.run import finetune, finetune_experiment
+
+    config = load_config(args.config, args.overrides, required=("finetune",))
+    try:
+        result = finetune(finetune_experiment(config, world_size=int(os.environ.get("WORLD_SIZE", 1))))
+    except Preempted as stopped:
+        print(f"pretrieve finetune: preempted, checkpoint saved; exit {stopped.code} (resume=auto continues)",
+              file=sys.stderr)
+        return stopped.code
+    print(json.dumps(result))
+    return 0
+
+
+def _add_training_data(p, what: str) -> None:
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data", nargs="+", default=[], metavar="FILE",
+                      help=f"{what}: fine-tuning JSON lines (.jsonl) or query<TAB>pos<TAB>neg triples")
+    data.add_argument("--msmarco", default=None, metavar="DIR", help="MS MARCO folder with a training split")
+    data.add_argument("--beir", default=None, metavar="DIR", help="BEIR folder with a training split")
+    p.add_argument("--split", default="train", help="qrels split of --msmarco / --beir (default train)")
+
+
+def _add_mine(commands) -> None:
+    from pretrieve.eval.search import INDEXES
+
+    p = commands.add_parser("mine", help="mine ANN hard negatives with a fine-tuned retriever (stage 2's data)",
+                            description="Encode the corpus and the training queries, search with faiss, drop "
+                                        "positives and the top --skip, and sample --negatives from the results down "
+                                        "to --depth; writes fine-tuning JSON lines.")
+    p.add_argument("--model", required=True, metavar="DIR", help="the stage-1 retriever (its export directory)")
+    _add_training_data(p, "training queries with positives")
+    p.add_argument("--out", required=True, metavar="FILE.jsonl")
+    p.add_argument("--depth", type=int, default=200, help="ranks sampled from (default 200)")
+    p.add_argument("--negatives", type=int, default=15, help="negatives per query (default 15)")
+    p.add_argument("--skip", type=int, default=0, help="top ranks left out (likely unjudged positives)")
+    p.add_argument("--pooling", choices=("cls", "mean"), default=None,
+                   help="default: the pooling the model was fine-tuned with, else cls")
+    p.add_argument("--normalize", action="store_true", default=None, help="default: as fine-tuned")
+    p.add_argument("--max-length", type=int, default=144, help="passage tokens")
+    p.add_argument("--query-max-length", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--index", choices=INDEXES, default="flat")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--on-missing", choices=("fail", "skip"), default="fail")
+    p.set_defaults(run=_run_mine)
+
+
+def _run_mine(args) -> int:
+    from pretrieve.finetune.mine import MineOptions, mine
+
+    print(json.dumps(mine(MineOptions(
+        model=args.model, out=args.out, data=args.data, msmarco=args.msmarco, beir=args.beir, split=args.split,
+        on_missing=args.on_missing, depth=args.depth, negatives=args.negatives, skip=args.skip, pooling=args.pooling,
+        normalize=args.normalize, max_length=args.max_length, query_max_length=args.query_max_length,
+        batch_size=args.batch_size, index=args.index, seed=args.seed))))
+    return 0
+
+
+def _add_teacher_scores(commands) -> None:
+    p = commands.add_parser("teacher-scores", help="score training pairs with a cross-encoder (stage 3's soft labels)",
+                            description="Add pos_scores / neg_scores from a fine-tuned cross-encoder "
+                                        "(finetune.model=cross) to fine-tuning JSON lines.")
+    p.add_argument("--model", required=True, metavar="DIR", help="the cross-encoder's export directory")
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE")
+    p.add_argument("--out", required=True, metavar="FILE.jsonl")
+    p.add_argument("--max-length", type=int, default=176, help="tokens per query-passage pair")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.set_defaults(run=_run_teacher_scores)
+
+
+def _run_teacher_scores(args) -> int:
+    from pretrieve.finetune.mine import TeacherOptions, teacher_scores
+
+    print(json.dumps(teacher_scores(TeacherOptions(model=args.model, data=args.data, out=args.out,
+                                                   max_length=args.max_length, batch_size=args.batch_size))))
     return 0
 
 

@@ -20,7 +20,8 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the file and key."""
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> DictConfig:
+def load_config(path: str | Path, overrides: list[str] | None = None,
+                required: tuple[str, ...] = ("model", "method")) -> DictConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -34,7 +35,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> DictCon
         raise
     except Exception as e:  # omegaconf/yaml raise many types for bad syntax
         raise ConfigError(f"{path}: {e}") from e
-    for section in ("model", "method"):
+    for section in required:
         if section not in config:
             raise ConfigError(f"{path}: missing section {section!r}")
     return config
@@ -139,11 +140,7 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     model = model_options(config)
     method, options = method_options(config)
     data = _section(config, "data", DataOptions)
-    train = _section(config, "train", TrainOptions)
-    checkpoint = _section(config, "checkpoint", CheckpointOptions)
-    from pretrieve.engine.tracking import TrackingOptions
-
-    tracking = _section(config, "tracking", TrackingOptions)
+    train, checkpoint, tracking = run_sections(config, world_size)
     if not data.manifests:
         raise ConfigError("data.manifests: empty; list the manifest.json files written by `pretrieve prepare`")
     for i, path in enumerate(data.manifests):
@@ -153,6 +150,18 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
         raise ConfigError(f"data.weights: {len(data.weights)} weights for {len(data.manifests)} manifests")
     if model.init_from and not Path(model.init_from).is_dir():
         raise ConfigError(f"model.init_from: {model.init_from} is not a directory")
+    run_dir = Path(config.get("run_dir") or f"runs/{method.name}")
+    return Experiment(int(config.get("seed", 42)), run_dir, resume_of(config), model, method, options, data, train,
+                      checkpoint, tracking, config)
+
+
+def run_sections(config: DictConfig, world_size: int) -> tuple[TrainOptions, CheckpointOptions, Any]:
+    """The validated `train:`, `checkpoint:` and `tracking:` sections, shared by pre-training and fine-tuning."""
+    from pretrieve.engine.tracking import TrackingOptions
+
+    train = _section(config, "train", TrainOptions)
+    checkpoint = _section(config, "checkpoint", CheckpointOptions)
+    tracking = _section(config, "tracking", TrackingOptions)
     for key in ("micro_batch_size", "grad_accum", "max_steps", "log_every"):
         if getattr(train, key) < 1:
             raise ConfigError(f"train.{key}: must be >= 1, got {getattr(train, key)}")
@@ -172,12 +181,14 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
         raise ConfigError(f"train.ds_config: {train.ds_config} not found")
     if checkpoint.every < 1 or checkpoint.keep < 1:
         raise ConfigError("checkpoint.every and checkpoint.keep must be >= 1")
+    return train, checkpoint, tracking
+
+
+def resume_of(config: DictConfig) -> str | None:
     resume = config.get("resume")
     if resume not in (None, "auto"):
         raise ConfigError(f"resume: {resume!r}: the only value is auto (continue from the latest checkpoint)")
-    run_dir = Path(config.get("run_dir") or f"runs/{method.name}")
-    return Experiment(int(config.get("seed", 42)), run_dir, resume, model, method, options, data, train, checkpoint,
-                      tracking, config)
+    return resume
 
 
 def ds_config_path(train: TrainOptions) -> Path:

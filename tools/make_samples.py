@@ -78,6 +78,9 @@ def main():
         OUT / "jsonl/cacm-300.jsonl",
         "".join(json.dumps({"id": d["_id"], "contents": f"{d['title']}\n{d['text']}"}) + "\n" for d in cacm),
     )
+    # Fine-tuning JSON lines (query, pos, neg, pos_scores, neg_scores): FlagEmbedding's MS MARCO example, as is.
+    for name in ("embedder_retrieval_msmarco.jsonl", "LICENSE.FlagEmbedding"):
+        write_text(OUT / "finetune" / name, (SHARED / "finetune-examples" / name).read_text(encoding="utf-8"))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`pretrieve pretrain`: one readable training loop around a DeepSpeed engine.
+"""`pretrieve pretrain` (and `pretrieve finetune`): one readable training loop around a DeepSpeed engine.
 
 config -> head (registry) -> stream + collator -> deepspeed.initialize (ds_configs/, "auto" filled from
 `train:`) -> loop: forward, backward, step; metrics.jsonl every `log_every` steps; a checkpoint every
@@ -17,7 +17,9 @@ import random
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -101,14 +103,59 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def train(exp: Experiment) -> dict:
-    import deepspeed
-    from omegaconf import OmegaConf
-    from tqdm import tqdm
+@dataclass
+class TrainingJob:
+    """What the loop trains; everything else (DeepSpeed, checkpoints, resume, logging, preemption) is shared by
+    pre-training and fine-tuning."""
 
+    name: str  # progress bar and log label
+    module: torch.nn.Module  # forward(batch) -> {"loss": ..., other named loss parts}
+    loader: Any  # re-iterable over batches (dicts of tensors)
+    position: Any  # where the loader is: state_dict() / load_state_dict(), saved in every checkpoint
+    count: Callable[[dict], tuple[int, int]]  # (samples, non-padding tokens) of a batch
+    flops: Callable[[dict], int]  # training FLOPs of a micro-batch (engine.flops)
+    export: Callable[[Path], Any]  # rank 0, after the final checkpoint: run_dir -> run_dir/export
+    tags: dict  # MLflow run tags
+
+
+def train(exp: Experiment) -> dict:
+    """Pre-train exp.method on exp.data."""
+    return run_training(exp, _pretraining_job)
+
+
+def _pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.stream import ShardStream, StreamLoader
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
+
+    head = exp.method.build(exp.options, exp.model, seed=exp.seed)
+    if rank == 0:  # the architecture, also when it came from model.init_from: `pretrieve export` rebuilds from it
+        head.encoder.config.to_json_file(exp.run_dir / ENCODER_CONFIG)
+    if exp.train.activation_checkpointing:
+        head.encoder.enable_activation_checkpointing()
+    collate = exp.method.collator.from_options(exp.options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)),
+                                               seed=exp.seed)
+    stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
+                         shuffle_buffer=exp.data.shuffle_buffer)
+    # The loader's own generator: starting an iteration must not draw from the global RNG (dropout), or a
+    # resumed run, which starts its iteration at another step, would drift from an uninterrupted one.
+    loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, num_workers=exp.data.num_workers,
+                          collate_fn=collate, generator=torch.Generator().manual_seed(exp.seed))
+    return TrainingJob(
+        name=f"pretrain {exp.method.name}", module=head, loader=loader, position=stream,
+        count=lambda batch: (len(batch["input_ids"]), int(batch["attention_mask"].sum())),
+        flops=lambda batch: train_flops(exp.method.name, exp.options, head.encoder.config, batch),
+        # from the final checkpoint: ZeRO partitions consolidated, fp32 master weights under bf16/fp16
+        export=lambda run_dir: export_checkpoint(run_dir, run_dir / "export"),
+        tags=run_tags(exp.method.name, exp.data.corpora, head.encoder.config))
+
+
+def run_training(exp, build_job: Callable[[Any, int], TrainingJob]) -> dict:
+    """Train the job `build_job(exp, rank)` returns under the run settings of `exp` (seed, run_dir, resume,
+    train, checkpoint, tracking, raw)."""
+    import deepspeed
+    from omegaconf import OmegaConf
+    from tqdm import tqdm
 
     rank, world = _distributed_env()
     if exp.train.precision == "fp16" and not torch.cuda.is_available():
@@ -125,29 +172,18 @@ def train(exp: Experiment) -> dict:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(exp.raw, resolve=True))
 
-    head = exp.method.build(exp.options, exp.model, seed=exp.seed)
-    if rank == 0:  # the architecture, also when it came from model.init_from: `pretrieve export` rebuilds from it
-        head.encoder.config.to_json_file(run_dir / ENCODER_CONFIG)
-    if exp.train.activation_checkpointing:
-        head.encoder.enable_activation_checkpointing()
-    collate = exp.method.collator.from_options(exp.options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)),
-                                               seed=exp.seed)
-    stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
-                         shuffle_buffer=exp.data.shuffle_buffer)
-    # The loader's own generator: starting an iteration must not draw from the global RNG (dropout), or a
-    # resumed run, which starts its iteration at another step, would drift from an uninterrupted one.
-    loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, num_workers=exp.data.num_workers,
-                          collate_fn=collate, generator=torch.Generator().manual_seed(exp.seed))
+    job = build_job(exp, rank)
+    stream, loader = job.position, job.loader
     ds_config = deepspeed_config(exp)
     tag = latest_checkpoint(run_dir) if exp.resume == "auto" else None
     if tag is not None and is_universal(ckpt_dir / tag):  # written by `pretrieve universal`: any world size
         ds_config["checkpoint"] = {"load_universal": True}
-    engine, _, _, _ = deepspeed.initialize(model=head, config=ds_config,
-                                           model_parameters=[p for p in head.parameters() if p.requires_grad])
+    engine, _, _, _ = deepspeed.initialize(model=job.module, config=ds_config,
+                                           model_parameters=[p for p in job.module.parameters() if p.requires_grad])
     tracker = None
     if rank == 0:
         tracker = Tracker(exp.tracking, run_dir, run_params(OmegaConf.to_container(exp.raw, resolve=True), ds_config),
-                          run_tags(exp.method.name, exp.data.corpora, head.encoder.config))
+                          job.tags)
 
     counters = {"samples": 0, "tokens": 0}
     if tag is not None:
@@ -171,7 +207,7 @@ def train(exp: Experiment) -> dict:
     window = {"loss": 0.0, "parts": {}, "micro": 0, "tokens": 0, "samples": 0, "flops": 0,
               "started": time.perf_counter()}
     stop = StopFlag(exp.train.max_runtime)
-    bar = tqdm(total=exp.train.max_steps, initial=engine.global_steps, desc=f"pretrain {exp.method.name}",
+    bar = tqdm(total=exp.train.max_steps, initial=engine.global_steps, desc=job.name,
                unit="step", disable=rank != 0, dynamic_ncols=True)
     try:
         while engine.global_steps < exp.train.max_steps:
@@ -184,13 +220,13 @@ def train(exp: Experiment) -> dict:
                                         or engine.global_steps + 1 == exp.train.max_steps)
                 plain_norm = _plain_grad_norm(engine) if log_now else None
                 engine.step()
-                tokens = int(batch["attention_mask"].sum())
-                counters["samples"] += len(batch["input_ids"])
+                samples, tokens = job.count(batch)
+                counters["samples"] += samples
                 counters["tokens"] += tokens
                 window["micro"] += 1
                 window["tokens"] += tokens
-                window["samples"] += len(batch["input_ids"])
-                window["flops"] += train_flops(exp.method.name, exp.options, head.encoder.config, batch)
+                window["samples"] += samples
+                window["flops"] += job.flops(batch)
                 window["loss"] += out["loss"].item()
                 for name, value in out.items():
                     if name != "loss":
@@ -224,8 +260,8 @@ def train(exp: Experiment) -> dict:
         totals = torch.tensor([counters["samples"], counters["tokens"]], dtype=torch.int64)
         dist.all_reduce(totals)
         counters = dict(zip(("samples", "tokens"), totals.tolist()))
-    if rank == 0:  # from the final checkpoint: ZeRO partitions consolidated, fp32 master weights under bf16/fp16
-        export_checkpoint(run_dir, run_dir / "export")
+    if rank == 0:
+        job.export(run_dir)
     if tracker is not None:
         tracker.finish()
     return {"step": engine.global_steps, **counters, "checkpoint": latest_checkpoint(run_dir),

@@ -4,6 +4,8 @@ Texts are tokenized once, sorted by length and batched, so a batch pads only to 
 SciFact at 256 tokens this skips most of the padding a corpus-order batch carries); vectors come back in
 input order. Pooling: `cls` (the [CLS] vector, the RetroMAE family) or `mean` (over non-padding tokens,
 sentence-transformers); `normalize` makes inner product cosine. bf16 autocast on a GPU, fp32 on CPU.
+A CoT-MoTE encoder (an export with query experts) encodes queries through its query experts and documents
+through its passage experts (cot-mote.txt §3.3).
 """
 
 from __future__ import annotations
@@ -49,22 +51,45 @@ class DenseEncoder:
         self.options = options
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModel.from_pretrained(model_dir).to(self.device).eval()
+        self.routed = has_query_experts(model_dir)
+        if self.routed:
+            from pretrieve.models.encoder import load_encoder
+
+            self.model = load_encoder(model_dir).to(self.device).eval()
+        else:
+            self.model = AutoModel.from_pretrained(model_dir).to(self.device).eval()
 
     @torch.inference_mode()
-    def encode(self, texts: list[str], desc: str = "encode", progress: bool = True) -> np.ndarray:
-        """[len(texts), hidden] float32 vectors, in the order of `texts`."""
+    def encode(self, texts: list[str], desc: str = "encode", progress: bool = True,
+               queries: bool = False) -> np.ndarray:
+        """[len(texts), hidden] float32 vectors, in the order of `texts`; `queries` picks the query experts."""
         out = np.empty((len(texts), self.model.config.hidden_size), dtype=np.float32)
         pool = POOLINGS[self.options.pooling]
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         for rows, batch in length_sorted_batches(self.tokenizer, texts, self.options, self.device, desc, progress):
             with autocast:
-                hidden = self.model(**batch).last_hidden_state
+                if self.routed:
+                    text_type = torch.full((len(rows),), int(queries), dtype=torch.long, device=self.device)
+                    hidden = self.model(batch["input_ids"], batch["attention_mask"], text_type=text_type)
+                else:
+                    hidden = self.model(**batch).last_hidden_state
             vectors = pool(hidden.float(), batch["attention_mask"])
             if self.options.normalize:
                 vectors = torch.nn.functional.normalize(vectors, dim=-1)
             out[rows] = vectors.cpu().numpy()
         return out
+
+
+def has_query_experts(model_dir: str | Path) -> bool:
+    from safetensors import safe_open
+
+    from pretrieve.models.encoder import HEAD_WEIGHTS
+
+    path = Path(model_dir) / HEAD_WEIGHTS
+    if not path.is_file():
+        return False
+    with safe_open(str(path), framework="pt") as f:
+        return any(k.startswith("encoder.query_experts.") for k in f.keys())
 
 
 VOCAB_POOLINGS = ("dupmae", "sparse", "hybrid")

@@ -59,7 +59,7 @@ def run_eval(opts: EvalOptions) -> dict:
             encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size,
                                                              opts.normalize))
             docs = encoder.encode(doc_texts, desc="encode corpus", progress=opts.progress)
-            queries = encoder.encode(query_texts, desc="encode queries", progress=opts.progress)
+            queries = encoder.encode(query_texts, desc="encode queries", progress=opts.progress, queries=True)
             run = dense_search(docs, doc_ids, queries, query_ids, k=opts.depth, index=opts.index)
         retriever = "dense" if opts.pooling in ("cls", "mean") else opts.pooling
         result = _write(out, data, run, {**_describe(opts, data), "retriever": retriever,

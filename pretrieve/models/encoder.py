@@ -170,6 +170,20 @@ class Encoder(nn.Module):
                                     self.mlm_bias, labels[selected])
 
 
+def load_encoder(path: str | Path) -> Encoder:
+    """The encoder of a HF BERT directory or a pretrieve export, with its query experts when the export has
+    them (a CoT-MoTE pre-training or fine-tuning run): what fine-tuning and encoding start from."""
+    encoder = Encoder.from_pretrained(path)
+    experts = read_weights(Path(path), HEAD_WEIGHTS, prefixes=("encoder.query_experts.",))
+    if experts:
+        encoder.add_query_experts()
+        result = encoder.load_state_dict({k[len("encoder."):]: v for k, v in experts.items()}, strict=False)
+        missing = [k for k in result.missing_keys if k.startswith("query_experts.")]
+        if missing:
+            raise ValueError(f"{path}: {HEAD_WEIGHTS} holds only some query experts (missing {missing[:3]})")
+    return encoder
+
+
 def ordinary_positions(lengths: torch.Tensor, width: int) -> torch.Tensor:
     """bool [B, L]: positions 1 .. length-2, the ordinary tokens between [CLS] and [SEP] (data.masking's twin)."""
     pos = torch.arange(width, device=lengths.device)

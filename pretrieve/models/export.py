@@ -44,6 +44,11 @@ def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAU
     meta = {"format": EXPORT_FORMAT, "method": method_name(head), "options": asdict(head.options),
             "pretrieve_version": __version__}
     (tmp / HEAD_CONFIG).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    return replace_directory(tmp, out)
+
+
+def replace_directory(tmp: Path, out: Path) -> Path:
+    """Move the finished directory `tmp` to `out`, replacing what was there (never a half-written `out`)."""
     if out.exists():
         old = out.with_name(f".{out.name}.old")
         shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,100 @@
+"""Batches of fine-tuning groups: each query with one positive and `negatives` negatives, tokenized.
+
+`GroupLoader` walks the examples epoch by epoch in a permutation seeded by (seed, epoch). Rank r of a world
+of W takes micro-batch r of every W consecutive ones, so the ranks see disjoint queries and a global batch is
+the same at any world size. Its position (epoch, micro-batches taken) is what a checkpoint saves: a resumed
+run continues with the next batch. Positive and negative choices are seeded by (seed, epoch, example), so
+they do not depend on the order of iteration either. The last incomplete global batch of an epoch is dropped.
+
+Batch keys: query_input_ids / query_attention_mask [B, Lq], passage_input_ids / passage_attention_mask
+[B x G, Lp] (G = 1 + negatives: the positive first, then the negatives of the same query), and with teacher
+scores teacher_scores [B, G].
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from pretrieve.finetune.examples import Example
+
+
+class GroupLoader:
+    def __init__(self, examples: list[Example], tokenizer, batch_size: int, negatives: int, query_max_len: int,
+                 passage_max_len: int, seed: int, rank: int = 0, world: int = 1, teacher_scores: bool = False):
+        if negatives > 0:
+            for example in examples:
+                if not example.neg:
+                    raise ValueError(f"{example.where}: no negatives, but finetune.negatives is {negatives} "
+                                     "(mine some with `pretrieve mine`, or set finetune.negatives=0: in-batch only)")
+        if teacher_scores:
+            for example in examples:
+                if example.pos_scores is None:
+                    raise ValueError(f"{example.where}: no pos_scores / neg_scores; distillation needs teacher "
+                                     "scores (`pretrieve teacher-scores`)")
+        self.batches_per_epoch = len(examples) // (batch_size * world)
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"{len(examples)} examples make no global batch of {batch_size} x {world} ranks")
+        self.examples, self.tokenizer = examples, tokenizer
+        self.batch_size, self.negatives, self.seed, self.rank, self.world = batch_size, negatives, seed, rank, world
+        self.query_max_len, self.passage_max_len, self.teacher_scores = query_max_len, passage_max_len, teacher_scores
+        self.epoch, self.taken = 0, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "taken": self.taken}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.taken = int(state["epoch"]), int(state["taken"])
+
+    def __iter__(self):
+        """The rest of the current epoch (the next one when it is used up)."""
+        if self.taken >= self.batches_per_epoch:
+            self.epoch, self.taken = self.epoch + 1, 0
+        order = list(range(len(self.examples)))
+        random.Random(f"{self.seed}/{self.epoch}").shuffle(order)
+        while self.taken < self.batches_per_epoch:
+            start = (self.taken * self.world + self.rank) * self.batch_size
+            rows = order[start:start + self.batch_size]
+            self.taken += 1  # before the yield: a checkpoint taken after this batch resumes at the next one
+            yield self.collate(rows)
+
+    def group(self, row: int) -> tuple[str, list[str], list[float] | None]:
+        """(query, [positive, negatives...], teacher scores of those) of example `row` in this epoch."""
+        example = self.examples[row]
+        rng = random.Random(f"{self.seed}/{self.epoch}/{row}")
+        pos = rng.randrange(len(example.pos))
+        if self.negatives <= len(example.neg):
+            negs = rng.sample(range(len(example.neg)), self.negatives)
+        else:  # fewer than asked for: repeat some (every query keeps the same group size)
+            negs = [rng.randrange(len(example.neg)) for _ in range(self.negatives)]
+        passages = [example.pos[pos], *(example.neg[i] for i in negs)]
+        scores = None
+        if self.teacher_scores:
+            scores = [example.pos_scores[pos], *(example.neg_scores[i] for i in negs)]
+        return example.query, passages, scores
+
+    def collate(self, rows: list[int]) -> dict[str, torch.Tensor]:
+        groups = [self.group(row) for row in rows]
+        queries = self.tokenizer([g[0] for g in groups], truncation=True, max_length=self.query_max_len,
+                                 padding=True, return_tensors="pt")
+        passages = self.tokenizer([p for g in groups for p in g[1]], truncation=True,
+                                  max_length=self.passage_max_len, padding=True, return_tensors="pt")
+        batch = {"query_input_ids": queries["input_ids"], "query_attention_mask": queries["attention_mask"],
+                 "passage_input_ids": passages["input_ids"], "passage_attention_mask": passages["attention_mask"]}
+        if self.teacher_scores:
+            batch["teacher_scores"] = torch.tensor([g[2] for g in groups], dtype=torch.float32)
+        return batch
+
+
+class PairLoader(GroupLoader):
+    """Query-passage pairs for the cross-encoder teacher: `pair_input_ids` / `pair_attention_mask` /
+    `pair_token_type_ids` [B x G, L] ([CLS] query [SEP] passage [SEP], the positive first in each group)."""
+
+    def collate(self, rows: list[int]) -> dict[str, torch.Tensor]:
+        groups = [self.group(row) for row in rows]
+        pairs = self.tokenizer([g[0] for g in groups for _ in g[1]], [p for g in groups for p in g[1]],
+                               truncation=True, max_length=self.query_max_len + self.passage_max_len,
+                               padding=True, return_tensors="pt")
+        return {"pair_input_ids": pairs["input_ids"], "pair_attention_mask": pairs["attention_mask"],
+                "pair_token_type_ids": pairs["token_type_ids"]}

@@ -1,0 +1,112 @@
+"""The fine-tuned models: a shared-weight dual encoder (stages 1-3) and the cross-encoder teacher (stage 3).
+
+Losses, dupmae-retromae-2-acl2023.txt §3.5 (scores s(q, d) = <q, d> / temperature; eqs. 13-15 use 1):
+- `contrastive`: -log softmax of the positive among the candidates. The candidates are the query's own group
+  (positive + hard negatives D^-, eq. 14), plus with `in_batch` every other passage of the batch (IB, eq. 13),
+  gathered from every rank when `cross_device` (world > 1). Stage 1 is this loss with negatives = 0 (or BM25
+  negatives), stage 2 with mined hard negatives.
+- `triplet`: seed-encoder.txt §4.2, relu(margin - (s(q, d+) - s(q, d-))) averaged over the query's negatives.
+- `distill`: eq. 15's soft-label cross-entropy over the query's group {d+, D^-}: the targets sigma_q^d are the
+  softmax of the cross-encoder's scores (`teacher_scores`), the prediction the softmax of the student's.
+CoT-MoTE (cot-mote.txt §3.3): when the encoder has query experts and `text_experts` is on, queries go
+through the query experts and passages through the passage experts; the self-attention is shared.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrieve.models.heads.costa import gather_across_ranks
+from pretrieve.models.representation import POOLINGS
+
+LOSSES = ("contrastive", "triplet", "distill")
+
+
+class DualEncoder(nn.Module):
+    def __init__(self, encoder, loss: str = "contrastive", pooling: str = "cls", normalize: bool = False,
+                 temperature: float = 1.0, in_batch: bool = True, cross_device: bool = True, margin: float = 1.0,
+                 text_experts: bool = True):
+        super().__init__()
+        if loss not in LOSSES:
+            raise ValueError(f"finetune.loss: {loss!r} is not one of {', '.join(LOSSES)}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"finetune.pooling: {pooling!r} is not one of {', '.join(POOLINGS)}")
+        if temperature <= 0:
+            raise ValueError(f"finetune.temperature: must be > 0, got {temperature}")
+        self.encoder = encoder
+        self.loss_name, self.pool, self.normalize = loss, POOLINGS[pooling], normalize
+        self.temperature, self.in_batch, self.cross_device, self.margin = temperature, in_batch, cross_device, margin
+        self.routed = text_experts and encoder.query_experts is not None
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, queries: bool) -> torch.Tensor:
+        text_type = None
+        if self.routed:
+            text_type = torch.full((len(input_ids),), int(queries), dtype=torch.long, device=input_ids.device)
+        vectors = self.pool(self.encoder(input_ids, attention_mask, text_type=text_type), attention_mask)
+        return F.normalize(vectors, dim=-1) if self.normalize else vectors
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        q = self.embed(batch["query_input_ids"], batch["query_attention_mask"], queries=True)
+        p = self.embed(batch["passage_input_ids"], batch["passage_attention_mask"], queries=False)
+        size = p.shape[0] // q.shape[0]  # G: the positive + the negatives of each query
+        own = torch.einsum("bd,bgd->bg", q, p.view(q.shape[0], size, -1)) / self.temperature  # [B, G]
+        if self.loss_name == "distill":
+            teacher = torch.softmax(batch["teacher_scores"].float(), dim=-1)
+            loss = -(teacher * torch.log_softmax(own.float(), dim=-1)).sum(dim=-1).mean()
+            scores, target = own, torch.zeros(len(q), dtype=torch.long, device=q.device)
+        elif self.loss_name == "triplet":
+            if size < 2:
+                raise ValueError("finetune.loss triplet: needs finetune.negatives >= 1")
+            loss = F.relu(self.margin - (own[:, :1] - own[:, 1:])).mean()
+            scores, target = own, torch.zeros(len(q), dtype=torch.long, device=q.device)
+        else:
+            loss, scores, target = contrastive_loss(q, p, self.temperature, self.in_batch, self.cross_device)
+        accuracy = (scores.argmax(dim=-1) == target).float().mean()
+        return {"loss": loss, "accuracy": accuracy.detach()}
+
+
+def contrastive_loss(q: torch.Tensor, p: torch.Tensor, temperature: float = 1.0, in_batch: bool = True,
+                     cross_device: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eqs. 13-14 for queries q [B, d] and their groups p [B x G, d] (positive first): (mean loss, scores
+    [B, candidates], index of each query's positive among the candidates). With `cross_device`, the
+    candidates are every rank's passages, in rank order; gradients flow back to this rank's own."""
+    size = p.shape[0] // q.shape[0]
+    if not in_batch:
+        scores = torch.einsum("bd,bgd->bg", q, p.view(q.shape[0], size, -1)) / temperature
+        target = torch.zeros(len(q), dtype=torch.long, device=q.device)
+    else:
+        first = 0
+        if cross_device:
+            gathered = gather_across_ranks(p)
+            if gathered is not p:
+                import torch.distributed as dist
+
+                first, p = dist.get_rank() * p.shape[0], gathered
+        scores = q @ p.T / temperature
+        target = first + torch.arange(len(q), device=q.device) * size
+    return F.cross_entropy(scores.float(), target), scores, target
+
+
+class CrossEncoder(nn.Module):
+    """BERT over "[CLS] query [SEP] passage [SEP]", a linear score on [CLS] (HF BertForSequenceClassification,
+    one label), trained to pick the positive of each group (softmax cross-entropy over the group, as for the
+    dual encoder's eq. 14 without in-batch negatives). Its scores are the teacher's for eq. 15."""
+
+    def __init__(self, model, group_size: int):
+        super().__init__()
+        if group_size < 2:
+            raise ValueError("the cross-encoder teacher learns from negatives: finetune.negatives must be >= 1")
+        self.model, self.group_size = model, group_size
+
+    def scores(self, input_ids, attention_mask, token_type_ids) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                          token_type_ids=token_type_ids).logits.squeeze(-1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        scores = self.scores(batch["pair_input_ids"], batch["pair_attention_mask"], batch["pair_token_type_ids"])
+        groups = scores.float().view(-1, self.group_size)
+        target = torch.zeros(len(groups), dtype=torch.long, device=groups.device)
+        return {"loss": F.cross_entropy(groups, target),
+                "accuracy": (groups.argmax(dim=-1) == target).float().mean().detach()}

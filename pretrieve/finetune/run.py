@@ -1,0 +1,227 @@
+"""`pretrieve finetune CONFIG [key=value ...]`: fine-tune a pre-trained encoder on the pre-training engine.
+
+The config has the run keys of a pre-training config (`seed`, `run_dir`, `resume`, `train:`, `checkpoint:`,
+`tracking:`: DeepSpeed ZeRO stages, precision, checkpoints, `resume=auto`, preemption and MLflow behave the
+same) and a `finetune:` section (FinetuneOptions) in place of `model:` / `method:` / `data:`:
+
+    finetune:
+      init_from: runs/retromae/export     # a pretrieve export or any HF BERT directory
+      model: dual                         # dual: the retriever (stages 1-3); cross: the stage-3 teacher
+      loss: contrastive                   # contrastive (eqs. 13-14) | triplet (SEED) | distill (eq. 15)
+      data: [train.jsonl]                 # JSON lines / text triples; or msmarco: / beir: + split + hard_negatives
+      negatives: 7
+
+At the end run_dir/export holds the fine-tuned model: for `dual`, a HF BertModel directory that
+`pretrieve eval` / `AutoModel` load (plus query experts for a CoT-MoTE encoder, and `pretrieve_finetune.json`
+with the pooling it was trained with); for `cross`, a BertForSequenceClassification directory that
+`pretrieve teacher-scores` reads. The stages are chained by files: `pretrieve mine` writes stage 2's hard
+negatives, `pretrieve teacher-scores` stage 3's soft labels.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from pretrieve.config import ConfigError, _section, resume_of, run_sections
+
+FINETUNE_META = "pretrieve_finetune.json"  # beside a fine-tuned export: what it is and how it pools
+MODEL_CONFIG = "model_config.json"  # in the run directory: the architecture, for the export
+TOKENIZER = "tokenizer"  # in the run directory
+_TOP_LEVEL = {"seed", "run_dir", "resume", "finetune", "train", "checkpoint", "tracking"}
+
+
+@dataclass
+class FinetuneOptions:
+    init_from: str = ""
+    model: str = "dual"  # dual | cross
+    loss: str = "contrastive"  # dual: contrastive | triplet | distill (cross: always group softmax)
+    data: list[str] = field(default_factory=list)  # JSON-lines or text-triples files
+    msmarco: str | None = None  # or: an MS MARCO folder (collection, queries.<split>.tsv, qrels.<split>.tsv)
+    beir: str | None = None  # or: a BEIR folder with qrels/<split>.tsv
+    split: str = "train"
+    hard_negatives: str | None = None  # with msmarco / beir: query id<TAB>doc id,doc id,... lines
+    negatives: int = 7  # negatives per query in each group (0: in-batch negatives only)
+    in_batch: bool = True  # contrastive: the batch's other passages are negatives too (eq. 13's IB)
+    cross_device: bool = True  # ... gathered from every rank
+    temperature: float = 1.0
+    normalize: bool = False  # cosine similarity instead of inner product
+    pooling: str = "cls"  # cls | mean
+    margin: float = 1.0  # triplet loss margin
+    text_experts: bool = True  # CoT-MoTE encoders: queries through the query experts
+    query_max_len: int = 32
+    passage_max_len: int = 144
+    on_missing: str = "fail"  # msmarco / beir qrels naming absent ids: fail | skip
+
+
+@dataclass
+class FinetuneExperiment:
+    seed: int
+    run_dir: Path
+    resume: str | None
+    options: FinetuneOptions
+    train: Any
+    checkpoint: Any
+    tracking: Any
+    raw: DictConfig
+
+
+def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExperiment:
+    unknown = sorted(set(config) - _TOP_LEVEL)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown top-level key (known: {', '.join(sorted(_TOP_LEVEL))})")
+    options = _section(config, "finetune", FinetuneOptions)
+    train, checkpoint, tracking = run_sections(config, world_size)
+    if not options.init_from or not Path(options.init_from).is_dir():
+        raise ConfigError(f"finetune.init_from: {options.init_from!r} is not a model directory")
+    if options.model not in ("dual", "cross"):
+        raise ConfigError(f"finetune.model: {options.model!r} is not dual or cross")
+    sources = [bool(options.data), options.msmarco is not None, options.beir is not None]
+    if sum(sources) != 1:
+        raise ConfigError("finetune: give exactly one of data: [files], msmarco: DIR or beir: DIR")
+    for i, path in enumerate(options.data):
+        if not Path(path).is_file():
+            raise ConfigError(f"finetune.data[{i}]: {path} not found")
+    if options.negatives < 0:
+        raise ConfigError(f"finetune.negatives: must be >= 0, got {options.negatives}")
+    from pretrieve.finetune.models import LOSSES
+
+    if options.loss not in LOSSES:
+        raise ConfigError(f"finetune.loss: {options.loss!r} is not one of {', '.join(LOSSES)}")
+    run_dir = Path(config.get("run_dir") or f"runs/finetune-{options.model}")
+    return FinetuneExperiment(int(config.get("seed", 42)), run_dir, resume_of(config), options, train, checkpoint,
+                              tracking, config)
+
+
+def load_examples(options: FinetuneOptions):
+    from pretrieve.data.retrieval import load_retrieval_set
+    from pretrieve.finetune.examples import examples_from_ids, read_examples
+
+    if options.data:
+        return [e for path in options.data for e in read_examples(path)]
+    data = load_retrieval_set(options.beir, options.msmarco, options.split, options.on_missing)
+    return examples_from_ids(data, options.hard_negatives)
+
+
+def finetune(exp: FinetuneExperiment) -> dict:
+    from pretrieve.engine.train import run_training
+
+    return run_training(exp, _finetuning_job)
+
+
+def _finetuning_job(exp: FinetuneExperiment, rank: int):
+    import os
+
+    from transformers import AutoTokenizer
+
+    from pretrieve.engine.flops import layer_flops
+    from pretrieve.engine.tracking import run_tags
+    from pretrieve.engine.train import TrainingJob
+    from pretrieve.finetune.batches import GroupLoader, PairLoader
+
+    o = exp.options
+    tokenizer = AutoTokenizer.from_pretrained(o.init_from)
+    module = build_model(o)
+    config = module.encoder.config if o.model == "dual" else module.model.config
+    if rank == 0:
+        config.to_json_file(exp.run_dir / MODEL_CONFIG)
+        (exp.run_dir / FINETUNE_META).write_text(json.dumps(_meta(module, o), indent=1) + "\n")
+        tokenizer.save_pretrained(str(exp.run_dir / TOKENIZER))  # the export's, even if init_from moves
+    if exp.train.activation_checkpointing:
+        (module.encoder.bert if o.model == "dual" else module.model).gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    loader_class = GroupLoader if o.model == "dual" else PairLoader
+    loader = loader_class(load_examples(o), tokenizer, exp.train.micro_batch_size, o.negatives, o.query_max_len,
+                          o.passage_max_len, exp.seed, rank, int(os.environ.get("WORLD_SIZE", 1)),
+                          teacher_scores=o.model == "dual" and o.loss == "distill")
+
+    def count(batch: dict) -> tuple[int, int]:  # (queries, non-padding tokens)
+        masks = [v for k, v in batch.items() if k.endswith("attention_mask")]
+        queries = len(masks[0]) // (1 + o.negatives) if o.model == "cross" else len(masks[0])
+        return queries, int(sum(m.sum() for m in masks))
+
+    def flops(batch: dict) -> int:  # 3x the encoder forward (engine.flops) over every text of the batch
+        total = 0
+        for key, ids in batch.items():
+            if key.endswith("input_ids"):
+                total += config.num_hidden_layers * layer_flops(config, ids.shape[0], ids.shape[1], ids.shape[1])
+        return 3 * total
+
+    tags = {**run_tags(f"finetune-{o.model}", None, config), "stage_loss": o.loss, "init_from": str(o.init_from)}
+    return TrainingJob(name=f"finetune {o.model} {o.loss}", module=module, loader=loader, position=loader,
+                       count=count, flops=flops, export=lambda run_dir: export_finetuned(run_dir, run_dir / "export"),
+                       tags=tags)
+
+
+def build_model(o: FinetuneOptions, config_file: Path | None = None):
+    """The module fine-tuning trains: from `o.init_from`'s weights, or (for the export) the architecture in
+    `config_file` with fresh weights that the checkpoint then overwrites."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from pretrieve.finetune.models import CrossEncoder, DualEncoder
+    from pretrieve.models.encoder import Encoder, load_encoder
+
+    if o.model == "cross":
+        if config_file is not None:
+            model = BertForSequenceClassification(BertConfig.from_json_file(config_file))
+        else:
+            model = BertForSequenceClassification.from_pretrained(o.init_from, num_labels=1, local_files_only=True)
+        return CrossEncoder(model, group_size=1 + o.negatives)
+    if config_file is not None:
+        encoder = Encoder(BertConfig.from_json_file(config_file))
+        meta = json.loads((config_file.parent / FINETUNE_META).read_text())
+        if meta.get("query_experts"):
+            encoder.add_query_experts()
+    else:
+        encoder = load_encoder(o.init_from)
+    return DualEncoder(encoder, loss=o.loss, pooling=o.pooling, normalize=o.normalize, temperature=o.temperature,
+                       in_batch=o.in_batch, cross_device=o.cross_device, margin=o.margin, text_experts=o.text_experts)
+
+
+def _meta(module, o: FinetuneOptions) -> dict:
+    from pretrieve import __version__
+
+    meta = {"model": o.model, "loss": o.loss, "pooling": o.pooling, "normalize": o.normalize,
+            "temperature": o.temperature, "init_from": str(o.init_from), "pretrieve_version": __version__}
+    if o.model == "dual":
+        meta["query_experts"] = module.encoder.query_experts is not None
+        meta["text_experts"] = module.routed
+    return meta
+
+
+def export_finetuned(run_dir: str | Path, out: str | Path) -> Path:
+    """The latest checkpoint of a fine-tuning run as a model directory (see the module docstring)."""
+    import shutil
+
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from pretrieve.engine.export_checkpoint import load_checkpoint_weights
+    from pretrieve.engine.run_dir import locate
+    from pretrieve.models.encoder import HEAD_WEIGHTS
+    from pretrieve.models.export import replace_directory
+
+    run_dir, ckpt_dir, tag = locate(Path(run_dir))
+    options = _section(OmegaConf.load(run_dir / "config.yaml"), "finetune", FinetuneOptions)
+    module = build_model(options, config_file=run_dir / MODEL_CONFIG)
+    load_checkpoint_weights(module, ckpt_dir, tag)
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if options.model == "cross":
+        module.model.save_pretrained(str(tmp))
+    else:
+        module.encoder.bert.save_pretrained(str(tmp))
+        extra = {f"encoder.{k}": v.detach().contiguous() for k, v in module.encoder.state_dict().items()
+                 if not k.startswith("bert.")}  # MLM head, query experts: `load_encoder` reads them back
+        save_file(extra, str(tmp / HEAD_WEIGHTS))
+    AutoTokenizer.from_pretrained(str(run_dir / TOKENIZER)).save_pretrained(str(tmp))
+    meta = json.loads((run_dir / FINETUNE_META).read_text())
+    (tmp / FINETUNE_META).write_text(json.dumps({**meta, "checkpoint": tag, "options": asdict(options)}, indent=1)
+                                     + "\n")
+    return replace_directory(tmp, out)

@@ -1,0 +1,232 @@
+"""Fine-tuning: example readers and their errors, group batches (resume, ranks), the losses of eqs. 13-15 and
+SEED's triplet loss against their formulas, cross-device negatives on two gloo ranks, CoT-MoTE routing, and
+the three stages end to end (each lowers its loss; the result evaluates)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import SAMPLES, pretrain_env
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer, BertConfig
+
+from pretrieve.cli import main as cli
+from pretrieve.config import ConfigError
+from pretrieve.data.retrieval import RetrievalDataError, load_beir
+from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
+from pretrieve.finetune.batches import GroupLoader
+from pretrieve.finetune.examples import examples_from_ids, read_examples
+from pretrieve.finetune.models import DualEncoder, contrastive_loss
+from pretrieve.finetune.run import finetune_experiment
+from pretrieve.models.encoder import Encoder
+
+FLAG = SAMPLES / "finetune" / "embedder_retrieval_msmarco.jsonl"
+SCIFACT = SAMPLES / "beir" / "scifact-sample"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER)
+
+
+def test_example_readers_and_their_errors(tmp_path):
+    flag = read_examples(FLAG)
+    assert len(flag) == 10 and all(len(e.pos) == 1 and len(e.neg) == 25 and len(e.neg_scores) == 25 for e in flag)
+
+    triples = tmp_path / "triples.tsv"
+    triples.write_text("q1\tp1\tn1\nq1\tp1\tn2\nq2\tp2\tn3\n")
+    assert [(e.query, e.pos, e.neg) for e in read_examples(triples)] == [("q1", ["p1"], ["n1", "n2"]),
+                                                                        ("q2", ["p2"], ["n3"])]
+    bad = {
+        '{"query": "q", "pos": ["p"]}\n{"query": "q", "pos": [\n': "bad.jsonl:2: not JSON",
+        '{"pos": ["p"]}\n': 'bad.jsonl:1: no "query" string',
+        '{"query": "q", "pos": []}\n': 'bad.jsonl:1: "pos" is empty',
+        '{"query": "q", "pos": ["p"], "neg": ["n"], "pos_scores": [1.0], "neg_scores": [1, 2]}\n':
+            'bad.jsonl:1: "neg_scores" must be 1 numbers',
+        '{"query": "q", "pos": ["p"], "pos_scores": [1.0]}\n': "bad.jsonl:1: give both",
+    }
+    for text, message in bad.items():
+        (tmp_path / "bad.jsonl").write_text(text)
+        with pytest.raises(RetrievalDataError, match=message):
+            read_examples(tmp_path / "bad.jsonl")
+    (tmp_path / "bad.tsv").write_text("q\tp\tn\nq\tp\n")
+    with pytest.raises(RetrievalDataError, match="bad.tsv:2: expected query<TAB>positive<TAB>negative"):
+        read_examples(tmp_path / "bad.tsv")
+
+    data = load_beir(SCIFACT)
+    qid, judged = next(iter(data.qrels.items()))
+    other = next(d for d in data.corpus if d not in judged)
+    (tmp_path / "hard.tsv").write_text(f"{qid}\t{next(iter(judged))},{other}\n")
+    example = next(e for e in examples_from_ids(data, tmp_path / "hard.tsv") if e.query == data.queries[qid])
+    assert example.neg == [data.doc_text(other)]  # the judged document left out
+    (tmp_path / "hard.tsv").write_text(f"{qid}\tnot-a-doc\n")
+    with pytest.raises(RetrievalDataError, match="hard.tsv:1: document not-a-doc is not in the corpus"):
+        examples_from_ids(data, tmp_path / "hard.tsv")
+
+
+def _texts(batch, tokenizer, key="query"):
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in batch[f"{key}_input_ids"]]
+
+
+def test_group_loader_resumes_and_splits_global_batches_over_ranks(tokenizer):
+    examples = read_examples(FLAG)
+
+    def loader(**kw):
+        args = dict(batch_size=2, negatives=3, query_max_len=16, passage_max_len=16, seed=7, teacher_scores=True)
+        return GroupLoader(examples, tokenizer, **{**args, **kw})
+
+    full = loader()
+    straight = [b for _ in range(2) for b in full]  # two epochs of 5 batches
+    assert len(straight) == 10 and full.state_dict() == {"epoch": 1, "taken": 5}
+    assert straight[0]["passage_input_ids"].shape[0] == 2 * 4 and straight[0]["teacher_scores"].shape == (2, 4)
+    first = loader()
+    head = [b for _, b in zip(range(3), first)]
+    second = loader()
+    second.load_state_dict(first.state_dict())
+    resumed = head + list(second) + list(second)
+    for a, b in zip(straight, resumed, strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    epochs = [sorted(t for b in straight[i:i + 5] for t in _texts(b, tokenizer)) for i in (0, 5)]
+    assert epochs[0] == epochs[1] and _texts(straight[0], tokenizer) != _texts(straight[5], tokenizer)  # reshuffled
+
+    wide = loader(batch_size=4)
+    ranks = [loader(rank=r, world=2) for r in (0, 1)]
+    for global_batch, *parts in zip(wide, *ranks):
+        assert _texts(global_batch, tokenizer) == [t for part in parts for t in _texts(part, tokenizer)]
+        assert _texts(global_batch, tokenizer, "passage") == [t for p in parts for t in _texts(p, tokenizer, "passage")]
+
+    short = read_examples(FLAG)[:2]
+    short[0].neg = short[0].neg[:1]
+    query, passages, _ = GroupLoader(short, tokenizer, 2, 3, 16, 16, seed=0).group(0)
+    assert passages[1:] == [short[0].neg[0]] * 3  # too few negatives: repeated to the group size
+    short[1].neg = []
+    with pytest.raises(ValueError, match="no negatives, but finetune.negatives is 3"):
+        GroupLoader(short, tokenizer, 2, 3, 16, 16, seed=0)
+
+
+def _tiny_encoder(experts: bool = False) -> Encoder:
+    torch.manual_seed(0)
+    encoder = Encoder(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    if experts:
+        encoder.add_query_experts()
+        with torch.no_grad():
+            for p in encoder.query_experts.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+    return encoder.eval()
+
+
+def test_losses_follow_their_equations(tokenizer):
+    batch = next(iter(GroupLoader(read_examples(FLAG), tokenizer, 3, 2, 16, 24, seed=0, teacher_scores=True)))
+    encoder = _tiny_encoder()
+    for options in ({}, {"in_batch": False}, {"temperature": 0.05, "normalize": True}):
+        model = DualEncoder(encoder, **options)
+        q = model.embed(batch["query_input_ids"], batch["query_attention_mask"], queries=True)
+        p = model.embed(batch["passage_input_ids"], batch["passage_attention_mask"], queries=False)
+        t = options.get("temperature", 1.0)
+        if options.get("in_batch", True):  # eq. 13 / 14: every passage of the batch, positives at 0, 3, 6
+            expected = F.cross_entropy(q @ p.T / t, torch.tensor([0, 3, 6]))
+        else:
+            expected = F.cross_entropy(torch.stack([p[3 * i:3 * i + 3] @ q[i] for i in range(3)]) / t,
+                                       torch.zeros(3, dtype=torch.long))
+        torch.testing.assert_close(model(batch)["loss"], expected)
+        if options.get("normalize"):
+            torch.testing.assert_close(q.norm(dim=-1), torch.ones(3))
+    model = DualEncoder(encoder, loss="triplet", margin=0.5)
+    q = model.embed(batch["query_input_ids"], batch["query_attention_mask"], queries=True)
+    p = model.embed(batch["passage_input_ids"], batch["passage_attention_mask"], queries=False)
+    own = torch.stack([p[3 * i:3 * i + 3] @ q[i] for i in range(3)])
+    triplet = torch.stack([F.relu(0.5 - (own[i, 0] - own[i, j])) for i in range(3) for j in (1, 2)]).mean()
+    torch.testing.assert_close(model(batch)["loss"], triplet)
+    sigma = torch.softmax(batch["teacher_scores"], dim=-1)  # eq. 15
+    distill = -(sigma * torch.log_softmax(own, dim=-1)).sum(dim=-1).mean()
+    torch.testing.assert_close(DualEncoder(encoder, loss="distill")(batch)["loss"], distill)
+
+
+def test_text_experts_route_queries_and_passages(tokenizer):
+    encoder = _tiny_encoder(experts=True)
+    ids = tokenizer(["what causes tides"], return_tensors="pt")
+    routed, plain = DualEncoder(encoder), DualEncoder(encoder, text_experts=False)
+    as_query = routed.embed(ids["input_ids"], ids["attention_mask"], queries=True)
+    as_passage = routed.embed(ids["input_ids"], ids["attention_mask"], queries=False)
+    assert not torch.allclose(as_query, as_passage)  # the query experts differ from the passage FFNs
+    torch.testing.assert_close(plain.embed(ids["input_ids"], ids["attention_mask"], queries=True), as_passage)
+
+
+def _cross_device_worker(rank, world, port, q, p, results):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mine_q = q[2 * rank:2 * rank + 2].clone().requires_grad_(True)
+    mine_p = p[6 * rank:6 * rank + 6].clone().requires_grad_(True)
+    loss, _, target = contrastive_loss(mine_q, mine_p)
+    loss.backward()
+    results[rank] = (loss.item(), mine_q.grad, mine_p.grad, target.tolist())
+    dist.destroy_process_group()
+
+
+def test_cross_device_negatives_on_two_gloo_ranks():
+    """Two ranks with two queries (groups of 3) each: every query scores all 12 passages, its positive at its
+    global position; the ranks' mean loss and gradients are those of the one-process loss over the batch."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    torch.manual_seed(1)
+    q, p = torch.randn(4, 8, dtype=torch.float64), torch.randn(12, 8, dtype=torch.float64)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.start_processes(_cross_device_worker, args=(2, port, q, p, results), nprocs=2, join=True, start_method="spawn")
+    assert results[0][3] == [0, 3] and results[1][3] == [6, 9]
+    full_q, full_p = q.clone().requires_grad_(True), p.clone().requires_grad_(True)
+    full, _, _ = contrastive_loss(full_q, full_p)
+    full.backward()
+    assert (results[0][0] + results[1][0]) / 2 == pytest.approx(full.item(), rel=1e-6)  # the loss is fp32
+    # each rank's gradient of its own loss, summed over ranks by the gathered backward, averaged by DeepSpeed
+    torch.testing.assert_close(torch.cat([results[0][1], results[1][1]]) / 2, full_q.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat([results[0][2], results[1][2]]) / 2, full_p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_finetune_config_errors_name_the_key(tmp_path):
+    base = {"finetune": {"init_from": str(tmp_path), "data": [str(FLAG)]}}
+    for change, message in (({"finetune": {"loss": "hinge"}}, "finetune.loss: 'hinge'"),
+                            ({"finetune": {"model": "tri"}}, "finetune.model: 'tri'"),
+                            ({"finetune": {"beir": str(SCIFACT)}}, "give exactly one of"),
+                            ({"finetune": {"data": ["missing.jsonl"]}}, r"finetune.data\[0\]: missing.jsonl"),
+                            ({"finetune": {"init_from": "nowhere"}}, "finetune.init_from: 'nowhere'"),
+                            ({"finetune": {"negatives": -1}}, "finetune.negatives"),
+                            ({"finetune": {"pool": "cls"}}, "finetune.pool: unknown key"),
+                            ({"method": {"name": "mlm"}}, "method: unknown top-level key")):
+        config = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(change))
+        with pytest.raises(ConfigError, match=message):
+            finetune_experiment(config)
+
+
+def test_three_stages_lower_their_losses_and_the_result_evaluates(tmp_path):
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "finetune_stages.py"), str(tmp_path)],
+                          env=pretrain_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert set(losses) == {"stage1", "stage2", "teacher", "stage3", "triplet"}
+    for stage, loss in losses.items():
+        assert loss["after"] < loss["before"], (stage, loss)
+
+    hard = read_examples(tmp_path / "hard.jsonl")  # mined by the stage-1 model
+    assert len(hard) == 100 and all(len(e.neg) == 3 and not set(e.neg) & set(e.pos) for e in hard)
+    scored = read_examples(tmp_path / "distill.jsonl")
+    assert [e.neg for e in scored] == [e.neg for e in hard] and all(len(e.neg_scores) == 3 for e in scored)
+
+    export = tmp_path / "stage3" / "export"
+    meta = json.loads((export / "pretrieve_finetune.json").read_text())
+    assert meta["query_experts"] and meta["text_experts"] and meta["loss"] == "distill"
+    assert cli(["eval", "--model", str(export), "--beir", str(SCIFACT), "--out", str(tmp_path / "eval")]) == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["queries"] == 100 and 0 <= metrics["ndcg@10"] <= 1

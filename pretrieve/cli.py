@@ -20,8 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_universal(commands)
     _add_launch_info(commands)
     _add_finetune(commands)
+    _add_finetune_stages(commands)
     _add_mine(commands)
     _add_teacher_scores(commands)
+    _add_encode(commands)
     _add_eval(commands)
     _add_farm(commands)
     _add_report(commands)
@@ -133,6 +135,36 @@ def _run_finetune(args) -> int:
     return 0
 
 
+def _add_finetune_stages(commands) -> None:
+    p = commands.add_parser("finetune-stages", help="the three fine-tuning stages of one model, chained and resumable",
+                            description="Stage 1 (in-batch), mining, stage 2 (hard negatives), the cross-encoder "
+                                        "teacher, its scores and stage 3 (distillation) into OUT/ (see "
+                                        "pretrieve/finetune/stages.py); finished steps are skipped.")
+    p.add_argument("--model", required=True, metavar="DIR", help="the pre-trained model (an export or HF BERT)")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--config", required=True, metavar="CONFIG", help="base fine-tuning config (configs/finetune/)")
+    _add_training_data(p, "training queries with positives")
+    p.add_argument("--up-to", choices=("stage1", "stage2", "stage3"), default="stage3")
+    p.add_argument("--teacher-init", default=None, metavar="DIR", help="the cross-encoder's start (default: --model)")
+    p.add_argument("--negatives", type=int, default=15, help="hard negatives per query (default 15)")
+    p.add_argument("--depth", type=int, default=200, help="mining depth (default 200)")
+    p.add_argument("--pooling", choices=("cls", "mean"), default="cls")
+    p.add_argument("--normalize", action="store_true")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every fine-tuning run (repeatable), e.g. --set train.max_steps=100")
+    p.set_defaults(run=_run_finetune_stages)
+
+
+def _run_finetune_stages(args) -> int:
+    from pretrieve.finetune.stages import StagesOptions, run_stages
+
+    print(json.dumps(run_stages(StagesOptions(
+        model=args.model, out=args.out, config=args.config, up_to=args.up_to, data=args.data, msmarco=args.msmarco,
+        beir=args.beir, split=args.split, teacher_init=args.teacher_init, negatives=args.negatives, depth=args.depth,
+        pooling=args.pooling, normalize=args.normalize, overrides=args.overrides))))
+    return 0
+
+
 def _add_training_data(p, what: str) -> None:
     data = p.add_mutually_exclusive_group(required=True)
     data.add_argument("--data", nargs="+", default=[], metavar="FILE",
@@ -227,8 +259,44 @@ def _add_eval(commands) -> None:
     p.add_argument("--bm25", action="store_true", help="BM25 baseline (alone, or beside --model in OUT/bm25/)")
     p.add_argument("--on-missing", choices=("fail", "skip"), default="fail",
                    help="qrels naming an unknown query or document: stop with file:line (fail), or drop and count")
+    p.add_argument("--embeddings", default=None, metavar="DIR",
+                   help="dense: read the corpus vectors `pretrieve encode` wrote to DIR instead of encoding")
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(run=_run_eval)
+
+
+def _add_encode(commands) -> None:
+    p = commands.add_parser("encode", help="encode a corpus to .npy + .ids shards, resumable, split over workers",
+                            description="Write DIR/corpus-NNNNN.npy and .ids per --shard-size documents; worker i of "
+                                        "n takes every n-th shard, complete shards are skipped. `pretrieve eval "
+                                        "--embeddings DIR` with the same model and settings reads them.")
+    p.add_argument("--model", required=True, metavar="DIR")
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--beir", default=None, metavar="DIR")
+    data.add_argument("--msmarco", default=None, metavar="DIR")
+    p.add_argument("--split", default=None, help="the qrels split the set is read with (default: test / dev)")
+    p.add_argument("--pooling", choices=("cls", "mean"), default="cls")
+    p.add_argument("--normalize", action="store_true")
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--shard-size", type=int, default=100_000, help="documents per shard")
+    p.add_argument("--worker", type=int, default=0, help="this worker's index (default 0)")
+    p.add_argument("--workers", type=int, default=1, help="workers sharing DIR (default 1)")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.set_defaults(run=_run_encode)
+
+
+def _run_encode(args) -> int:
+    from pretrieve.data.retrieval import load_retrieval_set
+    from pretrieve.eval.encode import DenseEncoder, EncodeOptions, encode_corpus_shards
+
+    data = load_retrieval_set(args.beir, args.msmarco, args.split or ("test" if args.beir else "dev"), "skip")
+    encoder = DenseEncoder(args.model, EncodeOptions(args.pooling, args.max_length, args.batch_size, args.normalize))
+    doc_ids = list(data.corpus)
+    shards = encode_corpus_shards(encoder, doc_ids, [data.doc_text(d) for d in doc_ids], args.out, args.shard_size,
+                                  args.worker, args.workers)
+    print(json.dumps({"out": args.out, "documents": len(doc_ids), "shards": [s.name for s in shards]}))
+    return 0
 
 
 def _run_eval(args) -> int:
@@ -239,7 +307,7 @@ def _run_eval(args) -> int:
         out=args.out, model=args.model, beir=args.beir, msmarco=args.msmarco, split=split, pooling=args.pooling,
         max_length=args.max_length, normalize=args.normalize, batch_size=args.batch_size, index=args.index,
         depth=args.depth, bm25=args.bm25, on_missing=args.on_missing, vocab_top_k=args.vocab_top_k,
-        sparse_weight=args.sparse_weight, candidates=args.candidates))
+        sparse_weight=args.sparse_weight, candidates=args.candidates, embeddings=args.embeddings))
     print(json.dumps({k: result[k] for k in ("ndcg@10", "mrr@10", "recall@100", "map", "dataset", "retriever")}))
     return 0
 

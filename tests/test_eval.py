@@ -150,6 +150,30 @@ def test_pretrieve_eval_writes_metrics_run_and_per_query(tmp_path, tiny_encoder,
     assert "give --model DIR, or --bm25" in capsys.readouterr().err
 
 
+def test_sharded_encoding_over_two_workers_resumes_and_feeds_eval(tmp_path, tiny_encoder, capsys):
+    vectors = tmp_path / "vectors"
+    common = ["encode", "--model", str(tiny_encoder), "--beir", str(SCIFACT), "--pooling", "mean", "--normalize",
+              "--max-length", "64", "--shard-size", "128", "--workers", "2", "--out", str(vectors)]
+    for worker in ("0", "1"):  # 500 documents: shards 0 and 2 to worker 0, 1 and 3 to worker 1
+        assert cli([*common, "--worker", worker]) == 0
+    assert sorted(p.name for p in vectors.glob("corpus-*")) == [f"corpus-{i:05d}.{x}" for i in range(4)
+                                                                 for x in ("ids", "npy")]
+    kept = (vectors / "corpus-00000.npy").stat().st_mtime_ns
+    (vectors / "corpus-00002.ids").unlink()  # shard 2 as a killed worker left it: vectors, no ids
+    assert cli([*common, "--worker", "0"]) == 0
+    assert (vectors / "corpus-00002.ids").is_file() and (vectors / "corpus-00000.npy").stat().st_mtime_ns == kept
+    capsys.readouterr()
+
+    settings = ["--model", str(tiny_encoder), "--beir", str(SCIFACT), "--pooling", "mean", "--normalize",
+                "--max-length", "64", "--depth", "50"]
+    assert cli(["eval", *settings, "--out", str(tmp_path / "direct")]) == 0
+    assert cli(["eval", *settings, "--embeddings", str(vectors), "--out", str(tmp_path / "from-shards")]) == 0
+    assert (tmp_path / "direct" / "run.trec").read_text() == (tmp_path / "from-shards" / "run.trec").read_text()
+    capsys.readouterr()
+    assert cli(["eval", *settings[:6], "--embeddings", str(vectors), "--out", str(tmp_path / "other")]) == 1
+    assert "vectors made with" in capsys.readouterr().err  # other settings (no --normalize): refused
+
+
 def test_farm_runs_jobs_in_parallel_logs_mlflow_and_reruns_only_what_is_missing(tmp_path, tiny_encoder):
     from mlflow.tracking import MlflowClient
 

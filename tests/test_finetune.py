@@ -14,7 +14,6 @@ from conftest import SAMPLES, pretrain_env
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer, BertConfig
 
-from pretrieve.cli import main as cli
 from pretrieve.config import ConfigError
 from pretrieve.data.retrieval import RetrievalDataError, load_beir
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
@@ -210,23 +209,81 @@ def test_finetune_config_errors_name_the_key(tmp_path):
             finetune_experiment(config)
 
 
-def test_three_stages_lower_their_losses_and_the_result_evaluates(tmp_path):
-    done = subprocess.run([sys.executable, str(Path(__file__).parent / "finetune_stages.py"), str(tmp_path)],
-                          env=pretrain_env(), capture_output=True, text=True, timeout=600)
+def _epoch_losses(run_dir: Path) -> dict:
+    """A fine-tuning run's loss over the batches of its first epoch (dropout off), with its initial weights and
+    with its final checkpoint."""
+    from pretrieve.config import _section
+    from pretrieve.engine.export_checkpoint import load_checkpoint_weights
+    from pretrieve.finetune.batches import PairLoader
+    from pretrieve.finetune.run import FinetuneOptions, build_model, load_examples
+
+    raw = OmegaConf.load(run_dir / "config.yaml")
+    o = _section(raw, "finetune", FinetuneOptions)
+    loader = (GroupLoader if o.model == "dual" else PairLoader)(
+        load_examples(o), AutoTokenizer.from_pretrained(o.init_from), raw.train.micro_batch_size, o.negatives,
+        o.query_max_len, o.passage_max_len, raw.seed, teacher_scores=o.loss == "distill" and o.model == "dual")
+    batches = list(loader)
+    result = {}
+    for when in ("before", "after"):
+        model = build_model(o).eval()
+        if when == "after":
+            load_checkpoint_weights(model, run_dir / "checkpoints", (run_dir / "checkpoints" / "latest").read_text())
+        with torch.no_grad():
+            result[when] = sum(float(model(b)["loss"]) for b in batches) / len(batches)
+    return result
+
+
+def test_farm_fine_tunes_three_stages_each_lowering_its_loss(tmp_path):
+    """A tiny CoT-MoTE export through the farm's stages 1-3 on the SciFact sample: one fine-tuning chain
+    (stage 1, mining, stage 2, teacher, teacher scores, stage 3) then one evaluation job per stage."""
+    from mlflow.tracking import MlflowClient
+
+    from pretrieve.models.encoder import ModelOptions
+    from pretrieve.models.export import export
+    from pretrieve.models.heads import get_method
+
+    torch.manual_seed(0)
+    method = get_method("cotmote")
+    export(method.build(method.options_from({"max_len": 64}),
+                        ModelOptions(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=256)),
+           tmp_path / "pretrained")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    farm = tmp_path / "farm.yaml"
+    farm.write_text(json.dumps({
+        "out": str(tmp_path / "farm"), "workers": 2, "tracking": {"uri": uri, "experiment": "ft"},
+        "eval": {"max_length": 96, "depth": 100},
+        "checkpoints": [{"name": "mote", "model": str(tmp_path / "pretrained")}],
+        "datasets": [{"name": "scifact", "beir": str(SCIFACT)}],
+        "stages": ["stage1", "stage2", "stage3"],
+        "finetune": {"config": str(Path(__file__).parent.parent / "configs" / "finetune" / "tiny.yaml"),
+                     "beir": str(SCIFACT), "split": "test", "negatives": 3, "depth": 30}}))
+    env = pretrain_env()
+    done = subprocess.run([sys.executable, "-m", "pretrieve", "farm", str(farm)], env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    losses = json.loads((tmp_path / "losses.json").read_text())
-    assert set(losses) == {"stage1", "stage2", "teacher", "stage3", "triplet"}
-    for stage, loss in losses.items():
-        assert loss["after"] < loss["before"], (stage, loss)
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["ran"] == 4 and not result["failed"] and len(result["logged"]) == 3
 
-    hard = read_examples(tmp_path / "hard.jsonl")  # mined by the stage-1 model
+    chain = tmp_path / "farm" / "mote" / "finetune"
+    for run in ("stage1", "stage2", "teacher", "stage3"):
+        loss = _epoch_losses(chain / run)
+        assert loss["after"] < loss["before"], (run, loss)
+    hard = read_examples(chain / "hard.jsonl")  # mined by the stage-1 model
     assert len(hard) == 100 and all(len(e.neg) == 3 and not set(e.neg) & set(e.pos) for e in hard)
-    scored = read_examples(tmp_path / "distill.jsonl")
+    scored = read_examples(chain / "distill.jsonl")
     assert [e.neg for e in scored] == [e.neg for e in hard] and all(len(e.neg_scores) == 3 for e in scored)
-
-    export = tmp_path / "stage3" / "export"
-    meta = json.loads((export / "pretrieve_finetune.json").read_text())
+    meta = json.loads((chain / "stage3" / "export" / "pretrieve_finetune.json").read_text())
     assert meta["query_experts"] and meta["text_experts"] and meta["loss"] == "distill"
-    assert cli(["eval", "--model", str(export), "--beir", str(SCIFACT), "--out", str(tmp_path / "eval")]) == 0
-    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    assert metrics["queries"] == 100 and 0 <= metrics["ndcg@10"] <= 1
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("ft").experiment_id])
+    evals = {r.data.tags["stage"]: r for r in runs if r.data.tags.get("pretrieve.farm") == "eval"}
+    assert sorted(evals) == ["stage1", "stage2", "stage3"]
+    for stage, run in evals.items():
+        metrics = json.loads((tmp_path / "farm" / "mote" / "scifact" / stage / "metrics.json").read_text())
+        assert run.data.metrics["ndcg_at_10"] == pytest.approx(metrics["ndcg@10"]) and metrics["queries"] == 100
+    assert sorted(r.data.tags["method"] for r in runs if "method" in r.data.tags) == \
+        ["finetune-cross", "finetune-dual", "finetune-dual", "finetune-dual"]  # the chain's runs, same store
+    again = subprocess.run([sys.executable, "-m", "pretrieve", "farm", str(farm)], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert json.loads(again.stdout.splitlines()[-1])["ran"] == 0  # nothing left to do

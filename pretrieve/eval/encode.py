@@ -48,7 +48,7 @@ class DenseEncoder:
             raise ValueError(f"pooling: {options.pooling!r} is not one of {', '.join(POOLINGS)}")
         if not Path(model_dir).is_dir():
             raise ValueError(f"{model_dir}: not a model directory (expected a HF export with config and tokenizer)")
-        self.options = options
+        self.options, self.model_dir = options, str(Path(model_dir).resolve())
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.routed = has_query_experts(model_dir)
@@ -58,6 +58,11 @@ class DenseEncoder:
             self.model = load_encoder(model_dir).to(self.device).eval()
         else:
             self.model = AutoModel.from_pretrained(model_dir).to(self.device).eval()
+
+    def settings(self) -> dict:
+        """What determines a document's vector."""
+        return {"model": self.model_dir, "pooling": self.options.pooling, "max_length": self.options.max_length,
+                "normalize": self.options.normalize}
 
     @torch.inference_mode()
     def encode(self, texts: list[str], desc: str = "encode", progress: bool = True,
@@ -78,6 +83,76 @@ class DenseEncoder:
                 vectors = torch.nn.functional.normalize(vectors, dim=-1)
             out[rows] = vectors.cpu().numpy()
         return out
+
+
+def encode_corpus_shards(encoder: "DenseEncoder", doc_ids: list[str], texts: list[str], out: str | Path,
+                         shard_size: int = 100_000, worker: int = 0, workers: int = 1,
+                         progress: bool = True) -> list[Path]:
+    """Encode the corpus in shards of `shard_size` documents to OUT/corpus-NNNNN.npy (float32 [n, d]) and
+    OUT/corpus-NNNNN.ids (one id per line), each written to a temporary name and renamed, ids last. Worker
+    `worker` of `workers` (processes or GPUs sharing OUT) takes every `workers`-th shard; shards already
+    complete are skipped, so a killed encoding continues where it stopped. OUT/encode.json records the model
+    and settings; encoding into a folder made with others is an error. Returns this worker's shards."""
+    import json
+
+    from pretrieve.engine.run_dir import write_atomic
+
+    if not 0 <= worker < workers:
+        raise ValueError(f"worker {worker} is not in 0..{workers - 1}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {**encoder.settings(), "shard_size": shard_size, "documents": len(doc_ids)}
+    record = out / "encode.json"
+    if record.is_file():
+        previous = json.loads(record.read_text())
+        if previous != settings:
+            raise ValueError(f"{record}: this folder holds vectors made with {previous}, not {settings}")
+    else:
+        write_atomic(record, json.dumps(settings, indent=1) + "\n")
+    mine = []
+    for number, start in enumerate(range(0, len(doc_ids), shard_size)):
+        if number % workers != worker:
+            continue
+        stem = out / f"corpus-{number:05d}"
+        mine.append(stem)
+        if stem.with_suffix(".ids").is_file():
+            continue
+        vectors = encoder.encode(texts[start:start + shard_size], desc=f"encode shard {number}", progress=progress)
+        tmp = stem.with_name(f".{stem.name}.npy.tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, vectors)
+        tmp.replace(stem.with_suffix(".npy"))
+        write_atomic(stem.with_suffix(".ids"), "".join(f"{d}\n" for d in doc_ids[start:start + shard_size]))
+    return mine
+
+
+def load_corpus_shards(folder: str | Path, doc_ids: list[str], encoder: "DenseEncoder") -> np.ndarray:
+    """The vectors of `doc_ids`, in that order, from FOLDER/corpus-*.npy + .ids written by `encoder`'s model and
+    settings; an error names what is missing or different."""
+    import json
+
+    folder = Path(folder)
+    record = folder / "encode.json"
+    if not record.is_file():
+        raise ValueError(f"{record}: not found; write the vectors with `pretrieve encode`")
+    made = json.loads(record.read_text())
+    if {k: made.get(k) for k in encoder.settings()} != encoder.settings():
+        raise ValueError(f"{record}: vectors made with {made}, but this evaluation encodes with {encoder.settings()}")
+    shards = sorted(folder.glob("corpus-*.ids"))
+    row_of, blocks = {}, []
+    for ids_file in shards:
+        ids = ids_file.read_text().splitlines()
+        vectors = np.load(ids_file.with_suffix(".npy"), mmap_mode="r")
+        if len(vectors) != len(ids):
+            raise ValueError(f"{ids_file}: {len(ids)} ids for {len(vectors)} vectors")
+        offset = sum(len(b) for b in blocks)
+        row_of.update((d, offset + i) for i, d in enumerate(ids))
+        blocks.append(vectors)
+    missing = [d for d in doc_ids if d not in row_of]
+    if missing:
+        raise ValueError(f"{folder}: {len(missing)} of {len(doc_ids)} documents have no vector (first: {missing[0]}); "
+                         "run `pretrieve encode` for the missing shards")
+    return np.concatenate(blocks)[[row_of[d] for d in doc_ids]]
 
 
 def has_query_experts(model_dir: str | Path) -> bool:

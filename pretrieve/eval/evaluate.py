@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pretrieve.data.retrieval import RetrievalSet, load_retrieval_set
 from pretrieve.engine.run_dir import write_atomic
-from pretrieve.eval.encode import VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder
+from pretrieve.eval.encode import VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder, load_corpus_shards
 from pretrieve.eval.metrics import evaluate, trec_run_lines
 from pretrieve.eval.search import bm25_search, dense_search, hybrid_search, sparse_search
 
@@ -39,6 +39,7 @@ class EvalOptions:
     vocab_top_k: int = 256  # dupmae / sparse / hybrid: vocabulary entries a document keeps
     sparse_weight: float = 1.0  # hybrid: weight of the sparse score
     candidates: int | None = None  # hybrid / dupmae: candidates per query (None: exact up to EXACT_HYBRID_DOCS)
+    embeddings: str | None = None  # dense: the corpus vectors `pretrieve encode` wrote there
     progress: bool = True
 
 
@@ -58,7 +59,10 @@ def run_eval(opts: EvalOptions) -> dict:
         else:
             encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size,
                                                              opts.normalize))
-            docs = encoder.encode(doc_texts, desc="encode corpus", progress=opts.progress)
+            if opts.embeddings:
+                docs = load_corpus_shards(opts.embeddings, doc_ids, encoder)
+            else:
+                docs = encoder.encode(doc_texts, desc="encode corpus", progress=opts.progress)
             queries = encoder.encode(query_texts, desc="encode queries", progress=opts.progress, queries=True)
             run = dense_search(docs, doc_ids, queries, query_ids, k=opts.depth, index=opts.index)
         retriever = "dense" if opts.pooling in ("cls", "mean") else opts.pooling
@@ -91,7 +95,7 @@ def _describe(opts: EvalOptions, data: RetrievalSet, dense: bool = True) -> dict
     encoder_only = ("model", "pooling", "max_length", "normalize", "batch_size", "index", "vocab_top_k",
                     "sparse_weight", "candidates")
     info = {k: v for k, v in asdict(opts).items()
-            if k not in ("out", "progress", "bm25") and (dense or k not in encoder_only)}
+            if k not in ("out", "progress", "bm25", "embeddings") and (dense or k not in encoder_only)}
     return {**info, "dataset": data.name, "documents": len(data.corpus), "queries": len(data.queries),
             "skipped_qrels": data.skipped}
 

@@ -10,7 +10,14 @@ on this machine or handed to SLURM, each logged as an MLflow run.
     datasets:
       - {name: scifact, beir: ../shared/data/beir/scifact, split: test}
       - {name: marco-dev, msmarco: data/msmarco, split: dev}
-    stages: [zero-shot]
+    stages: [zero-shot, stage1, stage2, stage3]
+    finetune:                          # needed by stage1-3: `pretrieve finetune-stages` per checkpoint
+      config: configs/finetune/stage1.yaml     # base config of every fine-tuning run
+      msmarco: data/msmarco            # or beir: DIR, or data: [files]; with split (default train)
+      negatives: 15
+      depth: 200
+      teacher_init: path/to/bert-base  # the cross-encoder's start (default: the checkpoint)
+      overrides: [train.max_steps=20000]
 
 Each job is a separate process, so a failing job (reported with its log) stops nothing else. A job is done
 when its metrics.json exists (written last, atomically); re-running the farm skips done jobs and logs to
@@ -18,7 +25,10 @@ MLflow the done jobs not yet logged (OUT/.../mlflow.json records the run). `--sl
 jobs as a job list for launchers/slurm/eval_farm.sbatch instead of running them; re-run the farm after the
 array has finished to log the results. An eval run is nested under its checkpoint's pre-training run when the
 checkpoint names its `run_dir` and that run is in the same MLflow store. Stages: `zero-shot` (the checkpoint as
-it is); the fine-tuning stages come with the fine-tuning part of the evaluation issue.
+it is) and `stage1` / `stage2` / `stage3`, the checkpoint fine-tuned (pretrieve/finetune/stages.py) with the
+checkpoint's pooling and normalisation. A checkpoint's fine-tuning chain runs first, once for all its stages,
+as one process (log: <out>/<checkpoint>/finetune/finetune.log, its runs in the farm's MLflow experiment); with
+`--slurm`, pending chains are listed first and their evaluation jobs on the next `--slurm` call.
 """
 
 from __future__ import annotations
@@ -33,9 +43,11 @@ from pathlib import Path
 
 from pretrieve.engine.run_dir import write_atomic
 from pretrieve.engine.tracking import experiment_id_of, metric_name
+from pretrieve.finetune.stages import done as finetuned
 
-STAGES = ("zero-shot",)
+STAGES = ("zero-shot", "stage1", "stage2", "stage3")
 EVAL_KEYS = ("max_length", "depth", "index", "batch_size")
+FINETUNE_KEYS = ("config", "data", "msmarco", "beir", "split", "negatives", "depth", "teacher_init", "overrides")
 
 
 @dataclass
@@ -52,9 +64,16 @@ class Job:
     def done(self) -> bool:
         return (self.out / "metrics.json").is_file()
 
+    @property
+    def model(self) -> Path:
+        """The model this job evaluates: the checkpoint, or its fine-tuned export for a stage."""
+        if self.stage == "zero-shot":
+            return Path(self.checkpoint["model"])
+        return finetune_dir(self.out.parents[2], self.checkpoint) / self.stage / "export"
+
     def eval_args(self, settings: dict) -> list[str]:
         """The `pretrieve eval` arguments of this job."""
-        args = ["eval", "--model", str(self.checkpoint["model"]), "--out", str(self.out),
+        args = ["eval", "--model", str(self.model), "--out", str(self.out),
                 "--pooling", self.checkpoint.get("pooling", "cls")]
         if self.checkpoint.get("normalize"):
             args.append("--normalize")
@@ -72,7 +91,7 @@ def load_farm(path: str | Path) -> dict:
     from omegaconf import OmegaConf
 
     farm = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    known = {"out", "workers", "tracking", "eval", "checkpoints", "datasets", "stages"}
+    known = {"out", "workers", "tracking", "eval", "checkpoints", "datasets", "stages", "finetune"}
     for key in farm:
         if key not in known:
             raise ValueError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(known))})")
@@ -95,6 +114,16 @@ def load_farm(path: str | Path) -> dict:
     for key in farm.setdefault("eval", {}):
         if key not in EVAL_KEYS:
             raise ValueError(f"{path}: eval.{key}: unknown (known: {', '.join(EVAL_KEYS)})")
+    if any(stage != "zero-shot" for stage in farm["stages"]):
+        finetune = farm.get("finetune") or {}
+        for key in finetune:
+            if key not in FINETUNE_KEYS:
+                raise ValueError(f"{path}: finetune.{key}: unknown (known: {', '.join(FINETUNE_KEYS)})")
+        if "config" not in finetune:
+            raise ValueError(f"{path}: finetune.config: the fine-tuning stages need a base config "
+                             "(configs/finetune/*.yaml)")
+        if sum(key in finetune for key in ("data", "msmarco", "beir")) != 1:
+            raise ValueError(f"{path}: finetune: give one of data:, msmarco: or beir: (the training data)")
     farm.setdefault("out", "farm-out")
     farm.setdefault("workers", 1)
     farm.setdefault("tracking", {})
@@ -107,36 +136,96 @@ def jobs_of(farm: dict) -> list[Job]:
             for c in farm["checkpoints"] for d in farm["datasets"] for s in farm["stages"]]
 
 
+def finetune_dir(out: Path, checkpoint: dict) -> Path:
+    return out / checkpoint["name"] / "finetune"
+
+
+def chains_of(farm: dict, jobs: list[Job]) -> dict[str, list[str]]:
+    """{checkpoint name: `pretrieve finetune-stages` arguments} for the checkpoints whose pending jobs need a
+    fine-tuned model that is not there yet."""
+    chains = {}
+    for checkpoint in farm["checkpoints"]:
+        stages = [job.stage for job in jobs if job.checkpoint is checkpoint and job.stage != "zero-shot"
+                  and not job.done() and not finetuned(job.model)]
+        if stages:
+            chains[checkpoint["name"]] = _chain_args(farm, checkpoint, max(stages))
+    return chains
+
+
+def _chain_args(farm: dict, checkpoint: dict, up_to: str) -> list[str]:
+    finetune = farm["finetune"]
+    args = ["finetune-stages", "--model", str(checkpoint["model"]), "--out",
+            str(finetune_dir(Path(farm["out"]), checkpoint)), "--config", str(finetune["config"]), "--up-to", up_to,
+            "--pooling", checkpoint.get("pooling", "cls")]
+    if checkpoint.get("normalize"):
+        args.append("--normalize")
+    if "data" in finetune:
+        args += ["--data", *map(str, finetune["data"])]
+    else:
+        kind = "msmarco" if "msmarco" in finetune else "beir"
+        args += [f"--{kind}", str(finetune[kind])]
+    for key in ("split", "negatives", "depth", "teacher_init"):
+        if key in finetune:
+            args += [f"--{key.replace('_', '-')}", str(finetune[key])]
+    tracking = farm["tracking"]
+    overrides = list(finetune.get("overrides", []))
+    if tracking.get("enabled", True) is False:
+        overrides.append("tracking.enabled=false")
+    else:  # the fine-tuning runs in the farm's store and experiment
+        overrides += ["tracking.enabled=true", f"tracking.uri={_tracking_uri(farm)}",
+                      f"tracking.experiment={tracking.get('experiment', 'pretrieve-eval')}"]
+    return args + [f"--set={item}" for item in overrides]
+
+
+def _tracking_uri(farm: dict) -> str:
+    return farm["tracking"].get("uri") or f"sqlite:///{Path(farm['out']).resolve() / 'mlflow.db'}"
+
+
 def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = True) -> dict:
-    """Run (or, with `slurm_jobs`, list) the pending jobs, then log every done job to MLflow once."""
+    """Run (or, with `slurm_jobs`, list) the pending fine-tuning chains, then the pending evaluation jobs; log
+    every done job to MLflow once."""
     farm = load_farm(path)
     jobs = jobs_of(farm)
     pending = [job for job in jobs if not job.done()]
+    chains = chains_of(farm, pending)
     failed: dict[str, str] = {}
-    if slurm_jobs is not None:
-        write_atomic(Path(slurm_jobs), "".join(shlex.join(job.eval_args(farm["eval"])) + "\n" for job in pending))
-    elif pending:
-        with ThreadPoolExecutor(max_workers=max(1, int(farm["workers"]))) as pool:
-            for job, error in zip(pending, pool.map(lambda j: _run_job(j, farm["eval"]), pending)):
-                if error:
-                    failed[job.name] = error
-                    if progress:
-                        print(f"farm: {job.name} failed: {error}", file=sys.stderr)
-                elif progress:
-                    print(f"farm: {job.name} done", file=sys.stderr)
+    if slurm_jobs is not None:  # chains first: their evaluation jobs wait for the next call
+        lines = [args for args in chains.values()] or [job.eval_args(farm["eval"]) for job in pending]
+        write_atomic(Path(slurm_jobs), "".join(shlex.join(args) + "\n" for args in lines))
+        logged = [job.name for job in jobs if job.done() and _log_job(job, farm)]
+        return {"jobs": len(jobs), "ran": 0, "failed": failed, "pending_for_slurm": len(lines),
+                "pending_chains": len(chains), "logged": logged}
+    workers = max(1, int(farm["workers"]))
+
+    def report(name: str, error: str | None) -> None:
+        if error:
+            failed[name] = error
+        if progress:
+            print(f"farm: {name} {'failed: ' + error if error else 'done'}", file=sys.stderr)
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        names = list(chains)
+        logs = [finetune_dir(Path(farm["out"]), {"name": n}) / "finetune.log" for n in names]
+        for name, error in zip(names, pool.map(lambda a: _run(a[0], a[1], None), zip(chains.values(), logs))):
+            report(f"{name}/finetune", error)
+        runnable = [job for job in pending if job.stage == "zero-shot" or finetuned(job.model)]
+        for job in pending:
+            if job not in runnable:
+                report(job.name, f"no fine-tuned model at {job.model} (its fine-tuning chain failed)")
+        for job, error in zip(runnable, pool.map(lambda j: _run(j.eval_args(farm["eval"]), j.out / "eval.log",
+                                                                j), runnable)):
+            report(job.name, error)
     logged = [job.name for job in jobs if job.done() and _log_job(job, farm)]
-    return {"jobs": len(jobs), "ran": 0 if slurm_jobs else len(pending) - len(failed), "failed": failed,
-            "pending_for_slurm": len(pending) if slurm_jobs else 0, "logged": logged}
+    return {"jobs": len(jobs), "ran": len(chains) + len(pending) - len(failed), "failed": failed,
+            "pending_for_slurm": 0, "logged": logged}
 
 
-def _run_job(job: Job, settings: dict) -> str | None:
-    """Run one job in its own process; None on success, else where to read why."""
-    job.out.mkdir(parents=True, exist_ok=True)
-    log = job.out / "eval.log"
+def _run(args: list[str], log: Path, job: Job | None) -> str | None:
+    """Run `pretrieve ARGS` in its own process, output to `log`; None on success, else where to read why."""
+    log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as stream:
-        code = subprocess.call([sys.executable, "-m", "pretrieve", *job.eval_args(settings)], stdout=stream,
-                               stderr=subprocess.STDOUT)
-    if code != 0 or not job.done():
+        code = subprocess.call([sys.executable, "-m", "pretrieve", *args], stdout=stream, stderr=subprocess.STDOUT)
+    if code != 0 or (job is not None and not job.done()):
         last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
         return f"exit {code}: {last[0] if last else ''} (log: {log})"
     return None
@@ -164,7 +253,7 @@ def _log_job(job: Job, farm: dict) -> bool:
     tracking = farm["tracking"]
     if record.is_file() or tracking.get("enabled", True) is False:
         return False
-    uri = tracking.get("uri") or f"sqlite:///{Path(farm['out']).resolve() / 'mlflow.db'}"
+    uri = _tracking_uri(farm)
     client = MlflowClient(tracking_uri=uri)
     parent = _parent_run(job, uri)
     # artifacts beside the farm's outputs, not in ./mlruns under the caller's cwd

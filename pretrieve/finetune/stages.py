@@ -1,0 +1,94 @@
+"""`pretrieve finetune-stages`: the three fine-tuning stages of dupmae-retromae-2-acl2023.txt §3.5 for one
+pre-trained model, chained, in one process:
+
+    OUT/stage1/         contrastive, in-batch negatives (eq. 13), from MODEL
+    OUT/hard.jsonl      ANN hard negatives mined with stage 1 (`pretrieve mine`)
+    OUT/stage2/         contrastive, hard + in-batch negatives (eq. 14), from stage 1
+    OUT/teacher/        the BERT cross-encoder on the hard negatives, from TEACHER_INIT (default MODEL)
+    OUT/distill.jsonl   its scores (`pretrieve teacher-scores`)
+    OUT/stage3/         soft-label distillation (eq. 15), from stage 2
+
+Each stage's model is OUT/<stage>/export. A step whose output exists is skipped; a fine-tuning run that was
+stopped continues from its checkpoint (resume=auto), so re-running after a crash or preemption loses nothing.
+Every fine-tuning run is `pretrieve finetune BASE_CONFIG` with the overrides below, then the caller's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pretrieve.finetune.run import FINETUNE_META
+
+STAGES = ("stage1", "stage2", "stage3")
+
+
+@dataclass
+class StagesOptions:
+    model: str
+    out: str
+    config: str  # the base fine-tuning config (configs/finetune/*.yaml)
+    up_to: str = "stage3"
+    data: list[str] = field(default_factory=list)  # training data: files, or one of msmarco / beir
+    msmarco: str | None = None
+    beir: str | None = None
+    split: str = "train"
+    teacher_init: str | None = None
+    negatives: int = 15  # per query in stages 2 and 3 (and the teacher)
+    depth: int = 200  # mining depth
+    pooling: str = "cls"
+    normalize: bool = False
+    overrides: list[str] = field(default_factory=list)  # dotted key=value for every fine-tuning run
+
+
+def done(export: Path) -> bool:
+    return (export / FINETUNE_META).is_file()
+
+
+def run_stages(opts: StagesOptions) -> dict:
+    from pretrieve.config import load_config
+    from pretrieve.finetune.mine import MineOptions, TeacherOptions, mine, teacher_scores
+    from pretrieve.finetune.run import finetune, finetune_experiment
+
+    if opts.up_to not in STAGES:
+        raise ValueError(f"up_to: {opts.up_to!r} is not one of {', '.join(STAGES)}")
+    out = Path(opts.out)
+    wanted = STAGES[:STAGES.index(opts.up_to) + 1]
+    if bool(opts.data) + (opts.msmarco is not None) + (opts.beir is not None) != 1:
+        raise ValueError("give one of data files, an MS MARCO folder or a BEIR folder as training data")
+    # the base config's own data and model, if any, give way to the chain's
+    source = ["finetune.data=[]", "finetune.msmarco=null", "finetune.beir=null"]
+    source.append(f"finetune.data=[{','.join(opts.data)}]" if opts.data else
+                  f"finetune.{'msmarco' if opts.msmarco else 'beir'}={opts.msmarco or opts.beir}")
+    source.append(f"finetune.split={opts.split}")
+    mined = ["finetune.msmarco=null", "finetune.beir=null"]
+    common = [f"finetune.pooling={opts.pooling}", f"finetune.normalize={str(opts.normalize).lower()}"]
+
+    def train(name: str, *overrides: str) -> Path:
+        run_dir = out / name
+        if not done(run_dir / "export"):
+            config = load_config(opts.config, [f"run_dir={run_dir}", "resume=auto", *overrides, *opts.overrides],
+                                 required=("finetune",))
+            finetune(finetune_experiment(config, world_size=int(os.environ.get("WORLD_SIZE", 1))))
+        return run_dir / "export"
+
+    exports = {"stage1": train("stage1", f"finetune.init_from={opts.model}", *source, *common,
+                               "finetune.negatives=0", "finetune.loss=contrastive")}
+    hard, distill = out / "hard.jsonl", out / "distill.jsonl"
+    if "stage2" in wanted:
+        if not hard.is_file():
+            mine(MineOptions(model=str(exports["stage1"]), out=str(hard), data=opts.data, msmarco=opts.msmarco,
+                             beir=opts.beir, split=opts.split, depth=opts.depth, negatives=opts.negatives))
+        exports["stage2"] = train("stage2", f"finetune.init_from={exports['stage1']}", *mined,
+                                  f"finetune.data=[{hard}]", *common, f"finetune.negatives={opts.negatives}",
+                                  "finetune.loss=contrastive")
+    if "stage3" in wanted:
+        teacher = train("teacher", f"finetune.init_from={opts.teacher_init or opts.model}", *mined,
+                        f"finetune.data=[{hard}]", "finetune.model=cross", f"finetune.negatives={opts.negatives}")
+        if not distill.is_file():
+            teacher_scores(TeacherOptions(model=str(teacher), data=[str(hard)], out=str(distill)))
+        exports["stage3"] = train("stage3", f"finetune.init_from={exports['stage2']}", *mined,
+                                  f"finetune.data=[{distill}]", *common, f"finetune.negatives={opts.negatives}",
+                                  "finetune.loss=distill")
+    return {name: str(path) for name, path in exports.items()}

@@ -80,7 +80,7 @@ def test_group_loader_resumes_and_splits_global_batches_over_ranks(tokenizer):
 
     full = loader()
     straight = [b for _ in range(2) for b in full]  # two epochs of 5 batches
-    assert len(straight) == 10 and full.state_dict() == {"epoch": 1, "taken": 5}
+    assert len(straight) == 10 and full.state_dict() == {"epoch": 1, "examples": 10}
     assert straight[0]["passage_input_ids"].shape[0] == 2 * 4 and straight[0]["teacher_scores"].shape == (2, 4)
     first = loader()
     head = [b for _, b in zip(range(3), first)]
@@ -97,6 +97,11 @@ def test_group_loader_resumes_and_splits_global_batches_over_ranks(tokenizer):
     for global_batch, *parts in zip(wide, *ranks):
         assert _texts(global_batch, tokenizer) == [t for part in parts for t in _texts(part, tokenizer)]
         assert _texts(global_batch, tokenizer, "passage") == [t for p in parts for t in _texts(p, tokenizer, "passage")]
+    one_rank = loader(rank=0, world=2)  # a checkpoint at 2 ranks, resumed at 1 rank with the same global batch
+    next(iter(one_rank))
+    alone = loader(batch_size=4)
+    alone.load_state_dict(one_rank.state_dict())
+    assert _texts(next(iter(alone)), tokenizer) == _texts(list(loader(batch_size=4))[1], tokenizer)
 
     short = read_examples(FLAG)[:2]
     short[0].neg = short[0].neg[:1]

@@ -2,8 +2,9 @@
 
 `GroupLoader` walks the examples epoch by epoch in a permutation seeded by (seed, epoch). Rank r of a world
 of W takes micro-batch r of every W consecutive ones, so the ranks see disjoint queries and a global batch is
-the same at any world size. Its position (epoch, micro-batches taken) is what a checkpoint saves: a resumed
-run continues with the next batch. Positive and negative choices are seeded by (seed, epoch, example), so
+the same at any world size. Its position (epoch, examples taken by all ranks) is what a checkpoint saves: a
+resumed run continues with the next batch, also at another world size (a universal checkpoint) when the
+global batch is unchanged. Positive and negative choices are seeded by (seed, epoch, example), so
 they do not depend on the order of iteration either. The last incomplete global batch of an epoch is dropped.
 
 Batch keys: query_input_ids / query_attention_mask [B, Lq], passage_input_ids / passage_attention_mask
@@ -42,10 +43,11 @@ class GroupLoader:
         self.epoch, self.taken = 0, 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "taken": self.taken}
+        """The epoch and the examples of it every rank together has taken: valid at any world size."""
+        return {"epoch": self.epoch, "examples": self.taken * self.world * self.batch_size}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.taken = int(state["epoch"]), int(state["taken"])
+        self.epoch, self.taken = int(state["epoch"]), int(state["examples"]) // (self.world * self.batch_size)
 
     def __iter__(self):
         """The rest of the current epoch (the next one when it is used up)."""

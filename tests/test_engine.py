@@ -166,12 +166,13 @@ def test_activation_checkpointing_changes_memory_not_numbers(tmp_path, wiki_shar
     assert [r["grad_norm"] for r in recomputed] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-5)
 
 
-def test_fp16_on_cpu_is_refused_by_name(tmp_path, wiki_shards):
-    done = subprocess.run([sys.executable, "-m", "pretrieve", "pretrain", str(CONFIGS / "tiny-mlm.yaml"),
-                           f"run_dir={tmp_path / 'fp16'}", f"data.manifests=[{wiki_shards / 'manifest.json'}]",
-                           "data.weights=null", "train.precision=fp16"], env=pretrain_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 1 and "train.precision: fp16 needs a CUDA device" in done.stderr
+def test_fp16_on_cpu_is_refused_by_name(tmp_path, wiki_shards, capsys):
+    from pretrieve.cli import main as cli
+
+    assert cli(["pretrain", str(CONFIGS / "tiny-mlm.yaml"), f"run_dir={tmp_path / 'fp16'}",
+                f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "train.precision=fp16"]) == 1
+    assert "train.precision: fp16 needs a CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "fp16").exists()  # refused before anything was written
 
 
 def test_cpu_optimizer_offload_gives_the_same_losses(tmp_path, wiki_shards):

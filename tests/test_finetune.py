@@ -3,14 +3,12 @@ SEED's triplet loss against their formulas, cross-device negatives on two gloo r
 the three stages end to end (each lowers its loss; the result evaluates)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SAMPLES, pretrain_env
+from conftest import SAMPLES
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer, BertConfig
 
@@ -243,6 +241,7 @@ def test_farm_fine_tunes_three_stages_each_lowering_its_loss(tmp_path):
     (stage 1, mining, stage 2, teacher, teacher scores, stage 3) then one evaluation job per stage."""
     from mlflow.tracking import MlflowClient
 
+    from pretrieve.eval.farm import run_farm
     from pretrieve.models.encoder import ModelOptions
     from pretrieve.models.export import export
     from pretrieve.models.heads import get_method
@@ -262,12 +261,8 @@ def test_farm_fine_tunes_three_stages_each_lowering_its_loss(tmp_path):
         "stages": ["stage1", "stage2", "stage3"],
         "finetune": {"config": str(Path(__file__).parent.parent / "configs" / "finetune" / "tiny.yaml"),
                      "beir": str(SCIFACT), "split": "test", "negatives": 3, "depth": 30}}))
-    env = pretrain_env()
-    done = subprocess.run([sys.executable, "-m", "pretrieve", "farm", str(farm)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.splitlines()[-1])
-    assert result["ran"] == 4 and not result["failed"] and len(result["logged"]) == 3
+    result = run_farm(farm, progress=False)  # its jobs are processes of their own
+    assert not result["failed"] and result["ran"] == 4 and len(result["logged"]) == 3
 
     chain = tmp_path / "farm" / "mote" / "finetune"
     for run in ("stage1", "stage2", "teacher", "stage3"):
@@ -289,6 +284,4 @@ def test_farm_fine_tunes_three_stages_each_lowering_its_loss(tmp_path):
         assert run.data.metrics["ndcg_at_10"] == pytest.approx(metrics["ndcg@10"]) and metrics["queries"] == 100
     assert sorted(r.data.tags["method"] for r in runs if "method" in r.data.tags) == \
         ["finetune-cross", "finetune-dual", "finetune-dual", "finetune-dual"]  # the chain's runs, same store
-    again = subprocess.run([sys.executable, "-m", "pretrieve", "farm", str(farm)], env=env, capture_output=True,
-                           text=True, timeout=300)
-    assert json.loads(again.stdout.splitlines()[-1])["ran"] == 0  # nothing left to do
+    assert run_farm(farm, progress=False)["ran"] == 0  # nothing left to do

@@ -153,14 +153,14 @@ def _pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
 def run_training(exp, build_job: Callable[[Any, int], TrainingJob]) -> dict:
     """Train the job `build_job(exp, rank)` returns under the run settings of `exp` (seed, run_dir, resume,
     train, checkpoint, tracking, raw)."""
+    if exp.train.precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("train.precision: fp16 needs a CUDA device (DeepSpeed refuses fp16 on CPU); "
+                          "use bf16 or fp32")
     import deepspeed
     from omegaconf import OmegaConf
     from tqdm import tqdm
 
     rank, world = _distributed_env()
-    if exp.train.precision == "fp16" and not torch.cuda.is_available():
-        raise ConfigError("train.precision: fp16 needs a CUDA device (DeepSpeed refuses fp16 on CPU); "
-                          "use bf16 or fp32")
     if not torch.cuda.is_available():
         keep_freed_memory()  # ~10% of a CPU step went to page faults on re-allocated tensors
     _seed_everything(exp.seed, rank)

@@ -51,13 +51,21 @@ def _run_pretrain(args) -> int:
     import os
 
     from pretrieve.config import experiment, load_config
-    from pretrieve.engine.train import Preempted, train
+    from pretrieve.engine.train import train
 
     config = load_config(args.config, args.overrides)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return _until_preempted("pretrain", lambda: train(experiment(config, world_size=world)))
+
+
+def _until_preempted(command: str, run) -> int:
+    """Print the result of the training `run()`, or exit 85 once a preemption checkpoint is saved."""
+    from pretrieve.engine.train import Preempted
+
     try:
-        result = train(experiment(config, world_size=int(os.environ.get("WORLD_SIZE", 1))))
+        result = run()
     except Preempted as stopped:  # checkpoint saved; the launcher requeues on this code
-        print(f"pretrieve pretrain: preempted, checkpoint saved; exit {stopped.code} (resume=auto continues)",
+        print(f"pretrieve {command}: preempted, checkpoint saved; exit {stopped.code} (resume=auto continues)",
               file=sys.stderr)
         return stopped.code
     print(json.dumps(result))
@@ -121,18 +129,11 @@ def _run_finetune(args) -> int:
     import os
 
     from pretrieve.config import load_config
-    from pretrieve.engine.train import Preempted
     from pretrieve.finetune.run import finetune, finetune_experiment
 
     config = load_config(args.config, args.overrides, required=("finetune",))
-    try:
-        result = finetune(finetune_experiment(config, world_size=int(os.environ.get("WORLD_SIZE", 1))))
-    except Preempted as stopped:
-        print(f"pretrieve finetune: preempted, checkpoint saved; exit {stopped.code} (resume=auto continues)",
-              file=sys.stderr)
-        return stopped.code
-    print(json.dumps(result))
-    return 0
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return _until_preempted("finetune", lambda: finetune(finetune_experiment(config, world_size=world)))
 
 
 def _add_finetune_stages(commands) -> None:

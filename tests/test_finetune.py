@@ -201,6 +201,7 @@ def test_finetune_config_errors_name_the_key(tmp_path):
     base = {"finetune": {"init_from": str(tmp_path), "data": [str(FLAG)]}}
     for change, message in (({"finetune": {"loss": "hinge"}}, "finetune.loss: 'hinge'"),
                             ({"finetune": {"model": "tri"}}, "finetune.model: 'tri'"),
+                            ({"finetune": {"model": "cross", "loss": "distill"}}, "is for the dual encoder"),
                             ({"finetune": {"beir": str(SCIFACT)}}, "give exactly one of"),
                             ({"finetune": {"data": ["missing.jsonl"]}}, r"finetune.data\[0\]: missing.jsonl"),
                             ({"finetune": {"init_from": "nowhere"}}, "finetune.init_from: 'nowhere'"),

@@ -92,6 +92,9 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
 
     if options.loss not in LOSSES:
         raise ConfigError(f"finetune.loss: {options.loss!r} is not one of {', '.join(LOSSES)}")
+    if options.model == "cross" and options.loss != "contrastive":
+        raise ConfigError(f"finetune.loss: {options.loss} is for the dual encoder; the cross-encoder teacher "
+                          "learns with the softmax over each group (leave loss at contrastive)")
     run_dir = Path(config.get("run_dir") or f"runs/finetune-{options.model}")
     return FinetuneExperiment(int(config.get("seed", 42)), run_dir, resume_of(config), options, train, checkpoint,
                               tracking, config)
@@ -119,6 +122,7 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
     from transformers import AutoTokenizer
 
     from pretrieve.engine.flops import layer_flops
+    from pretrieve.engine.run_dir import write_atomic
     from pretrieve.engine.tracking import run_tags
     from pretrieve.engine.train import TrainingJob
     from pretrieve.finetune.batches import GroupLoader, PairLoader
@@ -129,7 +133,7 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
     config = module.encoder.config if o.model == "dual" else module.model.config
     if rank == 0:
         config.to_json_file(exp.run_dir / MODEL_CONFIG)
-        (exp.run_dir / FINETUNE_META).write_text(json.dumps(_meta(module, o), indent=1) + "\n")
+        write_atomic(exp.run_dir / FINETUNE_META, json.dumps(_meta(module, o), indent=1) + "\n")
         tokenizer.save_pretrained(str(exp.run_dir / TOKENIZER))  # the export's, even if init_from moves
     if exp.train.activation_checkpointing:
         (module.encoder.bert if o.model == "dual" else module.model).gradient_checkpointing_enable(
@@ -152,9 +156,9 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
         return 3 * total
 
     tags = {**run_tags(f"finetune-{o.model}", None, config), "stage_loss": o.loss, "init_from": str(o.init_from)}
-    return TrainingJob(name=f"finetune {o.model} {o.loss}", module=module, loader=loader, position=loader,
-                       count=count, flops=flops, export=lambda run_dir: export_finetuned(run_dir, run_dir / "export"),
-                       tags=tags)
+    return TrainingJob(name=f"finetune {o.loss}" if o.model == "dual" else "finetune teacher", module=module,
+                       loader=loader, position=loader, count=count, flops=flops,
+                       export=lambda run_dir: export_finetuned(run_dir, run_dir / "export"), tags=tags)
 
 
 def build_model(o: FinetuneOptions, config_file: Path | None = None):

@@ -63,7 +63,8 @@ def run_stages(opts: StagesOptions) -> dict:
                   f"finetune.{'msmarco' if opts.msmarco else 'beir'}={opts.msmarco or opts.beir}")
     source.append(f"finetune.split={opts.split}")
     mined = ["finetune.msmarco=null", "finetune.beir=null"]
-    common = [f"finetune.pooling={opts.pooling}", f"finetune.normalize={str(opts.normalize).lower()}"]
+    common = ["finetune.model=dual", f"finetune.pooling={opts.pooling}",
+              f"finetune.normalize={str(opts.normalize).lower()}"]
 
     def train(name: str, *overrides: str) -> Path:
         run_dir = out / name
@@ -85,7 +86,8 @@ def run_stages(opts: StagesOptions) -> dict:
                                   "finetune.loss=contrastive")
     if "stage3" in wanted:
         teacher = train("teacher", f"finetune.init_from={opts.teacher_init or opts.model}", *mined,
-                        f"finetune.data=[{hard}]", "finetune.model=cross", f"finetune.negatives={opts.negatives}")
+                        f"finetune.data=[{hard}]", "finetune.model=cross", "finetune.loss=contrastive",
+                        f"finetune.negatives={opts.negatives}")
         if not distill.is_file():
             teacher_scores(TeacherOptions(model=str(teacher), data=[str(hard)], out=str(distill)))
         exports["stage3"] = train("stage3", f"finetune.init_from={exports['stage2']}", *mined,

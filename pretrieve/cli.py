@@ -231,6 +231,18 @@ def _run_teacher_scores(args) -> int:
     return 0
 
 
+def _add_retrieval_set(p) -> None:
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--beir", default=None, metavar="DIR", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/")
+    data.add_argument("--msmarco", default=None, metavar="DIR",
+                      help="MS MARCO folder: collection.tsv or msmarco-docs.tsv, queries.SPLIT.tsv, qrels.SPLIT.tsv")
+    p.add_argument("--split", default=None, help="qrels split (default: test for BEIR, dev for MS MARCO)")
+
+
+def _split(args) -> str:
+    return args.split or ("test" if args.beir else "dev")
+
+
 def _add_eval(commands) -> None:
     from pretrieve.eval.search import INDEXES
 
@@ -239,11 +251,7 @@ def _add_eval(commands) -> None:
                                         "(ndcg@10, mrr@10, mrr@100, recall@100, recall@1000, map), OUT/run.trec and "
                                         "OUT/per_query.jsonl.")
     p.add_argument("--model", default=None, metavar="DIR", help="HF encoder directory (`pretrieve export` output)")
-    data = p.add_mutually_exclusive_group(required=True)
-    data.add_argument("--beir", default=None, metavar="DIR", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/")
-    data.add_argument("--msmarco", default=None, metavar="DIR",
-                      help="MS MARCO folder: collection.tsv or msmarco-docs.tsv, queries.SPLIT.tsv, qrels.SPLIT.tsv")
-    p.add_argument("--split", default=None, help="qrels split (default: test for BEIR, dev for MS MARCO)")
+    _add_retrieval_set(p)
     p.add_argument("--pooling", choices=("cls", "mean", "dupmae", "sparse", "hybrid"), default="cls",
                    help="cls / mean: dense; dupmae (eq. 12), sparse (SPLADE-style) and hybrid (CLS + sparse) need "
                         "a pretrieve export with its head weights")
@@ -272,10 +280,7 @@ def _add_encode(commands) -> None:
                                         "n takes every n-th shard, complete shards are skipped. `pretrieve eval "
                                         "--embeddings DIR` with the same model and settings reads them.")
     p.add_argument("--model", required=True, metavar="DIR")
-    data = p.add_mutually_exclusive_group(required=True)
-    data.add_argument("--beir", default=None, metavar="DIR")
-    data.add_argument("--msmarco", default=None, metavar="DIR")
-    p.add_argument("--split", default=None, help="the qrels split the set is read with (default: test / dev)")
+    _add_retrieval_set(p)
     p.add_argument("--pooling", choices=("cls", "mean"), default="cls")
     p.add_argument("--normalize", action="store_true")
     p.add_argument("--max-length", type=int, default=256)
@@ -291,7 +296,7 @@ def _run_encode(args) -> int:
     from pretrieve.data.retrieval import load_retrieval_set
     from pretrieve.eval.encode import DenseEncoder, EncodeOptions, encode_corpus_shards
 
-    data = load_retrieval_set(args.beir, args.msmarco, args.split or ("test" if args.beir else "dev"), "skip")
+    data = load_retrieval_set(args.beir, args.msmarco, _split(args), "skip")
     encoder = DenseEncoder(args.model, EncodeOptions(args.pooling, args.max_length, args.batch_size, args.normalize))
     doc_ids = list(data.corpus)
     shards = encode_corpus_shards(encoder, doc_ids, [data.doc_text(d) for d in doc_ids], args.out, args.shard_size,
@@ -303,9 +308,8 @@ def _run_encode(args) -> int:
 def _run_eval(args) -> int:
     from pretrieve.eval.evaluate import EvalOptions, run_eval
 
-    split = args.split or ("test" if args.beir else "dev")
     result = run_eval(EvalOptions(
-        out=args.out, model=args.model, beir=args.beir, msmarco=args.msmarco, split=split, pooling=args.pooling,
+        out=args.out, model=args.model, beir=args.beir, msmarco=args.msmarco, split=_split(args), pooling=args.pooling,
         max_length=args.max_length, normalize=args.normalize, batch_size=args.batch_size, index=args.index,
         depth=args.depth, bm25=args.bm25, on_missing=args.on_missing, vocab_top_k=args.vocab_top_k,
         sparse_weight=args.sparse_weight, candidates=args.candidates, embeddings=args.embeddings))

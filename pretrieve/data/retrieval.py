@@ -46,11 +46,11 @@ def load_beir(folder: str | Path, split: str = "test", on_missing: str = "fail")
     qrels_file = folder / "qrels" / f"{split}.tsv"
     _require(folder / "corpus.jsonl", folder / "queries.jsonl", qrels_file)
     corpus = {}
-    for number, record in _jsonl(folder / "corpus.jsonl"):
+    for number, record in jsonl_records(folder / "corpus.jsonl"):
         corpus[_field(record, "_id", folder / "corpus.jsonl", number)] = (str(record.get("title") or ""),
                                                                           str(record.get("text") or ""))
     queries = {_field(r, "_id", folder / "queries.jsonl", n): str(r.get("text") or "")
-               for n, r in _jsonl(folder / "queries.jsonl")}
+               for n, r in jsonl_records(folder / "queries.jsonl")}
     rows = [(number, cols, (0, 1, 2)) for number, cols in _tsv(qrels_file)
             if not (number == 1 and cols[0].lower().startswith("query-id"))]
     return _assemble(folder.name, corpus, queries, qrels_file, rows, on_missing)
@@ -76,7 +76,7 @@ def load_msmarco(folder: str | Path, split: str = "dev", on_missing: str = "fail
         if len(cols) != 2:
             raise RetrievalDataError(f"{queries_file}:{number}: expected qid<TAB>text, got {len(cols)} columns")
         queries[cols[0]] = cols[1]
-    rows = [(number, line.split(), (0, 2, 3)) for number, line in _text_lines(qrels_file)]
+    rows = [(number, line.split(), (0, 2, 3)) for number, line in text_lines(qrels_file)]
     return _assemble(folder.name, corpus, queries, qrels_file, rows, on_missing)
 
 
@@ -125,7 +125,7 @@ def _require(*paths: Path) -> None:
             raise RetrievalDataError(f"{path}: not found")
 
 
-def _text_lines(path: Path):
+def text_lines(path: Path):
     """(line number, text) of the non-blank lines, through the corpus readers' line reader (.gz / .bz2)."""
     for number, (where, line) in enumerate(numbered_lines(path), 1):
         if isinstance(line, BadRecord):
@@ -134,8 +134,8 @@ def _text_lines(path: Path):
             yield number, line
 
 
-def _jsonl(path: Path):
-    for number, line in _text_lines(path):
+def jsonl_records(path: Path):
+    for number, line in text_lines(path):
         try:
             yield number, json.loads(line)
         except json.JSONDecodeError as e:
@@ -143,7 +143,7 @@ def _jsonl(path: Path):
 
 
 def _tsv(path: Path):
-    for number, line in _text_lines(path):
+    for number, line in text_lines(path):
         yield number, line.split("\t")
 
 

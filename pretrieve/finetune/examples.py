@@ -16,8 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pretrieve.data.corpora import BadRecord, numbered_lines
-from pretrieve.data.retrieval import RetrievalDataError, RetrievalSet
+from pretrieve.data.retrieval import RetrievalDataError, RetrievalSet, jsonl_records, text_lines
 
 
 @dataclass
@@ -36,6 +35,10 @@ class Example:
         return record
 
 
+def read_all(paths: list[str]) -> list[Example]:
+    return [e for path in paths for e in read_examples(path)]
+
+
 def read_examples(path: str | Path) -> list[Example]:
     """A JSON-lines file (`.jsonl`, `.json`, optionally .gz / .bz2) or a text-triples TSV (anything else)."""
     path = Path(path)
@@ -52,21 +55,10 @@ def write_examples(path: str | Path, examples: list[Example]) -> Path:
     return Path(path)
 
 
-def _lines(path: Path):
-    for number, (where, line) in enumerate(numbered_lines(path), 1):
-        if isinstance(line, BadRecord):
-            raise RetrievalDataError(f"{where}: {line.detail}")
-        if line.strip():
-            yield f"{path}:{number}", line
-
-
 def _read_jsonl(path: Path) -> list[Example]:
     examples = []
-    for where, line in _lines(path):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RetrievalDataError(f"{where}: not JSON ({e.msg})") from None
+    for number, record in jsonl_records(path):
+        where = f"{path}:{number}"
         if not isinstance(record, dict) or not isinstance(record.get("query"), str):
             raise RetrievalDataError(f"{where}: no \"query\" string")
         texts = {}
@@ -94,7 +86,8 @@ def _read_jsonl(path: Path) -> list[Example]:
 def _read_triples(path: Path) -> list[Example]:
     """query<TAB>positive<TAB>negative lines; lines of one query (same text, same positive) become one example."""
     grouped: dict[tuple[str, str], Example] = {}
-    for where, line in _lines(path):
+    for number, line in text_lines(path):
+        where = f"{path}:{number}"
         cols = line.rstrip("\n").split("\t")
         if len(cols) != 3:
             raise RetrievalDataError(f"{where}: expected query<TAB>positive<TAB>negative, got {len(cols)} columns "
@@ -113,7 +106,8 @@ def examples_from_ids(data: RetrievalSet, hard_negatives: str | Path | None = No
         path = Path(hard_negatives)
         if not path.is_file():
             raise RetrievalDataError(f"{path}: not found")
-        for where, line in _lines(path):
+        for number, line in text_lines(path):
+            where = f"{path}:{number}"
             cols = line.rstrip("\n").split("\t")
             if len(cols) != 2:
                 raise RetrievalDataError(f"{where}: expected query id<TAB>doc id,doc id,..., got {len(cols)} columns")

@@ -44,7 +44,7 @@ def mine(opts: MineOptions) -> dict:
     from pretrieve.data.retrieval import load_retrieval_set
     from pretrieve.eval.encode import DenseEncoder, EncodeOptions
     from pretrieve.eval.search import dense_search
-    from pretrieve.finetune.examples import examples_from_ids, read_examples
+    from pretrieve.finetune.examples import examples_from_ids, read_all
 
     if opts.depth < 1 or opts.negatives < 1 or not 0 <= opts.skip < opts.depth:
         raise ValueError(f"need depth >= 1, negatives >= 1 and 0 <= skip < depth (got depth {opts.depth}, "
@@ -52,17 +52,17 @@ def mine(opts: MineOptions) -> dict:
     if bool(opts.data) + (opts.msmarco is not None) + (opts.beir is not None) != 1:
         raise ValueError("give one of --data FILE..., --msmarco DIR or --beir DIR")
     if opts.data:
-        examples = [e for path in opts.data for e in read_examples(path)]
+        examples = read_all(opts.data)
         corpus = list(dict.fromkeys(t for e in examples for t in (*e.pos, *e.neg)))
     else:
         data = load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing)
         examples = examples_from_ids(data)
         corpus = [data.doc_text(d) for d in data.corpus]
     pooling, normalize = _model_pooling(opts)
-    passages = DenseEncoder(opts.model, EncodeOptions(pooling, opts.max_length, opts.batch_size, normalize))
-    doc_vectors = passages.encode(corpus, desc="encode corpus", progress=opts.progress)
-    passages.options = EncodeOptions(pooling, opts.query_max_length, opts.batch_size, normalize)
-    query_vectors = passages.encode([e.query for e in examples], desc="encode queries", progress=opts.progress,
+    encoder = DenseEncoder(opts.model, EncodeOptions(pooling, opts.max_length, opts.batch_size, normalize))
+    doc_vectors = encoder.encode(corpus, desc="encode corpus", progress=opts.progress)
+    encoder.options = EncodeOptions(pooling, opts.query_max_length, opts.batch_size, normalize)  # query length
+    query_vectors = encoder.encode([e.query for e in examples], desc="encode queries", progress=opts.progress,
                                     queries=True)
     ids = [str(i) for i in range(len(corpus))]
     most_positives = max(len(e.pos) for e in examples)
@@ -108,9 +108,9 @@ def teacher_scores(opts: TeacherOptions) -> dict:
     from tqdm import tqdm
     from transformers import AutoTokenizer, BertForSequenceClassification
 
-    from pretrieve.finetune.examples import read_examples
+    from pretrieve.finetune.examples import read_all
 
-    examples = [e for path in opts.data for e in read_examples(path)]
+    examples = read_all(opts.data)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(opts.model)
     model = BertForSequenceClassification.from_pretrained(opts.model, local_files_only=True).to(device).eval()

@@ -50,21 +50,25 @@ class DualEncoder(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         q = self.embed(batch["query_input_ids"], batch["query_attention_mask"], queries=True)
         p = self.embed(batch["passage_input_ids"], batch["passage_attention_mask"], queries=False)
-        size = p.shape[0] // q.shape[0]  # G: the positive + the negatives of each query
-        own = torch.einsum("bd,bgd->bg", q, p.view(q.shape[0], size, -1)) / self.temperature  # [B, G]
-        if self.loss_name == "distill":
-            teacher = torch.softmax(batch["teacher_scores"].float(), dim=-1)
-            loss = -(teacher * torch.log_softmax(own.float(), dim=-1)).sum(dim=-1).mean()
-            scores, target = own, torch.zeros(len(q), dtype=torch.long, device=q.device)
-        elif self.loss_name == "triplet":
-            if size < 2:
-                raise ValueError("finetune.loss triplet: needs finetune.negatives >= 1")
-            loss = F.relu(self.margin - (own[:, :1] - own[:, 1:])).mean()
-            scores, target = own, torch.zeros(len(q), dtype=torch.long, device=q.device)
-        else:
+        if self.loss_name == "contrastive":
             loss, scores, target = contrastive_loss(q, p, self.temperature, self.in_batch, self.cross_device)
+        else:
+            scores, target = group_scores(q, p, self.temperature)
+            if self.loss_name == "distill":
+                teacher = torch.softmax(batch["teacher_scores"].float(), dim=-1)
+                loss = -(teacher * torch.log_softmax(scores.float(), dim=-1)).sum(dim=-1).mean()
+            else:
+                if scores.shape[1] < 2:
+                    raise ValueError("finetune.loss triplet: needs finetune.negatives >= 1")
+                loss = F.relu(self.margin - (scores[:, :1] - scores[:, 1:])).mean()
         accuracy = (scores.argmax(dim=-1) == target).float().mean()
         return {"loss": loss, "accuracy": accuracy.detach()}
+
+
+def group_scores(q: torch.Tensor, p: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's scores [B, G] against its own group (p [B x G, d], positive first), and the positives (0)."""
+    scores = torch.einsum("bd,bgd->bg", q, p.view(q.shape[0], -1, p.shape[-1])) / temperature
+    return scores, torch.zeros(len(q), dtype=torch.long, device=q.device)
 
 
 def contrastive_loss(q: torch.Tensor, p: torch.Tensor, temperature: float = 1.0, in_batch: bool = True,
@@ -72,11 +76,10 @@ def contrastive_loss(q: torch.Tensor, p: torch.Tensor, temperature: float = 1.0,
     """Eqs. 13-14 for queries q [B, d] and their groups p [B x G, d] (positive first): (mean loss, scores
     [B, candidates], index of each query's positive among the candidates). With `cross_device`, the
     candidates are every rank's passages, in rank order; gradients flow back to this rank's own."""
-    size = p.shape[0] // q.shape[0]
     if not in_batch:
-        scores = torch.einsum("bd,bgd->bg", q, p.view(q.shape[0], size, -1)) / temperature
-        target = torch.zeros(len(q), dtype=torch.long, device=q.device)
+        scores, target = group_scores(q, p, temperature)
     else:
+        size = p.shape[0] // q.shape[0]
         first = 0
         if cross_device:
             gathered = gather_across_ranks(p)

@@ -102,10 +102,10 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
 
 def load_examples(options: FinetuneOptions):
     from pretrieve.data.retrieval import load_retrieval_set
-    from pretrieve.finetune.examples import examples_from_ids, read_examples
+    from pretrieve.finetune.examples import examples_from_ids, read_all
 
     if options.data:
-        return [e for path in options.data for e in read_examples(path)]
+        return read_all(options.data)
     data = load_retrieval_set(options.beir, options.msmarco, options.split, options.on_missing)
     return examples_from_ids(data, options.hard_negatives)
 

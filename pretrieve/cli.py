@@ -149,7 +149,8 @@ def _add_finetune_stages(commands) -> None:
     p.add_argument("--teacher-init", default=None, metavar="DIR", help="the cross-encoder's start (default: --model)")
     p.add_argument("--negatives", type=int, default=15, help="hard negatives per query (default 15)")
     p.add_argument("--depth", type=int, default=200, help="mining depth (default 200)")
-    p.add_argument("--pooling", choices=("cls", "mean"), default="cls")
+    p.add_argument("--pooling", choices=("cls", "mean", "dupmae"), default="cls",
+                   help="dupmae: DupMAE's joint score, eq. 12 (--model: a DupMAE export)")
     p.add_argument("--normalize", action="store_true")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every fine-tuning run (repeatable), e.g. --set train.max_steps=100")
@@ -188,8 +189,8 @@ def _add_mine(commands) -> None:
     p.add_argument("--depth", type=int, default=200, help="ranks sampled from (default 200)")
     p.add_argument("--negatives", type=int, default=15, help="negatives per query (default 15)")
     p.add_argument("--skip", type=int, default=0, help="top ranks left out (likely unjudged positives)")
-    p.add_argument("--pooling", choices=("cls", "mean"), default=None,
-                   help="default: the pooling the model was fine-tuned with, else cls")
+    p.add_argument("--pooling", choices=("cls", "mean", "dupmae"), default=None,
+                   help="default: the pooling the model was fine-tuned with, else cls (dupmae: exact eq. 12 search)")
     p.add_argument("--normalize", action="store_true", default=None, help="default: as fine-tuned")
     p.add_argument("--max-length", type=int, default=144, help="passage tokens")
     p.add_argument("--query-max-length", type=int, default=32)
@@ -252,15 +253,19 @@ def _add_eval(commands) -> None:
                                         "OUT/per_query.jsonl.")
     p.add_argument("--model", default=None, metavar="DIR", help="HF encoder directory (`pretrieve export` output)")
     _add_retrieval_set(p)
-    p.add_argument("--pooling", choices=("cls", "mean", "dupmae", "sparse", "hybrid"), default="cls",
-                   help="cls / mean: dense; dupmae (eq. 12), sparse (SPLADE-style) and hybrid (CLS + sparse) need "
-                        "a pretrieve export with its head weights")
-    p.add_argument("--vocab-top-k", type=int, default=256, help="dupmae / sparse / hybrid: entries a document keeps")
+    p.add_argument("--pooling", choices=("cls", "mean", "dupmae", "sparse", "hybrid"), default=None,
+                   help="cls / mean: dense; dupmae (eq. 12: a DupMAE export or a model fine-tuned with dupmae), "
+                        "sparse (SPLADE-style) and hybrid (CLS + sparse) need the model's MLM head. Default: the "
+                        "pooling the model was fine-tuned with, else cls")
+    p.add_argument("--vocab-top-k", type=int, default=None,
+                   help="dupmae / sparse / hybrid: entries a document keeps (default: dupmae the trained k, else "
+                        "384; sparse / hybrid 256)")
     p.add_argument("--sparse-weight", type=float, default=1.0, help="hybrid: weight of the sparse score")
     p.add_argument("--candidates", type=int, default=None,
                    help="dupmae / hybrid: re-score each query's dense + sparse top N instead of the whole corpus "
                         "(default: exact up to 100,000 documents, 1,000 candidates beyond)")
-    p.add_argument("--normalize", action="store_true", help="L2-normalize vectors (cosine similarity)")
+    p.add_argument("--normalize", action="store_true", default=None,
+                   help="L2-normalize vectors (cosine similarity); default: as fine-tuned, else off")
     p.add_argument("--max-length", type=int, default=256, help="tokens per text, queries and documents")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--index", choices=INDEXES, default="flat", help="faiss index (flat is exact)")

@@ -286,7 +286,7 @@ def test_vocabulary_poolings_of_a_dupmae_export(tmp_path):
     hybrid run on the same export."""
     from pretrieve.eval.encode import EncodeOptions, VocabEncoder
     from pretrieve.models.encoder import ModelOptions
-    from pretrieve.models.export import export
+    from pretrieve.models.export import export, load_export
     from pretrieve.models.heads import get_method
     from pretrieve.models.representation import JointRepresentation, joint_scores
 
@@ -317,7 +317,8 @@ def test_vocabulary_poolings_of_a_dupmae_export(tmp_path):
         run.setdefault(qid, []).append((doc, float(score)))
 
     encoder = VocabEncoder(model, EncodeOptions("dupmae", max_length=48), top_k=32)
-    head = encoder.head
+    assert encoder.top_k == 32 and VocabEncoder(model, EncodeOptions("dupmae")).top_k == 384  # eq. 11's default k
+    head = load_export(model)
     joint = JointRepresentation(64, cls_dim=64)
 
     def represent(texts, top_k):

@@ -286,3 +286,116 @@ def test_farm_fine_tunes_three_stages_each_lowering_its_loss(tmp_path):
     assert sorted(r.data.tags["method"] for r in runs if "method" in r.data.tags) == \
         ["finetune-cross", "finetune-dual", "finetune-dual", "finetune-dual"]  # the chain's runs, same store
     assert run_farm(farm, progress=False)["ran"] == 0  # nothing left to do
+
+
+def _tiny_dupmae_export(out: Path, lpu: str) -> Path:
+    from pretrieve.models.encoder import ModelOptions
+    from pretrieve.models.export import export
+    from pretrieve.models.heads import get_method
+
+    torch.manual_seed(0)
+    method = get_method("dupmae")
+    return export(method.build(method.options_from({"max_len": 64, "lpu": lpu}),
+                               ModelOptions(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)), out)
+
+
+def test_dupmae_pooling_trains_on_the_joint_score_of_eq_12(tmp_path, tokenizer):
+    """Pooling `dupmae`: the loss is eq. 13 over eq. 12's scores (computed directly by JointRepresentation +
+    joint_scores), gradients reach W^cls and the LPU, and other models are refused by name."""
+    from pretrieve.eval.encode import EncodeOptions, VocabEncoder
+    from pretrieve.models.encoder import load_encoder
+    from pretrieve.models.export import load_export
+    from pretrieve.models.representation import joint_scores, load_joint
+
+    batch = next(iter(GroupLoader(read_examples(FLAG), tokenizer, 3, 2, 16, 24, seed=0)))
+    for lpu in ("mlm_head", "linear"):
+        path = _tiny_dupmae_export(tmp_path / lpu, lpu)
+        encoder = load_encoder(path).eval()
+        joint = load_joint(path, encoder, cls_dim=16, ot_topk=20)
+        model = DualEncoder(encoder, pooling="dupmae", joint=joint)
+        lpu_logits = load_export(path).lpu_logits  # the pre-training head's own eq. (6)
+
+        def represent(kind):
+            ids, mask = batch[f"{kind}_input_ids"], batch[f"{kind}_attention_mask"]
+            return joint(encoder(ids, mask), mask, lpu_logits)
+
+        with torch.no_grad():
+            expected = F.cross_entropy(joint_scores(represent("query"), represent("passage")), torch.tensor([0, 3, 6]))
+        loss = model(batch)["loss"]
+        torch.testing.assert_close(loss, expected)
+        loss.backward()
+        lpu_weight = joint.lpu.weight if lpu == "linear" else encoder.mlm_transform.dense.weight
+        assert joint.cls_proj.weight.grad.abs().sum() > 0 and lpu_weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="unnormalised inner product"):
+        DualEncoder(encoder, pooling="dupmae", joint=joint, normalize=True)
+    _tiny_encoder().bert.save_pretrained(str(tmp_path / "bert"))
+    with pytest.raises(ValueError, match="pooling dupmae needs a DupMAE export"):
+        load_joint(tmp_path / "bert", _tiny_encoder())
+    with pytest.raises(ValueError, match="pooling sparse needs the model's MLM head"):
+        VocabEncoder(tmp_path / "bert", EncodeOptions("sparse"))
+
+
+def test_dupmae_fine_tuning_exports_its_joint_score_to_eval(tmp_path):
+    """`pretrieve finetune` with pooling dupmae lowers its loss; the export carries the learned W^cls and LPU,
+    `pretrieve eval` uses them by default (its scores are the fine-tuned model's eq. 12), and mining searches
+    with them."""
+    import subprocess
+    import sys
+
+    from conftest import pretrain_env
+
+    from pretrieve.eval.evaluate import EvalOptions, run_eval
+    from pretrieve.finetune.mine import MineOptions, mine
+    from pretrieve.models.encoder import load_encoder
+    from pretrieve.models.representation import load_joint
+
+    pretrained = _tiny_dupmae_export(tmp_path / "pretrained", "linear")
+    run_dir = tmp_path / "stage1"
+    config = Path(__file__).parent.parent / "configs" / "finetune" / "tiny.yaml"
+    subprocess.run([sys.executable, "-m", "pretrieve", "finetune", str(config), f"finetune.init_from={pretrained}",
+                    f"finetune.data=[{FLAG}]", "finetune.pooling=dupmae", "finetune.cls_dim=16",
+                    "finetune.ot_topk=24", "finetune.passage_max_len=48", "train.micro_batch_size=4",
+                    "train.max_steps=6", "checkpoint.every=6", f"run_dir={run_dir}"],
+                   check=True, env=pretrain_env(OMP_NUM_THREADS="2"), capture_output=True)
+    loss = _epoch_losses(run_dir)
+    assert loss["after"] < loss["before"], loss
+
+    export = run_dir / "export"
+    encoder = load_encoder(export).eval()
+    joint = load_joint(export, encoder)
+    initial = load_joint(pretrained, load_encoder(pretrained), cls_dim=16)
+    assert joint.ot_topk == 24 and not torch.allclose(joint.cls_proj.weight, initial.cls_proj.weight)
+
+    data = load_beir(SCIFACT)
+    mini = tmp_path / "mini"
+    (mini / "qrels").mkdir(parents=True)
+    query_ids, doc_ids = list(data.queries)[:4], list(data.corpus)[:30]
+    (mini / "corpus.jsonl").write_text("".join(json.dumps({"_id": d, "title": data.corpus[d][0],
+                                                           "text": data.corpus[d][1]}) + "\n" for d in doc_ids))
+    (mini / "queries.jsonl").write_text("".join(json.dumps({"_id": q, "text": data.queries[q]}) + "\n"
+                                                for q in query_ids))
+    (mini / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
+        f"{q}\t{d}\t1\n" for q, d in zip(query_ids, doc_ids)))  # evaluated: the judged queries
+    result = run_eval(EvalOptions(out=str(tmp_path / "eval"), model=str(export), beir=str(mini), max_length=48,
+                                  depth=30, progress=False))
+    assert result["retriever"] == "dupmae" and result["vocab_top_k"] == 24  # the fine-tuned pooling and k
+
+    model = DualEncoder(encoder, pooling="dupmae", joint=joint)
+    tokens = AutoTokenizer.from_pretrained(export)
+    with torch.no_grad():
+        q = tokens([data.queries[i] for i in query_ids], truncation=True, max_length=48, padding=True,
+                   return_tensors="pt")
+        d = tokens([data.doc_text(i) for i in doc_ids], truncation=True, max_length=48, padding=True,
+                   return_tensors="pt")
+        scores = model.embed(q["input_ids"], q["attention_mask"], queries=True) @ \
+            model.embed(d["input_ids"], d["attention_mask"], queries=False).T
+    lines = [line.split() for line in (tmp_path / "eval" / "run.trec").read_text().splitlines()]
+    got = {(qid, doc): float(score) for qid, _, doc, _, score, _ in lines}
+    assert len(got) == 4 * 30
+    for (qid, doc), score in got.items():
+        assert score == pytest.approx(scores[query_ids.index(qid), doc_ids.index(doc)].item(), rel=1e-4, abs=1e-4)
+
+    mined = mine(MineOptions(model=str(export), out=str(tmp_path / "hard.jsonl"), data=[str(FLAG)], depth=20,
+                             negatives=3, max_length=48, progress=False))
+    assert mined["pooling"] == "dupmae" and mined["queries_with_fewer_negatives"] == 0
+    assert all(len(e.neg) == 3 and not set(e.neg) & set(e.pos) for e in read_examples(tmp_path / "hard.jsonl"))

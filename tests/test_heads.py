@@ -38,9 +38,9 @@ def test_forward_backward_and_loss_falls(method, wiki_samples, vocab):
     if method in ("retromae", "dupmae"):
         assert grads["decoder.query.weight"].abs().sum() > 0  # the decoder's queries are used
 
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-3)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=2e-3)
     losses = []
-    for _ in range(20):
+    for _ in range(10):  # measured ratios: 0.80-0.82, costa 0.94
         optimizer.zero_grad()
         loss = head(batch)["loss"]
         loss.backward()

@@ -40,6 +40,16 @@ def length_sorted_batches(tokenizer, texts: list[str], options: EncodeOptions, d
         yield rows, tokenizer.pad({"input_ids": [ids[i] for i in rows]}, return_tensors="pt").to(device)
 
 
+def trained_pooling(model_dir: str | Path, pooling: str | None = None,
+                    normalize: bool | None = None) -> tuple[str, bool]:
+    """(pooling, normalize): those given, else what the model was fine-tuned with, else cls without normalising."""
+    from pretrieve.models.encoder import finetune_meta
+
+    meta = finetune_meta(model_dir)
+    return (pooling or meta.get("pooling", "cls"),
+            normalize if normalize is not None else bool(meta.get("normalize", False)))
+
+
 class DenseEncoder:
     def __init__(self, model_dir: str | Path, options: EncodeOptions, device: str | None = None):
         from transformers import AutoModel, AutoTokenizer
@@ -171,65 +181,68 @@ VOCAB_POOLINGS = ("dupmae", "sparse", "hybrid")
 
 
 class VocabEncoder:
-    """Dense + vocabulary-sparse vectors from a pretrieve export (its MLM / LPU head weights are needed).
+    """Dense + vocabulary-sparse vectors from a model with an MLM head (a pretrieve export, a model fine-tuned
+    by pretrieve, or a HF BERT with its MLM head).
 
-    `dupmae`: eqs. (10)-(11) of dupmae-retromae-2-acl2023.txt: h^ = the [CLS] state through W^cls
-    (models.representation.JointRepresentation: identity at d' = hidden, else a fixed random orthogonal map
-    until fine-tuning learns it) and mu_X, the LPU logits max-pooled over the ordinary tokens (eq. 7).
+    `dupmae`: eqs. (10)-(12) of dupmae-retromae-2-acl2023.txt through models.representation's `load_joint`:
+    for a model fine-tuned with pooling dupmae, its learned W^cls, LPU and k; for a DupMAE pre-training export,
+    W^cls = identity at d' = hidden, else a fixed random orthogonal map, and mu_X the LPU logits max-pooled
+    over the ordinary tokens (eq. 7). Documents keep their top_k entries (eq. 11's I_X; default: the trained
+    k, else 384); queries keep every entry, as eq. (12) reads mu_q at the document's entries.
     `sparse`: SPLADE-style max over tokens of log(1 + relu(MLM logits)) (cot-mote.txt eq. 4), no dense part;
-    `hybrid`: the [CLS] vector plus that sparse vector (CoT-MoTE §3.3). The max over positions runs vocabulary
-    chunk by vocabulary chunk (models.vocab_projection.max_pooled_linear; log(1 + relu) is monotone, so it
-    commutes with the max): no [batch, length, 30,522] logits. Documents keep their `top_k` largest entries
-    (eq. 11's I_X); queries keep every entry, as eq. (12) reads mu_q at the document's entries.
+    `hybrid`: the [CLS] vector plus that sparse vector (CoT-MoTE §3.3); documents keep top_k entries
+    (default 256). The max over positions runs vocabulary chunk by vocabulary chunk
+    (models.vocab_projection.max_pooled_linear; log(1 + relu) is monotone, so it commutes with the max): no
+    [batch, length, 30,522] logits. A CoT-MoTE encoder reads queries through its query experts.
     """
 
-    def __init__(self, model_dir: str | Path, options: EncodeOptions, top_k: int = 256, device: str | None = None):
+    def __init__(self, model_dir: str | Path, options: EncodeOptions, top_k: int | None = None,
+                 device: str | None = None):
         from transformers import AutoTokenizer
 
-        from pretrieve.models.export import load_export
-        from pretrieve.models.representation import JointRepresentation
+        from pretrieve.models.encoder import load_encoder
+        from pretrieve.models.representation import load_joint
 
         pooling = options.pooling
         if pooling not in VOCAB_POOLINGS:
             raise ValueError(f"pooling: {pooling!r} is not one of {', '.join(VOCAB_POOLINGS)}")
-        self.pooling, self.options, self.top_k = pooling, options, top_k
+        self.pooling, self.options = pooling, options
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.head = load_export(model_dir).to(self.device).eval()
-        if pooling == "dupmae" and not hasattr(self.head, "lpu_parts"):
-            raise ValueError(f"{model_dir}: pooling dupmae needs a DupMAE export (this one is "
-                             f"{type(self.head).__name__})")
+        self.encoder = load_encoder(model_dir).to(self.device).eval()
+        if any(line.startswith("MLM head") for line in self.encoder.load_report):
+            raise ValueError(f"{model_dir}: pooling {pooling} needs the model's MLM head, and it has none")
+        self.joint = load_joint(model_dir, self.encoder, ot_topk=top_k).eval() if pooling == "dupmae" else None
+        self.top_k = self.joint.ot_topk if self.joint is not None else top_k or 256
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        hidden = self.head.encoder.config.hidden_size
-        self.joint = JointRepresentation(hidden, cls_dim=min(384, hidden)).to(self.device)
 
     @torch.inference_mode()
     def encode(self, texts: list[str], documents: bool, desc: str = "encode", progress: bool = True):
         """(dense [N, d] float32 or None, CSR [N, vocab]) in the order of `texts`."""
         from scipy import sparse
 
-        from pretrieve.models.encoder import ordinary_positions
         from pretrieve.models.vocab_projection import max_pooled_linear
 
-        encoder = self.head.encoder
-        dense = np.empty((len(texts), self.joint.cls_dim if self.pooling == "dupmae" else
+        encoder = self.encoder
+        dense = np.empty((len(texts), self.joint.cls_dim if self.joint is not None else
                           encoder.config.hidden_size), dtype=np.float32)
         rows: list = [None] * len(texts)
         for picked, batch in length_sorted_batches(self.tokenizer, texts, self.options, self.device, desc, progress):
-            hidden = encoder(batch["input_ids"], batch["attention_mask"]).float()
-            if self.pooling == "dupmae":
-                x, weight, bias = self.head.lpu_parts(hidden)
-                positions = ordinary_positions(batch["attention_mask"].sum(dim=1), hidden.shape[1])
-                vocab = max_pooled_linear(x, weight, bias, positions)
-                cls = self.joint.cls_proj(hidden[:, 0])
+            mask = batch["attention_mask"]
+            text_type = None
+            if encoder.query_experts is not None:
+                text_type = torch.full((len(mask),), int(not documents), dtype=torch.long, device=self.device)
+            hidden = encoder(batch["input_ids"], mask, text_type=text_type).float()
+            if self.joint is not None:
+                vectors = self.joint.vectors(encoder, hidden, mask, documents)
+                cls, vocab = vectors[:, :self.joint.cls_dim], vectors[:, self.joint.cls_dim:]
             else:
-                mask = batch["attention_mask"].bool()
                 vocab = torch.log1p(torch.relu(max_pooled_linear(encoder.mlm_transform(hidden),
                                                                  encoder.embeddings.word_embeddings.weight,
-                                                                 encoder.mlm_bias, mask)))
+                                                                 encoder.mlm_bias, mask.bool())))
                 cls = hidden[:, 0]
-            if documents and self.top_k < vocab.shape[1]:
-                values, indices = vocab.topk(self.top_k, dim=-1)
-                vocab = torch.zeros_like(vocab).scatter_(1, indices, values)
+                if documents and self.top_k < vocab.shape[1]:
+                    values, indices = vocab.topk(self.top_k, dim=-1)
+                    vocab = torch.zeros_like(vocab).scatter_(1, indices, values)
             dense[picked] = cls.cpu().numpy()
             block = sparse.csr_matrix(vocab.cpu().numpy())
             for j, i in enumerate(picked):

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pretrieve.data.retrieval import RetrievalSet, load_retrieval_set
 from pretrieve.engine.run_dir import write_atomic
-from pretrieve.eval.encode import VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder, load_corpus_shards
+from pretrieve.eval.encode import (VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder, load_corpus_shards,
+                                   trained_pooling)
 from pretrieve.eval.metrics import evaluate, trec_run_lines
 from pretrieve.eval.search import bm25_search, dense_search, hybrid_search, sparse_search
 
@@ -28,15 +29,15 @@ class EvalOptions:
     beir: str | None = None
     msmarco: str | None = None
     split: str = "test"
-    pooling: str = "cls"
+    pooling: str | None = None  # default: what the model was fine-tuned with, else cls
     max_length: int = 256
-    normalize: bool = False
+    normalize: bool | None = None  # default: as fine-tuned, else off
     batch_size: int = 64
     index: str = "flat"
     depth: int = 1000
     bm25: bool = False
     on_missing: str = "fail"
-    vocab_top_k: int = 256  # dupmae / sparse / hybrid: vocabulary entries a document keeps
+    vocab_top_k: int | None = None  # dupmae / sparse / hybrid: entries a document keeps (VocabEncoder's default)
     sparse_weight: float = 1.0  # hybrid: weight of the sparse score
     candidates: int | None = None  # hybrid / dupmae: candidates per query (None: exact up to EXACT_HYBRID_DOCS)
     embeddings: str | None = None  # dense: the corpus vectors `pretrieve encode` wrote there
@@ -52,10 +53,17 @@ def run_eval(opts: EvalOptions) -> dict:
     result = None
     if opts.model is not None:
         started = time.perf_counter()
+        opts = replace(opts, **dict(zip(("pooling", "normalize"),
+                                        trained_pooling(opts.model, opts.pooling, opts.normalize))))
         doc_ids, query_ids = list(data.corpus), list(data.queries)
         doc_texts, query_texts = [data.doc_text(d) for d in doc_ids], [data.queries[q] for q in query_ids]
         if opts.pooling in VOCAB_POOLINGS:
-            run = _vocab_run(opts, doc_ids, doc_texts, query_ids, query_texts)
+            encoder = VocabEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size),
+                                   top_k=opts.vocab_top_k)
+            opts = replace(opts, vocab_top_k=encoder.top_k)
+            candidates = opts.candidates or (None if len(doc_ids) <= EXACT_HYBRID_DOCS else 1000)
+            run = vocab_search(encoder, doc_ids, doc_texts, query_ids, query_texts, opts.depth, opts.sparse_weight,
+                               candidates, progress=opts.progress)
         else:
             encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size,
                                                              opts.normalize))
@@ -78,17 +86,19 @@ def run_eval(opts: EvalOptions) -> dict:
     return result
 
 
-def _vocab_run(opts: EvalOptions, doc_ids, doc_texts, query_ids, query_texts) -> dict:
-    encoder = VocabEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size),
-                           top_k=opts.vocab_top_k)
-    dense_docs, sparse_docs = encoder.encode(doc_texts, documents=True, desc="encode corpus", progress=opts.progress)
+def vocab_search(encoder: VocabEncoder, doc_ids, doc_texts, query_ids, query_texts, k: int, sparse_weight: float = 1.0,
+                 candidates: int | None = None, query_max_length: int | None = None, progress: bool = True) -> dict:
+    """{query id: {doc id: score}}, the top k by the encoder's pooling (sparse, hybrid or DupMAE's eq. 12);
+    `candidates`: re-score each query's dense + sparse top N instead of the whole corpus."""
+    dense_docs, sparse_docs = encoder.encode(doc_texts, documents=True, desc="encode corpus", progress=progress)
+    if query_max_length is not None:
+        encoder.options = replace(encoder.options, max_length=query_max_length)
     dense_queries, sparse_queries = encoder.encode(query_texts, documents=False, desc="encode queries",
-                                                   progress=opts.progress)
-    if opts.pooling == "sparse":
-        return sparse_search(sparse_docs, doc_ids, sparse_queries, query_ids, k=opts.depth)
-    candidates = opts.candidates or (None if len(doc_ids) <= EXACT_HYBRID_DOCS else 1000)
-    return hybrid_search(dense_docs, dense_queries, sparse_docs, sparse_queries, doc_ids, query_ids, k=opts.depth,
-                         sparse_weight=opts.sparse_weight, candidates=candidates)
+                                                   progress=progress)
+    if encoder.pooling == "sparse":
+        return sparse_search(sparse_docs, doc_ids, sparse_queries, query_ids, k=k)
+    return hybrid_search(dense_docs, dense_queries, sparse_docs, sparse_queries, doc_ids, query_ids, k=k,
+                         sparse_weight=sparse_weight, candidates=candidates)
 
 
 def _describe(opts: EvalOptions, data: RetrievalSet, dense: bool = True) -> dict:

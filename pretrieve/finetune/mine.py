@@ -1,7 +1,8 @@
 """`pretrieve mine`: ANN hard negatives for stage 2 (dupmae-retromae-2-acl2023.txt eq. 14; ANCE) and
 `pretrieve teacher-scores`: cross-encoder soft labels for stage 3 (eq. 15).
 
-Mining encodes the corpus and the training queries with the stage-1 model, searches with faiss, removes each
+Mining encodes the corpus and the training queries with the stage-1 model, searches with faiss (with pooling
+`dupmae`: eq. 12, exactly, through eval.evaluate.vocab_search), removes each
 query's positives from its ranking, leaves out the top `skip` ranks (likely unjudged positives), and samples
 `negatives` of the remaining results down to rank `depth` (CoT-MoTE: 15 negatives from depth 200). The
 corpus is the set's corpus for MS MARCO / BEIR data, else every distinct passage of the training file.
@@ -10,10 +11,8 @@ Both write JSON lines in the fine-tuning format (finetune.examples), through a t
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pretrieve.finetune.examples import Example, write_examples
 
@@ -42,7 +41,8 @@ class MineOptions:
 
 def mine(opts: MineOptions) -> dict:
     from pretrieve.data.retrieval import load_retrieval_set
-    from pretrieve.eval.encode import DenseEncoder, EncodeOptions
+    from pretrieve.eval.encode import VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder, trained_pooling
+    from pretrieve.eval.evaluate import vocab_search
     from pretrieve.eval.search import dense_search
     from pretrieve.finetune.examples import examples_from_ids, read_all
 
@@ -58,16 +58,20 @@ def mine(opts: MineOptions) -> dict:
         data = load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing)
         examples = examples_from_ids(data)
         corpus = [data.doc_text(d) for d in data.corpus]
-    pooling, normalize = _model_pooling(opts)
-    encoder = DenseEncoder(opts.model, EncodeOptions(pooling, opts.max_length, opts.batch_size, normalize))
-    doc_vectors = encoder.encode(corpus, desc="encode corpus", progress=opts.progress)
-    encoder.options = EncodeOptions(pooling, opts.query_max_length, opts.batch_size, normalize)  # query length
-    query_vectors = encoder.encode([e.query for e in examples], desc="encode queries", progress=opts.progress,
-                                    queries=True)
-    ids = [str(i) for i in range(len(corpus))]
-    most_positives = max(len(e.pos) for e in examples)
-    run = dense_search(doc_vectors, ids, query_vectors, [str(i) for i in range(len(examples))],
-                       k=opts.depth + most_positives, index=opts.index)
+    pooling, normalize = trained_pooling(opts.model, opts.pooling, opts.normalize)
+    ids, query_ids = [str(i) for i in range(len(corpus))], [str(i) for i in range(len(examples))]
+    k = opts.depth + max(len(e.pos) for e in examples)
+    if pooling in VOCAB_POOLINGS:  # DupMAE's eq. (12) (or sparse / hybrid), exact over the corpus
+        encoder = VocabEncoder(opts.model, EncodeOptions(pooling, opts.max_length, opts.batch_size))
+        run = vocab_search(encoder, ids, corpus, query_ids, [e.query for e in examples], k,
+                           query_max_length=opts.query_max_length, progress=opts.progress)
+    else:
+        encoder = DenseEncoder(opts.model, EncodeOptions(pooling, opts.max_length, opts.batch_size, normalize))
+        doc_vectors = encoder.encode(corpus, desc="encode corpus", progress=opts.progress)
+        encoder.options = EncodeOptions(pooling, opts.query_max_length, opts.batch_size, normalize)  # query length
+        query_vectors = encoder.encode([e.query for e in examples], desc="encode queries", progress=opts.progress,
+                                        queries=True)
+        run = dense_search(doc_vectors, ids, query_vectors, query_ids, k=k, index=opts.index)
     mined, short = [], 0
     for i, example in enumerate(examples):
         positives = set(example.pos)
@@ -80,16 +84,6 @@ def mine(opts: MineOptions) -> dict:
     write_examples(opts.out, mined)
     return {"out": opts.out, "queries": len(mined), "corpus": len(corpus), "pooling": pooling,
             "normalize": normalize, "queries_with_fewer_negatives": short}
-
-
-def _model_pooling(opts: MineOptions) -> tuple[str, bool]:
-    from pretrieve.finetune.run import FINETUNE_META
-
-    meta_file = Path(opts.model) / FINETUNE_META
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-    pooling = opts.pooling or meta.get("pooling", "cls")
-    normalize = opts.normalize if opts.normalize is not None else bool(meta.get("normalize", False))
-    return pooling, normalize
 
 
 @dataclass

@@ -10,6 +10,8 @@ Losses, dupmae-retromae-2-acl2023.txt §3.5 (scores s(q, d) = <q, d> / temperatu
   softmax of the cross-encoder's scores (`teacher_scores`), the prediction the softmax of the student's.
 CoT-MoTE (cot-mote.txt §3.3): when the encoder has query experts and `text_experts` is on, queries go
 through the query experts and passages through the passage experts; the self-attention is shared.
+DupMAE (pooling `dupmae`): <q, d> is eq. (12), the inner product of JointRepresentation.vectors, so every loss
+above trains W^cls, the LPU and the encoder through the joint score, as §3.4-3.5 fine-tune it.
 """
 
 from __future__ import annotations
@@ -19,24 +21,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrieve.models.heads.costa import gather_across_ranks
-from pretrieve.models.representation import POOLINGS
+from pretrieve.models.representation import POOLINGS, JointRepresentation
 
 LOSSES = ("contrastive", "triplet", "distill")
+DUAL_POOLINGS = (*POOLINGS, "dupmae")
 
 
 class DualEncoder(nn.Module):
     def __init__(self, encoder, loss: str = "contrastive", pooling: str = "cls", normalize: bool = False,
                  temperature: float = 1.0, in_batch: bool = True, cross_device: bool = True, margin: float = 1.0,
-                 text_experts: bool = True):
+                 text_experts: bool = True, joint: JointRepresentation | None = None):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"finetune.loss: {loss!r} is not one of {', '.join(LOSSES)}")
-        if pooling not in POOLINGS:
-            raise ValueError(f"finetune.pooling: {pooling!r} is not one of {', '.join(POOLINGS)}")
+        if pooling not in DUAL_POOLINGS:
+            raise ValueError(f"finetune.pooling: {pooling!r} is not one of {', '.join(DUAL_POOLINGS)}")
+        if (pooling == "dupmae") != (joint is not None):
+            raise ValueError("pooling dupmae and a JointRepresentation go together")
+        if pooling == "dupmae" and normalize:
+            raise ValueError("finetune.normalize: pooling dupmae scores with eq. (12), an unnormalised inner product")
         if temperature <= 0:
             raise ValueError(f"finetune.temperature: must be > 0, got {temperature}")
-        self.encoder = encoder
-        self.loss_name, self.pool, self.normalize = loss, POOLINGS[pooling], normalize
+        self.encoder, self.joint = encoder, joint
+        self.loss_name, self.pool, self.normalize = loss, POOLINGS.get(pooling), normalize
         self.temperature, self.in_batch, self.cross_device, self.margin = temperature, in_batch, cross_device, margin
         self.routed = text_experts and encoder.query_experts is not None
 
@@ -44,7 +51,10 @@ class DualEncoder(nn.Module):
         text_type = None
         if self.routed:
             text_type = torch.full((len(input_ids),), int(queries), dtype=torch.long, device=input_ids.device)
-        vectors = self.pool(self.encoder(input_ids, attention_mask, text_type=text_type), attention_mask)
+        hidden = self.encoder(input_ids, attention_mask, text_type=text_type)
+        if self.joint is not None:
+            return self.joint.vectors(self.encoder, hidden, attention_mask, documents=not queries)
+        vectors = self.pool(hidden, attention_mask)
         return F.normalize(vectors, dim=-1) if self.normalize else vectors
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -12,8 +12,8 @@ same) and a `finetune:` section (FinetuneOptions) in place of `model:` / `method
       negatives: 7
 
 At the end run_dir/export holds the fine-tuned model: for `dual`, a HF BertModel directory that
-`pretrieve eval` / `AutoModel` load (plus query experts for a CoT-MoTE encoder, and `pretrieve_finetune.json`
-with the pooling it was trained with); for `cross`, a BertForSequenceClassification directory that
+`pretrieve eval` / `AutoModel` load (plus query experts for a CoT-MoTE encoder, W^cls and the LPU for pooling
+`dupmae`, and `pretrieve_finetune.json` with the pooling it was trained with); for `cross`, a BertForSequenceClassification directory that
 `pretrieve teacher-scores` reads. The stages are chained by files: `pretrieve mine` writes stage 2's hard
 negatives, `pretrieve teacher-scores` stage 3's soft labels.
 """
@@ -28,8 +28,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pretrieve.config import ConfigError, _section, resume_of, run_sections
+from pretrieve.models.encoder import FINETUNE_META
 
-FINETUNE_META = "pretrieve_finetune.json"  # beside a fine-tuned export: what it is and how it pools
 MODEL_CONFIG = "model_config.json"  # in the run directory: the architecture, for the export
 TOKENIZER = "tokenizer"  # in the run directory
 _TOP_LEVEL = {"seed", "run_dir", "resume", "finetune", "train", "checkpoint", "tracking"}
@@ -50,7 +50,9 @@ class FinetuneOptions:
     cross_device: bool = True  # ... gathered from every rank
     temperature: float = 1.0
     normalize: bool = False  # cosine similarity instead of inner product
-    pooling: str = "cls"  # cls | mean
+    pooling: str = "cls"  # cls | mean | dupmae (eq. 12's joint score; init_from: a DupMAE export or fine-tuned one)
+    cls_dim: int | None = None  # dupmae: d' of eq. 10 (default 384, or the hidden size if smaller)
+    ot_topk: int | None = None  # dupmae: k of eq. 11, entries a document keeps (default 384, or init_from's)
     margin: float = 1.0  # triplet loss margin
     text_experts: bool = True  # CoT-MoTE encoders: queries through the query experts
     query_max_len: int = 32
@@ -88,10 +90,14 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
             raise ConfigError(f"finetune.data[{i}]: {path} not found")
     if options.negatives < 0:
         raise ConfigError(f"finetune.negatives: must be >= 0, got {options.negatives}")
-    from pretrieve.finetune.models import LOSSES
+    from pretrieve.finetune.models import DUAL_POOLINGS, LOSSES
 
     if options.loss not in LOSSES:
         raise ConfigError(f"finetune.loss: {options.loss!r} is not one of {', '.join(LOSSES)}")
+    if options.model == "dual" and options.pooling not in DUAL_POOLINGS:
+        raise ConfigError(f"finetune.pooling: {options.pooling!r} is not one of {', '.join(DUAL_POOLINGS)}")
+    if options.pooling == "dupmae" and options.normalize:
+        raise ConfigError("finetune.normalize: pooling dupmae scores with eq. (12), an unnormalised inner product")
     if options.model == "cross" and options.loss != "contrastive":
         raise ConfigError(f"finetune.loss: {options.loss} is for the dual encoder; the cross-encoder teacher "
                           "learns with the softmax over each group (leave loss at contrastive)")
@@ -121,7 +127,7 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
 
     from transformers import AutoTokenizer
 
-    from pretrieve.engine.flops import layer_flops
+    from pretrieve.engine.flops import layer_flops, vocab_flops
     from pretrieve.engine.run_dir import write_atomic
     from pretrieve.engine.tracking import run_tags
     from pretrieve.engine.train import TrainingJob
@@ -148,11 +154,13 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
         queries = len(masks[0]) // (1 + o.negatives) if o.model == "cross" else len(masks[0])
         return queries, int(sum(m.sum() for m in masks))
 
-    def flops(batch: dict) -> int:  # 3x the encoder forward (engine.flops) over every text of the batch
+    def flops(batch: dict) -> int:  # 3x the forward (engine.flops) over every text of the batch
         total = 0
         for key, ids in batch.items():
             if key.endswith("input_ids"):
                 total += config.num_hidden_layers * layer_flops(config, ids.shape[0], ids.shape[1], ids.shape[1])
+                if o.model == "dual" and o.pooling == "dupmae":  # eq. (6)'s LPU at every position
+                    total += vocab_flops(config, ids.numel())
         return 3 * total
 
     tags = {**run_tags(f"finetune-{o.model}", None, config), "stage_loss": o.loss, "init_from": str(o.init_from)}
@@ -168,6 +176,7 @@ def build_model(o: FinetuneOptions, config_file: Path | None = None):
 
     from pretrieve.finetune.models import CrossEncoder, DualEncoder
     from pretrieve.models.encoder import Encoder, load_encoder
+    from pretrieve.models.representation import JointRepresentation, load_joint
 
     if o.model == "cross":
         if config_file is not None:
@@ -175,15 +184,23 @@ def build_model(o: FinetuneOptions, config_file: Path | None = None):
         else:
             model = BertForSequenceClassification.from_pretrained(o.init_from, num_labels=1, local_files_only=True)
         return CrossEncoder(model, group_size=1 + o.negatives)
+    joint = None
     if config_file is not None:
         encoder = Encoder(BertConfig.from_json_file(config_file))
         meta = json.loads((config_file.parent / FINETUNE_META).read_text())
         if meta.get("query_experts"):
             encoder.add_query_experts()
+        if o.pooling == "dupmae":
+            spec = meta["joint"]
+            joint = JointRepresentation(encoder.config.hidden_size, spec["cls_dim"], spec["ot_topk"],
+                                        lpu_vocab=encoder.config.vocab_size if spec["lpu"] == "linear" else None)
     else:
         encoder = load_encoder(o.init_from)
+        if o.pooling == "dupmae":
+            joint = load_joint(o.init_from, encoder, o.cls_dim, o.ot_topk)
     return DualEncoder(encoder, loss=o.loss, pooling=o.pooling, normalize=o.normalize, temperature=o.temperature,
-                       in_batch=o.in_batch, cross_device=o.cross_device, margin=o.margin, text_experts=o.text_experts)
+                       in_batch=o.in_batch, cross_device=o.cross_device, margin=o.margin, text_experts=o.text_experts,
+                       joint=joint)
 
 
 def _meta(module, o: FinetuneOptions) -> dict:
@@ -194,6 +211,9 @@ def _meta(module, o: FinetuneOptions) -> dict:
     if o.model == "dual":
         meta["query_experts"] = module.encoder.query_experts is not None
         meta["text_experts"] = module.routed
+        if module.joint is not None:
+            meta["joint"] = {"cls_dim": module.joint.cls_dim, "ot_topk": module.joint.ot_topk,
+                             "lpu": "mlm_head" if module.joint.lpu is None else "linear"}
     return meta
 
 
@@ -221,8 +241,8 @@ def export_finetuned(run_dir: str | Path, out: str | Path) -> Path:
         module.model.save_pretrained(str(tmp))
     else:
         module.encoder.bert.save_pretrained(str(tmp))
-        extra = {f"encoder.{k}": v.detach().contiguous() for k, v in module.encoder.state_dict().items()
-                 if not k.startswith("bert.")}  # MLM head, query experts: `load_encoder` reads them back
+        # MLM head, query experts (`load_encoder` reads them back), W^cls and LPU (`load_joint`)
+        extra = {k: v.detach().contiguous() for k, v in module.state_dict().items() if not k.startswith("encoder.bert.")}
         save_file(extra, str(tmp / HEAD_WEIGHTS))
     AutoTokenizer.from_pretrained(str(run_dir / TOKENIZER)).save_pretrained(str(tmp))
     meta = json.loads((run_dir / FINETUNE_META).read_text())

@@ -8,6 +8,7 @@ the whole [B, L, vocab] grid.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from pretrieve.models.vocab_projection import linear_cross_entropy
 log = logging.getLogger(__name__)
 
 HEAD_WEIGHTS = "pretrieve_head.safetensors"  # a head's extra weights beside an exported encoder
+FINETUNE_META = "pretrieve_finetune.json"  # beside a fine-tuned export: what it is and how it pools
 # Where BERT's MLM head sits in HF checkpoints (BertForMaskedLM / BertForPreTraining) and in ours.
 _HF_MLM_KEYS = {"cls.predictions.transform.": "mlm_transform.", "cls.predictions.bias": "mlm_bias"}
 
@@ -182,6 +184,12 @@ def load_encoder(path: str | Path) -> Encoder:
         if missing:
             raise ValueError(f"{path}: {HEAD_WEIGHTS} holds only some query experts (missing {missing[:3]})")
     return encoder
+
+
+def finetune_meta(path: str | Path) -> dict:
+    """What a fine-tuned export records about its training (pooling, normalisation, ...); {} for other models."""
+    file = Path(path) / FINETUNE_META
+    return json.loads(file.read_text()) if file.is_file() else {}
 
 
 def ordinary_positions(lengths: torch.Tensor, width: int) -> torch.Tensor:

@@ -60,15 +60,22 @@ def replace_directory(tmp: Path, out: Path) -> Path:
     return out
 
 
-def load_export(path: str | Path, method_options: dict | None = None) -> PretrainingHead:
-    """The head of an export with all its weights (encoder, MLM head, decoder, projections)."""
-    path = Path(path)
-    config = path / HEAD_CONFIG
+def export_meta(path: str | Path) -> dict:
+    """The method and options of a pre-training export ({} for a directory that is not one)."""
+    config = Path(path) / HEAD_CONFIG
     if not config.is_file():
-        raise FileNotFoundError(f"{path}: no {HEAD_CONFIG}; not a pretrieve export")
+        return {}
     meta = json.loads(config.read_text(encoding="utf-8"))
     if meta.get("format") != EXPORT_FORMAT:
         raise ValueError(f"{config}: format {meta.get('format')!r}, expected {EXPORT_FORMAT!r}")
+    return meta
+
+
+def load_export(path: str | Path, method_options: dict | None = None) -> PretrainingHead:
+    """The head of an export with all its weights (encoder, MLM head, decoder, projections)."""
+    meta = export_meta(path)
+    if not meta:
+        raise FileNotFoundError(f"{path}: no {HEAD_CONFIG}; not a pretrieve export")
     method = get_method(meta["method"])
-    options = method.options_from({**meta["options"], **(method_options or {})}, where=str(config))
+    options = method.options_from({**meta["options"], **(method_options or {})}, where=str(Path(path) / HEAD_CONFIG))
     return method.build(options, ModelOptions(init_from=str(path)))

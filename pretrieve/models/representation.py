@@ -2,18 +2,21 @@
 
 `cls` and `mean` are the usual dense poolings. `JointRepresentation` is DupMAE's (dupmae-retromae-2-acl2023.txt
 §3.4, eqs. 10-12): the [CLS] state projected to d' dimensions plus the top-k entries of the max-pooled
-OT vocabulary vector mu_X, scored against a query by eq. (12).
+OT vocabulary vector mu_X, scored against a query by eq. (12). Fine-tuning (eqs. 13-15 score with eq. 12)
+learns W^cls and the encoder through `JointRepresentation.vectors`; `load_joint` reads it back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from pretrieve.models.encoder import ordinary_positions
-from pretrieve.models.heads.dupmae import ot_vector
+from pretrieve.models.encoder import HEAD_WEIGHTS, finetune_meta, ordinary_positions, read_weights
+from pretrieve.models.heads.dupmae import lpu_parts, ot_vector
+from pretrieve.models.vocab_projection import max_pooled_linear
 
 
 def cls_pooling(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -42,12 +45,15 @@ class JointRepresentation(nn.Module):
     """DupMAE's joint representation; defaults CLS:384 + OT:384, Table 4's variant is cls_dim=384, ot_topk=260.
 
     W^cls (eq. 10) is learned in fine-tuning. Before that it is a random orthogonal projection (inner
-    products preserved in expectation), or the identity when d' equals the hidden size.
+    products preserved in expectation), or the identity when d' equals the hidden size. W^O of eq. (6) is the
+    encoder's MLM head, or with `lpu_vocab` (DupMAE's `lpu: linear`) a d x |V| map of this module's own.
     """
 
-    def __init__(self, hidden_size: int, cls_dim: int = 384, ot_topk: int = 384, seed: int = 0):
+    def __init__(self, hidden_size: int, cls_dim: int = 384, ot_topk: int = 384, seed: int = 0,
+                 lpu_vocab: int | None = None):
         super().__init__()
         self.cls_dim, self.ot_topk = cls_dim, ot_topk
+        self.lpu = nn.Linear(hidden_size, lpu_vocab) if lpu_vocab else None
         self.cls_proj = nn.Linear(hidden_size, cls_dim, bias=False)
         with torch.no_grad():
             if cls_dim == hidden_size:
@@ -65,6 +71,53 @@ class JointRepresentation(nn.Module):
         mu = ot_vector(lpu(hidden), ordinary)  # eq. (7) over every ordinary token (nothing masked at inference)
         values, indices = mu.topk(self.ot_topk, dim=-1)  # eq. (11)
         return JointVectors(dense, values, indices, mu)
+
+    def vectors(self, encoder, hidden: torch.Tensor, attention_mask: torch.Tensor, documents: bool) -> torch.Tensor:
+        """[N, d' + vocab] vectors whose inner products are eq. (12): [h^_X ; mu_X] for queries; for documents
+        mu_X is kept at I_X (eq. 11) and 0 elsewhere. mu_X is max-pooled vocabulary chunk by chunk
+        (max_pooled_linear: no [N, L, vocab] logits); gradients reach W^cls, W^O and, through each entry's
+        winning position, the encoder."""
+        dense = self.cls_proj(hidden[:, 0])
+        ordinary = ordinary_positions(attention_mask.sum(dim=1), hidden.shape[1])
+        mu = max_pooled_linear(*lpu_parts(encoder, self.lpu, hidden), ordinary)
+        if documents and self.ot_topk < mu.shape[1]:
+            values, indices = mu.topk(self.ot_topk, dim=-1)
+            mu = torch.zeros_like(mu).scatter(1, indices, values)
+        return torch.cat([dense, mu.to(dense.dtype)], dim=-1)
+
+
+def load_joint(path: str | Path, encoder, cls_dim: int | None = None, ot_topk: int | None = None) -> JointRepresentation:
+    """The joint representation of a model directory: a model fine-tuned with pooling dupmae (its learned
+    W^cls and W^O, its k unless `ot_topk` is given), or a DupMAE pre-training export (its LPU; W^cls the
+    default map to `cls_dim` = 384 or the hidden size if smaller; k = `ot_topk` or 384)."""
+    from pretrieve.models.export import export_meta
+
+    path = Path(path)
+    config = encoder.config
+    tuned = finetune_meta(path)
+    if tuned.get("pooling") == "dupmae":
+        spec = tuned["joint"]
+        if cls_dim is not None and cls_dim != spec["cls_dim"]:
+            raise ValueError(f"{path}: fine-tuned with cls_dim {spec['cls_dim']}, asked for {cls_dim}")
+        cls_dim, lpu, prefix = spec["cls_dim"], spec["lpu"], "joint."
+        ot_topk = ot_topk or spec["ot_topk"]
+    else:
+        head = export_meta(path) if not tuned else {}
+        if head.get("method") != "dupmae":
+            kind = f"fine-tuned with pooling {tuned.get('pooling')}" if tuned else head.get("method", "not an export")
+            raise ValueError(f"{path}: pooling dupmae needs a DupMAE export or a model fine-tuned with pooling "
+                             f"dupmae (this one: {kind})")
+        cls_dim, lpu, prefix = cls_dim or min(384, config.hidden_size), head["options"].get("lpu"), ""
+    joint = JointRepresentation(config.hidden_size, cls_dim, ot_topk or 384,
+                                lpu_vocab=config.vocab_size if lpu == "linear" else None)
+    # a pre-training export has the LPU only (W^cls is not trained there); a fine-tuned one has both
+    wanted = [k for k in joint.state_dict() if prefix or k.startswith("lpu.")]
+    state = read_weights(path, HEAD_WEIGHTS, prefixes=tuple(prefix + k for k in wanted))
+    missing = [prefix + k for k in wanted if prefix + k not in state]
+    if missing:
+        raise ValueError(f"{path / HEAD_WEIGHTS}: {missing[0]} missing")
+    joint.load_state_dict({k: state[prefix + k] for k in wanted}, strict=False)
+    return joint.to(encoder.embeddings.word_embeddings.weight.device)
 
 
 def joint_scores(queries: JointVectors, docs: JointVectors) -> torch.Tensor:

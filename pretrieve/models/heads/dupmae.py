@@ -54,9 +54,7 @@ class DupMAEHead(RetroMAEHead):
 
     def lpu_parts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input, weight, bias) of the LPU's final linear map: lpu_logits = F.linear(*lpu_parts)."""
-        if self.options.lpu == "linear":
-            return hidden, self.lpu.weight, self.lpu.bias
-        return self.encoder.mlm_transform(hidden), self.encoder.embeddings.word_embeddings.weight, self.encoder.mlm_bias
+        return lpu_parts(self.encoder, self.lpu if self.options.lpu == "linear" else None, hidden)
 
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
@@ -73,6 +71,13 @@ class DupMAEHead(RetroMAEHead):
             ot_mask &= batch["mlm_labels"] == -100
         mu = max_pooled_linear(*self.lpu_parts(hidden), ot_mask)  # eq. (7), without [B, L, vocab] logits
         return bag_of_words_loss(mu, batch["bow_targets"], lengths, self.options.bow_normalize)
+
+
+def lpu_parts(encoder, lpu: nn.Linear | None, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input, weight, bias) of W^O in eq. (6): a separate linear map `lpu`, or else the encoder's tied MLM head."""
+    if lpu is not None:
+        return hidden, lpu.weight, lpu.bias
+    return encoder.mlm_transform(hidden), encoder.embeddings.word_embeddings.weight, encoder.mlm_bias
 
 
 def ot_vector(logits: torch.Tensor, ot_mask: torch.Tensor) -> torch.Tensor:

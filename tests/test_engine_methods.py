@@ -1,7 +1,9 @@
-"""Every registered method trains under DeepSpeed: a few optimizer steps at ZeRO 0, 2 and 3 on one rank and
-at ZeRO 2 on two gloo ranks; every trainable encoder tensor moves, and the stages agree on the loss."""
+"""Every registered method, and stage-1 fine-tuning, trains under DeepSpeed: a few optimizer steps at ZeRO 0, 2
+and 3 on one rank and at ZeRO 2 on two gloo ranks; every trainable encoder tensor moves, and the stages agree on
+the loss. On two ranks, fine-tuning's in-batch negatives are both ranks' passages."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,17 +14,34 @@ from conftest import free_port, pretrain_env
 from pretrieve.models.heads import METHODS
 
 SCRIPT = Path(__file__).resolve().parent / "one_step.py"
+ALL = (*sorted(METHODS), "finetune")
 
 
-def _run(prefix, out, wiki_shards, stages, methods=",".join(sorted(METHODS)), *precision):
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory) -> Path:
+    """A random tiny BERT with the default tokenizer: what fine-tuning starts from."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
+
+    out = tmp_path_factory.mktemp("tiny-bert")
+    torch.manual_seed(0)
+    BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=256)).save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER).save_pretrained(str(out))
+    return out
+
+
+def _run(prefix, out, wiki_shards, tiny_bert, stages, methods=",".join(ALL), *precision):
     done = subprocess.run([*prefix, str(SCRIPT), str(out), str(wiki_shards / "manifest.json"), methods, stages,
                            *precision],
-                          env=pretrain_env(), capture_output=True, text=True, timeout=900)
+                          env=pretrain_env(FINETUNE_INIT=str(tiny_bert)), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-def _check(records, stages, methods=METHODS):
+def _check(records, stages, methods=ALL):
     assert sorted((r["method"], r["stage"]) for r in records) == sorted((m, s) for m in methods for s in stages)
     for r in records:
         assert r["step"] == 3 and r["finite"], r
@@ -34,23 +53,30 @@ def _check(records, stages, methods=METHODS):
             assert r["changed"] == r["trainable"] > 0, r
 
 
-def test_every_method_at_zero_0_2_3(tmp_path, wiki_shards):
-    records = _run([sys.executable], tmp_path, wiki_shards, "0,2,3")
+def _finetune_first_loss(records) -> float:
+    """A random tiny encoder scores every passage about equally: the first in-batch loss is ~ln(candidates)."""
+    return next(r["first_loss"] for r in records if r["method"] == "finetune")
+
+
+def test_every_method_at_zero_0_2_3(tmp_path, wiki_shards, tiny_bert):
+    records = _run([sys.executable], tmp_path, wiki_shards, tiny_bert, "0,2,3")
     _check(records, (0, 2, 3))
-    for method in METHODS:  # fp32, same data and seed: the ZeRO stage does not change the numbers
+    for method in ALL:  # fp32, same data and seed: the ZeRO stage does not change the numbers
         losses = [r["loss"] for r in records if r["method"] == method]
         assert losses == pytest.approx([losses[0]] * 3, rel=1e-5), method
+    assert _finetune_first_loss(records) == pytest.approx(math.log(4), abs=0.02)  # one rank's 4 passages
 
 
-def test_every_method_at_zero_2_on_two_ranks(tmp_path, wiki_shards):
+def test_every_method_at_zero_2_on_two_ranks(tmp_path, wiki_shards, tiny_bert):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
-    records = _run(torchrun, tmp_path, wiki_shards, "2")
+    records = _run(torchrun, tmp_path, wiki_shards, tiny_bert, "2")
     _check(records, (2,))
     assert all(r["world"] == 2 for r in records)
+    assert _finetune_first_loss(records) == pytest.approx(math.log(8), abs=0.02)  # both ranks' 4 passages
 
 
-def test_bf16_at_every_zero_stage(tmp_path, wiki_shards):
+def test_bf16_at_every_zero_stage(tmp_path, wiki_shards, tiny_bert):
     """bf16 runs on CPU at ZeRO 0-3 (fp16 needs a GPU: DeepSpeed refuses it on CPU, and so does the config)."""
-    records = _run([sys.executable], tmp_path, wiki_shards, "0,1,2,3", "dupmae", "bf16")
-    _check(records, (0, 1, 2, 3), ["dupmae"])
+    records = _run([sys.executable], tmp_path, wiki_shards, tiny_bert, "0,1,2,3", "dupmae,finetune", "bf16")
+    _check(records, (0, 1, 2, 3), ["dupmae", "finetune"])
     assert all(r["precision"] == "bf16" for r in records)

@@ -154,17 +154,19 @@ def _add_finetune_stages(commands) -> None:
     p.add_argument("--normalize", action="store_true")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every fine-tuning run (repeatable), e.g. --set train.max_steps=100")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="ranks per fine-tuning run on this node (one per GPU; default 1); SIGTERM / SIGUSR1 reach "
+                        "every rank, a preemption exits 85")
     p.set_defaults(run=_run_finetune_stages)
 
 
 def _run_finetune_stages(args) -> int:
     from pretrieve.finetune.stages import StagesOptions, run_stages
 
-    print(json.dumps(run_stages(StagesOptions(
+    return _until_preempted("finetune-stages", lambda: run_stages(StagesOptions(
         model=args.model, out=args.out, config=args.config, up_to=args.up_to, data=args.data, msmarco=args.msmarco,
         beir=args.beir, split=args.split, teacher_init=args.teacher_init, negatives=args.negatives, depth=args.depth,
-        pooling=args.pooling, normalize=args.normalize, overrides=args.overrides))))
-    return 0
+        pooling=args.pooling, normalize=args.normalize, overrides=args.overrides, nproc=args.nproc)))
 
 
 def _add_training_data(p, what: str) -> None:

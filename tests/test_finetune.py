@@ -399,3 +399,42 @@ def test_dupmae_fine_tuning_exports_its_joint_score_to_eval(tmp_path):
                              negatives=3, max_length=48, progress=False))
     assert mined["pooling"] == "dupmae" and mined["queries_with_fewer_negatives"] == 0
     assert all(len(e.neg) == 3 and not set(e.neg) & set(e.pos) for e in read_examples(tmp_path / "hard.jsonl"))
+
+
+def test_finetune_stages_runs_each_fine_tuning_over_nproc_ranks(tmp_path, tokenizer):
+    """`--nproc 2`: stage 1 as two ranks (the first in-batch loss spans both ranks' passages: ~ln 4 for a random
+    encoder, ln 2 on one rank); SIGUSR1 to the chain reaches both ranks, which checkpoint and exit 85; the
+    re-run resumes and finishes; a bad override fails before any rank starts."""
+    import math
+    import os
+    import signal
+    import threading
+    import time
+
+    from pretrieve.engine.train import Preempted
+    from pretrieve.finetune.stages import StagesOptions, run_stages
+
+    _tiny_encoder().bert.save_pretrained(str(tmp_path / "bert"))
+    tokenizer.save_pretrained(str(tmp_path / "bert"))
+    run_dir = tmp_path / "chain" / "stage1"
+    options = StagesOptions(model=str(tmp_path / "bert"), out=str(tmp_path / "chain"), up_to="stage1",
+                            config=str(Path(__file__).parent.parent / "configs" / "finetune" / "tiny.yaml"),
+                            data=[str(FLAG)], nproc=2,
+                            overrides=["train.micro_batch_size=2", "train.max_steps=6", "checkpoint.every=6"])
+    with pytest.raises(ConfigError, match="train.micro_batch_size"):
+        run_stages(StagesOptions(**{**options.__dict__, "overrides": ["train.micro_batch_size=0"]}))
+
+    def preempt_after_the_first_step():
+        while not (run_dir / "metrics.jsonl").is_file():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    threading.Thread(target=preempt_after_the_first_step, daemon=True).start()
+    with pytest.raises(Preempted):
+        run_stages(options)
+    stopped = int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step"))
+    assert 1 <= stopped < 6 and not (run_dir / "export").exists()
+    assert run_stages(options) == {"stage1": str(run_dir / "export")}
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 7))  # resumed after the preemption checkpoint
+    assert records[0]["loss"] == pytest.approx(math.log(4), abs=0.02)

@@ -156,11 +156,21 @@ def run_training(exp, build_job: Callable[[Any, int], TrainingJob]) -> dict:
     if exp.train.precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("train.precision: fp16 needs a CUDA device (DeepSpeed refuses fp16 on CPU); "
                           "use bf16 or fp32")
+    rank, world = _distributed_env()
+    # before the slow start (data, deepspeed.initialize, checkpoint load): a signal that arrives during it
+    # stops the run at its first step boundary, with a checkpoint, instead of killing the process
+    stop = StopFlag(exp.train.max_runtime)
+    try:
+        return _run_training(exp, build_job, rank, world, stop)
+    finally:
+        stop.restore()
+
+
+def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict:
     import deepspeed
     from omegaconf import OmegaConf
     from tqdm import tqdm
 
-    rank, world = _distributed_env()
     if not torch.cuda.is_available():
         keep_freed_memory()  # ~10% of a CPU step went to page faults on re-allocated tensors
     _seed_everything(exp.seed, rank)
@@ -206,7 +216,6 @@ def run_training(exp, build_job: Callable[[Any, int], TrainingJob]) -> dict:
     peak = device_peak(engine.device, exp.train.precision) if rank == 0 else None
     window = {"loss": 0.0, "parts": {}, "micro": 0, "tokens": 0, "samples": 0, "flops": 0,
               "started": time.perf_counter()}
-    stop = StopFlag(exp.train.max_runtime)
     bar = tqdm(total=exp.train.max_steps, initial=engine.global_steps, desc=job.name,
                unit="step", disable=rank != 0, dynamic_ncols=True)
     try:
@@ -251,7 +260,6 @@ def run_training(exp, build_job: Callable[[Any, int], TrainingJob]) -> dict:
                     break
     finally:
         bar.close()
-        stop.restore()
         if metrics is not None:
             metrics.close()
     if world > 1:  # the run's totals; this also waits for every rank's last checkpoint shard

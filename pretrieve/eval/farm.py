@@ -17,6 +17,7 @@ on this machine or handed to SLURM, each logged as an MLflow run.
       negatives: 15
       depth: 200
       teacher_init: path/to/bert-base  # the cross-encoder's start (default: the checkpoint)
+      nproc: 8                         # torchrun ranks per fine-tuning run (default 1)
       overrides: [train.max_steps=20000]
 
 Each job is a separate process, so a failing job (reported with its log) stops nothing else. A job is done
@@ -47,7 +48,8 @@ from pretrieve.finetune.stages import done as finetuned
 
 STAGES = ("zero-shot", "stage1", "stage2", "stage3")
 EVAL_KEYS = ("max_length", "depth", "index", "batch_size")
-FINETUNE_KEYS = ("config", "data", "msmarco", "beir", "split", "negatives", "depth", "teacher_init", "overrides")
+FINETUNE_KEYS = ("config", "data", "msmarco", "beir", "split", "negatives", "depth", "teacher_init", "nproc",
+                 "overrides")
 
 
 @dataclass
@@ -164,7 +166,7 @@ def _chain_args(farm: dict, checkpoint: dict, up_to: str) -> list[str]:
     else:
         kind = "msmarco" if "msmarco" in finetune else "beir"
         args += [f"--{kind}", str(finetune[kind])]
-    for key in ("split", "negatives", "depth", "teacher_init"):
+    for key in ("split", "negatives", "depth", "teacher_init", "nproc"):
         if key in finetune:
             args += [f"--{key.replace('_', '-')}", str(finetune[key])]
     tracking = farm["tracking"]

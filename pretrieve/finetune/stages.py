@@ -1,5 +1,5 @@
 """`pretrieve finetune-stages`: the three fine-tuning stages of dupmae-retromae-2-acl2023.txt §3.5 for one
-pre-trained model, chained, in one process:
+pre-trained model, chained:
 
     OUT/stage1/         contrastive, in-batch negatives (eq. 13), from MODEL
     OUT/hard.jsonl      ANN hard negatives mined with stage 1 (`pretrieve mine`)
@@ -10,7 +10,11 @@ pre-trained model, chained, in one process:
 
 Each stage's model is OUT/<stage>/export. A step whose output exists is skipped; a fine-tuning run that was
 stopped continues from its checkpoint (resume=auto), so re-running after a crash or preemption loses nothing.
-Every fine-tuning run is `pretrieve finetune BASE_CONFIG` with the overrides below, then the caller's.
+Every fine-tuning run is `pretrieve finetune BASE_CONFIG` with the overrides below, then the caller's: in this
+process, or with `nproc` > 1 as NPROC `pretrieve finetune ...` ranks on this node (one per GPU, started as
+torchrun would; in-batch negatives gathered from every rank), while mining and teacher scoring run here.
+SIGTERM / SIGUSR1 sent here are passed on to every rank; a preempted run (exit 85) ends the chain with exit
+85 too, and re-running continues it.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class StagesOptions:
     pooling: str = "cls"
     normalize: bool = False
     overrides: list[str] = field(default_factory=list)  # dotted key=value for every fine-tuning run
+    nproc: int = 1  # ranks per fine-tuning run, on this node
 
 
 def done(export: Path) -> bool:
@@ -53,6 +58,10 @@ def run_stages(opts: StagesOptions) -> dict:
 
     if opts.up_to not in STAGES:
         raise ValueError(f"up_to: {opts.up_to!r} is not one of {', '.join(STAGES)}")
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # every rank would mine and score, into the same files
+        raise ValueError("finetune-stages runs as one process; --nproc N runs each fine-tuning over N processes")
+    if opts.nproc < 1:
+        raise ValueError(f"nproc: must be >= 1, got {opts.nproc}")
     out = Path(opts.out)
     wanted = STAGES[:STAGES.index(opts.up_to) + 1]
     if bool(opts.data) + (opts.msmarco is not None) + (opts.beir is not None) != 1:
@@ -69,9 +78,13 @@ def run_stages(opts: StagesOptions) -> dict:
     def train(name: str, *overrides: str) -> Path:
         run_dir = out / name
         if not done(run_dir / "export"):
-            config = load_config(opts.config, [f"run_dir={run_dir}", "resume=auto", *overrides, *opts.overrides],
-                                 required=("finetune",))
-            finetune(finetune_experiment(config, world_size=int(os.environ.get("WORLD_SIZE", 1))))
+            every = [f"run_dir={run_dir}", "resume=auto", *overrides, *opts.overrides]
+            config = load_config(opts.config, every, required=("finetune",))
+            exp = finetune_experiment(config, world_size=opts.nproc)  # bad keys, batch math: errors before launch
+            if opts.nproc == 1:
+                finetune(exp)
+            else:
+                _run_ranks(opts.nproc, ["finetune", opts.config, *every])
         return run_dir / "export"
 
     exports = {"stage1": train("stage1", f"finetune.init_from={opts.model}", *source, *common,
@@ -94,3 +107,52 @@ def run_stages(opts: StagesOptions) -> dict:
                                   f"finetune.data=[{distill}]", *common, f"finetune.negatives={opts.negatives}",
                                   "finetune.loss=distill")
     return {name: str(path) for name, path in exports.items()}
+
+
+def _run_ranks(nproc: int, args: list[str]) -> None:
+    """`pretrieve ARGS` as NPROC ranks on this node, with the environment torchrun would give them. SIGTERM /
+    SIGUSR1 sent here reach every rank, which save a checkpoint at the same step boundary and exit 85: then
+    Preempted is raised. A rank failing otherwise stops the others (they would wait in a collective until its
+    timeout) and raises RuntimeError."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from pretrieve.engine.train import PREEMPTED_EXIT_CODE, Preempted
+
+    with socket.socket() as sock:  # a free loopback port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
+    ranks = [subprocess.Popen([sys.executable, "-m", "pretrieve", *args], env={
+        **os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": threads}) for r in range(nproc)]
+
+    def forward(signum, frame):
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.send_signal(signum)
+
+    main = threading.current_thread() is threading.main_thread()  # where Python allows signal handlers
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)} if main else {}
+    try:
+        while any(rank.poll() is None for rank in ranks):
+            if any(rank.returncode not in (None, 0, PREEMPTED_EXIT_CODE) for rank in ranks):
+                for rank in ranks:
+                    if rank.poll() is None:
+                        rank.kill()
+                        rank.wait()
+                break
+            time.sleep(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    codes = [rank.returncode for rank in ranks]
+    if all(code == PREEMPTED_EXIT_CODE for code in codes):
+        raise Preempted()
+    if any(codes):
+        raise RuntimeError(f"fine-tuning over {nproc} processes failed (exit codes by rank {codes}): "
+                           f"pretrieve {' '.join(args)}")

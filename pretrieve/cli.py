@@ -192,7 +192,8 @@ def _add_mine(commands) -> None:
     p.add_argument("--negatives", type=int, default=15, help="negatives per query (default 15)")
     p.add_argument("--skip", type=int, default=0, help="top ranks left out (likely unjudged positives)")
     p.add_argument("--pooling", choices=("cls", "mean", "dupmae"), default=None,
-                   help="default: the pooling the model was fine-tuned with, else cls (dupmae: exact eq. 12 search)")
+                   help="default: the pooling the model was fine-tuned with, else cls (dupmae: eq. 12, searched "
+                        "as eval does)")
     p.add_argument("--normalize", action="store_true", default=None, help="default: as fine-tuned")
     p.add_argument("--max-length", type=int, default=144, help="passage tokens")
     p.add_argument("--query-max-length", type=int, default=32)

@@ -61,9 +61,8 @@ def run_eval(opts: EvalOptions) -> dict:
             encoder = VocabEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size),
                                    top_k=opts.vocab_top_k)
             opts = replace(opts, vocab_top_k=encoder.top_k)
-            candidates = opts.candidates or (None if len(doc_ids) <= EXACT_HYBRID_DOCS else 1000)
             run = vocab_search(encoder, doc_ids, doc_texts, query_ids, query_texts, opts.depth, opts.sparse_weight,
-                               candidates, progress=opts.progress)
+                               opts.candidates, progress=opts.progress)
         else:
             encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size,
                                                              opts.normalize))
@@ -89,7 +88,10 @@ def run_eval(opts: EvalOptions) -> dict:
 def vocab_search(encoder: VocabEncoder, doc_ids, doc_texts, query_ids, query_texts, k: int, sparse_weight: float = 1.0,
                  candidates: int | None = None, query_max_length: int | None = None, progress: bool = True) -> dict:
     """{query id: {doc id: score}}, the top k by the encoder's pooling (sparse, hybrid or DupMAE's eq. 12);
-    `candidates`: re-score each query's dense + sparse top N instead of the whole corpus."""
+    `candidates`: re-score each query's dense + sparse top N instead of the whole corpus (default: exact up to
+    EXACT_HYBRID_DOCS documents, max(1,000, k) candidates beyond)."""
+    if candidates is None and len(doc_ids) > EXACT_HYBRID_DOCS:
+        candidates = max(1000, k)
     dense_docs, sparse_docs = encoder.encode(doc_texts, documents=True, desc="encode corpus", progress=progress)
     if query_max_length is not None:
         encoder.options = replace(encoder.options, max_length=query_max_length)

@@ -2,7 +2,7 @@
 `pretrieve teacher-scores`: cross-encoder soft labels for stage 3 (eq. 15).
 
 Mining encodes the corpus and the training queries with the stage-1 model, searches with faiss (with pooling
-`dupmae`: eq. 12, exactly, through eval.evaluate.vocab_search), removes each
+`dupmae`: eq. 12 through eval.evaluate.vocab_search, as `pretrieve eval` does), removes each
 query's positives from its ranking, leaves out the top `skip` ranks (likely unjudged positives), and samples
 `negatives` of the remaining results down to rank `depth` (CoT-MoTE: 15 negatives from depth 200). The
 corpus is the set's corpus for MS MARCO / BEIR data, else every distinct passage of the training file.
@@ -61,7 +61,7 @@ def mine(opts: MineOptions) -> dict:
     pooling, normalize = trained_pooling(opts.model, opts.pooling, opts.normalize)
     ids, query_ids = [str(i) for i in range(len(corpus))], [str(i) for i in range(len(examples))]
     k = opts.depth + max(len(e.pos) for e in examples)
-    if pooling in VOCAB_POOLINGS:  # DupMAE's eq. (12) (or sparse / hybrid), exact over the corpus
+    if pooling in VOCAB_POOLINGS:  # DupMAE's eq. (12) (or sparse / hybrid)
         encoder = VocabEncoder(opts.model, EncodeOptions(pooling, opts.max_length, opts.batch_size))
         run = vocab_search(encoder, ids, corpus, query_ids, [e.query for e in examples], k,
                            query_max_length=opts.query_max_length, progress=opts.progress)

@@ -13,9 +13,9 @@ same) and a `finetune:` section (FinetuneOptions) in place of `model:` / `method
 
 At the end run_dir/export holds the fine-tuned model: for `dual`, a HF BertModel directory that
 `pretrieve eval` / `AutoModel` load (plus query experts for a CoT-MoTE encoder, W^cls and the LPU for pooling
-`dupmae`, and `pretrieve_finetune.json` with the pooling it was trained with); for `cross`, a BertForSequenceClassification directory that
-`pretrieve teacher-scores` reads. The stages are chained by files: `pretrieve mine` writes stage 2's hard
-negatives, `pretrieve teacher-scores` stage 3's soft labels.
+`dupmae`, and `pretrieve_finetune.json` with the pooling it was trained with); for `cross`, a
+BertForSequenceClassification directory that `pretrieve teacher-scores` reads. The stages are chained by
+files: `pretrieve mine` writes stage 2's hard negatives, `pretrieve teacher-scores` stage 3's soft labels.
 """
 
 from __future__ import annotations
@@ -160,7 +160,8 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
             if key.endswith("input_ids"):
                 total += config.num_hidden_layers * layer_flops(config, ids.shape[0], ids.shape[1], ids.shape[1])
                 if o.model == "dual" and o.pooling == "dupmae":  # eq. (6)'s LPU at every position
-                    total += vocab_flops(config, ids.numel())
+                    total += (vocab_flops(config, ids.numel()) if module.joint.lpu is None  # MLM head: + transform
+                              else 2 * ids.numel() * config.hidden_size * config.vocab_size)
         return 3 * total
 
     tags = {**run_tags(f"finetune-{o.model}", None, config), "stage_loss": o.loss, "init_from": str(o.init_from)}
@@ -242,7 +243,8 @@ def export_finetuned(run_dir: str | Path, out: str | Path) -> Path:
     else:
         module.encoder.bert.save_pretrained(str(tmp))
         # MLM head, query experts (`load_encoder` reads them back), W^cls and LPU (`load_joint`)
-        extra = {k: v.detach().contiguous() for k, v in module.state_dict().items() if not k.startswith("encoder.bert.")}
+        extra = {k: v.detach().contiguous() for k, v in module.state_dict().items()
+                 if not k.startswith("encoder.bert.")}
         save_file(extra, str(tmp / HEAD_WEIGHTS))
     AutoTokenizer.from_pretrained(str(run_dir / TOKENIZER)).save_pretrained(str(tmp))
     meta = json.loads((run_dir / FINETUNE_META).read_text())

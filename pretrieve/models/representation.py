@@ -86,7 +86,8 @@ class JointRepresentation(nn.Module):
         return torch.cat([dense, mu.to(dense.dtype)], dim=-1)
 
 
-def load_joint(path: str | Path, encoder, cls_dim: int | None = None, ot_topk: int | None = None) -> JointRepresentation:
+def load_joint(path: str | Path, encoder, cls_dim: int | None = None,
+               ot_topk: int | None = None) -> JointRepresentation:
     """The joint representation of a model directory: a model fine-tuned with pooling dupmae (its learned
     W^cls and W^O, its k unless `ot_topk` is given), or a DupMAE pre-training export (its LPU; W^cls the
     default map to `cls_dim` = 384 or the hidden size if smaller; k = `ot_topk` or 384)."""

@@ -17,7 +17,7 @@ on this machine or handed to SLURM, each logged as an MLflow run.
       negatives: 15
       depth: 200
       teacher_init: path/to/bert-base  # the cross-encoder's start (default: the checkpoint)
-      nproc: 8                         # torchrun ranks per fine-tuning run (default 1)
+      nproc: 8                         # ranks per fine-tuning run, on this node (default 1)
       overrides: [train.max_steps=20000]
 
 Each job is a separate process, so a failing job (reported with its log) stops nothing else. A job is done

@@ -23,11 +23,9 @@ def pretrain_env(**extra: str) -> dict:
 
 def free_port() -> str:
     """A free TCP port on loopback for a torchrun rendezvous (`--master_port 0` hangs with gloo here)."""
-    import socket
+    from pretrieve.engine.world import free_loopback_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
+    return str(free_loopback_port())
 
 
 def prepare_sample(out: Path, source: str, folder: str, **kwargs) -> dict:

@@ -75,24 +75,36 @@ def test_dispatch_rules():
         resolve("flash", cpu)
 
 
+def decoder_steps(samples, vocab, model, max_len: int, device: str = "cpu", autocast=None) -> dict:
+    """{impl: (loss, {parameter: gradient})} of one RetroMAE training step with the fused kernel and eager."""
+    from contextlib import nullcontext
+
+    from pretrieve.models.heads import get_method
+
+    method = get_method("retromae")
+    results = {}
+    for impl in ("fused", "eager"):
+        options = method.options_from({"max_len": max_len, "attention_impl": impl})
+        head = method.build(options, model, seed=0).to(device)
+        batch = {k: v.to(device) for k, v in method.collator.from_options(options, vocab, seed=0)(samples).items()}
+        with autocast or nullcontext():
+            loss = head(batch)["loss"]
+        loss.backward()
+        results[impl] = (loss.item(), {n: p.grad.float() for n, p in head.named_parameters() if p.grad is not None})
+    return results
+
+
 def test_decoder_step_fused_equals_eager(wiki_samples, vocab):
     """One RetroMAE decoder training step: the same loss and gradients with the fused kernel and eager."""
     from pretrieve.models.encoder import ModelOptions
     from pretrieve.models.heads import get_method
 
-    method = get_method("retromae")
     model = ModelOptions(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, dropout=0.0)
-    results = {}
-    for impl in ("fused", "eager"):
-        options = method.options_from({"max_len": 40, "attention_impl": impl})
-        head = method.build(options, model, seed=0)
-        batch = method.collator.from_options(options, vocab, seed=0)(wiki_samples[:2])
-        loss = head(batch)["loss"]
-        loss.backward()
-        results[impl] = (loss.item(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None})
+    results = decoder_steps(wiki_samples[:2], vocab, model, max_len=40)
     assert results["fused"][0] == pytest.approx(results["eager"][0], rel=1e-5)
     for name, grad in results["eager"][1].items():
         torch.testing.assert_close(results["fused"][1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
+    method = get_method("retromae")
     with pytest.raises(ValueError, match="no attention dropout"):
         method.build(method.options_from({"attention_impl": "fused", "decoder_attention_dropout": 0.1}), model)

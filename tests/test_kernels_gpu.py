@@ -8,7 +8,7 @@ import torch
 
 from pretrieve.kernels import two_stream_attention
 from pretrieve.kernels.fused import available
-from test_kernels import _mask
+from test_kernels import _mask, decoder_steps
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and available()), reason="needs CUDA and triton")
 
@@ -38,19 +38,10 @@ def test_fused_matches_reference_on_real_shapes(width, head_dim, dtype):
 def test_decoder_step_fused_equals_eager_on_gpu(wiki_samples, vocab):
     """One RetroMAE training step at BERT-base width in bf16 autocast: loss and gradients of fused vs eager."""
     from pretrieve.models.encoder import ModelOptions
-    from pretrieve.models.heads import get_method
 
-    method = get_method("retromae")
     model = ModelOptions(hidden_size=768, num_layers=2, num_heads=12, intermediate_size=3072, dropout=0.0)
-    results = {}
-    for impl in ("fused", "eager"):
-        options = method.options_from({"max_len": 512, "attention_impl": impl})
-        head = method.build(options, model, seed=0).cuda()
-        batch = {k: v.cuda() for k, v in method.collator.from_options(options, vocab, seed=0)(wiki_samples[:8]).items()}
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = head(batch)["loss"]
-        loss.backward()
-        results[impl] = (loss.item(), {n: p.grad.float() for n, p in head.named_parameters() if p.grad is not None})
+    results = decoder_steps(wiki_samples[:8], vocab, model, max_len=512, device="cuda",
+                            autocast=torch.autocast("cuda", dtype=torch.bfloat16))
     assert results["fused"][0] == pytest.approx(results["eager"][0], rel=1e-2)
     for name, grad in results["eager"][1].items():
         scale = grad.abs().max().item() or 1.0

@@ -24,6 +24,15 @@ class World:
         return sum(slots for _, slots in self.hosts)
 
 
+def free_loopback_port() -> int:
+    """A free TCP port on 127.0.0.1, for a single-node rendezvous (`--master_port 0` hangs with gloo)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def read_hostfile(path: str | Path) -> list[tuple[str, int]]:
     """DeepSpeed hostfile lines `host slots=N` (# comments, blank lines); errors name the line."""
     hosts = []

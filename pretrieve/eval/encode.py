@@ -220,6 +220,7 @@ class VocabEncoder:
         """(dense [N, d] float32 or None, CSR [N, vocab]) in the order of `texts`."""
         from scipy import sparse
 
+        from pretrieve.models.representation import keep_top_k
         from pretrieve.models.vocab_projection import max_pooled_linear
 
         encoder = self.encoder
@@ -240,9 +241,8 @@ class VocabEncoder:
                                                                  encoder.embeddings.word_embeddings.weight,
                                                                  encoder.mlm_bias, mask.bool())))
                 cls = hidden[:, 0]
-                if documents and self.top_k < vocab.shape[1]:
-                    values, indices = vocab.topk(self.top_k, dim=-1)
-                    vocab = torch.zeros_like(vocab).scatter_(1, indices, values)
+                if documents:
+                    vocab = keep_top_k(vocab, self.top_k)
             dense[picked] = cls.cpu().numpy()
             block = sparse.csr_matrix(vocab.cpu().numpy())
             for j, i in enumerate(picked):

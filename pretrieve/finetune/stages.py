@@ -115,17 +115,15 @@ def _run_ranks(nproc: int, args: list[str]) -> None:
     Preempted is raised. A rank failing otherwise stops the others (they would wait in a collective until its
     timeout) and raises RuntimeError."""
     import signal
-    import socket
     import subprocess
     import sys
     import threading
     import time
 
     from pretrieve.engine.train import PREEMPTED_EXIT_CODE, Preempted
+    from pretrieve.engine.world import free_loopback_port
 
-    with socket.socket() as sock:  # a free loopback port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_loopback_port()
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
     ranks = [subprocess.Popen([sys.executable, "-m", "pretrieve", *args], env={
         **os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),

@@ -80,10 +80,17 @@ class JointRepresentation(nn.Module):
         dense = self.cls_proj(hidden[:, 0])
         ordinary = ordinary_positions(attention_mask.sum(dim=1), hidden.shape[1])
         mu = max_pooled_linear(*lpu_parts(encoder, self.lpu, hidden), ordinary)
-        if documents and self.ot_topk < mu.shape[1]:
-            values, indices = mu.topk(self.ot_topk, dim=-1)
-            mu = torch.zeros_like(mu).scatter(1, indices, values)
+        if documents:
+            mu = keep_top_k(mu, self.ot_topk)
         return torch.cat([dense, mu.to(dense.dtype)], dim=-1)
+
+
+def keep_top_k(vectors: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's k largest entries, 0 elsewhere (eq. 11's I_X); differentiable in the kept values."""
+    if k >= vectors.shape[1]:
+        return vectors
+    values, indices = vectors.topk(k, dim=-1)
+    return torch.zeros_like(vectors).scatter(1, indices, values)
 
 
 def load_joint(path: str | Path, encoder, cls_dim: int | None = None,

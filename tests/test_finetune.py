@@ -395,10 +395,11 @@ def test_dupmae_fine_tuning_exports_its_joint_score_to_eval(tmp_path):
     for (qid, doc), score in got.items():
         assert score == pytest.approx(scores[query_ids.index(qid), doc_ids.index(doc)].item(), rel=1e-4, abs=1e-4)
 
-    mined = mine(MineOptions(model=str(export), out=str(tmp_path / "hard.jsonl"), data=[str(FLAG)], depth=20,
-                             negatives=3, max_length=48, progress=False))
+    hard = tmp_path / "new" / "hard.jsonl"  # its folder does not exist yet
+    mined = mine(MineOptions(model=str(export), out=str(hard), data=[str(FLAG)], depth=20, negatives=3,
+                             max_length=48, progress=False))
     assert mined["pooling"] == "dupmae" and mined["queries_with_fewer_negatives"] == 0
-    assert all(len(e.neg) == 3 and not set(e.neg) & set(e.pos) for e in read_examples(tmp_path / "hard.jsonl"))
+    assert all(len(e.neg) == 3 and not set(e.neg) & set(e.pos) for e in read_examples(hard))
 
 
 def test_finetune_stages_runs_each_fine_tuning_over_nproc_ranks(tmp_path, tokenizer):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pretrieve.finetune.examples import Example, write_examples
 
@@ -51,6 +52,7 @@ def mine(opts: MineOptions) -> dict:
                          f"negatives {opts.negatives}, skip {opts.skip})")
     if bool(opts.data) + (opts.msmarco is not None) + (opts.beir is not None) != 1:
         raise ValueError("give one of --data FILE..., --msmarco DIR or --beir DIR")
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)  # now, not after hours of encoding
     if opts.data:
         examples = read_all(opts.data)
         corpus = list(dict.fromkeys(t for e in examples for t in (*e.pos, *e.neg)))
@@ -105,6 +107,7 @@ def teacher_scores(opts: TeacherOptions) -> dict:
     from pretrieve.finetune.examples import read_all
 
     examples = read_all(opts.data)
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(opts.model)
     model = BertForSequenceClassification.from_pretrained(opts.model, local_files_only=True).to(device).eval()

@@ -1,5 +1,6 @@
 """ShardStream: exact resume (workers 0/1/2, world 1/2), elastic resume, mixture, equal batches, bad shards."""
 
+import multiprocessing
 import shutil
 from pathlib import Path
 
@@ -174,6 +175,10 @@ def test_damaged_shard_is_an_error_naming_it(books_shards, tmp_path, damage):
     victim.write_bytes(bytes(data))
     with pytest.raises(ShardError, match="books-000002.tar: sha256 differs"):
         list(make([copy]))
+    with pytest.raises(ShardError, match="books-000002.tar: sha256 differs"):  # raised in a DataLoader worker
+        list(StreamLoader(make([copy]), batch_size=BATCH, num_workers=1))
+    # its worker is ended now: left for exit, multiprocessing's SIGTERM could not end it (workers ignore it)
+    assert not multiprocessing.active_children()
     if damage == "truncate":  # without sha256 verification the tar parser still notices
         with pytest.raises(ShardError, match="books-000002.tar: .*truncated"):
             list(make([copy], verify=False))

@@ -251,15 +251,22 @@ class StreamLoader(DataLoader):
             batches = super().__iter__()
         finally:
             stream._managed = False
-        for batch in batches:
-            while remaining[turn] == 0:  # the DataLoader skips exhausted workers
+        try:
+            for batch in batches:
+                while remaining[turn] == 0:  # the DataLoader skips exhausted workers
+                    turn = (turn + 1) % slots
+                taken = min(self.batch_size, remaining[turn])
+                remaining[turn] -= taken
+                offsets[turn] += taken
                 turn = (turn + 1) % slots
-            taken = min(self.batch_size, remaining[turn])
-            remaining[turn] -= taken
-            offsets[turn] += taken
-            turn = (turn + 1) % slots
-            stream._rotation = turn
-            yield batch
+                stream._rotation = turn
+                yield batch
+        finally:
+            # Now, not when the iterator is collected: a worker's error keeps it referenced by the traceback
+            # until exit, and at exit multiprocessing's SIGTERM cannot end workers that ignore it (below)
+            shutdown = getattr(batches, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
         if any(remaining):
             raise StreamError(f"stream position out of step: {remaining} samples unaccounted for")
         stream._end_epoch()

@@ -7,6 +7,8 @@ method's options, whose defaults are the paper settings), `data:` (DataOptions),
 
 from __future__ import annotations
 
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -42,12 +44,45 @@ def load_config(path: str | Path, overrides: list[str] | None = None,
 
 
 def model_options(config: DictConfig) -> ModelOptions:
-    values = OmegaConf.to_container(config.model, resolve=True)
-    known = {f.name for f in fields(ModelOptions)}
+    return options_of(ModelOptions, OmegaConf.to_container(config.model, resolve=True), "model")
+
+
+def options_of(cls, values: dict[str, Any], where: str):
+    """`cls(**values)` for an options dataclass, after checking every key is a field and every value has the
+    field's type (the error names `where.key`): a YAML or override typo fails here, not steps into a run."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"model.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
-    return ModelOptions(**values)
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+    for key, value in values.items():
+        if not _has_type(value, hints[key]):
+            raise ConfigError(f"{where}.{key}: expected {_type_name(hints[key])}, got {value!r}")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def _has_type(value, hint) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, a) for a in args)
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(_has_type(v, args[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint in (int, float):  # an int where a float is asked is fine; True is not a number here
+        return isinstance(value, int if hint is int else (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True  # Any and other annotations: not checked
+
+
+def _type_name(hint) -> str:
+    return getattr(hint, "__name__", None) if typing.get_origin(hint) is None else str(hint).replace("NoneType", "None")
 
 
 def method_options(config: DictConfig) -> tuple[Any, Any]:
@@ -121,15 +156,7 @@ _TOP_LEVEL = {"seed", "run_dir", "resume", "model", "method", "data", "train", "
 
 
 def _section(config: DictConfig, name: str, cls):
-    values = OmegaConf.to_container(config.get(name) or OmegaConf.create({}), resolve=True)
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"{name}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
-    try:
-        return cls(**values)
-    except TypeError as e:
-        raise ConfigError(f"{name}: {e}") from e
+    return options_of(cls, OmegaConf.to_container(config.get(name) or OmegaConf.create({}), resolve=True), name)
 
 
 def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
@@ -150,6 +177,13 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
         raise ConfigError(f"data.weights: {len(data.weights)} weights for {len(data.manifests)} manifests")
     if model.init_from and not Path(model.init_from).is_dir():
         raise ConfigError(f"model.init_from: {model.init_from} is not a directory")
+    max_len = getattr(options, "max_len", None)
+    if not model.init_from and max_len is not None and max_len > model.max_position_embeddings:
+        raise ConfigError(f"method.max_len: {max_len} positions, but model.max_position_embeddings is "
+                          f"{model.max_position_embeddings}")
+    if data.num_workers < 0 or data.shuffle_buffer < 1:
+        raise ConfigError(f"data.num_workers must be >= 0 and data.shuffle_buffer >= 1 (got {data.num_workers}, "
+                          f"{data.shuffle_buffer})")
     run_dir = Path(config.get("run_dir") or f"runs/{method.name}")
     return Experiment(int(config.get("seed", 42)), run_dir, resume_of(config), model, method, options, data, train,
                       checkpoint, tracking, config)
@@ -165,6 +199,9 @@ def run_sections(config: DictConfig, world_size: int) -> tuple[TrainOptions, Che
     for key in ("micro_batch_size", "grad_accum", "max_steps", "log_every"):
         if getattr(train, key) < 1:
             raise ConfigError(f"train.{key}: must be >= 1, got {getattr(train, key)}")
+    if train.lr <= 0 or not 0 <= train.warmup_ratio <= 1 or train.weight_decay < 0 or train.grad_clip < 0:
+        raise ConfigError(f"train: need lr > 0, 0 <= warmup_ratio <= 1, weight_decay >= 0 and grad_clip >= 0 (got "
+                          f"{train.lr}, {train.warmup_ratio}, {train.weight_decay}, {train.grad_clip})")
     if train.global_batch_size is not None:
         implied = train.micro_batch_size * train.grad_accum * world_size
         if train.global_batch_size != implied:

@@ -31,6 +31,16 @@ def _config(wiki_shards, *overrides):
     ("resume=sometimes", "resume: 'sometimes': the only value is auto"),
     ("data.weights=[1,2]", "data.weights: 2 weights for 1 manifests"),
     ("train.offload_optimizer=true", "train.offload_optimizer: needs train.zero_stage 1, 2 or 3"),
+    # wrong types and values fail here, not after DeepSpeed has started
+    ("train.micro_batch_size=abc", "train.micro_batch_size: expected int, got 'abc'"),
+    ("train.lr=fast", "train.lr: expected float, got 'fast'"),
+    ("train.lr=-1", "need lr > 0"),
+    ("train.warmup_ratio=2", "0 <= warmup_ratio <= 1"),
+    ("model.hidden_size=big", "model.hidden_size: expected int, got 'big'"),
+    ("method.mlm_ratio=abc", "method.mlm_ratio: expected float, got 'abc'"),
+    ("method.max_len=1024", "method.max_len: 1024 positions, but model.max_position_embeddings is 512"),
+    ("data.manifests=/a/manifest.json", "data.manifests: expected list.str., got '/a/manifest.json'"),
+    ("data.num_workers=-1", "data.num_workers must be >= 0"),
 ])
 def test_config_errors_name_the_key(wiki_shards, override, message):
     with pytest.raises(ConfigError, match=message):

@@ -206,6 +206,9 @@ def test_finetune_config_errors_name_the_key(tmp_path):
                             ({"finetune": {"data": ["missing.jsonl"]}}, r"finetune.data\[0\]: missing.jsonl"),
                             ({"finetune": {"init_from": "nowhere"}}, "finetune.init_from: 'nowhere'"),
                             ({"finetune": {"negatives": -1}}, "finetune.negatives"),
+                            ({"finetune": {"negatives": "three"}}, "finetune.negatives: expected int, got 'three'"),
+                            ({"finetune": {"temperature": 0}}, "finetune.temperature: must be > 0"),
+                            ({"finetune": {"query_max_len": 0}}, "finetune.query_max_len: must be >= 3"),
                             ({"finetune": {"pool": "cls"}}, "finetune.pool: unknown key"),
                             ({"method": {"name": "mlm"}}, "method: unknown top-level key")):
         config = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(change))

@@ -90,6 +90,11 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
             raise ConfigError(f"finetune.data[{i}]: {path} not found")
     if options.negatives < 0:
         raise ConfigError(f"finetune.negatives: must be >= 0, got {options.negatives}")
+    for key in ("query_max_len", "passage_max_len"):
+        if getattr(options, key) < 3:  # [CLS] ... [SEP] and at least one token
+            raise ConfigError(f"finetune.{key}: must be >= 3, got {getattr(options, key)}")
+    if options.temperature <= 0:
+        raise ConfigError(f"finetune.temperature: must be > 0, got {options.temperature}")
     from pretrieve.finetune.models import DUAL_POOLINGS, LOSSES
 
     if options.loss not in LOSSES:

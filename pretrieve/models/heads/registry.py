@@ -25,6 +25,8 @@ class Method:
 
     def options_from(self, values: dict[str, Any] | None = None, where: str = "method") -> Any:
         """Options with `values` over the defaults; an unknown key is an error naming it."""
+        from pretrieve.config import options_of
+
         values = dict(values or {})
         values.pop("name", None)
         known = {f.name for f in fields(self.options)}
@@ -32,7 +34,7 @@ class Method:
         if unknown:
             raise KeyError(f"{where}.{unknown[0]}: unknown option of method {self.name!r} "
                            f"(known: {', '.join(sorted(known))})")
-        return self.options(**values)
+        return options_of(self.options, values, where)
 
     def build(self, options: Any, model: ModelOptions, seed: int = 0):
         """The head on a new encoder (random init from `seed`, or `model.init_from`)."""

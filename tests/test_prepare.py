@@ -83,6 +83,9 @@ def test_rerun_is_a_no_op_and_other_arguments_are_refused(tmp_path):
         prepare_sample(tmp_path, "books", "books", shard_size=32)
     again = prepare_sample(tmp_path, "books", "books", shard_size=32, overwrite=True)
     assert len(again["shards"]) == 3 and len(list(tmp_path.glob("*.tar"))) == 3
+    (tmp_path / "manifest.json").write_text('{"format": "pretrieve-sh')  # a hand-damaged manifest
+    with pytest.raises(PrepareError, match=r"manifest.json: damaged \(.*--overwrite"):
+        prepare_sample(tmp_path, "books", "books", shard_size=32)
 
 
 def test_killed_run_resumes_to_identical_shards(tmp_path):

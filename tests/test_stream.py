@@ -1,5 +1,6 @@
 """ShardStream: exact resume (workers 0/1/2, world 1/2), elastic resume, mixture, equal batches, bad shards."""
 
+import json
 import multiprocessing
 import shutil
 from pathlib import Path
@@ -146,6 +147,16 @@ def test_refusals(wiki_shards, books_shards, tmp_path):
         other.load_state_dict(make([wiki_shards]).state_dict())
     with pytest.raises(StreamError, match="manifest not found"):
         make([tmp_path / "nowhere"])
+    good = json.loads((wiki_shards / "manifest.json").read_text())
+    for damage, message in ((lambda m: m["shards"][1].pop("num_samples"), r"shards\[1\]: needs file, sha256"),
+                            (lambda m: m.update(shards=None), "shards: a list is expected"),
+                            (lambda m: m.update(format="other/9"), "format 'other/9'; this version reads"),
+                            (lambda m: m.update(tokenizer="bert"), "tokenizer: no fingerprint")):
+        manifest = json.loads(json.dumps(good))
+        damage(manifest)
+        (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(StreamError, match=f"{tmp_path / 'manifest.json'}: {message}"):
+            make([tmp_path])
 
 
 def test_tokenizer_fingerprint_must_match(wiki_shards, tmp_path):

@@ -29,12 +29,11 @@ from pretrieve import __version__
 from pretrieve.data import corpora
 from pretrieve.data.corpora import BadRecord, CorpusError, ReaderOptions
 from pretrieve.data.packing import pack_sentences, sentence_starts, sentence_token_bounds
-from pretrieve.data.shards import ShardStats, ShardWriter, token_extension
+from pretrieve.data.shards import MANIFEST_FORMAT, ShardStats, ShardWriter, token_extension
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, describe, load_backend
 
 MANIFEST = "manifest.json"
 STATE = ".prepare-state.json"
-FORMAT = "pretrieve-shards/1"
 PASSAGE_SOURCES = ("msmarco-passage", "beir")  # one text per sample by default
 CHUNK_CHARS = 1 << 20  # text sent to a worker at a time
 
@@ -143,7 +142,7 @@ def prepare(opts: PrepareOptions) -> dict:
         raise PrepareError(f"no samples produced from {', '.join(map(str, opts.inputs))} "
                            f"(skipped: {dict(output.skipped) or 'none'})")
     manifest = {
-        "format": FORMAT,
+        "format": MANIFEST_FORMAT,
         "num_samples": output.num_samples,
         "num_tokens": output.num_tokens,
         "num_documents": output.documents,
@@ -176,8 +175,11 @@ def _load_previous(out: Path, job_id: str, overwrite: bool) -> dict:
         return {}
     for path, what in ((manifest_path, "a complete prepare"), (state_path, "an unfinished prepare")):
         if path.exists():
-            previous = json.loads(path.read_text(encoding="utf-8"))
-            if previous.get("job_id") != job_id:
+            try:
+                previous = json.loads(path.read_text(encoding="utf-8"))
+            except ValueError as e:
+                raise PrepareError(f"{path}: damaged ({e}); use another --out or pass --overwrite") from e
+            if not isinstance(previous, dict) or previous.get("job_id") != job_id:
                 raise PrepareError(f"{out} holds {what} with other arguments or inputs; "
                                    "use another --out or pass --overwrite")
             if path == manifest_path:

@@ -19,6 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
+MANIFEST_FORMAT = "pretrieve-shards/1"  # manifest.json's "format"; `pretrieve prepare` writes it
 TOKEN_EXTENSIONS = {"ids.u16": np.dtype("<u2"), "ids.i32": np.dtype("<i4")}
 _BLOCK = 512
 

@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pretrieve.data.epoch_plan import EpochPlan, Segment, drop, total
-from pretrieve.data.shards import read_shard
+from pretrieve.data.shards import MANIFEST_FORMAT, read_shard
 
 STATE_FORMAT = "pretrieve-stream/1"
 
@@ -66,9 +66,21 @@ def load_manifest(path: str | os.PathLike) -> tuple[Path, dict]:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as e:
         raise StreamError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(manifest, dict):
+        raise StreamError(f"{path}: not a pretrieve manifest (a JSON object is expected)")
     for key in ("format", "shards", "tokenizer", "num_samples"):
         if key not in manifest:
             raise StreamError(f"{path}: not a pretrieve manifest (missing key {key!r})")
+    if manifest["format"] != MANIFEST_FORMAT:
+        raise StreamError(f"{path}: format {manifest['format']!r}; this version reads {MANIFEST_FORMAT!r}")
+    if not isinstance(manifest["tokenizer"], dict) or "fingerprint" not in manifest["tokenizer"]:
+        raise StreamError(f"{path}: tokenizer: no fingerprint")
+    if not isinstance(manifest["shards"], list):
+        raise StreamError(f"{path}: shards: a list is expected")
+    for i, shard in enumerate(manifest["shards"]):
+        if not (isinstance(shard, dict) and isinstance(shard.get("file"), str) and isinstance(shard.get("sha256"), str)
+                and isinstance(shard.get("num_samples"), int) and shard["num_samples"] >= 0):
+            raise StreamError(f"{path}: shards[{i}]: needs file, sha256 and num_samples >= 0")
     return path, manifest
 
 

@@ -82,6 +82,18 @@ def test_bad_retrieval_inputs_are_named(tmp_path):
     (folder / "queries.jsonl").write_text('{"_id": "1", "text": "x"}\n{"_id": 2,\n')
     with pytest.raises(RetrievalDataError, match=r"queries.jsonl:2: not JSON"):
         load_beir(folder)
+    for queries, message in (('{"_id": "1", "text": "x"}\n{"_id": "1", "text": "y"}\n',
+                              "queries.jsonl:2: id '1' again, with other text than at line 1"),
+                             ('{"_id": "1", "text": null}\n', "queries.jsonl:1: 'text' is None, not a string"),
+                             ('{"_id": "1"}\n', "queries.jsonl:1: no 'text' field")):
+        (folder / "queries.jsonl").write_text(queries)
+        with pytest.raises(RetrievalDataError, match=message):
+            load_beir(folder)
+    (folder / "queries.jsonl").write_text('{"_id": 1, "text": "x"}\n{"_id": "1", "text": "x"}\n')  # same twice: once
+    (folder / "corpus.jsonl").write_text('{"_id": "31715818", "title": null, "text": "t"}\n'
+                                         '{"_id": "2", "text": [1, 2]}\n')
+    with pytest.raises(RetrievalDataError, match=r"corpus.jsonl:2: 'text' is \[1, 2\], not a string"):
+        load_beir(folder)
     with pytest.raises(RetrievalDataError, match=r"qrels/dev.tsv: not found"):
         load_beir(folder, "dev")
     (tmp_path / "marco").mkdir()

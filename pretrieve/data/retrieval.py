@@ -45,12 +45,13 @@ def load_beir(folder: str | Path, split: str = "test", on_missing: str = "fail")
     folder = Path(folder)
     qrels_file = folder / "qrels" / f"{split}.tsv"
     _require(folder / "corpus.jsonl", folder / "queries.jsonl", qrels_file)
-    corpus = {}
-    for number, record in jsonl_records(folder / "corpus.jsonl"):
-        corpus[_field(record, "_id", folder / "corpus.jsonl", number)] = (str(record.get("title") or ""),
-                                                                          str(record.get("text") or ""))
-    queries = {_field(r, "_id", folder / "queries.jsonl", n): str(r.get("text") or "")
-               for n, r in jsonl_records(folder / "queries.jsonl")}
+    corpus, queries = _Unique(folder / "corpus.jsonl"), _Unique(folder / "queries.jsonl")
+    for number, record in jsonl_records(corpus.path):
+        title = _field(record, "title", corpus.path, number, optional=True)
+        text = _field(record, "text", corpus.path, number)
+        corpus.add(number, _field(record, "_id", corpus.path, number), (title, text))
+    for number, record in jsonl_records(queries.path):
+        queries.add(number, _field(record, "_id", queries.path, number), _field(record, "text", queries.path, number))
     rows = [(number, cols, (0, 1, 2)) for number, cols in _tsv(qrels_file)
             if not (number == 1 and cols[0].lower().startswith("query-id"))]
     return _assemble(folder.name, corpus, queries, qrels_file, rows, on_missing)
@@ -62,20 +63,19 @@ def load_msmarco(folder: str | Path, split: str = "dev", on_missing: str = "fail
     passages, documents = folder / "collection.tsv", folder / "msmarco-docs.tsv"
     collection = passages if passages.is_file() else documents
     _require(collection, queries_file, qrels_file)
-    corpus = {}
+    corpus, queries = _Unique(collection), _Unique(queries_file)
     for number, cols in _tsv(collection):
         if collection == passages and len(cols) == 2:
-            corpus[cols[0]] = ("", cols[1])
+            corpus.add(number, cols[0], ("", cols[1]))
         elif collection == documents and len(cols) == 4:
-            corpus[cols[0]] = (cols[2], cols[3])
+            corpus.add(number, cols[0], (cols[2], cols[3]))
         else:
             raise RetrievalDataError(f"{collection}:{number}: expected {2 if collection == passages else 4} "
                                      f"tab-separated columns, got {len(cols)}")
-    queries = {}
     for number, cols in _tsv(queries_file):
         if len(cols) != 2:
             raise RetrievalDataError(f"{queries_file}:{number}: expected qid<TAB>text, got {len(cols)} columns")
-        queries[cols[0]] = cols[1]
+        queries.add(number, cols[0], cols[1])
     rows = [(number, line.split(), (0, 2, 3)) for number, line in text_lines(qrels_file)]
     return _assemble(folder.name, corpus, queries, qrels_file, rows, on_missing)
 
@@ -147,7 +147,30 @@ def _tsv(path: Path):
         yield number, line.split("\t")
 
 
-def _field(record, key: str, path: Path, number: int) -> str:
-    if not isinstance(record, dict) or key not in record:
+def _field(record, key: str, path: Path, number: int, optional: bool = False) -> str:
+    """record[key] as a string: `_id` may be a number; a text must be a string (an optional one may be absent
+    or null, read as empty)."""
+    if not isinstance(record, dict) or (key not in record and not optional):
         raise RetrievalDataError(f"{path}:{number}: no {key!r} field")
-    return str(record[key])
+    value = record.get(key)
+    if key == "_id" and isinstance(value, (str, int)) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, str) or (optional and value is None):
+        return value or ""
+    raise RetrievalDataError(f"{path}:{number}: {key!r} is {value!r}, not a string")
+
+
+class _Unique(dict):
+    """id -> value of one file; an id given twice with different values is an error naming both lines (with
+    the same value it is kept once: no judgement changes)."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path, self.lines = path, {}
+
+    def add(self, number: int, key: str, value) -> None:
+        if key in self and self[key] != value:
+            raise RetrievalDataError(f"{self.path}:{number}: id {key!r} again, with other text than at line "
+                                     f"{self.lines[key]}")
+        self.lines.setdefault(key, number)
+        self[key] = value

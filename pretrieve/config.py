@@ -82,7 +82,7 @@ def _has_type(value, hint) -> bool:
 
 
 def _type_name(hint) -> str:
-    return getattr(hint, "__name__", None) if typing.get_origin(hint) is None else str(hint).replace("NoneType", "None")
+    return hint.__name__ if typing.get_origin(hint) is None else str(hint).replace("NoneType", "None")
 
 
 def method_options(config: DictConfig) -> tuple[Any, Any]:

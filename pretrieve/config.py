@@ -47,14 +47,14 @@ def model_options(config: DictConfig) -> ModelOptions:
     return options_of(ModelOptions, OmegaConf.to_container(config.model, resolve=True), "model")
 
 
-def options_of(cls, values: dict[str, Any], where: str):
+def options_of(cls, values: dict[str, Any], where: str, noun: str = "key"):
     """`cls(**values)` for an options dataclass, after checking every key is a field and every value has the
     field's type (the error names `where.key`): a YAML or override typo fails here, not steps into a run."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+        raise ConfigError(f"{where}.{unknown[0]}: unknown {noun} (known: {', '.join(sorted(known))})")
     for key, value in values.items():
         if not _has_type(value, hints[key]):
             raise ConfigError(f"{where}.{key}: expected {_type_name(hints[key])}, got {value!r}")

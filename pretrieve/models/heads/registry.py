@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,12 +29,7 @@ class Method:
 
         values = dict(values or {})
         values.pop("name", None)
-        known = {f.name for f in fields(self.options)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise KeyError(f"{where}.{unknown[0]}: unknown option of method {self.name!r} "
-                           f"(known: {', '.join(sorted(known))})")
-        return options_of(self.options, values, where)
+        return options_of(self.options, values, where, noun=f"option of method {self.name!r}")
 
     def build(self, options: Any, model: ModelOptions, seed: int = 0):
         """The head on a new encoder (random init from `seed`, or `model.init_from`)."""

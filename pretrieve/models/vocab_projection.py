@@ -58,7 +58,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of logits x @ weight.T + bias [N, V] against labels [N] (every label a real class)."""
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad or bias.requires_grad):
-        return F.cross_entropy(F.linear(x, weight, bias).float(), labels)  # evaluation: no gradients to keep
+        logits = F.linear(x, weight, bias)  # evaluation: no gradients to keep; fp32 at least, as below
+        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
     return _LinearCrossEntropy.apply(x, weight, bias, labels)
 
 

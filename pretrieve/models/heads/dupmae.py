@@ -23,10 +23,13 @@ BOW_NORMALIZE_CHOICES = ("length", "none")
 class DupMAEOptions(RetroMAEOptions):
     bow_weight: float = 1.0  # eq. (9) adds the three losses with weight 1
     lpu: str = "mlm_head"  # W^O of eq. (6): the tied MLM head (official code) or a separate linear d x |V|
-    ot_positions: str = "unmasked"  # "unmasked": masked tokens excluded (paper §3.3); "all": official code
+    ot_positions: str = "unmasked"  # "unmasked": ordinary tokens, masked ones excluded (paper §3.3);
+    # "all": every token after [CLS], masked ones and the final [SEP] included (official code)
     bow_normalize: str = "length"  # "length": each unique token weighs 1/len(X) (official); "none": eq. (8) sum
+    query_stream: str = "embeddings"  # H1 through the embedding module, as the official DupMAE code
 
     def __post_init__(self):
+        super().__post_init__()
         for name, choices in (("lpu", LPU_CHOICES), ("ot_positions", OT_POSITION_CHOICES),
                               ("bow_normalize", BOW_NORMALIZE_CHOICES)):
             if getattr(self, name) not in choices:
@@ -66,9 +69,11 @@ class DupMAEHead(RetroMAEHead):
 
     def bow_loss(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
         lengths = batch["attention_mask"].sum(dim=1)
-        ot_mask = ordinary_positions(lengths, hidden.shape[1])
         if self.options.ot_positions == "unmasked":
-            ot_mask &= batch["mlm_labels"] == -100
+            ot_mask = ordinary_positions(lengths, hidden.shape[1]) & (batch["mlm_labels"] == -100)
+        else:  # the official code pools the logits of positions 1 .. length-1
+            positions = torch.arange(hidden.shape[1], device=lengths.device)
+            ot_mask = (positions >= 1) & (positions < lengths[:, None])
         mu = max_pooled_linear(*self.lpu_parts(hidden), ot_mask)  # eq. (7), without [B, L, vocab] logits
         return bag_of_words_loss(mu, batch["bow_targets"], lengths, self.options.bow_normalize)
 

@@ -12,6 +12,8 @@ from pretrieve.models.heads.registry import register_method
 from pretrieve.kernels import CompactMask, resolve, two_stream_attention
 from pretrieve.models.heads.decoder import DecoderLayer
 
+QUERY_STREAM_CHOICES = ("position", "embeddings")
+
 
 @dataclass
 class RetroMAEOptions:
@@ -21,16 +23,25 @@ class RetroMAEOptions:
     decoder_pool_size: int = 256  # sampled mask rows per text: min(L, 256), as the official collator
     attention_impl: str = "auto"  # decoder attention: fused (Triton) | sdpa | eager | auto (see pretrieve.kernels)
     decoder_attention_dropout: float | None = None  # None: the encoder's; the fused kernel needs 0
+    query_stream: str = "position"  # H1 of eq. (2): "position" = h + p_i (paper, official RetroMAE code);
+    # "embeddings" = h through the embedding module (+ token type 0, LayerNorm, dropout: official DupMAE code)
+
+    def __post_init__(self):
+        if self.query_stream not in QUERY_STREAM_CHOICES:
+            raise ValueError(f"method.query_stream: {self.query_stream!r} is not one of "
+                             f"{', '.join(QUERY_STREAM_CHOICES)}")
 
 
 class RetroMAEHead(PretrainingHead):
     """L = L_mlm + L_dec.
 
     Encoder (eq. 1): the masked input gives h_X~ = the [CLS] state, and L_mlm at the masked positions.
-    Decoder: one layer with two streams (eq. 2), H1 = [h_X~ + p_0, ..., h_X~ + p_N] (query) and
-    H2 = [h_X~, e_x1 + p_1, ..., e_xN + p_N] (context), both through the encoder's embedding LayerNorm as in the
-    official code; position-specific mask M from the compact `dec_pool` / `dec_row` (eq. 5); L_dec = cross-
-    entropy of the (tied) MLM head over every ordinary token of the unmasked input (eq. 4).
+    Decoder: one layer with two streams (eq. 2), H1 = [h_X~ + p_0, ..., h_X~ + p_N] (query; `query_stream`
+    "position", exactly eq. 2 as the official RetroMAE code, or "embeddings", h_X~ through the embedding module
+    as the official DupMAE code) and H2 = [h_X~, e_x1 + p_1, ..., e_xN + p_N] (context: h_X~ itself, then the
+    tokens' embeddings with the embedding LayerNorm, as both official codes); position-specific mask M from the
+    compact `dec_pool` / `dec_row` (eq. 5); L_dec = cross-entropy of the (tied) MLM head over every ordinary
+    token of the unmasked input (eq. 4).
     """
 
     def __init__(self, encoder, options):
@@ -51,14 +62,21 @@ class RetroMAEHead(PretrainingHead):
     def decoder_loss(self, h_cls: torch.Tensor, batch: dict) -> torch.Tensor:
         embeddings = self.encoder.embeddings
         ids = batch["dec_input_ids"]
-        batch_size, width = ids.shape
         h2 = torch.cat([h_cls[:, None], embeddings(input_ids=ids)[:, 1:]], dim=1)
-        h1 = embeddings(inputs_embeds=h_cls[:, None].expand(batch_size, width, h_cls.shape[-1]))
+        h1 = self.query_stream(h_cls, ids.shape[1])
         lengths = batch["attention_mask"].sum(dim=1)
         mask = CompactMask(batch["dec_pool"], batch["dec_row"], lengths)
         out = self.decoder(h1, h2, lambda q, k, v, dropout_p: two_stream_attention(
             q, k, v, mask, self.options.attention_impl, dropout_p))
         return self.encoder.token_loss(out, batch["dec_labels"])
+
+    def query_stream(self, h_cls: torch.Tensor, width: int) -> torch.Tensor:
+        """H1 [B, L, hidden] of eq. (2) from the [CLS] states h_cls [B, hidden]."""
+        embeddings = self.encoder.embeddings
+        if self.options.query_stream == "position":
+            positions = torch.arange(width, device=h_cls.device)
+            return h_cls[:, None] + embeddings.position_embeddings(positions)[None]
+        return embeddings(inputs_embeds=h_cls[:, None].expand(-1, width, -1))
 
 
 register_method("retromae", RetroMAEHead, RetroMAECollator, RetroMAEOptions)

@@ -209,7 +209,8 @@ class CoTMoTECollator(CoTMAECollator):
 @dataclass
 class COSTACollator(MLMCollator):
     """COSTA batches: MLM keys plus `span_bounds` [B, 4 levels x spans_per_level, 2], (start, end) token positions
-    of the sampled multi-granularity spans (data/spans.py), (-1, -1) where a text is too short for a level."""
+    of the sampled multi-granularity spans (data/spans.py), (-1, -1) where a text is too short for a level and
+    throughout a stream pad sample."""
 
     spans_per_level: int = 5
     span_alpha: float = 4.0
@@ -219,6 +220,7 @@ class COSTACollator(MLMCollator):
         self._candidates = word_candidates(self.vocab.tokens)  # one-token words the word level may take
 
     def extend(self, out, batch, words, num_words, rng):
-        out["span_bounds"] = torch.from_numpy(sample_spans(batch.ids, batch.lengths, words, self.vocab,
-                                                           self._candidates, rng, self.spans_per_level,
-                                                           self.span_alpha, self.span_beta))
+        bounds = sample_spans(batch.ids, batch.lengths, words, self.vocab, self._candidates, rng,
+                              self.spans_per_level, self.span_alpha, self.span_beta)
+        bounds[batch.pad] = -1  # a pad sample carries no target: without spans it is no anchor of eq. (8)
+        out["span_bounds"] = torch.from_numpy(bounds)

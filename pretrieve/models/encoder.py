@@ -113,7 +113,8 @@ class Encoder(nn.Module):
     def add_query_experts(self) -> None:
         """Mixture-of-Textual-Experts (cot-mote.txt §3.1, eqs. 7-9): every layer keeps its one self-attention
         and gets a second feed-forward block, the query expert (Q-FFN), initialised as a copy of the layer's
-        FFN, which stays the passage expert (P-FFN). Each sequence goes through the expert of its text type.
+        FFN, which stays the passage expert (P-FFN). An expert is the whole block, its LayerNorm included (as
+        VLMo's experts). Each sequence goes through the expert of its text type.
 
         The passage experts stay in the BertModel, so an export loads in `AutoModel` as the passage encoder;
         the query experts are head weights (`encoder.query_experts.*` in pretrieve_head.safetensors).

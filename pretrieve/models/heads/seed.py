@@ -26,7 +26,8 @@ def window_mask(lengths: torch.Tensor, width: int, window: int | None) -> torch.
 
     visible(i, j) = j < length and (j == 0 or i - window < j <= i): each position sees itself and the
     window - 1 tokens before it (x_{t-k..t-1} of eq. 9 when position t-1 predicts x_t), plus the [CLS] state;
-    window None = the full causal prefix (CoT-MAE).
+    window None = the full causal prefix (CoT-MAE). Every layer applies it, as the official SEED code does, so
+    L layers reach x_{t-L(k-1)-1..t-1}.
     """
     i = torch.arange(width, device=lengths.device)[:, None]
     j = torch.arange(width, device=lengths.device)[None, :]

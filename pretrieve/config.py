@@ -110,6 +110,8 @@ class DataOptions:
     shuffle_buffer: int = 1000
     num_workers: int = 0
     corpora: list[str] | None = None  # informational: the corpus names the manifests hold
+    validation: list[str] = field(default_factory=list)  # held-out manifests, never trained on (engine/validation.py)
+    validation_batches: int = 8  # micro-batches per rank scored at each evaluation
 
 
 @dataclass
@@ -117,15 +119,19 @@ class TrainOptions:
     micro_batch_size: int = 8
     grad_accum: int = 1
     global_batch_size: int | None = None  # when given: must equal micro x accumulation x world size
-    max_steps: int = 1000
-    lr: float = 1e-4
+    max_steps: int = 1000  # the schedule's length
+    stop_at: int | None = None  # end this invocation after that step, with a checkpoint (resume=auto goes on)
+    lr: float = 1e-4  # the peak of the schedule
     warmup_ratio: float = 0.1
+    lr_schedule: str = "linear"  # after the warm-up: linear | cosine | constant | wsd (engine/lr_schedule.py)
+    decay_ratio: float = 0.2  # wsd: the share of max_steps that decays, at the end
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     precision: str = "fp32"
     zero_stage: int = 0  # selects ds_configs/zero<N>.json unless ds_config is given
     ds_config: str | None = None
     log_every: int = 10
+    eval_every: int | None = None  # held-out loss every N steps (and at the end) when data.validation is given
     activation_checkpointing: bool = False  # recompute encoder layers in backward: less memory, ~1/3 more compute
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step on the CPU (zero_stage >= 1)
     max_runtime: float | None = None  # seconds of wall clock; then checkpoint and exit 85, as on SIGTERM
@@ -150,9 +156,11 @@ class Experiment:
     checkpoint: CheckpointOptions
     tracking: Any  # engine.tracking.TrackingOptions
     raw: DictConfig
+    init_checkpoint: tuple[Path, str] | None = None  # (checkpoints dir, tag) a new run branches from
 
 
-_TOP_LEVEL = {"seed", "run_dir", "resume", "model", "method", "data", "train", "checkpoint", "tracking"}
+_TOP_LEVEL = {"seed", "run_dir", "resume", "init_checkpoint", "model", "method", "data", "train", "checkpoint",
+              "tracking"}
 
 
 def _section(config: DictConfig, name: str, cls):
@@ -173,6 +181,13 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     for i, path in enumerate(data.manifests):
         if not Path(path).is_file():
             raise ConfigError(f"data.manifests[{i}]: {path} not found (run `pretrieve prepare` first)")
+    for i, path in enumerate(data.validation):
+        if not Path(path).is_file():
+            raise ConfigError(f"data.validation[{i}]: {path} not found (run `pretrieve prepare` first)")
+    if train.eval_every is not None and not data.validation:
+        raise ConfigError("train.eval_every: needs data.validation (held-out manifests to score)")
+    if data.validation_batches < 1:
+        raise ConfigError(f"data.validation_batches: must be >= 1, got {data.validation_batches}")
     if data.weights is not None and len(data.weights) != len(data.manifests):
         raise ConfigError(f"data.weights: {len(data.weights)} weights for {len(data.manifests)} manifests")
     if model.init_from and not Path(model.init_from).is_dir():
@@ -186,18 +201,19 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
                           f"{data.shuffle_buffer})")
     run_dir = Path(config.get("run_dir") or f"runs/{method.name}")
     return Experiment(int(config.get("seed", 42)), run_dir, resume_of(config), model, method, options, data, train,
-                      checkpoint, tracking, config)
+                      checkpoint, tracking, config, init_checkpoint_of(config))
 
 
 def run_sections(config: DictConfig, world_size: int) -> tuple[TrainOptions, CheckpointOptions, Any]:
     """The validated `train:`, `checkpoint:` and `tracking:` sections, shared by pre-training and fine-tuning."""
+    from pretrieve.engine.lr_schedule import LR_SCHEDULES
     from pretrieve.engine.tracking import TrackingOptions
 
     train = _section(config, "train", TrainOptions)
     checkpoint = _section(config, "checkpoint", CheckpointOptions)
     tracking = _section(config, "tracking", TrackingOptions)
-    for key in ("micro_batch_size", "grad_accum", "max_steps", "log_every"):
-        if getattr(train, key) < 1:
+    for key in ("micro_batch_size", "grad_accum", "max_steps", "log_every", "stop_at", "eval_every"):
+        if getattr(train, key) is not None and getattr(train, key) < 1:
             raise ConfigError(f"train.{key}: must be >= 1, got {getattr(train, key)}")
     if train.lr <= 0 or not 0 <= train.warmup_ratio <= 1 or train.weight_decay < 0 or train.grad_clip < 0:
         raise ConfigError(f"train: need lr > 0, 0 <= warmup_ratio <= 1, weight_decay >= 0 and grad_clip >= 0 (got "
@@ -208,6 +224,11 @@ def run_sections(config: DictConfig, world_size: int) -> tuple[TrainOptions, Che
             raise ConfigError(f"train.global_batch_size: {train.global_batch_size} != micro_batch_size "
                               f"{train.micro_batch_size} x grad_accum {train.grad_accum} x world size {world_size} "
                               f"= {implied}")
+    if train.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"train.lr_schedule: {train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+    if train.lr_schedule == "wsd" and not (0 < train.decay_ratio <= 1 - train.warmup_ratio):
+        raise ConfigError(f"train.decay_ratio: {train.decay_ratio} must be > 0 and leave room for the warm-up "
+                          f"(<= 1 - warmup_ratio = {1 - train.warmup_ratio:g})")
     if train.precision not in PRECISIONS:
         raise ConfigError(f"train.precision: {train.precision!r} is not one of {', '.join(PRECISIONS)}")
     if train.zero_stage not in (0, 1, 2, 3):
@@ -228,6 +249,21 @@ def resume_of(config: DictConfig) -> str | None:
     return resume
 
 
+def init_checkpoint_of(config: DictConfig) -> tuple[Path, str] | None:
+    """`init_checkpoint: RUN_DIR[:TAG]` (TAG: the run's `latest` when omitted) as (checkpoints dir, tag)."""
+    from pretrieve.engine.run_dir import latest_checkpoint
+
+    value = config.get("init_checkpoint")
+    if value is None:
+        return None
+    run, _, tag = str(value).partition(":")
+    tag = tag or latest_checkpoint(Path(run))
+    if not tag or not (Path(run) / "checkpoints" / tag).is_dir():
+        raise ConfigError(f"init_checkpoint: {value}: no checkpoint {tag or '(latest)'} under "
+                          f"{Path(run) / 'checkpoints'}")
+    return Path(run) / "checkpoints", tag
+
+
 def ds_config_path(train: TrainOptions) -> Path:
     """train.ds_config, or ds_configs/zero<train.zero_stage>.json."""
     return Path(train.ds_config) if train.ds_config else DS_CONFIG_DIR / f"zero{train.zero_stage}.json"
@@ -241,8 +277,7 @@ def deepspeed_config(exp: Experiment) -> dict:
     ds = json.loads(path.read_text())
     t = exp.train
     fill = {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps": t.grad_accum,
-            "gradient_clipping": t.grad_clip, "lr": t.lr, "weight_decay": t.weight_decay, "warmup_max_lr": t.lr,
-            "warmup_num_steps": max(1, round(t.warmup_ratio * t.max_steps)), "total_num_steps": t.max_steps}
+            "gradient_clipping": t.grad_clip, "lr": t.lr, "weight_decay": t.weight_decay}
 
     def resolve_auto(node, parent=None):
         if isinstance(node, dict):
@@ -259,6 +294,9 @@ def deepspeed_config(exp: Experiment) -> dict:
         return node
 
     ds = resolve_auto(ds)
+    if "scheduler" in ds:  # DeepSpeed would silently prefer the engine's schedule over this one
+        raise ConfigError(f"{path}: has a \"scheduler\" section; the lr schedule comes from train.lr_schedule, "
+                          "train.lr and train.warmup_ratio (remove the section)")
     # a precision variant (ds_configs/zero2_bf16.json) must say what train.precision says
     enabled = [name for name in ("bf16", "fp16") if ds.get(name, {}).get("enabled", False)]
     if (enabled or ["fp32"]) != [t.precision]:

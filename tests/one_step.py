@@ -36,7 +36,7 @@ def main(out: str, manifest: str, methods: str, stages: str, precision: str = "f
             ds = f"ds_configs/{stage}.json" if not stage.isdigit() else None
             common = [f"run_dir={run_dir}", "train.max_steps=3", "train.log_every=1", "train.micro_batch_size=4",
                       f"train.zero_stage={stage}" if ds is None else f"train.ds_config={ROOT / ds}",
-                      "tracking.enabled=false", "train.warmup_ratio=0",  # WarmupDecayLR: lr 0 at steps 1-2
+                      "tracking.enabled=false", "train.warmup_ratio=0",  # the peak lr from step 1
                       f"train.precision={precision}"]
             if method == "finetune":
                 initial = load_file(Path(os.environ["FINETUNE_INIT"]) / "model.safetensors")

@@ -1,6 +1,7 @@
 """The training engine slice that exists: config validation, DeepSpeed config filling, and exact resume on CPU."""
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import free_port, pretrain_env
-from pretrieve.config import ConfigError, deepspeed_config, experiment, load_config
+from pretrieve.config import DS_CONFIG_DIR, ConfigError, deepspeed_config, experiment, load_config
+from pretrieve.engine.lr_schedule import LR_SCHEDULES, LRSchedule
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 
@@ -41,10 +43,13 @@ def _config(wiki_shards, *overrides):
     ("method.max_len=1024", "method.max_len: 1024 positions, but model.max_position_embeddings is 512"),
     ("data.manifests=/a/manifest.json", "data.manifests: expected list.str., got '/a/manifest.json'"),
     ("data.num_workers=-1", "data.num_workers must be >= 0"),
+    ("train.lr_schedule=step", "train.lr_schedule: 'step' is not one of linear, cosine, constant, wsd"),
+    ("train.lr_schedule=wsd train.decay_ratio=0.95", "train.decay_ratio: 0.95 must be > 0 and leave room"),
+    ("init_checkpoint=/nope:step00000002", "init_checkpoint: /nope:step00000002: no checkpoint step00000002"),
 ])
 def test_config_errors_name_the_key(wiki_shards, override, message):
     with pytest.raises(ConfigError, match=message):
-        experiment(_config(wiki_shards, override))
+        experiment(_config(wiki_shards, *override.split()))
 
 
 def test_deepspeed_config_auto_fields(wiki_shards):
@@ -54,8 +59,28 @@ def test_deepspeed_config_auto_fields(wiki_shards):
     assert ds["zero_optimization"]["stage"] == 2
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (8, 4)
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
-    assert ds["scheduler"]["params"]["warmup_num_steps"] == 10 and ds["scheduler"]["params"]["total_num_steps"] == 200
+    assert "scheduler" not in ds  # the engine's (train.lr_schedule)
     assert ds["optimizer"]["params"]["lr"] == 1e-4 and "auto" not in json.dumps(ds)
+
+
+def test_a_deepspeed_scheduler_is_refused_by_name(tmp_path, wiki_shards):
+    own = json.loads((DS_CONFIG_DIR / "zero0.json").read_text())
+    own["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
+    (tmp_path / "mine.json").write_text(json.dumps(own))
+    exp = experiment(_config(wiki_shards, f"train.ds_config={tmp_path / 'mine.json'}"))
+    with pytest.raises(ConfigError, match=r"mine.json: has a \"scheduler\" section; the lr schedule comes from"):
+        deepspeed_config(exp)
+
+
+@pytest.mark.parametrize("kind", LR_SCHEDULES)
+def test_lr_schedules_by_formula(kind):
+    """Every step's factor against the formulas of engine/lr_schedule.py: T = 20, W = 4, wsd D = 5."""
+    schedule = LRSchedule(kind, total_steps=20, warmup_steps=4, decay_steps=5 if kind == "wsd" else 0)
+    after = {"linear": lambda k: (20 - k) / 16, "cosine": lambda k: (1 + math.cos(math.pi * (k - 4) / 16)) / 2,
+             "constant": lambda k: 1.0, "wsd": lambda k: 1.0 if k < 15 else (20 - k) / 5}[kind]
+    expected = [(k + 1) / 4 if k < 4 else after(k) for k in range(20)]
+    assert [schedule.factor(k) for k in range(20)] == pytest.approx(expected, abs=1e-12)
+    assert schedule.factor(0) > 0 and max(schedule.factor(k) for k in range(20)) == 1.0
 
 
 def _common(wiki_shards):
@@ -72,15 +97,17 @@ def _pretrain(run_dir, wiki_shards, *overrides):
 
 
 STAGES = (0, 1, 2, 3)
+SCHEDULE = {0: "linear", 1: "cosine", 2: "constant", 3: "wsd"}  # one per stage: each resumes exactly
 
 
 @pytest.fixture(scope="module")
 def first_halves(tmp_path_factory, wiki_shards):
-    """Per ZeRO stage, in one process: an uninterrupted 4-step run and a run stopped after step 2."""
+    """Per ZeRO stage, in one process: an uninterrupted 4-step run and a 4-step run stopped after step 2."""
     base = tmp_path_factory.mktemp("resume")
-    runs = [[f"run_dir={base / name}{stage}", f"train.zero_stage={stage}", f"train.max_steps={steps}",
+    runs = [[f"run_dir={base / name}{stage}", f"train.zero_stage={stage}", "train.max_steps=4", *stop,
+             f"train.lr_schedule={SCHEDULE[stage]}", "train.warmup_ratio=0.25", "train.decay_ratio=0.5",
              "tracking.enabled=false", *_common(wiki_shards)]
-            for stage in STAGES for name, steps in (("full", 4), ("split", 2))]
+            for stage in STAGES for name, stop in (("full", []), ("split", ["train.stop_at=2"]))]
     done = subprocess.run([sys.executable, str(Path(__file__).parent / "train_many.py"),
                            str(CONFIGS / "tiny-retromae.yaml"), json.dumps(runs)], env=pretrain_env(),
                           capture_output=True, text=True, timeout=900)
@@ -92,13 +119,17 @@ def first_halves(tmp_path_factory, wiki_shards):
 def test_resume_reproduces_the_uninterrupted_run(first_halves, wiki_shards, stage):
     """fp32 on CPU, world 1: a fresh process resumes the run stopped at step 2 and goes to step 4; every
     logged loss and lr, and the exported weights, equal the uninterrupted run's bit for bit (dropout on: the
-    RNG states travel in the checkpoint)."""
+    RNG states travel in the checkpoint). The lr of every step is its schedule's formula (one per stage)."""
     full_dir, split_dir = first_halves / f"full{stage}", first_halves / f"split{stage}"
-    zero = f"train.zero_stage={stage}"
+    assert not (split_dir / "export").exists()  # stopped at train.stop_at: unfinished, nothing exported
+    zero, schedule = f"train.zero_stage={stage}", f"train.lr_schedule={SCHEDULE[stage]}"
     full = [json.loads(line) for line in (full_dir / "metrics.jsonl").read_text().splitlines()]
-    split = _pretrain(split_dir, wiki_shards, zero, "train.max_steps=4", "resume=auto", "tracking.enabled=false")
+    split = _pretrain(split_dir, wiki_shards, zero, schedule, "train.warmup_ratio=0.25", "train.decay_ratio=0.5",
+                      "train.max_steps=4", "resume=auto", "tracking.enabled=false")
     assert [r["step"] for r in split] == [1, 2, 3, 4]
     assert [(r["loss"], r["lr"]) for r in split] == [(r["loss"], r["lr"]) for r in full]
+    formula = LRSchedule(SCHEDULE[stage], total_steps=4, warmup_steps=1, decay_steps=2)
+    assert [r["lr"] for r in full] == pytest.approx([1e-4 * formula.factor(k) for k in range(4)], rel=1e-12)
     assert (split_dir / "checkpoints" / "latest").read_text() == "step00000004"
     kept = sorted(p.name for p in (split_dir / "checkpoints").iterdir() if p.is_dir())
     assert kept == ["step00000002", "step00000004"]  # checkpoint.keep = 2
@@ -114,6 +145,78 @@ def test_resume_reproduces_the_uninterrupted_run(first_halves, wiki_shards, stag
     if stage == 0:  # a run directory with checkpoints is never overwritten by accident
         with pytest.raises(AssertionError, match="already holds checkpoints; pass resume=auto"):
             _pretrain(split_dir, wiki_shards, zero, "train.max_steps=6")
+
+
+def test_validation_loss_changes_nothing_and_resumes(first_halves, tmp_path, wiki_shards, books_shards):
+    """Held-out loss on the books shards every 2 steps: the training records equal the same run's without it
+    (full0 of the resume fixture) bit for bit, and a run stopped at step 2 and resumed logs the same
+    validation numbers as the uninterrupted one."""
+    same_as_full0 = ["train.zero_stage=0", "train.max_steps=4", "train.lr_schedule=linear", "train.warmup_ratio=0.25",
+                     "train.decay_ratio=0.5", "tracking.enabled=false", *_common(wiki_shards),
+                     f"data.validation=[{books_shards / 'manifest.json'}]", "train.eval_every=2",
+                     "data.validation_batches=2"]
+    runs = [[f"run_dir={tmp_path / 'full'}", *same_as_full0],
+            [f"run_dir={tmp_path / 'split'}", *same_as_full0, "train.stop_at=2"]]
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "train_many.py"),
+                           str(CONFIGS / "tiny-retromae.yaml"), json.dumps(runs)], env=pretrain_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    full = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    without = [json.loads(line) for line in (first_halves / "full0" / "metrics.jsonl").read_text().splitlines()]
+    timing = {"tokens_per_s", "samples_per_s", "tflops_per_device", "mfu"}  # all else must be equal
+    strip = lambda records: [{k: v for k, v in r.items() if k not in timing} for r in records]  # noqa: E731
+    assert strip(r for r in full if "loss" in r) == strip(without)
+    validation = [r for r in full if "val_loss" in r]
+    assert [r["step"] for r in validation] == [2, 4] and set(validation[0]) == {"step", "val_loss", "val_mlm",
+                                                                                 "val_dec"}
+    assert validation[0]["val_loss"] != validation[1]["val_loss"]
+    resumed = _pretrain(tmp_path / "split", wiki_shards, *same_as_full0[1:], "resume=auto")
+    assert [r for r in resumed if "val_loss" in r] == validation
+
+
+def test_validation_batches_are_fixed(tiny_head_and_books):
+    """Two evaluations of the same weights are equal and draw no random numbers (training is untouched)."""
+    head, validation = tiny_head_and_books
+    rng = torch.get_rng_state()
+    first = validation.evaluate(head, torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), rng) and head.training
+    assert validation.evaluate(head, torch.device("cpu")) == first and set(first) == {"val_loss", "val_mlm", "val_dec"}
+
+
+@pytest.fixture
+def tiny_head_and_books(books_shards):
+    from pretrieve.config import method_options, model_options
+    from pretrieve.data.masking import Vocabulary
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
+    from pretrieve.engine.validation import Validation
+
+    config = load_config(CONFIGS / "tiny-retromae.yaml", ["method.max_len=64"])
+    spec, options = method_options(config)
+    head = spec.build(options, model_options(config), seed=0)
+    collate = spec.collator.from_options(options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)))
+    return head, Validation.build([str(books_shards / "manifest.json")], collate, batch_size=4, num_batches=2)
+
+
+def test_wsd_branch_continues_exactly(tmp_path, wiki_shards):
+    """OLMo's ladder practice: one stable wsd run S, checkpointed at step 3; a branch B (init_checkpoint=S:step3)
+    with a longer schedule of its own trains steps 4-6 exactly as an uninterrupted run U with B's schedule does:
+    weights, optimizer, stream and RNG come from S, the schedule from B's config, at S's step."""
+    runs = {"S": ["train.max_steps=4", "train.decay_ratio=0.25", "checkpoint.every=3"],
+            "U": ["train.max_steps=6", "train.decay_ratio=0.5"],
+            "B": ["train.max_steps=6", "train.decay_ratio=0.5", f"init_checkpoint={tmp_path / 'S'}:step00000003"]}
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "train_many.py"),
+                           str(CONFIGS / "tiny-retromae.yaml"),
+                           json.dumps([[f"run_dir={tmp_path / name}", "tracking.enabled=false", *_common(wiki_shards),
+                                        "train.lr_schedule=wsd", "train.warmup_ratio=0", *overrides]
+                                       for name, overrides in runs.items()])],
+                          env=pretrain_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    s, u, b = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+               for name in runs)
+    assert [(r["loss"], r["lr"]) for r in s[:3]] == [(r["loss"], r["lr"]) for r in u[:3]]  # stable: equal so far
+    assert [r["step"] for r in b] == [4, 5, 6]
+    assert [(r["loss"], r["lr"]) for r in b] == [(r["loss"], r["lr"]) for r in u[3:]]
+    assert [r["lr"] for r in b] == pytest.approx([1e-4, 2e-4 / 3, 1e-4 / 3], rel=1e-12)  # (6 - k) / 3, not S's 0
 
 
 def test_resume_at_world_size_two_and_then_one(tmp_path, wiki_shards):
@@ -135,7 +238,7 @@ def test_resume_at_world_size_two_and_then_one(tmp_path, wiki_shards):
 
     full, result = run(tmp_path / "full", "train.max_steps=4")
     assert (result["step"], result["samples"]) == (4, 64)
-    run(tmp_path / "split", "train.max_steps=2")
+    run(tmp_path / "split", "train.max_steps=4", "train.stop_at=2")
     shutil.copytree(tmp_path / "split", tmp_path / "elastic")
     split, _ = run(tmp_path / "split", "train.max_steps=4", "resume=auto")
     assert [(r["step"], r["loss"], r["lr"]) for r in split] == [(r["step"], r["loss"], r["lr"]) for r in full]

@@ -54,6 +54,21 @@ def test_blocks_reassemble_each_document_in_order(wiki_shards):
         assert np.concatenate([ids for _, ids in parts]).tolist() == expected
 
 
+def test_holdout_splits_by_document(tmp_path, wiki_shards):
+    """--holdout 0.25: the two sides hold disjoint documents whose union is the corpus, each document whole
+    (every block of it), and the validation side about a quarter of the 60 documents."""
+    sides = {split: prepare_sample(tmp_path / split, "wikipedia", "wikipedia", shard_size=64, holdout=0.25,
+                                   split=split) for split in ("train", "validation")}
+    docs = {split: {meta["doc"] for _, meta in shard_samples(tmp_path / split)} for split in sides}
+    blocks = {split: sum(1 for _ in shard_samples(tmp_path / split)) for split in sides}
+    everything = {meta["doc"] for _, meta in shard_samples(wiki_shards)}
+    assert not docs["train"] & docs["validation"] and docs["train"] | docs["validation"] == everything
+    assert blocks["train"] + blocks["validation"] == sum(1 for _ in shard_samples(wiki_shards))
+    assert 8 <= len(docs["validation"]) <= 22 and sides["validation"]["arguments"]["split"] == "validation"
+    with pytest.raises(PrepareError, match="--split validation needs --holdout"):
+        prepare_sample(tmp_path / "bad", "wikipedia", "wikipedia", split="validation")
+
+
 def test_output_does_not_depend_on_workers(tmp_path):
     one = prepare_sample(tmp_path / "w0", "books", "books", shard_size=16)
     two = prepare(PrepareOptions(source="books", inputs=[str(SAMPLES / "books")], out=str(tmp_path / "w2"),

@@ -9,6 +9,10 @@ Crash safety and resume: shards are renamed into place only when complete, and a
 file records where the next shard starts (record index, block index) and the skip counts so far. Re-running
 the same command skips the records already in complete shards without tokenizing them again. The manifest
 is written last, atomically; its presence means the directory is complete.
+
+Held-out splits (`--holdout FRACTION --split train|validation`): a document is on the validation side when
+the hash of its id falls below FRACTION (`holdout_side`), so the two invocations, one per side, split the
+corpus by document, disjointly and the same way on every machine; records of the other side are not tokenized.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ class PrepareOptions:
     books_format: str = "file"
     overwrite: bool = False
     progress: bool | None = None  # None: a bar when stderr is a terminal
+    holdout: float = 0.0  # share of documents on the validation side (0: no split)
+    split: str = "train"  # which side this output holds when holdout > 0: train | validation
 
     def resolved_packing(self) -> str:
         return self.packing or ("passage" if self.source in PASSAGE_SOURCES else "sentences")
@@ -79,6 +85,12 @@ class PrepareOptions:
             raise PrepareError(f"--packing must be sentences or passage, got {self.packing!r}")
         if not 0.0 <= self.short_seq_prob <= 1.0:
             raise PrepareError(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
+        if not 0.0 <= self.holdout < 1.0:
+            raise PrepareError(f"--holdout must be in [0, 1), got {self.holdout}")
+        if self.split not in ("train", "validation"):
+            raise PrepareError(f"--split must be train or validation, got {self.split!r}")
+        if self.split == "validation" and self.holdout == 0.0:
+            raise PrepareError("--split validation needs --holdout FRACTION > 0")
         if self.books_format not in ("file", "lines"):
             raise PrepareError(f"--books-format must be file or lines, got {self.books_format!r}")
 
@@ -113,6 +125,9 @@ def prepare(opts: PrepareOptions) -> dict:
         text_field=opts.text_field, id_field=opts.id_field, title_field=opts.title_field,
         queries_field=opts.queries_field, books_format=opts.books_format))
     resume_record, resume_block = state.get("next", [0, 0])
+    if opts.holdout:
+        records = (r for r in records
+                   if isinstance(r, BadRecord) or holdout_side(r.doc_id, opts.holdout) == opts.split)
     work = _chunks(records, resume_record)
     started = time.perf_counter()
     try:
@@ -164,6 +179,12 @@ def prepare(opts: PrepareOptions) -> dict:
     _write_json_atomic(out / MANIFEST, manifest)
     (out / STATE).unlink(missing_ok=True)
     return manifest
+
+
+def holdout_side(doc_id: str, fraction: float) -> str:
+    """"validation" for the documents whose id hashes below `fraction` of the 64-bit range, else "train"."""
+    digest = hashlib.sha256(str(doc_id).encode("utf-8")).digest()
+    return "validation" if int.from_bytes(digest[:8], "big") < fraction * 2 ** 64 else "train"
 
 
 def _load_previous(out: Path, job_id: str, overwrite: bool) -> dict:

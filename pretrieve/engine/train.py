@@ -28,9 +28,11 @@ from pretrieve.config import ConfigError, Experiment, deepspeed_config
 from pretrieve.engine.allocator import keep_freed_memory
 from pretrieve.engine.export_checkpoint import ENCODER_CONFIG, export_checkpoint
 from pretrieve.engine.flops import device_peak, train_flops
+from pretrieve.engine.lr_schedule import LRSchedule, start_at
 from pretrieve.engine.run_dir import LATEST, latest_checkpoint, write_atomic
 from pretrieve.engine.tracking import Tracker, run_params, run_tags
 from pretrieve.engine.universal import is_universal
+from pretrieve.engine.validation import VALIDATION_SEED, Validation
 
 PREEMPTED_EXIT_CODE = 85  # the SLURM launcher requeues on this code
 
@@ -114,6 +116,7 @@ class TrainingJob:
     flops: Callable[[dict], int]  # training FLOPs of a micro-batch (engine.flops)
     export: Callable[[Path], Any]  # rank 0, after the final checkpoint: run_dir -> run_dir/export
     tags: dict  # MLflow run tags
+    validation: Validation | None = None  # held-out batches scored every train.eval_every steps
 
 
 def train(exp: Experiment) -> dict:
@@ -139,13 +142,17 @@ def _pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     # resumed run, which starts its iteration at another step, would drift from an uninterrupted one.
     loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, num_workers=exp.data.num_workers,
                           collate_fn=collate, generator=torch.Generator().manual_seed(exp.seed))
+    validation = None
+    if exp.data.validation:
+        validation = Validation.build(exp.data.validation, exp.method.collator.from_options(
+            exp.options, collate.vocab, seed=VALIDATION_SEED), exp.train.micro_batch_size, exp.data.validation_batches)
     return TrainingJob(
         name=f"pretrain {exp.method.name}", module=head, loader=loader, position=stream,
         count=lambda batch: (len(batch["input_ids"]), int(batch["attention_mask"].sum())),
         flops=lambda batch: train_flops(exp.method.name, exp.options, head.encoder.config, batch),
         # from the final checkpoint: ZeRO partitions consolidated, fp32 master weights under bf16/fp16
         export=lambda run_dir: export_checkpoint(run_dir, run_dir / "export"),
-        tags=run_tags(exp.method.name, exp.data.corpora, head.encoder.config))
+        tags=run_tags(exp.method.name, exp.data.corpora, head.encoder.config), validation=validation)
 
 
 def run_training(exp, build_job: Callable[[Any, int], TrainingJob]) -> dict:
@@ -187,17 +194,23 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
     if tag is not None and is_universal(ckpt_dir / tag):  # written by `pretrieve universal`: any world size
         ds_config["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = deepspeed.initialize(model=job.module, config=ds_config,
-                                           model_parameters=[p for p in job.module.parameters() if p.requires_grad])
+                                           model_parameters=[p for p in job.module.parameters() if p.requires_grad],
+                                           lr_scheduler=LRSchedule.of(exp.train).scheduler)
     tracker = None
     if rank == 0:
         tracker = Tracker(exp.tracking, run_dir, run_params(OmegaConf.to_container(exp.raw, resolve=True), ds_config),
                           job.tags)
 
     counters = {"samples": 0, "tokens": 0}
-    if tag is not None:
-        _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    branch = getattr(exp, "init_checkpoint", None) if tag is None else None
+    if tag is not None or branch is not None:
+        # a branch takes everything of another run's checkpoint but its schedule, which starts at that step
+        source, source_tag = (ckpt_dir, tag) if branch is None else branch
+        _, client = engine.load_checkpoint(str(source), tag=source_tag, load_lr_scheduler_states=branch is None)
         if client is None:
-            raise RuntimeError(f"{ckpt_dir / tag}: DeepSpeed could not load this checkpoint (see its log above)")
+            raise RuntimeError(f"{source / source_tag}: DeepSpeed could not load this checkpoint (see its log above)")
+        if branch is not None:
+            start_at(engine.lr_scheduler, engine.global_steps)
         if len(client["stream"]) == world:
             stream.load_state_dict(client["stream"][rank])
             _set_rng_state(client["rng"][rank])
@@ -208,24 +221,26 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
             if rank == 0:  # the run's totals so far
                 counters = {key: sum(c[key] for c in client["counters"]) for key in counters}
 
-    if rank == 0 and tag is not None:  # steps logged after this checkpoint by a crashed attempt run again
-        _truncate_metrics(run_dir / "metrics.jsonl", engine.global_steps)
+    if rank == 0 and (tag is not None or branch is not None):
+        _truncate_metrics(run_dir / "metrics.jsonl", engine.global_steps)  # a crashed attempt's later steps rerun
     metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
     peak = device_peak(engine.device, exp.train.precision) if rank == 0 else None
     window = {"loss": 0.0, "parts": {}, "micro": 0, "tokens": 0, "samples": 0, "flops": 0,
               "started": time.perf_counter()}
+    last_step = min(exp.train.max_steps, exp.train.stop_at or exp.train.max_steps)  # of this invocation
     bar = tqdm(total=exp.train.max_steps, initial=engine.global_steps, desc=job.name,
                unit="step", disable=rank != 0, dynamic_ncols=True)
     try:
-        while engine.global_steps < exp.train.max_steps:
+        while engine.global_steps < last_step:
             for batch in loader:
                 batch = {k: v.to(engine.device) for k, v in batch.items()}
                 out = engine(batch)
                 engine.backward(out["loss"])
                 boundary = engine.is_gradient_accumulation_boundary()  # asked before step(), which advances it
                 log_now = boundary and ((engine.global_steps + 1) % exp.train.log_every == 0
-                                        or engine.global_steps + 1 == exp.train.max_steps)
+                                        or engine.global_steps + 1 == last_step)
                 plain_norm = _plain_grad_norm(engine) if log_now else None
+                lr = engine.get_lr()[0]  # the lr of this update: step() moves the schedule on
                 engine.step()
                 samples, tokens = job.count(batch)
                 counters["samples"] += samples
@@ -243,10 +258,13 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
                 step = engine.global_steps
                 bar.update(1)
                 if log_now:
-                    record = _log(metrics, tracker, step, window, engine, peak, plain_norm)
+                    record = _log(metrics, tracker, step, window, engine, peak, plain_norm, lr)
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+                eval_every = exp.train.eval_every or exp.train.max_steps
+                if job.validation is not None and (step % eval_every == 0 or step == exp.train.max_steps):
+                    _write(metrics, tracker, {"step": step, **job.validation.evaluate(engine, engine.device)})
                 preempted = stop.should_stop(world)
-                if step % exp.checkpoint.every == 0 or step == exp.train.max_steps or preempted:
+                if step % exp.checkpoint.every == 0 or step == last_step or preempted:
                     save_checkpoint(engine, ckpt_dir, step, stream, counters, exp.checkpoint.keep, rank, world)
                 if preempted:
                     if tracker is not None:
@@ -254,7 +272,7 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
                     if world > 1:  # nobody exits before rank 0 has moved `latest`: the deepspeed launcher
                         torch.distributed.barrier()  # and torchrun end every rank once one exits non-zero
                     raise Preempted()
-                if step >= exp.train.max_steps:
+                if step >= last_step:
                     break
     finally:
         bar.close()
@@ -266,12 +284,13 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
         totals = torch.tensor([counters["samples"], counters["tokens"]], dtype=torch.int64)
         dist.all_reduce(totals)
         counters = dict(zip(("samples", "tokens"), totals.tolist()))
-    if rank == 0:
+    finished = engine.global_steps >= exp.train.max_steps  # else stopped at train.stop_at: resume=auto goes on
+    if rank == 0 and finished:
         job.export(run_dir)
     if tracker is not None:
-        tracker.finish()
+        tracker.finish("FINISHED" if finished else "KILLED")
     return {"step": engine.global_steps, **counters, "checkpoint": latest_checkpoint(run_dir),
-            "export": str(run_dir / "export"), "mlflow_run_id": tracker.run_id if tracker else None}
+            "export": str(run_dir / "export") if finished else None, "mlflow_run_id": tracker.run_id if tracker else None}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -289,7 +308,8 @@ def _plain_grad_norm(engine) -> float | None:
     return float(torch.nn.utils.get_total_norm(grads)) if grads else None
 
 
-def _log(metrics, tracker, step: int, window: dict, engine, peak: float | None, grad_norm: float | None) -> dict:
+def _log(metrics, tracker, step: int, window: dict, engine, peak: float | None, grad_norm: float | None,
+         lr: float) -> dict:
     """One metrics record on rank 0: losses averaged over ranks and micro-batches, throughput summed over all
     ranks (tokens: non-padding), TFLOP/s and MFU per device (engine.flops), the last step's gradient norm
     (before clipping) and, with fp16, the loss scale."""
@@ -306,7 +326,7 @@ def _log(metrics, tracker, step: int, window: dict, engine, peak: float | None, 
     micro = max(micro, 1)
     device_flops = flops / world / seconds
     record = {"step": step, "loss": loss / micro, **{n: v / micro for n, v in zip(names, parts)},
-              "lr": engine.get_lr()[0], "tokens_per_s": tokens / seconds, "samples_per_s": samples / seconds,
+              "lr": lr, "tokens_per_s": tokens / seconds, "samples_per_s": samples / seconds,
               "tflops_per_device": device_flops / 1e12}
     if peak:
         record["mfu"] = device_flops / peak
@@ -316,13 +336,18 @@ def _log(metrics, tracker, step: int, window: dict, engine, peak: float | None, 
         record["grad_norm"] = float(grad_norm)
     if engine.fp16_enabled():
         record["loss_scale"] = float(engine.optimizer.cur_scale)
+    _write(metrics, tracker, record)
+    window.update(loss=0.0, parts={}, micro=0, tokens=0, samples=0, flops=0, started=time.perf_counter())
+    return record
+
+
+def _write(metrics, tracker, record: dict) -> None:
+    """One record (with its "step") to metrics.jsonl and MLflow, on rank 0 (the others hold None)."""
     if metrics is not None:
         metrics.write(json.dumps(record) + "\n")
         metrics.flush()
     if tracker is not None:
-        tracker.log_metrics(step, record)
-    window.update(loss=0.0, parts={}, micro=0, tokens=0, samples=0, flops=0, started=time.perf_counter())
-    return record
+        tracker.log_metrics(record["step"], record)
 
 
 def save_checkpoint(engine, ckpt_dir: Path, step: int, stream, counters: dict, keep: int, rank: int,

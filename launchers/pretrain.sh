@@ -26,7 +26,7 @@ if [[ -z ${RANK:-} && -n ${SLURM_PROCID:-} ]]; then
   tasks_per_node=${SLURM_TASKS_PER_NODE:-1}  # "4(x2)" or "4,2": the first count
   export LOCAL_SIZE=${SLURM_NTASKS_PER_NODE:-${tasks_per_node%%[(,]*}}
   if [[ -z ${MASTER_ADDR:-} && -n ${SLURM_JOB_NODELIST:-} ]]; then
-    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)  # reads all: no SIGPIPE under pipefail
     export MASTER_ADDR
   fi
   export MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_eval(commands)
     _add_farm(commands)
     _add_report(commands)
+    _add_scale(commands)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -363,6 +364,32 @@ def _run_report(args) -> int:
     return 0
 
 
+def _add_scale(commands) -> None:
+    p = commands.add_parser("scale", help="scaling studies: fit scaling laws to a study's points")
+    actions = p.add_subparsers(dest="scale_command", metavar="ACTION", required=True)
+    fit = actions.add_parser("fit", help="fit Chinchilla / joint / single-variable laws, IsoFLOP allocation, metric",
+                             description="Fit the study's points (its MLflow child runs, or a CSV with N, D, loss "
+                                         "[, C, method, metric]) per method and write OUT/fit.json, fit.md, "
+                                         "points.csv and plots (see pretrieve/scale/report.py).")
+    source = fit.add_mutually_exclusive_group(required=True)
+    source.add_argument("study", nargs="?", default=None, metavar="STUDY.yaml")
+    source.add_argument("--csv", default=None, metavar="POINTS.csv")
+    fit.add_argument("--out", required=True, metavar="DIR")
+    fit.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
+    fit.add_argument("--holdout", choices=("largest",), default=None,
+                     help="largest: also fit without the largest compute budget and report the error on it")
+    fit.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resamples")
+    fit.set_defaults(run=_run_scale_fit)
+
+
+def _run_scale_fit(args) -> int:
+    from pretrieve.scale.report import run_fit
+
+    print(json.dumps(run_fit(args.out, study=args.study, points_csv=args.csv, bootstrap=args.bootstrap,
+                             holdout=args.holdout, seed=args.seed)))
+    return 0
+
+
 def _add_export(commands) -> None:
     p = commands.add_parser("export", help="export a training checkpoint as a HF directory (+ head weights)",
                             description="CHECKPOINT: a run directory (latest checkpoint), its checkpoints/ "
@@ -424,6 +451,10 @@ def _add_prepare(commands) -> None:
     p.add_argument("--books-format", choices=("file", "lines"), default="file",
                    help="books: paragraphs separated by blank lines (file) or one sentence per line (lines)")
     p.add_argument("--overwrite", action="store_true", help="delete an earlier output in --out first")
+    p.add_argument("--holdout", type=float, default=0.0, metavar="FRACTION",
+                   help="split by document: this share of documents (by a hash of the id) is the validation side")
+    p.add_argument("--split", choices=("train", "validation"), default="train",
+                   help="with --holdout: the side this --out holds (run once per side)")
     p.set_defaults(run=_run_prepare)
 
 
@@ -436,7 +467,7 @@ def _run_prepare(args) -> int:
         max_len=args.max_len, shard_size=args.shard_size, on_error=args.on_error, packing=args.packing,
         short_seq_prob=args.short_seq_prob, seed=args.seed, text_field=args.text_field, id_field=args.id_field,
         title_field=args.title_field or None, queries_field=args.queries_field or None,
-        books_format=args.books_format, overwrite=args.overwrite,
+        books_format=args.books_format, overwrite=args.overwrite, holdout=args.holdout, split=args.split,
     )
     if args.workers is not None:
         opts.workers = args.workers

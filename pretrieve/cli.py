@@ -365,7 +365,7 @@ def _run_report(args) -> int:
 
 
 def _add_scale(commands) -> None:
-    p = commands.add_parser("scale", help="scaling studies: fit scaling laws to a study's points")
+    p = commands.add_parser("scale", help="scaling studies: plan a study's grid, fit scaling laws to its points")
     actions = p.add_subparsers(dest="scale_command", metavar="ACTION", required=True)
     fit = actions.add_parser("fit", help="fit Chinchilla / joint / single-variable laws, IsoFLOP allocation, metric",
                              description="Fit the study's points (its MLflow child runs, or a CSV with N, D, loss "
@@ -380,6 +380,14 @@ def _add_scale(commands) -> None:
                      help="largest: also fit without the largest compute budget and report the error on it")
     fit.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resamples")
     fit.set_defaults(run=_run_scale_fit)
+    plan = actions.add_parser("plan", help="the study's grid: N, D, FLOPs and device-hours per point; writes plan.json",
+                              description="Check STUDY.yaml, print its grid (pretrieve/scale/plan.py documents the "
+                                          "keys) and write the run list to <run.out>/plan.json.")
+    plan.add_argument("study", metavar="STUDY.yaml")
+    plan.add_argument("--flops-per-second", type=float, default=None,
+                      help="sustained FLOP/s of one device for the estimate (default: this machine's measured "
+                           "fp32 matmul peak at 25%% MFU)")
+    plan.set_defaults(run=_run_scale_plan)
 
 
 def _run_scale_fit(args) -> int:
@@ -387,6 +395,17 @@ def _run_scale_fit(args) -> int:
 
     print(json.dumps(run_fit(args.out, study=args.study, points_csv=args.csv, bootstrap=args.bootstrap,
                              holdout=args.holdout, seed=args.seed)))
+    return 0
+
+
+def _run_scale_plan(args) -> int:
+    from pretrieve.engine.flops import measured_cpu_peak
+    from pretrieve.scale.plan import plan, table, write_plan
+
+    study, points = plan(args.study)
+    rate = args.flops_per_second or 0.25 * measured_cpu_peak()
+    print(table(points, rate))
+    print(f"run list: {write_plan(study, points)}")
     return 0
 
 

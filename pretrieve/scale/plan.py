@@ -1,0 +1,204 @@
+"""`pretrieve scale plan STUDY.yaml`: the grid of a scaling study, what each point costs, and its run list.
+
+The study file (pretrieve/scale/study.py has the `name`, `tracking` and `fit` keys) adds:
+
+    methods: [mlm, retromae, dupmae]
+    config: configs/pretrain/tiny-{method}.yaml   # each point's base config; {method} is substituted
+    sizes:                                        # encoder shapes: hidden, layers, heads, FFN
+      h64: {hidden_size: 64, num_layers: 2, num_heads: 2, intermediate_size: 256}
+    budgets: {tokens: [2.0e5, 4.0e5]}             # training tokens D, or {tokens_per_parameter: [20, 40]}
+    seeds: [0]
+    train:
+      batch_size: 16                              # sequences per optimizer step
+      seq_len: 128                                # method.max_len; D counts seq_len tokens per sequence
+      lr: 1.0e-3                                  # the peak lr at base_width
+      lr_rule: inverse_width                      # lr x base_width / hidden (Adam's width rule), or constant
+      base_width: 128
+      overrides: [train.warmup_ratio=0.1]         # any further `key=value` for every point
+    data: {manifests: [...], validation: [...], eval_every: 50}
+
+Per point (method x size x budget x seed): N, the encoder's non-embedding parameters (Kaplan et al. 2020:
+attention, FFN and their LayerNorms, biases included; not the embeddings, the frozen pooler, or the training
+heads, which the retriever does not keep), N_total (with the embeddings), D = steps x batch_size x seq_len
+with steps = round(D_asked / (batch_size x seq_len)), and C = steps x the training FLOPs of one step
+(engine/flops.py on the first batch of the study's data, collated by the method). `plan.json` (written
+atomically under run.out, default runs/scale/<name>) lists every point with the `pretrieve pretrain`
+overrides that make it; `scale run` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from itertools import islice, product
+from pathlib import Path
+
+from pretrieve.scale.study import load_study
+
+LR_RULES = ("inverse_width", "constant")
+SIZE_KEYS = ("hidden_size", "num_layers", "num_heads", "intermediate_size")
+
+
+class StudyError(ValueError):
+    """A study that cannot be planned; the message names the file and key."""
+
+
+@dataclass
+class Point:
+    id: str
+    method: str
+    size: str
+    seed: int
+    N: int
+    N_total: int
+    D: int
+    C: float
+    steps: int
+    lr: float
+    overrides: list[str]
+
+
+def non_embedding_parameters(hidden: int, layers: int, ffn: int) -> int:
+    """Per layer: Q, K, V, O (4 h^2 + 4 h), FFN (2 h f + f + h), two LayerNorms (4 h)."""
+    return layers * (4 * hidden * hidden + 2 * hidden * ffn + ffn + 9 * hidden)
+
+
+def embedding_parameters(hidden: int, vocab: int, positions: int, token_types: int = 2) -> int:
+    """Word, position and token-type embeddings and their LayerNorm."""
+    return (vocab + positions + token_types) * hidden + 2 * hidden
+
+
+def plan(path: str | Path) -> tuple[dict, list[Point]]:
+    """(the study, its points), every key checked before anything is computed."""
+    from pretrieve.models.heads import METHODS
+
+    study = load_study(path)
+    where = str(path)
+    methods = _list(study, "methods", where)
+    known = sorted(METHODS)
+    for i, method in enumerate(methods):
+        if method not in known:
+            raise StudyError(f"{where}: methods[{i}]: {method!r} is not a registered method "
+                             f"(known: {', '.join(known)})")
+    sizes = study.get("sizes") or {}
+    if not isinstance(sizes, dict) or not sizes:
+        raise StudyError(f"{where}: sizes: name at least one encoder shape ({', '.join(SIZE_KEYS)})")
+    for name, shape in sizes.items():
+        missing = [k for k in SIZE_KEYS if not isinstance((shape or {}).get(k), int) or shape[k] < 1]
+        if missing:
+            raise StudyError(f"{where}: sizes.{name}.{missing[0]}: a positive integer is needed")
+        if shape["hidden_size"] % shape["num_heads"]:
+            raise StudyError(f"{where}: sizes.{name}: num_heads {shape['num_heads']} does not divide hidden_size "
+                             f"{shape['hidden_size']}")
+    train = study.get("train") or {}
+    batch, seq_len = train.get("batch_size"), train.get("seq_len")
+    if not isinstance(batch, int) or batch < 1 or not isinstance(seq_len, int) or seq_len < 4:
+        raise StudyError(f"{where}: train.batch_size (>= 1) and train.seq_len (>= 4) are needed as integers")
+    if train.get("lr_rule", "inverse_width") not in LR_RULES:
+        raise StudyError(f"{where}: train.lr_rule: {train['lr_rule']!r} is not one of {', '.join(LR_RULES)}")
+    seeds = _list(study, "seeds", where, default=[0])
+    budgets = study.get("budgets") or {}
+    if len(budgets) != 1 or next(iter(budgets)) not in ("tokens", "tokens_per_parameter"):
+        raise StudyError(f"{where}: budgets: give one of tokens: [...] or tokens_per_parameter: [...]")
+    (kind, values), = budgets.items()
+    data = study.get("data") or {}
+    manifests = data.get("manifests") or []
+    if not manifests:
+        raise StudyError(f"{where}: data.manifests: the shards to pre-train on (pretrieve prepare)")
+
+    out = Path((study.get("run") or {}).get("out") or f"runs/scale/{study['name']}")
+    points = []
+    for method, (size, shape), (b, budget), seed in product(methods, sizes.items(), enumerate(values), seeds):
+        n = non_embedding_parameters(shape["hidden_size"], shape["num_layers"], shape["intermediate_size"])
+        tokens = budget * n if kind == "tokens_per_parameter" else budget
+        steps = round(tokens / (batch * seq_len))
+        if steps < 1:
+            raise StudyError(f"{where}: budgets.{kind}[{b}]: {budget:g} gives {tokens:,.0f} tokens, less than one "
+                             f"batch ({batch} x {seq_len} = {batch * seq_len:,})")
+        lr = float(train.get("lr", 1e-4))
+        if train.get("lr_rule", "inverse_width") == "inverse_width":
+            lr *= train.get("base_width", shape["hidden_size"]) / shape["hidden_size"]
+        point_id = f"{method}-{size}-D{steps * batch * seq_len:.3g}-s{seed}".replace("+", "")
+        overrides = [*(f"model.{k}={shape[k]}" for k in SIZE_KEYS), f"method.max_len={seq_len}",
+                     f"train.micro_batch_size={batch}", f"train.max_steps={steps}", f"train.lr={lr:.6g}",
+                     f"seed={seed}", f"run_dir={out / 'points' / point_id}",
+                     f"data.manifests=[{','.join(map(str, manifests))}]", "data.weights=null",
+                     *_validation_overrides(data), *train.get("overrides", [])]
+        points.append(Point(point_id, method, size, seed, n, 0, steps * batch * seq_len, 0.0, steps, lr, overrides))
+    duplicated = {p.id for p in points if sum(q.id == p.id for q in points) > 1}
+    if duplicated:
+        raise StudyError(f"{where}: budgets: two budgets give the same steps ({sorted(duplicated)[0]})")
+    _cost(study, points, where)
+    return study, points
+
+
+def _list(study: dict, key: str, where: str, default=None) -> list:
+    value = study.get(key, default)
+    if not isinstance(value, list) or not value:
+        raise StudyError(f"{where}: {key}: a non-empty list is needed")
+    return value
+
+
+def _validation_overrides(data: dict) -> list[str]:
+    if not data.get("validation"):
+        return []
+    every = [f"train.eval_every={data['eval_every']}"] if data.get("eval_every") else []
+    return [f"data.validation=[{','.join(map(str, data['validation']))}]", *every]
+
+
+def base_config(study: dict, method: str) -> str:
+    return str(study.get("config", "configs/pretrain/{method}.yaml")).format(method=method)
+
+
+def _cost(study: dict, points: list[Point], where: str) -> None:
+    """N_total and C of every point: each point's experiment is built (its config checked as `pretrain` checks
+    it) and its first batch of real data collated and counted by engine/flops.py."""
+    from pretrieve.config import ConfigError, experiment, load_config
+    from pretrieve.data.masking import Vocabulary
+    from pretrieve.data.stream import ShardStream
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
+    from pretrieve.engine.flops import train_flops
+
+    vocab = Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER))
+    per_step: dict[tuple, float] = {}
+    samples = None
+    for point in points:
+        try:
+            exp = experiment(load_config(base_config(study, point.method), point.overrides))
+        except ConfigError as e:
+            raise StudyError(f"{where}: point {point.id}: {e}") from e
+        config = exp.model.bert_config()
+        point.N_total = point.N + embedding_parameters(config.hidden_size, config.vocab_size,
+                                                      config.max_position_embeddings, config.type_vocab_size)
+        key = (point.method, point.size)
+        if key not in per_step:
+            if samples is None:
+                stream = ShardStream(exp.data.manifests, seed=0, shuffle_buffer=1, rank=0, world_size=1)
+                samples = list(islice(iter(stream), exp.train.micro_batch_size))
+            batch = exp.method.collator.from_options(exp.options, vocab, seed=0)(samples)
+            per_step[key] = float(train_flops(point.method, exp.options, config, batch))
+        point.C = per_step[key] * point.steps
+
+
+def write_plan(study: dict, points: list[Point]) -> Path:
+    from pretrieve.engine.run_dir import write_atomic
+
+    out = Path((study.get("run") or {}).get("out") or f"runs/scale/{study['name']}")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "plan.json"
+    write_atomic(path, json.dumps({"study": study["name"], "points": [asdict(p) for p in points]}, indent=1))
+    return path
+
+
+def table(points: list[Point], flops_per_second: float) -> str:
+    """The grid as a markdown table, with the total compute and device-hours at `flops_per_second`."""
+    lines = ["| point | method | size | N | N_total | D | steps | C (FLOPs) | device-hours |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        lines.append(f"| {p.id} | {p.method} | {p.size} | {p.N:,} | {p.N_total:,} | {p.D:,} | {p.steps:,} | "
+                     f"{p.C:.3g} | {p.C / flops_per_second / 3600:.3g} |")
+    total = sum(p.C for p in points)
+    lines.append(f"\n{len(points)} points, {total:.3g} FLOPs in all: {total / flops_per_second / 3600:.3g} "
+                 f"device-hours at {flops_per_second:.3g} FLOP/s")
+    return "\n".join(lines)
+

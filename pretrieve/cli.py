@@ -279,6 +279,13 @@ def _add_eval(commands) -> None:
                    help="qrels naming an unknown query or document: stop with file:line (fail), or drop and count")
     p.add_argument("--embeddings", default=None, metavar="DIR",
                    help="dense: read the corpus vectors `pretrieve encode` wrote to DIR instead of encoding")
+    p.add_argument("--contrastive-entropy", type=int, nargs="?", const=256, default=None, metavar="K",
+                   help="also write contrastive_entropy (Fang et al. 2024): mean -log p(relevant) against K fixed "
+                        "sampled negatives per judged pair, by the model's own scores (K default 256; needs --model)")
+    p.add_argument("--ce-temperature", type=float, default=1.0,
+                   help="contrastive entropy: divide scores by this (default 1.0, the raw inner product)")
+    p.add_argument("--ce-seed", type=int, default=0,
+                   help="contrastive entropy: seed of the negatives, the same for every model compared (default 0)")
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(run=_run_eval)
 
@@ -321,8 +328,10 @@ def _run_eval(args) -> int:
         out=args.out, model=args.model, beir=args.beir, msmarco=args.msmarco, split=_split(args), pooling=args.pooling,
         max_length=args.max_length, normalize=args.normalize, batch_size=args.batch_size, index=args.index,
         depth=args.depth, bm25=args.bm25, on_missing=args.on_missing, vocab_top_k=args.vocab_top_k,
-        sparse_weight=args.sparse_weight, candidates=args.candidates, embeddings=args.embeddings))
-    print(json.dumps({k: result[k] for k in ("ndcg@10", "mrr@10", "recall@100", "map", "dataset", "retriever")}))
+        sparse_weight=args.sparse_weight, candidates=args.candidates, embeddings=args.embeddings,
+        contrastive_entropy=args.contrastive_entropy, ce_temperature=args.ce_temperature, ce_seed=args.ce_seed))
+    print(json.dumps({k: result[k] for k in ("ndcg@10", "mrr@10", "recall@100", "map", "contrastive_entropy",
+                                             "dataset", "retriever") if k in result}))
     return 0
 
 
@@ -388,6 +397,13 @@ def _add_scale(commands) -> None:
                       help="sustained FLOP/s of one device for the estimate (default: this machine's measured "
                            "fp32 matmul peak at 25%% MFU)")
     plan.set_defaults(run=_run_scale_plan)
+    run = actions.add_parser("run", help="pre-train every point of the study, then evaluate them (MLflow child runs)",
+                             description="Pre-train the pending points of STUDY.yaml (resume=auto), then evaluate "
+                                         "the finished ones through `pretrieve farm`; see pretrieve/scale/run.py.")
+    run.add_argument("study", metavar="STUDY.yaml")
+    run.add_argument("--slurm", default=None, metavar="JOBS",
+                     help="write the pending jobs (pre-training, then evaluation) for launchers/slurm/eval_farm.sbatch")
+    run.set_defaults(run=_run_scale_run)
 
 
 def _run_scale_fit(args) -> int:
@@ -407,6 +423,14 @@ def _run_scale_plan(args) -> int:
     print(table(points, rate))
     print(f"run list: {write_plan(study, points)}")
     return 0
+
+
+def _run_scale_run(args) -> int:
+    from pretrieve.scale.run import run_study
+
+    result = run_study(args.study, slurm_jobs=args.slurm)
+    print(json.dumps(result))
+    return 1 if result.get("failed") else 0
 
 
 def _add_export(commands) -> None:

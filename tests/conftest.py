@@ -65,3 +65,22 @@ def wiki_samples(wiki_shards) -> list[dict]:
     from pretrieve.data.stream import ShardStream
 
     return list(islice(iter(ShardStream([wiki_shards / "manifest.json"], seed=0, shuffle_buffer=64)), 64))
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder(tmp_path_factory) -> Path:
+    """A random 2-layer BERT (hidden 64) with the bundled tokenizer, as `pretrieve export` lays it out."""
+    import shutil
+
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
+
+    out = tmp_path_factory.mktemp("tiny-encoder")
+    torch.manual_seed(0)
+    BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)) \
+        .save_pretrained(out)
+    for file in Path(DEFAULT_TOKENIZER).iterdir():
+        shutil.copy(file, out / file.name)
+    return out

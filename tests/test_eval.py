@@ -4,17 +4,14 @@ sample with a tiny random encoder."""
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import SAMPLES
-from transformers import BertConfig, BertModel
 
 from pretrieve.cli import main as cli
 from pretrieve.data.retrieval import RetrievalDataError, load_beir, load_msmarco, write_msmarco
-from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 from pretrieve.eval.evaluate import EvalOptions, run_eval
 from pretrieve.eval.metrics import METRICS, evaluate, trec_run_lines
 from pretrieve.eval.search import bm25_search, dense_search
@@ -120,18 +117,6 @@ def test_dense_search_flat_is_exact_and_approximate_indexes_recall():
         assert recall >= floor, (index, recall)
     with pytest.raises(ValueError, match="index: 'ivf'"):
         dense_search(docs, doc_ids, queries, query_ids, index="ivf")
-
-
-@pytest.fixture(scope="module")
-def tiny_encoder(tmp_path_factory) -> Path:
-    """A random 2-layer BERT (hidden 64) with the bundled tokenizer, as `pretrieve export` lays it out."""
-    out = tmp_path_factory.mktemp("tiny-encoder")
-    torch.manual_seed(0)
-    BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)) \
-        .save_pretrained(out)
-    for file in Path(DEFAULT_TOKENIZER).iterdir():
-        shutil.copy(file, out / file.name)
-    return out
 
 
 def test_pretrieve_eval_writes_metrics_run_and_per_query(tmp_path, tiny_encoder, capsys):

@@ -27,6 +27,8 @@ class TrackingOptions:
     uri: str | None = None  # default: sqlite:///<run_dir parent>/mlflow.db
     experiment: str = "pretrieve"
     system_metrics_every: float | None = 10.0  # seconds between CPU/GPU/memory samples (None: off)
+    parent_run_id: str | None = None  # nest the run under this one (a scaling study's parent run)
+    tags: dict | None = None  # extra run tags (a study point's N, D, C, size, seed)
 
 
 def flatten(tree, prefix: str = "") -> dict[str, str]:
@@ -79,6 +81,9 @@ class Tracker:
                 self.client.update_run(self.run_id, status="RUNNING")
             else:
                 experiment_id = experiment_id_of(self.client, options.experiment)
+                tags = {**tags, **{k: str(v) for k, v in (options.tags or {}).items()}}
+                if options.parent_run_id:
+                    tags["mlflow.parentRunId"] = options.parent_run_id
                 self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name, tags=tags).info.run_id
                 for key, value in params.items():
                     self.client.log_param(self.run_id, key, value)

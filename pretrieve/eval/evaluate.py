@@ -2,7 +2,10 @@
 
 OUT/metrics.json (the metrics of eval.metrics plus what was run), OUT/run.trec (top `depth` per query, in
 trec_eval's order) and OUT/per_query.jsonl (DESIGN.md "Evaluation output"), each written through a temporary
-file and a rename. `--bm25` with a model also writes the BM25 baseline to OUT/bm25/.
+file and a rename. `--bm25` with a model also writes the BM25 baseline to OUT/bm25/. With
+`contrastive_entropy` (K), metrics.json and per_query.jsonl add the model's contrastive entropy against K fixed
+sampled negatives (eval.contrastive, Fang et al. 2024; DESIGN.md "Validation and study metrics"), computed on
+the vectors the search used.
 """
 
 from __future__ import annotations
@@ -12,12 +15,15 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from pretrieve.data.retrieval import RetrievalSet, load_retrieval_set
 from pretrieve.engine.run_dir import write_atomic
+from pretrieve.eval.contrastive import ContrastiveEntropy, check_options, contrastive_entropy
 from pretrieve.eval.encode import (VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder, load_corpus_shards,
                                    trained_pooling)
 from pretrieve.eval.metrics import evaluate, trec_run_lines
-from pretrieve.eval.search import bm25_search, dense_search, hybrid_search, sparse_search
+from pretrieve.eval.search import bm25_search, dense_search, hybrid_search, pair_scorer, sparse_search
 
 EXACT_HYBRID_DOCS = 100_000  # up to here hybrid / DupMAE scores are exact over the corpus; beyond, candidates
 
@@ -41,6 +47,9 @@ class EvalOptions:
     sparse_weight: float = 1.0  # hybrid: weight of the sparse score
     candidates: int | None = None  # hybrid / dupmae: candidates per query (None: exact up to EXACT_HYBRID_DOCS)
     embeddings: str | None = None  # dense: the corpus vectors `pretrieve encode` wrote there
+    contrastive_entropy: int | None = None  # K negatives per judged pair (eval.contrastive); None: not computed
+    ce_temperature: float = 1.0  # contrastive entropy: scores / tau (1.0: the raw inner product, as Fang et al.)
+    ce_seed: int = 0  # contrastive entropy: the negatives' seed (the same for every model compared)
     progress: bool = True
 
 
@@ -48,7 +57,12 @@ def run_eval(opts: EvalOptions) -> dict:
     """Evaluate; returns the model's metrics.json content (BM25's when there is no model)."""
     if opts.model is None and not opts.bm25:
         raise ValueError("give --model DIR, or --bm25 for the BM25 baseline")
+    if opts.contrastive_entropy is not None and opts.model is None:
+        raise ValueError("--contrastive-entropy scores a model's own similarities: give --model DIR (BM25 scores "
+                         "share no scale with a softmax over inner products, so the BM25 baseline has none)")
     data = load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing)
+    if opts.contrastive_entropy is not None:  # before the encoding, not after it
+        check_options(opts.contrastive_entropy, opts.ce_temperature, data.qrels, len(data.corpus))
     out = Path(opts.out)
     result = None
     if opts.model is not None:
@@ -61,8 +75,10 @@ def run_eval(opts: EvalOptions) -> dict:
             encoder = VocabEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size),
                                    top_k=opts.vocab_top_k)
             opts = replace(opts, vocab_top_k=encoder.top_k)
-            run = vocab_search(encoder, doc_ids, doc_texts, query_ids, query_texts, opts.depth, opts.sparse_weight,
-                               opts.candidates, progress=opts.progress)
+            vectors = encode_vocab(encoder, doc_texts, query_texts, progress=opts.progress)
+            run = search_vocab(vectors, doc_ids, query_ids, opts.depth, opts.sparse_weight, opts.candidates)
+            score = pair_scorer(vectors.dense_docs, vectors.dense_queries, vectors.sparse_docs,
+                                vectors.sparse_queries, opts.sparse_weight)
         else:
             encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size,
                                                              opts.normalize))
@@ -72,9 +88,14 @@ def run_eval(opts: EvalOptions) -> dict:
                 docs = encoder.encode(doc_texts, desc="encode corpus", progress=opts.progress)
             queries = encoder.encode(query_texts, desc="encode queries", progress=opts.progress, queries=True)
             run = dense_search(docs, doc_ids, queries, query_ids, k=opts.depth, index=opts.index)
+            score = pair_scorer(docs, queries)
+        contrastive = None
+        if opts.contrastive_entropy is not None:
+            contrastive = contrastive_entropy(data.qrels, doc_ids, query_ids, score, opts.contrastive_entropy,
+                                              opts.ce_temperature, opts.ce_seed)
         retriever = "dense" if opts.pooling in ("cls", "mean") else opts.pooling
         result = _write(out, data, run, {**_describe(opts, data), "retriever": retriever,
-                                         "seconds": round(time.perf_counter() - started, 1)})
+                                         "seconds": round(time.perf_counter() - started, 1)}, contrastive)
     if opts.bm25:
         started = time.perf_counter()
         run = bm25_search({d: data.doc_text(d) for d in data.corpus}, data.queries, k=opts.depth)
@@ -85,39 +106,67 @@ def run_eval(opts: EvalOptions) -> dict:
     return result
 
 
+@dataclass
+class VocabVectors:
+    """A VocabEncoder's output: dense [N, d] (None for `sparse`) and CSR [N, vocab] rows, documents and queries."""
+    dense_docs: np.ndarray | None
+    sparse_docs: object
+    dense_queries: np.ndarray | None
+    sparse_queries: object
+
+
 def vocab_search(encoder: VocabEncoder, doc_ids, doc_texts, query_ids, query_texts, k: int, sparse_weight: float = 1.0,
                  candidates: int | None = None, query_max_length: int | None = None, progress: bool = True) -> dict:
     """{query id: {doc id: score}}, the top k by the encoder's pooling (sparse, hybrid or DupMAE's eq. 12);
     `candidates`: re-score each query's dense + sparse top N instead of the whole corpus (default: exact up to
     EXACT_HYBRID_DOCS documents, max(1,000, k) candidates beyond)."""
-    if candidates is None and len(doc_ids) > EXACT_HYBRID_DOCS:
-        candidates = max(1000, k)
+    vectors = encode_vocab(encoder, doc_texts, query_texts, query_max_length, progress)
+    return search_vocab(vectors, doc_ids, query_ids, k, sparse_weight, candidates)
+
+
+def encode_vocab(encoder: VocabEncoder, doc_texts, query_texts, query_max_length: int | None = None,
+                 progress: bool = True) -> VocabVectors:
     dense_docs, sparse_docs = encoder.encode(doc_texts, documents=True, desc="encode corpus", progress=progress)
     if query_max_length is not None:
         encoder.options = replace(encoder.options, max_length=query_max_length)
     dense_queries, sparse_queries = encoder.encode(query_texts, documents=False, desc="encode queries",
                                                    progress=progress)
-    if encoder.pooling == "sparse":
-        return sparse_search(sparse_docs, doc_ids, sparse_queries, query_ids, k=k)
-    return hybrid_search(dense_docs, dense_queries, sparse_docs, sparse_queries, doc_ids, query_ids, k=k,
-                         sparse_weight=sparse_weight, candidates=candidates)
+    return VocabVectors(dense_docs, sparse_docs, dense_queries, sparse_queries)
+
+
+def search_vocab(vectors: VocabVectors, doc_ids, query_ids, k: int, sparse_weight: float = 1.0,
+                 candidates: int | None = None) -> dict:
+    """vocab_search's search: sparse alone when there are no dense vectors, else the hybrid score."""
+    if candidates is None and len(doc_ids) > EXACT_HYBRID_DOCS:
+        candidates = max(1000, k)
+    if vectors.dense_docs is None:
+        return sparse_search(vectors.sparse_docs, doc_ids, vectors.sparse_queries, query_ids, k=k)
+    return hybrid_search(vectors.dense_docs, vectors.dense_queries, vectors.sparse_docs, vectors.sparse_queries,
+                         doc_ids, query_ids, k=k, sparse_weight=sparse_weight, candidates=candidates)
+
+
+_CONTRASTIVE_OPTIONS = ("contrastive_entropy", "ce_temperature", "ce_seed")  # recorded by ContrastiveEntropy.metrics
 
 
 def _describe(opts: EvalOptions, data: RetrievalSet, dense: bool = True) -> dict:
     encoder_only = ("model", "pooling", "max_length", "normalize", "batch_size", "index", "vocab_top_k",
                     "sparse_weight", "candidates")
     info = {k: v for k, v in asdict(opts).items()
-            if k not in ("out", "progress", "bm25", "embeddings") and (dense or k not in encoder_only)}
+            if k not in ("out", "progress", "bm25", "embeddings", *_CONTRASTIVE_OPTIONS)
+            and (dense or k not in encoder_only)}
     return {**info, "dataset": data.name, "documents": len(data.corpus), "queries": len(data.queries),
             "skipped_qrels": data.skipped}
 
 
-def _write(out: Path, data: RetrievalSet, run: dict, info: dict) -> dict:
+def _write(out: Path, data: RetrievalSet, run: dict, info: dict, contrastive: ContrastiveEntropy | None = None) -> dict:
     means, per_query = evaluate(data.qrels, run)
+    if contrastive is not None:
+        for qid, value in contrastive.per_query.items():
+            per_query[qid]["contrastive_entropy"] = value
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "run.trec", "".join(line + "\n" for line in trec_run_lines(run, info["retriever"])))
     write_atomic(out / "per_query.jsonl", "".join(json.dumps({"query_id": q, **m}) + "\n"
                                                    for q, m in per_query.items()))
-    result = {**{k: round(v, 6) for k, v in means.items()}, **info}
+    result = {**{k: round(v, 6) for k, v in means.items()}, **(contrastive.metrics() if contrastive else {}), **info}
     write_atomic(out / "metrics.json", json.dumps(result, indent=1) + "\n")  # last: its presence means done
     return result

@@ -4,7 +4,7 @@ on this machine or handed to SLURM, each logged as an MLflow run.
     out: farm-out                      # job outputs: <out>/<checkpoint>/<dataset>/<stage>/
     workers: 2                         # jobs at once on this machine
     tracking: {uri: sqlite:///runs/mlflow.db, experiment: pretrieve-eval}
-    eval: {max_length: 256, depth: 1000, index: flat, batch_size: 64}
+    eval: {max_length: 256, depth: 1000, index: flat, batch_size: 64}  # also contrastive_entropy: K, ce_*
     checkpoints:
       - {name: minilm, model: path/to/export, pooling: mean, normalize: true, run_dir: runs/x}
     datasets:
@@ -47,7 +47,7 @@ from pretrieve.engine.tracking import experiment_id_of, metric_name
 from pretrieve.finetune.stages import done as finetuned
 
 STAGES = ("zero-shot", "stage1", "stage2", "stage3")
-EVAL_KEYS = ("max_length", "depth", "index", "batch_size")
+EVAL_KEYS = ("max_length", "depth", "index", "batch_size", "contrastive_entropy", "ce_temperature", "ce_seed")
 FINETUNE_KEYS = ("config", "data", "msmarco", "beir", "split", "negatives", "depth", "teacher_init", "nproc",
                  "overrides")
 

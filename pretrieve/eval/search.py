@@ -9,6 +9,7 @@ the inverted-index scores. Hybrid: dense + weighted sparse, exact over the corpu
 dense and sparse candidates of each query, re-scored exactly.
 BM25: bm25s over lower-cased words without English stop words, Snowball-stemmed, k1 = 0.9 and b = 0.4
 (Anserini's defaults, which BEIR-style comparisons use); title + " " + text as the document.
+`pair_scorer` scores chosen (query, document) pairs exactly as these searches do (eval.contrastive uses it).
 """
 
 from __future__ import annotations
@@ -47,6 +48,25 @@ def dense_search(doc_vectors: np.ndarray, doc_ids: list[str], query_vectors: np.
     scores, rows = built.search(np.ascontiguousarray(query_vectors, dtype=np.float32), min(k, len(docs)))
     return {qid: {doc_ids[r]: float(s) for r, s in zip(row, score) if r >= 0}
             for qid, row, score in zip(query_ids, rows, scores)}
+
+
+def pair_scorer(dense_docs: np.ndarray | None, dense_queries: np.ndarray | None, sparse_docs=None,
+                sparse_queries=None, sparse_weight: float = 1.0):
+    """score(query row, document rows [m]) -> [m] float64: dense . dense (+ sparse_weight * sparse . sparse), the
+    score dense_search / sparse_search / hybrid_search rank by, for the given pairs only. Dense vectors None:
+    sparse alone (as sparse_search, which takes no weight); sparse None: dense alone."""
+    if dense_docs is None:
+        sparse_weight = 1.0
+
+    def score(query: int, rows: np.ndarray) -> np.ndarray:
+        scores = np.zeros(len(rows))
+        if dense_docs is not None:
+            scores += dense_docs[rows] @ dense_queries[query]
+        if sparse_docs is not None:
+            scores += sparse_weight * (sparse_docs[rows] @ sparse_queries[query].T).toarray().ravel()
+        return scores
+
+    return score
 
 
 def bm25_search(docs: dict[str, str], queries: dict[str, str], k: int = 1000, k1: float = 0.9,

@@ -1,0 +1,121 @@
+"""`pretrieve scale run STUDY.yaml [--slurm JOBS]`: every point of the plan pre-trained, then evaluated.
+
+One MLflow parent run per study (tagged `pretrieve.study = <name>`, `pretrieve.scale = study`; found again by
+that tag, so a re-run continues it). Each point is `pretrieve pretrain` of its plan entry (pretrieve/scale/plan.py)
+with `resume=auto`, in its own process, logged as a child run of the parent tagged N, N_total, D, C, method,
+seed and size, with `val_loss` when the study has validation data. A point is done when its export exists: a
+re-run skips it, and one that stopped (killed, preempted, `train.stop_at`) continues from its checkpoint. A
+failing point is reported with its log and stops nothing else. `workers` points run at a time (`run.workers`,
+default 1). Then the finished points go to `pretrieve farm` (`<out>/farm.yaml`: the study's `evaluation`
+datasets, stages and eval settings), whose runs nest under each point's run and which skips done jobs.
+
+With `--slurm JOBS` nothing runs here: the pending points' `pretrain` lines are written to JOBS for
+`launchers/slurm/eval_farm.sbatch` (one array task each, one rank); once they have run, the same command
+writes the pending evaluation jobs, then logs the finished ones.
+
+    evaluation:                                   # in STUDY.yaml
+      datasets: [{name: scifact, beir: ../shared/data/beir/scifact, split: test}]
+      stages: [zero-shot]
+      eval: {max_length: 128, batch_size: 64, contrastive_entropy: 256}
+    run: {out: runs/scale/micro, workers: 2}
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from pretrieve.engine.run_dir import write_atomic
+from pretrieve.scale.plan import Point, base_config, plan, write_plan
+from pretrieve.scale.study import KIND_TAG, STUDY_TAG
+
+
+def point_done(point: Point, out: Path) -> bool:
+    return (out / "points" / point.id / "export" / "model.safetensors").is_file()
+
+
+def pretrain_args(study: dict, point: Point, parent: str | None) -> list[str]:
+    """`pretrieve pretrain` arguments of a point: its plan overrides, resume=auto, the study's store and tags."""
+    tracking = study["tracking"]
+    tags = {"N": point.N, "N_total": point.N_total, "D": point.D, "C": point.C, "method": point.method,
+            "seed": point.seed, "size": point.size}
+    record = ["tracking.enabled=true", f"tracking.uri={tracking['uri']}",
+              f"tracking.experiment={tracking['experiment']}", *(f"tracking.tags.{k}={v}" for k, v in tags.items())]
+    if parent:
+        record.append(f"tracking.parent_run_id={parent}")
+    return ["pretrain", base_config(study, point.method), *point.overrides, "resume=auto", *record]
+
+
+def study_parent(study: dict) -> str:
+    """The study's parent run id: the latest top-level run tagged with its name, created when there is none."""
+    from mlflow.tracking import MlflowClient
+
+    from pretrieve.engine.tracking import experiment_id_of
+    from pretrieve.scale.study import parent_run_id
+
+    try:
+        return parent_run_id(study)
+    except ValueError:
+        client = MlflowClient(tracking_uri=study["tracking"]["uri"])
+        experiment = experiment_id_of(client, study["tracking"]["experiment"])
+        run = client.create_run(experiment, run_name=study["name"],
+                                tags={STUDY_TAG: study["name"], KIND_TAG: "study"})
+        return run.info.run_id
+
+
+def farm_config(study: dict, points: list[Point], out: Path) -> dict:
+    """The farm of the finished points: each export zero-shot (or the study's stages) on its datasets."""
+    evaluation = study.get("evaluation") or {}
+    if not evaluation.get("datasets"):
+        raise ValueError("evaluation.datasets: list the datasets to score each point on (farm format)")
+    tracking = study["tracking"]
+    return {"out": str(out / "eval"), "workers": (study.get("run") or {}).get("workers", 1),
+            "tracking": {"uri": tracking["uri"], "experiment": tracking["experiment"]},
+            "eval": evaluation.get("eval", {}), "datasets": evaluation["datasets"],
+            "stages": evaluation.get("stages", ["zero-shot"]),
+            "checkpoints": [{"name": p.id, "model": str(out / "points" / p.id / "export"), "pooling": "cls",
+                             "run_dir": str(out / "points" / p.id)} for p in points]}
+
+
+def run_study(path: str | Path, slurm_jobs: str | None = None, progress: bool = True) -> dict:
+    from pretrieve.eval.farm import run_farm
+
+    study, points = plan(path)
+    write_plan(study, points)
+    out = Path((study.get("run") or {}).get("out") or f"runs/scale/{study['name']}")
+    parent = study_parent(study)
+    write_atomic(out / "study.json", json.dumps({"study": study["name"], "parent_run_id": parent,
+                                                 "tracking_uri": study["tracking"]["uri"]}, indent=1))
+    pending = [p for p in points if not point_done(p, out)]
+    failed: dict[str, str] = {}
+    if slurm_jobs is not None and pending:
+        write_atomic(Path(slurm_jobs), "".join(shlex.join(pretrain_args(study, p, parent)) + "\n" for p in pending))
+        return {"points": len(points), "pending_for_slurm": len(pending), "parent_run_id": parent}
+
+    def pretrain(point: Point) -> str | None:
+        log = out / "points" / point.id / "pretrain.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as stream:
+            code = subprocess.call([sys.executable, "-m", "pretrieve", *pretrain_args(study, point, parent)],
+                                   stdout=stream, stderr=subprocess.STDOUT)
+        return None if code == 0 and point_done(point, out) else f"exit {code} (log: {log})"
+
+    with ThreadPoolExecutor(max_workers=max(1, int((study.get("run") or {}).get("workers", 1)))) as pool:
+        for point, error in zip(pending, pool.map(pretrain, pending)):
+            if error:
+                failed[point.id] = error
+            if progress:
+                print(f"scale: {point.id} {'failed: ' + error if error else 'pre-trained'}", file=sys.stderr)
+    finished = [p for p in points if point_done(p, out)]
+    evaluated = {}
+    if finished and (study.get("evaluation") or {}).get("datasets"):
+        farm_path = out / "farm.yaml"
+        write_atomic(farm_path, json.dumps(farm_config(study, finished, out), indent=1))  # JSON is YAML
+        evaluated = run_farm(farm_path, slurm_jobs=slurm_jobs, progress=progress)
+        failed.update(evaluated.get("failed", {}))
+    return {"points": len(points), "pretrained": len(finished), "skipped": len(points) - len(pending),
+            "failed": failed, "evaluation": evaluated, "parent_run_id": parent}

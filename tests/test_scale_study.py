@@ -1,0 +1,151 @@
+"""`pretrieve scale plan` and `scale run`: parameter counts and FLOPs of the real models, the grid, bad studies, a
+study run end to end (pre-training, validation loss, evaluation, MLflow parent and child runs, resume, re-run)."""
+
+import json
+from itertools import islice
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pretrieve.cli import main as cli
+from pretrieve.config import experiment, load_config
+from pretrieve.scale.plan import StudyError, plan
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
+
+
+def write_study(tmp_path, wiki_shards, **changes) -> Path:
+    study = {"name": "grid", "methods": ["mlm", "retromae"], "config": str(CONFIGS / "tiny-{method}.yaml"),
+             "sizes": {"h32": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 128},
+                       "h64": {"hidden_size": 64, "num_layers": 1, "num_heads": 4, "intermediate_size": 256}},
+             "budgets": {"tokens": [2048, 8192]}, "seeds": [0],
+             "train": {"batch_size": 4, "seq_len": 64, "lr": 1e-3, "base_width": 64,
+                       "overrides": ["tracking.enabled=false", "train.log_every=1"]},
+             "data": {"manifests": [str(wiki_shards / "manifest.json")]}, "run": {"out": str(tmp_path / "study")}}
+    study.update(changes)
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study))
+    return path
+
+
+def test_plan_counts_parameters_and_flops_of_the_real_models(tmp_path, wiki_shards, vocab):
+    from pretrieve.data.stream import ShardStream
+    from pretrieve.engine.flops import train_flops
+    from pretrieve.models.encoder import Encoder
+
+    study, points = plan(write_study(tmp_path, wiki_shards))
+    assert [(p.method, p.size, p.steps) for p in points] == [
+        (m, s, steps) for m in ("mlm", "retromae") for s in ("h32", "h64") for steps in (8, 32)]
+    samples = list(islice(iter(ShardStream([wiki_shards / "manifest.json"], seed=0, shuffle_buffer=1)), 4))
+    for point in points:
+        exp = experiment(load_config(CONFIGS / f"tiny-{point.method}.yaml", point.overrides))
+        bert = Encoder(exp.model.bert_config()).bert
+        counted = {name: p.numel() for name, p in bert.named_parameters()}
+        assert point.N == sum(n for name, n in counted.items() if name.startswith("encoder."))
+        assert point.N_total == sum(n for name, n in counted.items() if not name.startswith("pooler."))
+        assert point.D == point.steps * 4 * 64 and exp.train.max_steps == point.steps
+        batch = exp.method.collator.from_options(exp.options, vocab, seed=0)(samples)
+        assert point.C == train_flops(point.method, exp.options, exp.model.bert_config(), batch) * point.steps
+        assert point.lr == pytest.approx(1e-3 * 64 / exp.model.hidden_size)  # the inverse-width rule
+        assert exp.run_dir == tmp_path / "study" / "points" / point.id
+    retromae, mlm = (next(p for p in points if p.method == m and p.size == "h64" and p.steps == 8)
+                     for m in ("retromae", "mlm"))
+    assert retromae.C > mlm.C and retromae.N == mlm.N  # the decoder costs compute, not retriever parameters
+
+
+def test_plan_command_prints_the_grid_and_writes_the_run_list(tmp_path, wiki_shards, capsys):
+    assert cli(["scale", "plan", str(write_study(tmp_path, wiki_shards)), "--flops-per-second", "1e9"]) == 0
+    printed = capsys.readouterr().out
+    listed = json.loads((tmp_path / "study" / "plan.json").read_text())
+    assert listed["study"] == "grid" and len(listed["points"]) == 8
+    first = listed["points"][0]
+    assert f"| {first['id']} | mlm | h32 | {first['N']:,} | {first['N_total']:,} | 2,048 | 8 |" in printed
+    total = sum(p["C"] for p in listed["points"])
+    assert f"8 points, {total:.3g} FLOPs in all: {total / 1e9 / 3600:.3g} device-hours at 1e+09 FLOP/s" in printed
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"methods": ["mlm", "retro"]}, r"methods\[1\]: 'retro' is not a registered method"),
+    ({"sizes": {"odd": {"hidden_size": 30, "num_layers": 1, "num_heads": 4, "intermediate_size": 64}}},
+     "sizes.odd: num_heads 4 does not divide hidden_size 30"),
+    ({"budgets": {"tokens": [100]}}, r"budgets.tokens\[0\]: 100 gives 100 tokens, less than one batch \(4 x 64"),
+    ({"budgets": {"flops": [1e12]}}, "budgets: give one of tokens"),
+    ({"train": {"batch_size": 4}}, "train.batch_size .>= 1. and train.seq_len"),
+    ({"config": str(CONFIGS / "tiny-{method}.yaml"), "train": {"batch_size": 4, "seq_len": 64,
+                                                             "overrides": ["train.lr_schedule=step"]}},
+     "point mlm-h32-D2.05e03-s0: train.lr_schedule: 'step'"),
+])
+def test_bad_studies_name_the_key(tmp_path, wiki_shards, change, message):
+    with pytest.raises(StudyError, match=message):
+        plan(write_study(tmp_path, wiki_shards, **change))
+
+
+def test_scale_run_pretrains_evaluates_and_resumes(tmp_path, wiki_shards, books_shards):
+    """2 sizes x 2 budgets of mlm, end to end: one point stopped half-way beforehand continues; every point is
+    a child run of the study tagged N, D, C, ... with val_loss, its zero-shot evaluation nested under it; the
+    fit reader finds them all; a re-run does nothing again."""
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from conftest import SAMPLES, pretrain_env
+    from pretrieve.scale.points import read_points_mlflow
+    from pretrieve.scale.run import pretrain_args, run_study, study_parent
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    path = write_study(tmp_path, wiki_shards, methods=["mlm"], budgets={"tokens": [512, 1024]},
+                       tracking={"uri": uri, "experiment": "scale"}, run={"out": str(tmp_path / "study"), "workers": 2},
+                       data={"manifests": [str(wiki_shards / "manifest.json")],
+                             "validation": [str(books_shards / "manifest.json")]},
+                       evaluation={"datasets": [{"name": "sample", "beir": str(SAMPLES / "beir" / "scifact-sample"),
+                                                 "split": "test"}], "eval": {"max_length": 64, "batch_size": 32}})
+    study, points = plan(path)
+    stopped = points[1]  # 4 steps, stopped after 2 as a preempted job would be
+    done = subprocess.run([sys.executable, "-m", "pretrieve", *pretrain_args(study, stopped, study_parent(study)),
+                           "train.stop_at=2"], env=pretrain_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first_run = json.loads((tmp_path / "study" / "points" / stopped.id / "run.json").read_text())["run_id"]
+
+    result = run_study(path, progress=False)
+    assert result["failed"] == {} and (result["points"], result["pretrained"], result["skipped"]) == (4, 4, 0)
+    client = MlflowClient(tracking_uri=uri)
+    parent = client.get_run(result["parent_run_id"])
+    assert parent.data.tags["pretrieve.study"] == "grid" and parent.data.tags["pretrieve.scale"] == "study"
+    experiment = parent.info.experiment_id
+    children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(r.info.run_name for r in children) == sorted(p.id for p in points)
+    for point in points:
+        run = next(r for r in children if r.info.run_name == point.id)
+        tags = run.data.tags
+        assert (int(tags["N"]), int(tags["D"]), float(tags["C"]), tags["size"]) == (point.N, point.D, point.C,
+                                                                                      point.size)
+        assert run.info.status == "FINISHED" and "val_loss" in run.data.metrics
+        evals = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+        assert len(evals) == 1 and "ndcg_at_10" in evals[0].data.metrics
+    resumed = json.loads((tmp_path / "study" / "points" / stopped.id / "run.json").read_text())["run_id"]
+    steps = [json.loads(line)["step"] for line in
+             (tmp_path / "study" / "points" / stopped.id / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert resumed == first_run and steps == [1, 2, 3, 4]
+    by_method, skipped = read_points_mlflow(uri, parent.info.run_id, "ndcg@10")
+    assert len(by_method["mlm"].loss) == 4 and skipped == {}
+
+    again = run_study(path, progress=False)
+    assert (again["skipped"], again["failed"], again["evaluation"]["logged"]) == (4, {}, [])
+    assert len(client.search_runs([experiment], "")) == 1 + 4 + 4
+
+
+def test_scale_run_slurm_lists_the_pending_points(tmp_path, wiki_shards):
+    import shlex
+
+    from pretrieve.scale.run import run_study
+
+    path = write_study(tmp_path, wiki_shards, tracking={"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})
+    result = run_study(path, slurm_jobs=str(tmp_path / "jobs"), progress=False)
+    lines = [shlex.split(line) for line in (tmp_path / "jobs").read_text().splitlines()]
+    assert result["pending_for_slurm"] == len(lines) == 8 and all(line[0] == "pretrain" for line in lines)
+    assert all("resume=auto" in line and f"tracking.parent_run_id={result['parent_run_id']}" in line
+               for line in lines)
+    assert not (tmp_path / "study" / "points").exists()  # nothing ran here

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 DEMO_OUT ?= demo-out
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-integration bench clean
 
 install: $(VENV)/.installed
 
@@ -31,7 +31,11 @@ demo: install
 	$(PY) -m pretrieve.demo --out $(DEMO_OUT)
 
 test: install
-	$(PY) -m pytest -q --durations=30 tests
+	$(PY) -m pytest -q --durations=30 -m "not integration" tests
+
+# slow end-to-end tests (a scaling study run, the quality benchmark's smoke run); .ci/run runs them after `test`
+test-integration: install
+	$(PY) -m pytest -q --durations=10 -m integration tests
 
 bench: install
 	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[bench]"

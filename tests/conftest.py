@@ -9,6 +9,11 @@ import pytest
 
 from pretrieve.data.prepare import PrepareOptions, prepare
 
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "integration: a slow end-to-end test of several commands together "
+                                       "(`make test-integration`, also run by .ci/run); `make test` leaves it out")
+
 SAMPLES = Path(__file__).resolve().parent.parent / "pretrieve" / "assets" / "samples"
 
 

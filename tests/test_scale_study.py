@@ -81,6 +81,7 @@ def test_bad_studies_name_the_key(tmp_path, wiki_shards, change, message):
         plan(write_study(tmp_path, wiki_shards, **change))
 
 
+@pytest.mark.integration
 def test_scale_run_pretrains_evaluates_and_resumes(tmp_path, wiki_shards, books_shards):
     """2 sizes x 2 budgets of mlm, end to end: one point stopped half-way beforehand continues; every point is
     a child run of the study tagged N, D, C, ... with val_loss, its zero-shot evaluation nested under it; the

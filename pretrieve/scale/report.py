@@ -111,7 +111,9 @@ def points_table(fits: dict[str, MethodFit]) -> str:
 def _value(summary: dict, name: str) -> str:
     value, interval = summary.get(name), summary.get("ci95", {}).get(name)
     text = "–" if value is None else f"{value:.4g}"
-    return f"{text} [{interval[0]:.4g}, {interval[1]:.4g}]" if interval else text
+    if not interval or None in interval:  # no interval, or resamples that gave no value (a degenerate profile)
+        return text
+    return f"{text} [{interval[0]:.4g}, {interval[1]:.4g}]"
 
 
 def _r2(summary: dict) -> str:

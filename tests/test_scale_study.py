@@ -83,9 +83,10 @@ def test_bad_studies_name_the_key(tmp_path, wiki_shards, change, message):
 
 @pytest.mark.integration
 def test_scale_run_pretrains_evaluates_and_resumes(tmp_path, wiki_shards, books_shards):
-    """2 sizes x 2 budgets of mlm, end to end: one point stopped half-way beforehand continues; every point is
-    a child run of the study tagged N, D, C, ... with val_loss, its zero-shot evaluation nested under it; the
-    fit reader finds them all; a re-run does nothing again."""
+    """2 sizes x 2 budgets of mlm, end to end: one point stopped half-way beforehand continues, one that fails
+    stops nothing else and runs once fixed; every point is a child run of the study tagged N, D, C, ... with its
+    validation losses, its zero-shot evaluation nested under it; the fit reader finds them all; a re-run does
+    nothing again."""
     import subprocess
     import sys
 
@@ -109,8 +110,17 @@ def test_scale_run_pretrains_evaluates_and_resumes(tmp_path, wiki_shards, books_
     assert done.returncode == 0, done.stderr[-2000:]
     first_run = json.loads((tmp_path / "study" / "points" / stopped.id / "run.json").read_text())["run_id"]
 
+    broken = points[2]  # its run directory cannot be written: the point fails, the others go on
+    (tmp_path / "study" / "points" / broken.id).mkdir(parents=True)
+    (tmp_path / "study" / "points" / broken.id / "checkpoints").write_text("not a directory")
+
     result = run_study(path, progress=False)
-    assert result["failed"] == {} and (result["points"], result["pretrained"], result["skipped"]) == (4, 4, 0)
+    assert list(result["failed"]) == [broken.id] and "exit 1" in result["failed"][broken.id]
+    assert (result["points"], result["pretrained"], result["skipped"]) == (4, 3, 0)
+    assert len(result["evaluation"]["logged"]) == 3
+    (tmp_path / "study" / "points" / broken.id / "checkpoints").unlink()
+    result = run_study(path, progress=False)
+    assert result["failed"] == {} and (result["pretrained"], result["skipped"]) == (4, 3)
     client = MlflowClient(tracking_uri=uri)
     parent = client.get_run(result["parent_run_id"])
     assert parent.data.tags["pretrieve.study"] == "grid" and parent.data.tags["pretrieve.scale"] == "study"
@@ -123,6 +133,7 @@ def test_scale_run_pretrains_evaluates_and_resumes(tmp_path, wiki_shards, books_
         assert (int(tags["N"]), int(tags["D"]), float(tags["C"]), tags["size"]) == (point.N, point.D, point.C,
                                                                                       point.size)
         assert run.info.status == "FINISHED" and "val_loss" in run.data.metrics
+        assert run.data.metrics["val_loss_best"] <= run.data.metrics["val_loss_final"] == run.data.metrics["val_loss"]
         evals = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
         assert len(evals) == 1 and "ndcg_at_10" in evals[0].data.metrics
     resumed = json.loads((tmp_path / "study" / "points" / stopped.id / "run.json").read_text())["run_id"]

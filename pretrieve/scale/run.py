@@ -3,7 +3,8 @@
 One MLflow parent run per study (tagged `pretrieve.study = <name>`, `pretrieve.scale = study`; found again by
 that tag, so a re-run continues it). Each point is `pretrieve pretrain` of its plan entry (pretrieve/scale/plan.py)
 with `resume=auto`, in its own process, logged as a child run of the parent tagged N, N_total, D, C, method,
-seed and size, with `val_loss` when the study has validation data. A point is done when its export exists: a
+seed and size, with `val_loss` (and, once finished, `val_loss_final` and `val_loss_best`) when the study has
+validation data. A point is done when its export exists: a
 re-run skips it, and one that stopped (killed, preempted, `train.stop_at`) continues from its checkpoint. A
 failing point is reported with its log and stops nothing else. `workers` points run at a time (`run.workers`,
 default 1). Then the finished points go to `pretrieve farm` (`<out>/farm.yaml`: the study's `evaluation`
@@ -48,6 +49,19 @@ def pretrain_args(study: dict, point: Point, parent: str | None) -> list[str]:
     if parent:
         record.append(f"tracking.parent_run_id={parent}")
     return ["pretrain", base_config(study, point.method), *point.overrides, "resume=auto", *record]
+
+
+def log_validation_summary(run_dir: Path) -> None:
+    """`val_loss_final` and `val_loss_best` of a finished point, on its MLflow run (from metrics.jsonl)."""
+    from mlflow.tracking import MlflowClient
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["val_loss"] for r in records if "val_loss" in r]
+    run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
+    if losses and run.get("run_id"):
+        client = MlflowClient(tracking_uri=run["tracking_uri"])
+        client.log_metric(run["run_id"], "val_loss_final", losses[-1])
+        client.log_metric(run["run_id"], "val_loss_best", min(losses))
 
 
 def study_parent(study: dict) -> str:
@@ -102,7 +116,10 @@ def run_study(path: str | Path, slurm_jobs: str | None = None, progress: bool = 
         with open(log, "a") as stream:
             code = subprocess.call([sys.executable, "-m", "pretrieve", *pretrain_args(study, point, parent)],
                                    stdout=stream, stderr=subprocess.STDOUT)
-        return None if code == 0 and point_done(point, out) else f"exit {code} (log: {log})"
+        if code != 0 or not point_done(point, out):
+            return f"exit {code} (log: {log})"
+        log_validation_summary(out / "points" / point.id)
+        return None
 
     with ThreadPoolExecutor(max_workers=max(1, int((study.get("run") or {}).get("workers", 1)))) as pool:
         for point, error in zip(pending, pool.map(pretrain, pending)):

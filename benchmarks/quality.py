@@ -84,10 +84,10 @@ def log(message: str) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    from pretrieve.engine.run_dir import write_atomic as replace_atomically
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    replace_atomically(path, text)
 
 
 def add_wall(work: Path, key: str, seconds: float) -> float:

@@ -340,9 +340,13 @@ def _add_farm(commands) -> None:
                             description="Run every pending `pretrieve eval` job of FARM.yaml (see "
                                         "pretrieve/eval/farm.py), skipping done ones, and log each to MLflow.")
     p.add_argument("farm", metavar="FARM.yaml")
-    p.add_argument("--slurm", default=None, metavar="JOBS",
-                   help="write the pending jobs to JOBS for launchers/slurm/eval_farm.sbatch instead of running them")
+    _slurm_jobs_option(p, "the pending jobs")
     p.set_defaults(run=_run_farm)
+
+
+def _slurm_jobs_option(parser, what: str) -> None:
+    parser.add_argument("--slurm", default=None, metavar="JOBS",
+                        help=f"write {what} to JOBS for launchers/slurm/eval_farm.sbatch instead of running them")
 
 
 def _run_farm(args) -> int:
@@ -401,8 +405,7 @@ def _add_scale(commands) -> None:
                              description="Pre-train the pending points of STUDY.yaml (resume=auto), then evaluate "
                                          "the finished ones through `pretrieve farm`; see pretrieve/scale/run.py.")
     run.add_argument("study", metavar="STUDY.yaml")
-    run.add_argument("--slurm", default=None, metavar="JOBS",
-                     help="write the pending jobs (pre-training, then evaluation) for launchers/slurm/eval_farm.sbatch")
+    _slurm_jobs_option(run, "the pending jobs (pre-training, then evaluation)")
     run.set_defaults(run=_run_scale_run)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, for the device machine. From the repository root there, with `.whl` carried
-# (tools/gpu_wheels.sh fills it):
-#   tools/gpu_checks.sh kernels engine     # sections: kernels, engine (each fits one 10-minute call)
+# The checks that need a GPU, on a GPU machine. From the repository root there, with the wheels of `.whl/`
+# beside it when that machine has no network access (tools/gpu_wheels.sh fills it):
+#   tools/gpu_checks.sh kernels engine     # sections: kernels, engine (each about ten minutes or less)
 # kernels: tests/test_kernels_gpu.py (bf16/fp16 parity on real shapes, a fused vs eager decoder step) and
 #          benchmarks/two_stream_attention.py (fused vs eager vs SDPA, B 32, H 12, D 64, L 128-1024, bf16).
 # engine:  one optimizer step of every method in fp16 (dynamic loss scaling) and bf16 at ZeRO 2, and

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Wheels for the device machine (/work/.library/device/README.md): its image has torch, transformers, triton,
-# numpy, scipy, pyyaml, psutil and ninja for Python 3.12, but not what else pretrieve imports on a GPU. This
-# puts those into .whl/ (git-ignored through .git/info/exclude), under the 64 MiB a call may carry.
-# Run once here, from the repository root; then `tools/gpu_checks.sh` there with `.whl` carried.
+# Wheels for a GPU machine without network access whose image has torch, transformers, triton, numpy, scipy,
+# pyyaml, psutil and ninja for Python 3.12, but not what else pretrieve imports on a GPU. This puts those into
+# .whl/ (git-ignored through .git/info/exclude), kept small (under 64 MiB) to copy along.
+# Run once on a machine with network access, from the repository root; then `tools/gpu_checks.sh` on the GPU
+# machine with `.whl/` copied beside the repository.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-.venv/bin/python}

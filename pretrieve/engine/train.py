@@ -228,6 +228,7 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
     window = {"loss": 0.0, "parts": {}, "micro": 0, "tokens": 0, "samples": 0, "flops": 0,
               "started": time.perf_counter()}
     last_step = min(exp.train.max_steps, exp.train.stop_at or exp.train.max_steps)  # of this invocation
+    eval_every = exp.train.eval_every or exp.train.max_steps  # held-out loss: every N steps, and at the end
     bar = tqdm(total=exp.train.max_steps, initial=engine.global_steps, desc=job.name,
                unit="step", disable=rank != 0, dynamic_ncols=True)
     try:
@@ -260,7 +261,6 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
                 if log_now:
                     record = _log(metrics, tracker, step, window, engine, peak, plain_norm, lr)
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
-                eval_every = exp.train.eval_every or exp.train.max_steps
                 if job.validation is not None and (step % eval_every == 0 or step == exp.train.max_steps):
                     _write(metrics, tracker, {"step": step, **job.validation.evaluate(engine, engine.device)})
                 preempted = stop.should_stop(world)

@@ -106,7 +106,7 @@ def plan(path: str | Path) -> tuple[dict, list[Point]]:
     if not manifests:
         raise StudyError(f"{where}: data.manifests: the shards to pre-train on (pretrieve prepare)")
 
-    out = Path((study.get("run") or {}).get("out") or f"runs/scale/{study['name']}")
+    out = study_out(study)
     points = []
     for method, (size, shape), (b, budget), seed in product(methods, sizes.items(), enumerate(values), seeds):
         n = non_embedding_parameters(shape["hidden_size"], shape["num_layers"], shape["intermediate_size"])
@@ -146,6 +146,16 @@ def _validation_overrides(data: dict) -> list[str]:
     return [f"data.validation=[{','.join(map(str, data['validation']))}]", *every]
 
 
+def study_out(study: dict) -> Path:
+    """Where the study's runs, plan and evaluations go: `run.out`, default runs/scale/<name>."""
+    return Path((study.get("run") or {}).get("out") or f"runs/scale/{study['name']}")
+
+
+def study_workers(study: dict) -> int:
+    """Points (and evaluations) at a time on this machine: `run.workers`, default 1."""
+    return max(1, int((study.get("run") or {}).get("workers", 1)))
+
+
 def base_config(study: dict, method: str) -> str:
     return str(study.get("config", "configs/pretrain/{method}.yaml")).format(method=method)
 
@@ -183,7 +193,7 @@ def _cost(study: dict, points: list[Point], where: str) -> None:
 def write_plan(study: dict, points: list[Point]) -> Path:
     from pretrieve.engine.run_dir import write_atomic
 
-    out = Path((study.get("run") or {}).get("out") or f"runs/scale/{study['name']}")
+    out = study_out(study)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "plan.json"
     write_atomic(path, json.dumps({"study": study["name"], "points": [asdict(p) for p in points]}, indent=1))

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pretrieve.engine.run_dir import write_atomic
-from pretrieve.scale.plan import Point, base_config, plan, write_plan
+from pretrieve.scale.plan import Point, base_config, plan, study_out, study_workers, write_plan
 from pretrieve.scale.study import KIND_TAG, STUDY_TAG
 
 
@@ -87,7 +87,7 @@ def farm_config(study: dict, points: list[Point], out: Path) -> dict:
     if not evaluation.get("datasets"):
         raise ValueError("evaluation.datasets: list the datasets to score each point on (farm format)")
     tracking = study["tracking"]
-    return {"out": str(out / "eval"), "workers": (study.get("run") or {}).get("workers", 1),
+    return {"out": str(out / "eval"), "workers": study_workers(study),
             "tracking": {"uri": tracking["uri"], "experiment": tracking["experiment"]},
             "eval": evaluation.get("eval", {}), "datasets": evaluation["datasets"],
             "stages": evaluation.get("stages", ["zero-shot"]),
@@ -100,7 +100,7 @@ def run_study(path: str | Path, slurm_jobs: str | None = None, progress: bool = 
 
     study, points = plan(path)
     write_plan(study, points)
-    out = Path((study.get("run") or {}).get("out") or f"runs/scale/{study['name']}")
+    out = study_out(study)
     parent = study_parent(study)
     write_atomic(out / "study.json", json.dumps({"study": study["name"], "parent_run_id": parent,
                                                  "tracking_uri": study["tracking"]["uri"]}, indent=1))
@@ -121,7 +121,7 @@ def run_study(path: str | Path, slurm_jobs: str | None = None, progress: bool = 
         log_validation_summary(out / "points" / point.id)
         return None
 
-    with ThreadPoolExecutor(max_workers=max(1, int((study.get("run") or {}).get("workers", 1)))) as pool:
+    with ThreadPoolExecutor(max_workers=study_workers(study)) as pool:
         for point, error in zip(pending, pool.map(pretrain, pending)):
             if error:
                 failed[point.id] = error

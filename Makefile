@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 DEMO_OUT ?= demo-out
 
-.PHONY: install demo test test-integration bench clean
+.PHONY: install demo test test-integration test-gpu bench clean
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,18 @@ test: install
 # slow end-to-end tests (a scaling study run, the quality benchmark's smoke run); .ci/run runs them after `test`
 test-integration: install
 	$(PY) -m pytest -q --durations=10 -m integration tests
+
+# on a machine with an NVIDIA GPU (`make install` there gets PyPI's CUDA build of torch): the kernel and engine
+# tests that need CUDA (tests/test_kernels_gpu.py, tests/test_engine_gpu.py), then the fused vs eager vs SDPA
+# attention benchmark and the BERT-base L = 512 bf16 throughput of retromae and dupmae, JSON to benchmarks/results/
+test-gpu: install
+	$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make test-gpu: torch ' + torch.__version__ + ' sees no CUDA device')"
+	$(PY) -m pytest -q -rs --durations=10 tests/test_kernels_gpu.py tests/test_engine_gpu.py
+	$(PY) benchmarks/two_stream_attention.py --out benchmarks/results/two_stream_attention.json
+	for method in retromae dupmae; do \
+	    $(PY) benchmarks/pretrain_throughput.py --method $$method --size base --seq-len 512 --batch 32 --steps 20 \
+	        --out benchmarks/results/pretrain_throughput_gpu.json || exit 1; \
+	done
 
 bench: install
 	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[bench]"

@@ -1,7 +1,7 @@
 """The fused two-stream attention on a GPU (kernel issue, item 4): bf16 / fp16 parity with the fp32 reference
 on real shapes (head dims 32, 64, 128; L up to 1,000, ragged and not a block multiple), and one RetroMAE decoder
 training step giving the same loss and gradients with the fused kernel and eager. Skipped without CUDA; on a
-GPU machine `tools/gpu_checks.sh kernels` runs them (the interpreter tests of test_kernels.py are for CPUs)."""
+GPU machine `make test-gpu` runs them (the interpreter tests of test_kernels.py are for CPUs)."""
 
 import pytest
 import torch

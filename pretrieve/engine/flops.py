@@ -20,16 +20,24 @@ tests/test_flops.py checks these against DeepSpeed's flops profiler.
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
 
-# Dense peak FLOP/s per device for MFU (vendor data sheets: SXM parts, tensor cores, no sparsity).
-PEAK_FLOPS = {
-    ("H200", "bf16"): 989e12, ("H200", "fp16"): 989e12, ("H200", "fp32"): 67e12,
-    ("H100", "bf16"): 989e12, ("H100", "fp16"): 989e12, ("H100", "fp32"): 67e12,
-    ("A100", "bf16"): 312e12, ("A100", "fp16"): 312e12, ("A100", "fp32"): 19.5e12,
-}
+# Dense peak FLOP/s per GPU for MFU, from the vendors' data sheets: tensor cores without sparsity for bf16/fp16,
+# plain FP32 for fp32 (PyTorch does not use TF32 for matmuls by default). The first pattern matching
+# torch.cuda.get_device_name wins: the PCIe and NVL parts of H100 before the SXM part, whose names carry
+# neither ("NVIDIA H100 80GB HBM3"); A10 as a whole word (not A100, not A10G, another part).
+GPU_PEAKS = [
+    (r"H100.*(PCIE|PCIe)", "H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),
+    (r"H100.*NVL", "H100 NVL", {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
+    (r"H100", "H100 SXM", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
+    (r"H200", "H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
+    (r"A100", "A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
+    (r"L40S", "L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
+    (r"\bA10\b", "A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
+]
 
 
 def layer_flops(config, batch: int, queries: int, keys: int) -> int:
@@ -93,9 +101,21 @@ def measured_cpu_peak(size: int = 2048, repeats: int = 10) -> float:
     return 2 * size**3 / best
 
 
-def device_peak(device: torch.device, precision: str) -> float | None:
-    """Peak FLOP/s of one device at `precision`: the table for known GPUs, a measured matmul on CPU."""
+def gpu_peak(name: str, precision: str) -> tuple[str, float] | None:
+    """(part, peak FLOP/s) of the GPU called `name` (torch.cuda.get_device_name) at `precision`; None when the
+    name is not in GPU_PEAKS."""
+    for pattern, part, peaks in GPU_PEAKS:
+        if re.search(pattern, name):
+            return part, peaks[precision]
+    return None
+
+
+def device_peak(device: torch.device, precision: str, override: float | None = None) -> float | None:
+    """Peak FLOP/s of one device at `precision`: `override` (train.peak_flops) when given, else the table for
+    known GPUs (None for another GPU: MFU is then left out, not guessed), a measured matmul on CPU."""
+    if override is not None:
+        return override
     if device.type == "cpu":
         return measured_cpu_peak()
-    name = torch.cuda.get_device_name(device)
-    return next((peak for (gpu, p), peak in PEAK_FLOPS.items() if gpu in name and p == precision), None)
+    known = gpu_peak(torch.cuda.get_device_name(device), precision)
+    return None if known is None else known[1]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import time
@@ -21,14 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from pretrieve.config import ConfigError, Experiment, deepspeed_config
 from pretrieve.engine.allocator import keep_freed_memory
+from pretrieve.engine.determinism import deterministic
 from pretrieve.engine.export_checkpoint import ENCODER_CONFIG, export_checkpoint
 from pretrieve.engine.flops import device_peak, train_flops
 from pretrieve.engine.lr_schedule import LRSchedule, start_at
+from pretrieve.engine.rng import rng_state, seed_everything, set_rng_state
 from pretrieve.engine.run_dir import LATEST, latest_checkpoint, write_atomic
 from pretrieve.engine.tracking import Tracker, run_params, run_tags
 from pretrieve.engine.universal import is_universal
@@ -46,7 +46,8 @@ class Preempted(SystemExit):
 
 class StopFlag:
     """SIGTERM / SIGUSR1 (SLURM's pre-timeout signal) ask for a checkpoint at the next step boundary; a second
-    signal exits at once (the last complete checkpoint is untouched: `latest` moves only after a save)."""
+    signal exits at once (the last complete checkpoint is untouched: `latest` moves only after a save). With
+    several ranks the ranks agree at log and checkpoint steps only: agreeing is a collective and a host sync."""
 
     def __init__(self, max_runtime: float | None):
         self.requested = False
@@ -58,13 +59,13 @@ class StopFlag:
             os._exit(128 + signum)
         self.requested = True
 
-    def should_stop(self, world: int) -> bool:
+    def should_stop(self, world: int, device: torch.device | None = None) -> bool:
         """All ranks agree: any rank's signal or deadline stops everyone at the same step."""
         stop = self.requested or (self.deadline is not None and time.monotonic() > self.deadline)
         if world > 1:
             import torch.distributed as dist
 
-            flag = torch.tensor([int(stop)])
+            flag = torch.tensor([int(stop)], device=device)  # NCCL reduces device tensors only
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             stop = bool(flag.item())
         return stop
@@ -85,22 +86,6 @@ def _distributed_env() -> tuple[int, int]:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-
-
-def _seed_everything(seed: int, rank: int) -> None:
-    random.seed(seed + rank)
-    np.random.seed(seed + rank)
-    torch.manual_seed(seed + rank)
-
-
-def _rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
 
 
 @dataclass
@@ -141,7 +126,8 @@ def _pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     # The loader's own generator: starting an iteration must not draw from the global RNG (dropout), or a
     # resumed run, which starts its iteration at another step, would drift from an uninterrupted one.
     loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, num_workers=exp.data.num_workers,
-                          collate_fn=collate, generator=torch.Generator().manual_seed(exp.seed))
+                          collate_fn=collate, generator=torch.Generator().manual_seed(exp.seed),
+                          pin_memory=torch.cuda.is_available())  # page-locked batches: asynchronous copies
     validation = None
     if exp.data.validation:
         validation = Validation.build(exp.data.validation, exp.method.collator.from_options(
@@ -166,7 +152,8 @@ def run_training(exp, build_job: Callable[[Any, int], TrainingJob]) -> dict:
     # stops the run at its first step boundary, with a checkpoint, instead of killing the process
     stop = StopFlag(exp.train.max_runtime)
     try:
-        return _run_training(exp, build_job, rank, world, stop)
+        with deterministic(exp.train.deterministic):
+            return _run_training(exp, build_job, rank, world, stop)
     finally:
         stop.restore()
 
@@ -178,7 +165,7 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
 
     if not torch.cuda.is_available():
         keep_freed_memory()  # ~10% of a CPU step went to page faults on re-allocated tensors
-    _seed_everything(exp.seed, rank)
+    seed_everything(exp.seed + rank)
     run_dir, ckpt_dir = exp.run_dir, exp.run_dir / "checkpoints"
     if exp.resume != "auto" and latest_checkpoint(run_dir) is not None:
         raise ValueError(f"run_dir: {run_dir} already holds checkpoints; pass resume=auto to continue that run, "
@@ -213,18 +200,18 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
             start_at(engine.lr_scheduler, engine.global_steps)
         if len(client["stream"]) == world:
             stream.load_state_dict(client["stream"][rank])
-            _set_rng_state(client["rng"][rank])
+            set_rng_state(client["rng"][rank], f"{source / source_tag}")
             counters = client["counters"][rank]
         else:  # another world size (universal checkpoint): ranks ran in lockstep, any rank's position is all's
             stream.load_state_dict(client["stream"][0])
-            _seed_everything(exp.seed + engine.global_steps, rank)
+            seed_everything(exp.seed + engine.global_steps + rank)
             if rank == 0:  # the run's totals so far
                 counters = {key: sum(c[key] for c in client["counters"]) for key in counters}
 
     if rank == 0 and (tag is not None or branch is not None):
         _truncate_metrics(run_dir / "metrics.jsonl", engine.global_steps)  # a crashed attempt's later steps rerun
     metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
-    peak = device_peak(engine.device, exp.train.precision) if rank == 0 else None
+    peak = device_peak(engine.device, exp.train.precision, exp.train.peak_flops) if rank == 0 else None
     window = {"loss": 0.0, "parts": {}, "micro": 0, "tokens": 0, "samples": 0, "flops": 0,
               "started": time.perf_counter()}
     last_step = min(exp.train.max_steps, exp.train.stop_at or exp.train.max_steps)  # of this invocation
@@ -234,7 +221,10 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
     try:
         while engine.global_steps < last_step:
             for batch in loader:
-                batch = {k: v.to(engine.device) for k, v in batch.items()}
+                # counted on the host before the copy: counting device tensors would wait for the GPU each step
+                samples, tokens = job.count(batch)
+                window["flops"] += job.flops(batch)
+                batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
                 out = engine(batch)
                 engine.backward(out["loss"])
                 boundary = engine.is_gradient_accumulation_boundary()  # asked before step(), which advances it
@@ -243,17 +233,14 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
                 plain_norm = _plain_grad_norm(engine) if log_now else None
                 lr = engine.get_lr()[0]  # the lr of this update: step() moves the schedule on
                 engine.step()
-                samples, tokens = job.count(batch)
                 counters["samples"] += samples
                 counters["tokens"] += tokens
                 window["micro"] += 1
                 window["tokens"] += tokens
                 window["samples"] += samples
-                window["flops"] += job.flops(batch)
-                window["loss"] += out["loss"].item()
-                for name, value in out.items():
-                    if name != "loss":
-                        window["parts"][name] = window["parts"].get(name, 0.0) + value.item()
+                for name, value in out.items():  # summed on the device: read back at log steps only
+                    sums = window if name == "loss" else window["parts"]
+                    sums[name] = sums.get(name, 0.0) + value.detach().double()
                 if not boundary:
                     continue
                 step = engine.global_steps
@@ -263,7 +250,8 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
                 if job.validation is not None and (step % eval_every == 0 or step == exp.train.max_steps):
                     _write(metrics, tracker, {"step": step, **job.validation.evaluate(engine, engine.device)})
-                preempted = stop.should_stop(world)
+                preempted = (world == 1 or log_now or step % exp.checkpoint.every == 0 or step == last_step) \
+                    and stop.should_stop(world, engine.device)
                 if step % exp.checkpoint.every == 0 or step == last_step or preempted:
                     save_checkpoint(engine, ckpt_dir, step, stream, counters, exp.checkpoint.keep, rank, world)
                 if preempted:
@@ -281,7 +269,7 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
     if world > 1:  # the run's totals; this also waits for every rank's last checkpoint shard
         import torch.distributed as dist
 
-        totals = torch.tensor([counters["samples"], counters["tokens"]], dtype=torch.int64)
+        totals = torch.tensor([counters["samples"], counters["tokens"]], dtype=torch.int64, device=engine.device)
         dist.all_reduce(totals)
         counters = dict(zip(("samples", "tokens"), totals.tolist()))
     finished = engine.global_steps >= exp.train.max_steps  # else stopped at train.stop_at: resume=auto goes on
@@ -315,14 +303,16 @@ def _log(metrics, tracker, step: int, window: dict, engine, peak: float | None, 
     (before clipping) and, with fp16, the loss scale."""
     import torch.distributed as dist
 
-    seconds = time.perf_counter() - window["started"]
     names = sorted(window["parts"])
-    sums = torch.tensor([window["loss"], *(window["parts"][n] for n in names), window["micro"], window["tokens"],
-                         window["samples"], window["flops"]], dtype=torch.float64)
+    losses = torch.stack([window["loss"], *(window["parts"][n] for n in names)])  # on the device: one sync here
+    counts = torch.tensor([window["micro"], window["tokens"], window["samples"], window["flops"]],
+                          dtype=torch.float64, device=losses.device)
+    sums = torch.cat([losses, counts])
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:
         dist.all_reduce(sums)
     loss, *parts, micro, tokens, samples, flops = sums.tolist()
+    seconds = time.perf_counter() - window["started"]  # after the sync: the GPU has finished the window's work
     micro = max(micro, 1)
     device_flops = flops / world / seconds
     record = {"step": step, "loss": loss / micro, **{n: v / micro for n, v in zip(names, parts)},
@@ -358,7 +348,7 @@ def save_checkpoint(engine, ckpt_dir: Path, step: int, stream, counters: dict, k
     tag = f"step{step:08d}"
     if rank == 0:  # what a crashed attempt left of this tag (never `latest`: that moves only after a save);
         shutil.rmtree(ckpt_dir / tag, ignore_errors=True)  # the all_gather below holds the other ranks back
-    mine = {"stream": stream.state_dict(), "rng": _rng_state(), "counters": dict(counters)}
+    mine = {"stream": stream.state_dict(), "rng": rng_state(), "counters": dict(counters)}
     every = [mine] if world == 1 else [None] * world  # DeepSpeed saves client state from rank 0 only
     if world > 1:
         dist.all_gather_object(every, mine)

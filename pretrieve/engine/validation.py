@@ -48,7 +48,8 @@ class Validation:
         finally:
             model.train(was_training)
         names = sorted(sums)  # every rank runs the same head: the same parts
-        totals = torch.tensor([*(sums[n] for n in names), len(self.batches)], dtype=torch.float64)
+        totals = torch.tensor([*(sums[n] for n in names), len(self.batches)], dtype=torch.float64,
+                              device=device)  # NCCL reduces device tensors only
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(totals)
         *values, count = totals.tolist()

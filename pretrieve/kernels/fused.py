@@ -8,12 +8,16 @@ dQ over key blocks, no atomics). Inputs fp32, fp16 or bf16 with fp32 accumulatio
 of two); any L, ragged lengths. No attention-probability dropout (heads refuse the combination).
 
 On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set before triton is imported):
-that is how the test suite checks them on machines without a GPU.
+that is how the test suite checks them on machines without a GPU. On CUDA each kernel launches with one of its
+LAUNCHES candidates (tiles, warps, pipeline stages); tests/test_kernels_compile.py compiles every candidate for
+sm80 and sm90 and checks its shared memory, registers and spills.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -150,10 +154,67 @@ if triton is not None:
         _store_tile(DQ, base, offs_m, seq_len, dq * scale, HEAD_DIM)
 
 
-def _blocks(device: torch.device, head_dim: int) -> tuple[int, int]:
-    if device.type != "cuda":
-        return 16, 16  # the interpreter: small tiles keep the numpy emulation quick
-    return (64, 64) if head_dim <= 64 else (64, 32)
+class Launch(NamedTuple):
+    """One launch configuration: the tile (BLOCK_M query rows x BLOCK_N key rows), warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# The interpreter: small tiles keep the numpy emulation quick (warps and stages mean nothing there).
+INTERPRETER = Launch(16, 16, 1, 1)
+
+# CUDA candidates per kernel and head dim, for sm80 and sm90 and fp32 / fp16 / bf16 alike. triton.autotune times
+# both at the first call per head dim and dtype and keeps the faster: tile shape trades reloads of the streamed
+# operands against registers and occupancy, which only the GPU can weigh. Under torch's deterministic mode
+# (train.deterministic) the first runs untimed, as cuDNN stops benchmarking there: another tile sums in another
+# order, so a resumed run could drift. tests/test_kernels_compile.py compiles each for sm80 and sm90: it fits in
+# shared memory (fp32 at head dim 128 with ~35 KB to spare on an A100) and does not spill in fp16 / bf16. The
+# bit-mask gather in _visible costs registers like a third dot, hence 8 warps for 64x64 tiles or a 32-wide side:
+# 4-warp 64x64 tiles spill on sm80.
+LAUNCHES = {
+    "_forward": {
+        16: (Launch(128, 32, 8, 3), Launch(64, 32, 4, 3)),
+        32: (Launch(128, 32, 8, 3), Launch(64, 32, 4, 3)),
+        64: (Launch(64, 64, 8, 3), Launch(64, 32, 8, 3)),
+        128: (Launch(64, 32, 8, 3), Launch(32, 64, 8, 2)),
+    },
+    "_backward_kv": {
+        16: (Launch(64, 64, 8, 3), Launch(64, 32, 4, 3)),
+        32: (Launch(32, 64, 8, 3), Launch(64, 32, 4, 3)),
+        64: (Launch(64, 32, 8, 3), Launch(64, 32, 4, 3)),
+        128: (Launch(32, 64, 8, 3), Launch(32, 32, 4, 3)),
+    },
+    "_backward_q": {
+        16: (Launch(128, 32, 8, 3), Launch(64, 32, 4, 3)),
+        32: (Launch(128, 32, 8, 3), Launch(64, 32, 4, 3)),
+        64: (Launch(32, 64, 8, 3), Launch(64, 32, 8, 3)),
+        128: (Launch(64, 32, 8, 3), Launch(32, 64, 8, 2)),
+    },
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(name: str, head_dim: int, first_only: bool):
+    """Kernel `name` autotuned over its candidates at this head dim; first_only: just the first (not timed)."""
+    launches = LAUNCHES[name][head_dim][:1] if first_only else LAUNCHES[name][head_dim]
+    configs = [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps,
+                             num_stages=c.num_stages) for c in launches]
+    return triton.autotune(configs, key=["HEAD_DIM"])(globals()[name])
+
+
+def _launch(name: str, tile: str, seq_len: int, batch_heads: int, *args, head_dim: int) -> None:
+    """Run kernel `name` on a grid of (seq_len / tile, batch * heads); tile: "BLOCK_M" or "BLOCK_N", the side of
+    the tile each program owns."""
+    kernel = globals()[name]
+    if not isinstance(kernel, triton.runtime.JITFunction):  # the interpreter
+        blocks = {"BLOCK_M": INTERPRETER.block_m, "BLOCK_N": INTERPRETER.block_n}
+        kernel[(triton.cdiv(seq_len, blocks[tile]), batch_heads)](*args, **blocks, HEAD_DIM=head_dim)
+        return
+    tuned = _tuned(name, head_dim, torch.are_deterministic_algorithms_enabled())
+    tuned[lambda meta: (triton.cdiv(seq_len, meta[tile]), batch_heads)](*args, HEAD_DIM=head_dim)
 
 
 class FusedTwoStreamAttention(torch.autograd.Function):
@@ -167,14 +228,11 @@ class FusedTwoStreamAttention(torch.autograd.Function):
         lengths = lengths.to(torch.int32).contiguous()
         out = torch.empty_like(q)
         lse = torch.empty(batch, heads, seq_len, device=q.device, dtype=torch.float32)
-        block_m, block_n = _blocks(q.device, head_dim)
         scale = 1.0 / math.sqrt(head_dim)
-        grid = (triton.cdiv(seq_len, block_m), batch * heads)
-        _forward[grid](q, k, v, out, lse, pool, rows, lengths, seq_len, heads, scale,
-                       q.stride(0), q.stride(1), pool.stride(0), pool.stride(1),
-                       BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim)
+        _launch("_forward", "BLOCK_M", seq_len, batch * heads, q, k, v, out, lse, pool, rows, lengths, seq_len,
+                heads, scale, q.stride(0), q.stride(1), pool.stride(0), pool.stride(1), head_dim=head_dim)
         ctx.save_for_backward(q, k, v, out, lse, pool, rows, lengths)
-        ctx.scale, ctx.blocks = scale, (block_m, block_n)
+        ctx.scale = scale
         return out
 
     @staticmethod
@@ -184,12 +242,12 @@ class FusedTwoStreamAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         delta = (grad_out.float() * out.float()).sum(dim=-1)  # [B, H, L]: rowsum(dO * O)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        block_m, block_n = ctx.blocks
+        # the backward's tiles need not match the forward's: it recomputes the probabilities from the log-sum-exp
         args = (pool, rows, lengths, seq_len, heads, ctx.scale, q.stride(0), q.stride(1), pool.stride(0), pool.stride(1))
-        _backward_kv[(triton.cdiv(seq_len, block_n), batch * heads)](
-            q, k, v, grad_out, lse, delta, dk, dv, *args, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim)
-        _backward_q[(triton.cdiv(seq_len, block_m), batch * heads)](
-            q, k, v, grad_out, lse, delta, dq, *args, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim)
+        _launch("_backward_kv", "BLOCK_N", seq_len, batch * heads, q, k, v, grad_out, lse, delta, dk, dv, *args,
+                head_dim=head_dim)
+        _launch("_backward_q", "BLOCK_M", seq_len, batch * heads, q, k, v, grad_out, lse, delta, dq, *args,
+                head_dim=head_dim)
         return dq, dk, dv, None, None, None
 
 

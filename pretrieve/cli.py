@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_stream(commands)
     _add_pretrain(commands)
     _add_export(commands)
+    _add_card(commands)
     _add_universal(commands)
     _add_launch_info(commands)
     _add_finetune(commands)
@@ -150,9 +151,10 @@ def _add_finetune_stages(commands) -> None:
     p.add_argument("--teacher-init", default=None, metavar="DIR", help="the cross-encoder's start (default: --model)")
     p.add_argument("--negatives", type=int, default=15, help="hard negatives per query (default 15)")
     p.add_argument("--depth", type=int, default=200, help="mining depth (default 200)")
-    p.add_argument("--pooling", choices=("cls", "mean", "dupmae"), default="cls",
-                   help="dupmae: DupMAE's joint score, eq. 12 (--model: a DupMAE export)")
-    p.add_argument("--normalize", action="store_true")
+    p.add_argument("--pooling", choices=("cls", "mean", "dupmae"), default=None,
+                   help="dupmae: DupMAE's joint score, eq. 12 (--model: a DupMAE export). Default: the base config's, "
+                        "else what --model says about itself, else cls")
+    _normalize_option(p, "cosine similarity in training and mining")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every fine-tuning run (repeatable), e.g. --set train.max_steps=100")
     p.add_argument("--nproc", type=int, default=1,
@@ -193,10 +195,10 @@ def _add_mine(commands) -> None:
     p.add_argument("--negatives", type=int, default=15, help="negatives per query (default 15)")
     p.add_argument("--skip", type=int, default=0, help="top ranks left out (likely unjudged positives)")
     p.add_argument("--pooling", choices=("cls", "mean", "dupmae"), default=None,
-                   help="default: the pooling the model was fine-tuned with, else cls (dupmae: eq. 12, searched "
-                        "as eval does)")
-    p.add_argument("--normalize", action="store_true", default=None, help="default: as fine-tuned")
-    p.add_argument("--max-length", type=int, default=144, help="passage tokens")
+                   help=f"dupmae: eq. 12, searched as eval does. {MODEL_SAYS}")
+    _normalize_option(p, "L2-normalize vectors")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="passage tokens (default: the model's maximum length, else 144)")
     p.add_argument("--query-max-length", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--index", choices=INDEXES, default="flat")
@@ -236,6 +238,20 @@ def _run_teacher_scores(args) -> int:
     return 0
 
 
+MODEL_SAYS = ("Default: what the model directory says (its sentence-transformers config, else "
+              "pretrieve_finetune.json), else cls; printed with its source")
+
+
+def _normalize_option(p, what: str) -> None:
+    p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"{what}; default: as the model directory says, else off")
+
+
+def _max_length_option(p) -> None:
+    p.add_argument("--max-length", type=int, default=None,
+                   help="tokens per text, queries and documents (default: the model's maximum length, else 256)")
+
+
 def _add_retrieval_set(p) -> None:
     data = p.add_mutually_exclusive_group(required=True)
     data.add_argument("--beir", default=None, metavar="DIR", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/")
@@ -259,8 +275,7 @@ def _add_eval(commands) -> None:
     _add_retrieval_set(p)
     p.add_argument("--pooling", choices=("cls", "mean", "dupmae", "sparse", "hybrid"), default=None,
                    help="cls / mean: dense; dupmae (eq. 12: a DupMAE export or a model fine-tuned with dupmae), "
-                        "sparse (SPLADE-style) and hybrid (CLS + sparse) need the model's MLM head. Default: the "
-                        "pooling the model was fine-tuned with, else cls")
+                        f"sparse (SPLADE-style) and hybrid (CLS + sparse) need the model's MLM head. {MODEL_SAYS}")
     p.add_argument("--vocab-top-k", type=int, default=None,
                    help="dupmae / sparse / hybrid: entries a document keeps (default: dupmae the trained k, else "
                         "384; sparse / hybrid 256)")
@@ -268,9 +283,8 @@ def _add_eval(commands) -> None:
     p.add_argument("--candidates", type=int, default=None,
                    help="dupmae / hybrid: re-score each query's dense + sparse top N instead of the whole corpus "
                         "(default: exact up to 100,000 documents, 1,000 candidates beyond)")
-    p.add_argument("--normalize", action="store_true", default=None,
-                   help="L2-normalize vectors (cosine similarity); default: as fine-tuned, else off")
-    p.add_argument("--max-length", type=int, default=256, help="tokens per text, queries and documents")
+    _normalize_option(p, "L2-normalize vectors (cosine similarity)")
+    _max_length_option(p)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--index", choices=INDEXES, default="flat", help="faiss index (flat is exact)")
     p.add_argument("--depth", type=int, default=1000, help="documents retrieved per query")
@@ -297,9 +311,9 @@ def _add_encode(commands) -> None:
                                         "--embeddings DIR` with the same model and settings reads them.")
     p.add_argument("--model", required=True, metavar="DIR")
     _add_retrieval_set(p)
-    p.add_argument("--pooling", choices=("cls", "mean"), default="cls")
-    p.add_argument("--normalize", action="store_true")
-    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--pooling", choices=("cls", "mean"), default=None, help=MODEL_SAYS)
+    _normalize_option(p, "L2-normalize vectors (cosine similarity)")
+    _max_length_option(p)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--shard-size", type=int, default=100_000, help="documents per shard")
     p.add_argument("--worker", type=int, default=0, help="this worker's index (default 0)")
@@ -311,9 +325,15 @@ def _add_encode(commands) -> None:
 def _run_encode(args) -> int:
     from pretrieve.data.retrieval import load_retrieval_set
     from pretrieve.eval.encode import DenseEncoder, EncodeOptions, encode_corpus_shards
+    from pretrieve.eval.model_config import resolve_encoding
 
     data = load_retrieval_set(args.beir, args.msmarco, _split(args), "skip")
-    encoder = DenseEncoder(args.model, EncodeOptions(args.pooling, args.max_length, args.batch_size, args.normalize))
+    encoding = resolve_encoding(args.model, args.pooling, args.normalize, args.max_length)
+    if encoding.pooling not in ("cls", "mean"):
+        raise ValueError(f"{args.model}: pooling {encoding.pooling} ({encoding.source}) is not a dense pooling; "
+                         "`pretrieve encode` writes cls or mean vectors (give --pooling)")
+    encoder = DenseEncoder(args.model, EncodeOptions(encoding.pooling, encoding.max_length, args.batch_size,
+                                                     encoding.normalize))
     doc_ids = list(data.corpus)
     shards = encode_corpus_shards(encoder, doc_ids, [data.doc_text(d) for d in doc_ids], args.out, args.shard_size,
                                   args.worker, args.workers)
@@ -449,6 +469,24 @@ def _run_export(args) -> int:
     from pretrieve.engine.export_checkpoint import export_checkpoint
 
     print(export_checkpoint(args.checkpoint, args.out))
+    return 0
+
+
+def _add_card(commands) -> None:
+    p = commands.add_parser("card", help="write a run's model card (RUN/export/README.md) again, with its evaluations",
+                            description="Generate the Hugging Face model card of RUN/export from the run directory "
+                                        "(method, size, data, tokens, steps, losses) and every evaluation the farm "
+                                        "has logged for it in MLflow.")
+    p.add_argument("run_dir", metavar="RUN")
+    p.add_argument("--tracking-uri", default=None, metavar="URI",
+                   help="the MLflow store the farm logs to (default: the run's own, from RUN/run.json)")
+    p.set_defaults(run=_run_card)
+
+
+def _run_card(args) -> int:
+    from pretrieve.models.model_card import refresh_card
+
+    print(refresh_card(args.run_dir, args.tracking_uri))
     return 0
 
 

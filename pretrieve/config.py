@@ -161,8 +161,8 @@ class Experiment:
     init_checkpoint: tuple[Path, str] | None = None  # (checkpoints dir, tag) a new run branches from
 
 
-_TOP_LEVEL = {"seed", "run_dir", "resume", "init_checkpoint", "model", "method", "data", "train", "checkpoint",
-              "tracking"}
+_TOP_LEVEL = {"seed", "run_dir", "resume", "resume_changes", "init_checkpoint", "model", "method", "data", "train",
+              "checkpoint", "tracking"}
 
 
 def _section(config: DictConfig, name: str, cls):
@@ -250,6 +250,9 @@ def resume_of(config: DictConfig) -> str | None:
     resume = config.get("resume")
     if resume not in (None, "auto"):
         raise ConfigError(f"resume: {resume!r}: the only value is auto (continue from the latest checkpoint)")
+    if config.get("resume_changes") not in (None, "allow"):  # engine/resume_check.py
+        raise ConfigError(f"resume_changes: {config.get('resume_changes')!r}: the only value is allow (resume with "
+                          "a config that differs from the checkpoint's beyond cadence keys; recorded in the run)")
     return resume
 
 

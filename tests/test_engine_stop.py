@@ -56,8 +56,8 @@ def test_sigterm_checkpoints_exits_85_and_resume_matches(tmp_path, wiki_shards):
 
 
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, wiki_shards):
-    """The step-4 checkpoint fails half-written (ZeRO 2): `latest` still names step 2, and resume=auto from
-    there, over the broken tag, reproduces the uninterrupted run."""
+    """The step-4 checkpoint fails half-written (ZeRO 2): the error names the tag, `latest` still names step 2,
+    and resume=auto from there reproduces the uninterrupted run."""
     steps = ["train.max_steps=6", "checkpoint.every=2", "train.zero_stage=2", "tracking.enabled=false"]
     subprocess.run(_command(tmp_path / "full", wiki_shards, *steps), env=pretrain_env(), check=True,
                    capture_output=True)
@@ -66,8 +66,10 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, wiki_shards)
                               *_command(run, wiki_shards, *steps)[4:]], env=pretrain_env(), capture_output=True,
                              text=True)
     assert crashed.returncode != 0 and "injected by tests/crash_save.py" in crashed.stderr
+    assert f"{run / 'checkpoints' / 'step00000004'}: saving the checkpoint failed: no space left on device" in \
+        crashed.stderr
     assert (run / "checkpoints" / "latest").read_text() == "step00000002"
-    assert (run / "checkpoints" / "step00000004").is_dir()  # the broken tag is there, and ignored
+    assert not (run / "checkpoints" / "step00000004").exists()  # the broken tag is removed: its space is free
 
     done = subprocess.run(_command(run, wiki_shards, *steps, "resume=auto"), env=pretrain_env(),
                           capture_output=True, text=True)

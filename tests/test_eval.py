@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import SAMPLES
+from conftest import SAMPLES, write_beir
 
 from pretrieve.cli import main as cli
 from pretrieve.data.retrieval import RetrievalDataError, load_beir, load_msmarco, write_msmarco
@@ -294,14 +294,7 @@ def test_vocabulary_poolings_of_a_dupmae_export(tmp_path):
     data = load_beir(SCIFACT)  # a fifth of the sample: every text projects onto all 30,522 words
     query_ids = list(data.queries)[:20]
     doc_ids = sorted({d for q in query_ids for d in data.qrels[q]} | set(list(data.corpus)[:80]))
-    mini = tmp_path / "mini"
-    (mini / "qrels").mkdir(parents=True)
-    (mini / "corpus.jsonl").write_text("".join(json.dumps({"_id": d, "title": data.corpus[d][0],
-                                                           "text": data.corpus[d][1]}) + "\n" for d in doc_ids))
-    (mini / "queries.jsonl").write_text("".join(json.dumps({"_id": q, "text": data.queries[q]}) + "\n"
-                                                for q in query_ids))
-    (mini / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
-        f"{q}\t{d}\t{r}\n" for q in query_ids for d, r in data.qrels[q].items()))
+    mini = write_beir(tmp_path / "mini", data, query_ids, doc_ids)
     results = {}
     for pooling in ("dupmae", "sparse", "hybrid"):
         results[pooling] = run_eval(EvalOptions(out=str(tmp_path / pooling), model=str(model), beir=str(mini),

@@ -340,8 +340,8 @@ def test_dupmae_pooling_trains_on_the_joint_score_of_eq_12(tmp_path, tokenizer):
 
 def test_dupmae_fine_tuning_exports_its_joint_score_to_eval(tmp_path):
     """`pretrieve finetune` with pooling dupmae lowers its loss; the export carries the learned W^cls and LPU,
-    `pretrieve eval` uses them by default (its scores are the fine-tuned model's eq. 12), and mining searches
-    with them."""
+    `pretrieve eval` uses them by default (its scores are the fine-tuned model's eq. 12), mining searches
+    with them, and sentence-transformers loads the dense part."""
     import subprocess
     import sys
 
@@ -403,6 +403,14 @@ def test_dupmae_fine_tuning_exports_its_joint_score_to_eval(tmp_path):
                              max_length=48, progress=False))
     assert mined["pooling"] == "dupmae" and mined["queries_with_fewer_negatives"] == 0
     assert all(len(e.neg) == 3 and not set(e.neg) & set(e.pos) for e in read_examples(hard))
+
+    # sentence-transformers gets eq. 12's dense part only: [CLS] through the learned W^cls (its Dense module)
+    sentence_transformers = pytest.importorskip("sentence_transformers")  # the dev extra
+    dense = sentence_transformers.SentenceTransformer(str(export), device="cpu").encode(
+        [data.queries[i] for i in query_ids], convert_to_tensor=True)
+    with torch.no_grad():
+        torch.testing.assert_close(dense, joint.cls_proj(encoder(q["input_ids"], q["attention_mask"])[:, 0]),
+                                   atol=1e-5, rtol=0)
 
 
 def test_finetune_stages_runs_each_fine_tuning_over_nproc_ranks(tmp_path, tokenizer):

@@ -1,8 +1,9 @@
 """`train.deterministic: true`: PyTorch's documented switches for bit-exact GPU runs
 (https://pytorch.org/docs/stable/notes/randomness.html), at some speed cost. Without them cuBLAS and some
 CUDA kernels (atomics in scatter/index_add backward, cuDNN autotuning) may sum in another order from run to
-run, so a resumed GPU run can drift from the uninterrupted one in the last bits. CPU runs are deterministic
-either way."""
+run, so a resumed GPU run can drift from the uninterrupted one in the last bits. The fused attention kernel
+reads the same switch: it then launches its first tile configuration instead of autotuning between two, whose
+sums run in another order (kernels/fused.py). CPU runs are deterministic either way."""
 
 from __future__ import annotations
 

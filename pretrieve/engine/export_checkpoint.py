@@ -22,12 +22,13 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     from pretrieve.config import load_config, method_options
     from pretrieve.models.encoder import Encoder
     from pretrieve.models.export import export
+    from pretrieve.models.model_card import write_model_card
 
     run_dir, ckpt_dir, tag = locate(Path(path))
     method, options = method_options(load_config(run_dir / "config.yaml"))
     head = method.head(Encoder(BertConfig.from_json_file(run_dir / ENCODER_CONFIG)), options)
     load_checkpoint_weights(head, ckpt_dir, tag)
-    return export(head, out)
+    return export(head, out, before_rename=lambda tmp: write_model_card(out, run_dir, tag, card_dir=tmp))
 
 
 def load_checkpoint_weights(module: torch.nn.Module, ckpt_dir: Path, tag: str) -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 from pathlib import Path
 
 LATEST = "latest"  # checkpoints/latest names the newest complete tag; it moves only after a save finishes
+TAG_CONFIG = "config.yaml"  # the config a tag was written with, saved inside it last: the tag is complete
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -16,8 +19,30 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def latest_checkpoint(run_dir: Path) -> str | None:
-    latest = run_dir / "checkpoints" / LATEST
-    return latest.read_text().strip() if latest.is_file() else None
+    """The tag `latest` names; None before the first checkpoint. A `latest` that is empty or names a missing
+    tag (edited, or restored from a backup without its tags) falls back, with a warning, to the newest complete
+    tag, or is refused naming the file when there is none."""
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    latest = ckpt_dir / LATEST
+    if not latest.is_file():
+        return None
+    tag = latest.read_text().strip()
+    if tag and (ckpt_dir / tag).is_dir():
+        return tag
+    complete = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and (p / TAG_CONFIG).is_file())
+    named = f"names {tag!r}, which is not a checkpoint in {ckpt_dir}" if tag else "is empty"
+    if not complete:
+        raise FileNotFoundError(f"{latest}: {named}, and no complete checkpoint is there to fall back to")
+    print(f"pretrieve: {latest} {named}; using the newest complete one, {complete[-1]}", file=sys.stderr)
+    return complete[-1]
+
+
+def prune_tags(ckpt_dir: Path, latest: str, keep: int) -> None:
+    """Keep `latest` and the `keep` - 1 tags before it; tags after it (a save that did not finish) stay until
+    their step is saved again."""
+    older = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step") and p.name < latest)
+    for old in older[:max(0, len(older) - (keep - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def locate(path: Path) -> tuple[Path, Path, str]:

@@ -60,7 +60,9 @@ def _git_commit() -> str:
 
 
 class Tracker:
-    def __init__(self, options: TrackingOptions, run_dir: Path, params: dict, tags: dict):
+    def __init__(self, options: TrackingOptions, run_dir: Path, params: dict, tags: dict, fresh: bool = False):
+        """fresh: the run starts from step 0 (no checkpoint): a run.json left by an attempt that died before its
+        first checkpoint names a run that is ended as FAILED, and a new one is made, so no step is logged twice."""
         self.client = None
         self.run_id = None
         self.system = None
@@ -76,6 +78,9 @@ class Tracker:
             self.client = MlflowClient(tracking_uri=uri)
             previous = json.loads(run_file.read_text()) if run_file.is_file() else {}
             resumed = previous.get("tracking_uri") == uri and bool(previous.get("run_id"))
+            if resumed and fresh:
+                self.client.set_terminated(previous["run_id"], status="FAILED")
+                resumed = False
             if resumed:
                 self.run_id = previous["run_id"]  # resume: continue the same run
                 self.client.update_run(self.run_id, status="RUNNING")
@@ -119,6 +124,14 @@ class Tracker:
             now = int(time.time() * 1000)
             self.client.log_batch(self.run_id, metrics=[Metric(metric_name(k), float(v), now, step)
                                                         for k, v in metrics.items() if k != "step"])
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    def set_tag(self, key: str, value: str) -> None:
+        if self.client is None:
+            return
+        try:
+            self.client.set_tag(self.run_id, key, value)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 

@@ -11,6 +11,8 @@ after a tag is complete, so a crash while saving leaves the previous checkpoint 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -29,7 +31,9 @@ from pretrieve.engine.export_checkpoint import ENCODER_CONFIG, export_checkpoint
 from pretrieve.engine.flops import device_peak, train_flops
 from pretrieve.engine.lr_schedule import LRSchedule, start_at
 from pretrieve.engine.rng import rng_state, seed_everything, set_rng_state
-from pretrieve.engine.run_dir import LATEST, latest_checkpoint, write_atomic
+from pretrieve.engine.resume_check import check_resume, record_changes, saved_config
+from pretrieve.engine.run_dir import LATEST, TAG_CONFIG, latest_checkpoint, prune_tags, write_atomic
+from pretrieve.engine.run_lock import DirectoryLock
 from pretrieve.engine.tracking import Tracker, run_params, run_tags
 from pretrieve.engine.universal import is_universal
 from pretrieve.engine.validation import VALIDATION_SEED, Validation
@@ -151,8 +155,10 @@ def run_training(exp, build_job: Callable[[Any, int], TrainingJob]) -> dict:
     # before the slow start (data, deepspeed.initialize, checkpoint load): a signal that arrives during it
     # stops the run at its first step boundary, with a checkpoint, instead of killing the process
     stop = StopFlag(exp.train.max_runtime)
+    # rank 0 holds the run directory for the run's life: a second trainer there is refused, naming this one
+    lock = DirectoryLock(exp.run_dir, "trainer") if rank == 0 else contextlib.nullcontext()
     try:
-        with deterministic(exp.train.deterministic):
+        with lock, deterministic(exp.train.deterministic):
             return _run_training(exp, build_job, rank, world, stop)
     finally:
         stop.restore()
@@ -170,14 +176,23 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
     if exp.resume != "auto" and latest_checkpoint(run_dir) is not None:
         raise ValueError(f"run_dir: {run_dir} already holds checkpoints; pass resume=auto to continue that run, "
                          "or choose another run_dir")
+    tag = latest_checkpoint(run_dir) if exp.resume == "auto" else None
+    config = OmegaConf.to_container(exp.raw, resolve=True)
+    changes = {}
+    if tag is not None and (saved := saved_config(ckpt_dir, tag)) is not None:  # before anything is written
+        changes = check_resume(*saved, config, universal=is_universal(ckpt_dir / tag))
+    config_yaml = OmegaConf.to_yaml(exp.raw, resolve=True)
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(exp.raw, resolve=True))
+        write_atomic(run_dir / "config.yaml", config_yaml)
+        if tag is not None:  # a kill between moving `latest` and pruning left older tags
+            prune_tags(ckpt_dir, tag, exp.checkpoint.keep)
+        elif getattr(exp, "init_checkpoint", None) is None:  # a fresh start: what an attempt that died before its
+            _truncate_metrics(run_dir / "metrics.jsonl", 0)  # first checkpoint logged goes (its MLflow run too)
 
     job = build_job(exp, rank)
     stream, loader = job.position, job.loader
     ds_config = deepspeed_config(exp)
-    tag = latest_checkpoint(run_dir) if exp.resume == "auto" else None
     if tag is not None and is_universal(ckpt_dir / tag):  # written by `pretrieve universal`: any world size
         ds_config["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = deepspeed.initialize(model=job.module, config=ds_config,
@@ -185,8 +200,9 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
                                            lr_scheduler=LRSchedule.of(exp.train).scheduler)
     tracker = None
     if rank == 0:
-        tracker = Tracker(exp.tracking, run_dir, run_params(OmegaConf.to_container(exp.raw, resolve=True), ds_config),
-                          job.tags)
+        fresh = tag is None and getattr(exp, "init_checkpoint", None) is None
+        tracker = Tracker(exp.tracking, run_dir, run_params(config, ds_config), job.tags, fresh=fresh)
+        record_changes(run_dir, tag, changes, tracker)
 
     counters = {"samples": 0, "tokens": 0}
     branch = getattr(exp, "init_checkpoint", None) if tag is None else None
@@ -253,7 +269,8 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
                 preempted = (world == 1 or log_now or step % exp.checkpoint.every == 0 or step == last_step) \
                     and stop.should_stop(world, engine.device)
                 if step % exp.checkpoint.every == 0 or step == last_step or preempted:
-                    save_checkpoint(engine, ckpt_dir, step, stream, counters, exp.checkpoint.keep, rank, world)
+                    save_checkpoint(engine, ckpt_dir, step, stream, counters, exp.checkpoint.keep, rank, world,
+                                    config_yaml)
                 if preempted:
                     if tracker is not None:
                         tracker.finish("KILLED")  # reopened by resume=auto
@@ -341,8 +358,9 @@ def _write(metrics, tracker, record: dict) -> None:
 
 
 def save_checkpoint(engine, ckpt_dir: Path, step: int, stream, counters: dict, keep: int, rank: int,
-                    world: int) -> str:
-    """Save tag `step<N>`, then point `latest` at it, then drop all but the newest `keep` tags."""
+                    world: int, config_yaml: str) -> str:
+    """Save tag `step<N>` (its config last, the mark of a complete tag), then point `latest` at it, then drop
+    all but the newest `keep` tags. A failed save (a full disk) names the tag and leaves `latest` as it was."""
     import torch.distributed as dist
 
     tag = f"step{step:08d}"
@@ -352,13 +370,29 @@ def save_checkpoint(engine, ckpt_dir: Path, step: int, stream, counters: dict, k
     every = [mine] if world == 1 else [None] * world  # DeepSpeed saves client state from rank 0 only
     if world > 1:
         dist.all_gather_object(every, mine)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False,
-                           client_state={key: [s[key] for s in every] for key in mine})
-    if world > 1:
-        dist.barrier()
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False,
+                               client_state={key: [s[key] for s in every] for key in mine})
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            write_atomic(ckpt_dir / tag / TAG_CONFIG, config_yaml)
+    except (OSError, RuntimeError) as e:
+        raise _save_failed(ckpt_dir, tag, e) from e
     if rank == 0:
         write_atomic(ckpt_dir / LATEST, tag)
-        tags = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
-        for old in tags[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_tags(ckpt_dir, tag, keep)
     return tag
+
+
+def _save_failed(ckpt_dir: Path, tag: str, error: Exception) -> OSError:
+    """The save's error in words: torch reports a full disk as "unexpected pos" from its zip writer. The half
+    tag is removed (it frees the space it took; `latest` still names the previous one: resume=auto works)."""
+    shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+    latest = latest_checkpoint(ckpt_dir.parent)
+    full = getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in str(error) or \
+        "No space left" in str(error) or shutil.disk_usage(ckpt_dir).free < 16 * 2**20
+    why = ("no space left on device: " if full else "") + f"{type(error).__name__}: {str(error)[:300]}"
+    return OSError(errno.ENOSPC if full else errno.EIO,
+                   f"{ckpt_dir / tag}: saving the checkpoint failed: {why}. `latest` still names "
+                   f"{latest or 'nothing'}: free space (or fix the cause) and rerun with resume=auto")

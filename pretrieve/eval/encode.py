@@ -40,16 +40,6 @@ def length_sorted_batches(tokenizer, texts: list[str], options: EncodeOptions, d
         yield rows, tokenizer.pad({"input_ids": [ids[i] for i in rows]}, return_tensors="pt").to(device)
 
 
-def trained_pooling(model_dir: str | Path, pooling: str | None = None,
-                    normalize: bool | None = None) -> tuple[str, bool]:
-    """(pooling, normalize): those given, else what the model was fine-tuned with, else cls without normalising."""
-    from pretrieve.models.encoder import finetune_meta
-
-    meta = finetune_meta(model_dir)
-    return (pooling or meta.get("pooling", "cls"),
-            normalize if normalize is not None else bool(meta.get("normalize", False)))
-
-
 class DenseEncoder:
     def __init__(self, model_dir: str | Path, options: EncodeOptions, device: str | None = None):
         from transformers import AutoModel, AutoTokenizer

@@ -20,9 +20,9 @@ import numpy as np
 from pretrieve.data.retrieval import RetrievalSet, load_retrieval_set
 from pretrieve.engine.run_dir import write_atomic
 from pretrieve.eval.contrastive import ContrastiveEntropy, check_options, contrastive_entropy
-from pretrieve.eval.encode import (VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder, load_corpus_shards,
-                                   trained_pooling)
+from pretrieve.eval.encode import VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder, load_corpus_shards
 from pretrieve.eval.metrics import evaluate, trec_run_lines
+from pretrieve.eval.model_config import resolve_encoding
 from pretrieve.eval.search import bm25_search, dense_search, hybrid_search, pair_scorer, sparse_search
 
 EXACT_HYBRID_DOCS = 100_000  # up to here hybrid / DupMAE scores are exact over the corpus; beyond, candidates
@@ -35,9 +35,9 @@ class EvalOptions:
     beir: str | None = None
     msmarco: str | None = None
     split: str = "test"
-    pooling: str | None = None  # default: what the model was fine-tuned with, else cls
-    max_length: int = 256
-    normalize: bool | None = None  # default: as fine-tuned, else off
+    pooling: str | None = None  # None: what the model says (eval.model_config), else cls
+    max_length: int | None = None  # None: what the model says, else 256
+    normalize: bool | None = None  # None: what the model says, else off
     batch_size: int = 64
     index: str = "flat"
     depth: int = 1000
@@ -67,8 +67,8 @@ def run_eval(opts: EvalOptions) -> dict:
     result = None
     if opts.model is not None:
         started = time.perf_counter()
-        opts = replace(opts, **dict(zip(("pooling", "normalize"),
-                                        trained_pooling(opts.model, opts.pooling, opts.normalize))))
+        encoding = resolve_encoding(opts.model, opts.pooling, opts.normalize, opts.max_length)
+        opts = replace(opts, pooling=encoding.pooling, normalize=encoding.normalize, max_length=encoding.max_length)
         doc_ids, query_ids = list(data.corpus), list(data.queries)
         doc_texts, query_texts = [data.doc_text(d) for d in doc_ids], [data.queries[q] for q in query_ids]
         if opts.pooling in VOCAB_POOLINGS:
@@ -95,6 +95,7 @@ def run_eval(opts: EvalOptions) -> dict:
                                               opts.ce_temperature, opts.ce_seed)
         retriever = "dense" if opts.pooling in ("cls", "mean") else opts.pooling
         result = _write(out, data, run, {**_describe(opts, data), "retriever": retriever,
+                                         "encoding_from": encoding.source,
                                          "seconds": round(time.perf_counter() - started, 1)}, contrastive)
     if opts.bm25:
         started = time.perf_counter()

@@ -27,7 +27,9 @@ jobs as a job list for launchers/slurm/eval_farm.sbatch instead of running them;
 array has finished to log the results. An eval run is nested under its checkpoint's pre-training run when the
 checkpoint names its `run_dir` and that run is in the same MLflow store. Stages: `zero-shot` (the checkpoint as
 it is) and `stage1` / `stage2` / `stage3`, the checkpoint fine-tuned (pretrieve/finetune/stages.py) with the
-checkpoint's pooling and normalisation. A checkpoint's fine-tuning chain runs first, once for all its stages,
+checkpoint's pooling and normalisation (left out: what the model's own config says, eval.model_config). After
+logging, the model card of an evaluated run export (RUN/export/README.md) is written again with the farm's
+evaluations (models.model_card). A checkpoint's fine-tuning chain runs first, once for all its stages,
 as one process (log: <out>/<checkpoint>/finetune/finetune.log, its runs in the farm's MLflow experiment); with
 `--slurm`, pending chains are listed first and their evaluation jobs on the next `--slurm` call.
 """
@@ -75,10 +77,7 @@ class Job:
 
     def eval_args(self, settings: dict) -> list[str]:
         """The `pretrieve eval` arguments of this job."""
-        args = ["eval", "--model", str(self.model), "--out", str(self.out),
-                "--pooling", self.checkpoint.get("pooling", "cls")]
-        if self.checkpoint.get("normalize"):
-            args.append("--normalize")
+        args = ["eval", "--model", str(self.model), "--out", str(self.out), *encoding_args(self.checkpoint)]
         kind = "beir" if "beir" in self.dataset else "msmarco"
         args += [f"--{kind}", str(self.dataset[kind])]
         if self.dataset.get("split"):
@@ -87,6 +86,15 @@ class Job:
             if key in settings:
                 args += [f"--{key.replace('_', '-')}", str(settings[key])]
         return args
+
+
+def encoding_args(checkpoint: dict) -> list[str]:
+    """--pooling / --normalize / --no-normalize as the checkpoint names them; left out, the model's own
+    config decides (eval.model_config)."""
+    args = ["--pooling", str(checkpoint["pooling"])] if checkpoint.get("pooling") else []
+    if "normalize" in checkpoint:
+        args.append("--normalize" if checkpoint["normalize"] else "--no-normalize")
+    return args
 
 
 def load_farm(path: str | Path) -> dict:
@@ -158,9 +166,7 @@ def _chain_args(farm: dict, checkpoint: dict, up_to: str) -> list[str]:
     finetune = farm["finetune"]
     args = ["finetune-stages", "--model", str(checkpoint["model"]), "--out",
             str(finetune_dir(Path(farm["out"]), checkpoint)), "--config", str(finetune["config"]), "--up-to", up_to,
-            "--pooling", checkpoint.get("pooling", "cls")]
-    if checkpoint.get("normalize"):
-        args.append("--normalize")
+            *encoding_args(checkpoint)]
     if "data" in finetune:
         args += ["--data", *map(str, finetune["data"])]
     else:
@@ -194,7 +200,7 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
     if slurm_jobs is not None:  # chains first: their evaluation jobs wait for the next call
         lines = [args for args in chains.values()] or [job.eval_args(farm["eval"]) for job in pending]
         write_atomic(Path(slurm_jobs), "".join(shlex.join(args) + "\n" for args in lines))
-        logged = [job.name for job in jobs if job.done() and _log_job(job, farm)]
+        logged = _log_done(jobs, farm, progress)
         return {"jobs": len(jobs), "ran": 0, "failed": failed, "pending_for_slurm": len(lines),
                 "pending_chains": len(chains), "logged": logged}
     workers = max(1, int(farm["workers"]))
@@ -217,7 +223,7 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
         for job, error in zip(runnable, pool.map(lambda j: _run(j.eval_args(farm["eval"]), j.out / "eval.log",
                                                                 j), runnable)):
             report(job.name, error)
-    logged = [job.name for job in jobs if job.done() and _log_job(job, farm)]
+    logged = _log_done(jobs, farm, progress)
     return {"jobs": len(jobs), "ran": len(chains) + len(pending) - len(failed), "failed": failed,
             "pending_for_slurm": 0, "logged": logged}
 
@@ -231,6 +237,25 @@ def _run(args: list[str], log: Path, job: Job | None) -> str | None:
         last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
         return f"exit {code}: {last[0] if last else ''} (log: {log})"
     return None
+
+
+def _log_done(jobs: list[Job], farm: dict, progress: bool) -> list[str]:
+    """Log the done jobs not logged yet; then write again the model cards of the run exports they evaluated
+    (models.model_card), now with these evaluations. Returns the names of the jobs logged."""
+    from pretrieve.models.model_card import has_generated_card, write_model_card
+
+    logged = [job for job in jobs if job.done() and _log_job(job, farm)]
+    for model in sorted({job.model for job in logged}):
+        if model.name == "export" and (model.parent / "config.yaml").is_file() and has_generated_card(model):
+            try:
+                write_model_card(model, model.parent, tracking_uri=_tracking_uri(farm))
+            except (OSError, ValueError, KeyError) as e:  # the evaluations are logged; the card can wait
+                print(f"farm: model card of {model} not updated ({e}); `pretrieve card {model.parent}` retries",
+                      file=sys.stderr)
+                continue
+            if progress:
+                print(f"farm: model card {model / 'README.md'} updated", file=sys.stderr)
+    return [job.name for job in logged]
 
 
 def _parent_run(job: Job, uri: str) -> tuple[str, str] | None:
@@ -263,7 +288,7 @@ def _log_job(job: Job, farm: dict) -> bool:
         client, tracking.get("experiment", "pretrieve-eval"), (Path(farm["out"]).resolve() / "mlartifacts").as_uri())
     metrics = json.loads((job.out / "metrics.json").read_text())
     tags = {"pretrieve.farm": "eval", "checkpoint": job.checkpoint["name"], "dataset": job.dataset["name"],
-            "stage": job.stage}
+            "stage": job.stage, "model_dir": str(job.model.resolve())}  # how a model card finds its evaluations
     if parent:
         tags["mlflow.parentRunId"] = parent[0]
     run = client.create_run(experiment_id, run_name=job.name.replace("/", "-"), tags=tags)

@@ -33,6 +33,35 @@ def collect(uri: str, experiments: list[str] | None = None) -> list[dict]:
              "start": r.info.start_time, **r.data.metrics} for r in runs]
 
 
+def evaluations_of(uri: str, model_dir: str | Path, run_id: str | None = None) -> list[dict]:
+    """The farm's evaluations of one model, the latest per (dataset, stage), by dataset, zero-shot first: the
+    runs tagged with its directory (`model_dir`, the farm's tag) and, when `run_id` is its pre-training run,
+    the runs nested under it (the checkpoint zero-shot, and fine-tuned by the farm's stages). Each record: dataset,
+    stage, split, this_model (False: a model fine-tuned from it), run_id, start (ms), metrics ({MLflow
+    name: value})."""
+    from mlflow.tracking import MlflowClient
+
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        return []  # no store there (yet): nothing evaluated, and no empty database made
+    client = MlflowClient(tracking_uri=uri)
+    ids = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(ids, filter_string="tags.`pretrieve.farm` = 'eval'", max_results=50000) if ids else []
+    here = str(Path(model_dir).resolve())
+    latest: dict[tuple, dict] = {}
+    for r in sorted(runs, key=lambda r: r.info.start_time):
+        tags = r.data.tags
+        nested = run_id is not None and tags.get("mlflow.parentRunId") == run_id
+        zero_shot = tags.get("stage") == "zero-shot"
+        # runs logged before the farm tagged model_dir: a nested zero-shot run evaluated the checkpoint itself
+        this_model = tags.get("model_dir") == here or ("model_dir" not in tags and nested and zero_shot)
+        if this_model or (nested and not zero_shot):
+            latest[(tags["dataset"], tags["stage"])] = {
+                "dataset": tags["dataset"], "stage": tags["stage"], "split": r.data.params.get("split"),
+                "this_model": this_model, "run_id": r.info.run_id, "start": r.info.start_time,
+                "metrics": dict(r.data.metrics)}
+    return sorted(latest.values(), key=lambda e: (e["dataset"], e["stage"] != "zero-shot", e["stage"]))
+
+
 def tables(records: list[dict], metrics=DEFAULT_METRICS) -> dict[str, list[list]]:
     """{metric: rows}; the first row is the header."""
     latest: dict[tuple, dict] = {}

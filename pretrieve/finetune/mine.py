@@ -17,6 +17,8 @@ from pathlib import Path
 
 from pretrieve.finetune.examples import Example, write_examples
 
+PASSAGE_MAX_LENGTH = 144  # passage tokens when neither a flag nor the model says (CoT-MoTE's fine-tuning length)
+
 
 @dataclass
 class MineOptions:
@@ -30,9 +32,9 @@ class MineOptions:
     depth: int = 200
     negatives: int = 15
     skip: int = 0
-    pooling: str | None = None  # default: what the model was fine-tuned with (pretrieve_finetune.json), else cls
-    normalize: bool | None = None
-    max_length: int = 144
+    pooling: str | None = None  # None: what the model says (eval.model_config), else cls
+    normalize: bool | None = None  # None: what the model says, else off
+    max_length: int | None = None  # passage tokens; None: what the model says, else PASSAGE_MAX_LENGTH
     query_max_length: int = 32
     batch_size: int = 64
     index: str = "flat"
@@ -42,8 +44,9 @@ class MineOptions:
 
 def mine(opts: MineOptions) -> dict:
     from pretrieve.data.retrieval import load_retrieval_set
-    from pretrieve.eval.encode import VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder, trained_pooling
+    from pretrieve.eval.encode import VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder
     from pretrieve.eval.evaluate import vocab_search
+    from pretrieve.eval.model_config import resolve_encoding
     from pretrieve.eval.search import dense_search
     from pretrieve.finetune.examples import examples_from_ids, read_all
 
@@ -60,15 +63,16 @@ def mine(opts: MineOptions) -> dict:
         data = load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing)
         examples = examples_from_ids(data)
         corpus = [data.doc_text(d) for d in data.corpus]
-    pooling, normalize = trained_pooling(opts.model, opts.pooling, opts.normalize)
+    encoding = resolve_encoding(opts.model, opts.pooling, opts.normalize, opts.max_length, PASSAGE_MAX_LENGTH)
+    pooling, normalize, max_length = encoding.pooling, encoding.normalize, encoding.max_length
     ids, query_ids = [str(i) for i in range(len(corpus))], [str(i) for i in range(len(examples))]
     k = opts.depth + max(len(e.pos) for e in examples)
     if pooling in VOCAB_POOLINGS:  # DupMAE's eq. (12) (or sparse / hybrid)
-        encoder = VocabEncoder(opts.model, EncodeOptions(pooling, opts.max_length, opts.batch_size))
+        encoder = VocabEncoder(opts.model, EncodeOptions(pooling, max_length, opts.batch_size))
         run = vocab_search(encoder, ids, corpus, query_ids, [e.query for e in examples], k,
                            query_max_length=opts.query_max_length, progress=opts.progress)
     else:
-        encoder = DenseEncoder(opts.model, EncodeOptions(pooling, opts.max_length, opts.batch_size, normalize))
+        encoder = DenseEncoder(opts.model, EncodeOptions(pooling, max_length, opts.batch_size, normalize))
         doc_vectors = encoder.encode(corpus, desc="encode corpus", progress=opts.progress)
         encoder.options = EncodeOptions(pooling, opts.query_max_length, opts.batch_size, normalize)  # query length
         query_vectors = encoder.encode([e.query for e in examples], desc="encode queries", progress=opts.progress,

@@ -11,17 +11,24 @@ same) and a `finetune:` section (FinetuneOptions) in place of `model:` / `method
       data: [train.jsonl]                 # JSON lines / text triples; or msmarco: / beir: + split + hard_negatives
       negatives: 7
 
+`pooling`, `normalize` and `passage_max_len` left out are what init_from says about itself (its
+sentence-transformers config, else its pretrieve_finetune.json: eval.model_config), else cls, not normalised,
+144 tokens; config.yaml in the run directory records the values used.
+
 At the end run_dir/export holds the fine-tuned model: for `dual`, a HF BertModel directory that
 `pretrieve eval` / `AutoModel` load (plus query experts for a CoT-MoTE encoder, W^cls and the LPU for pooling
-`dupmae`, and `pretrieve_finetune.json` with the pooling it was trained with); for `cross`, a
-BertForSequenceClassification directory that `pretrieve teacher-scores` reads. The stages are chained by
-files: `pretrieve mine` writes stage 2's hard negatives, `pretrieve teacher-scores` stage 3's soft labels.
+`dupmae`, and `pretrieve_finetune.json` with the pooling it was trained with), which is also a
+sentence-transformers model (models.st_config: its pooling and normalisation, texts cut at passage_max_len;
+for pooling `dupmae` the dense part of eq. 12, [CLS] through W^cls); for `cross`, a
+BertForSequenceClassification directory that `pretrieve teacher-scores` reads. Both get a model card
+(models.model_card). The stages are chained by files: `pretrieve mine` writes stage 2's hard negatives,
+`pretrieve teacher-scores` stage 3's soft labels.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +39,7 @@ from pretrieve.models.encoder import FINETUNE_META
 
 MODEL_CONFIG = "model_config.json"  # in the run directory: the architecture, for the export
 TOKENIZER = "tokenizer"  # in the run directory
-_TOP_LEVEL = {"seed", "run_dir", "resume", "finetune", "train", "checkpoint", "tracking"}
+_TOP_LEVEL = {"seed", "run_dir", "resume", "resume_changes", "finetune", "train", "checkpoint", "tracking"}
 
 
 @dataclass
@@ -49,14 +56,14 @@ class FinetuneOptions:
     in_batch: bool = True  # contrastive: the batch's other passages are negatives too (eq. 13's IB)
     cross_device: bool = True  # ... gathered from every rank
     temperature: float = 1.0
-    normalize: bool = False  # cosine similarity instead of inner product
-    pooling: str = "cls"  # cls | mean | dupmae (eq. 12's joint score; init_from: a DupMAE export or fine-tuned one)
+    normalize: bool | None = None  # cosine similarity instead of inner product (None: as init_from says, else off)
+    pooling: str | None = None  # cls | mean | dupmae (eq. 12; init_from: a DupMAE model); None: as init_from says
     cls_dim: int | None = None  # dupmae: d' of eq. 10 (default 384, or the hidden size if smaller)
     ot_topk: int | None = None  # dupmae: k of eq. 11, entries a document keeps (default 384, or init_from's)
     margin: float = 1.0  # triplet loss margin
     text_experts: bool = True  # CoT-MoTE encoders: queries through the query experts
     query_max_len: int = 32
-    passage_max_len: int = 144
+    passage_max_len: int | None = None  # None: init_from's maximum length, else PASSAGE_MAX_LENGTH
     on_missing: str = "fail"  # msmarco / beir qrels naming absent ids: fail | skip
 
 
@@ -82,6 +89,7 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
         raise ConfigError(f"finetune.init_from: {options.init_from!r} is not a model directory")
     if options.model not in ("dual", "cross"):
         raise ConfigError(f"finetune.model: {options.model!r} is not dual or cross")
+    options, config = _with_model_encoding(options, config)
     sources = [bool(options.data), options.msmarco is not None, options.beir is not None]
     if sum(sources) != 1:
         raise ConfigError("finetune: give exactly one of data: [files], msmarco: DIR or beir: DIR")
@@ -109,6 +117,27 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
     run_dir = Path(config.get("run_dir") or f"runs/finetune-{options.model}")
     return FinetuneExperiment(int(config.get("seed", 42)), run_dir, resume_of(config), options, train, checkpoint,
                               tracking, config)
+
+
+def _with_model_encoding(options: FinetuneOptions, config: DictConfig) -> tuple[FinetuneOptions, DictConfig]:
+    """The options with pooling, normalize and passage_max_len filled in (eval.model_config; for the
+    cross-encoder: cls, off, PASSAGE_MAX_LENGTH), and the config recording them (config.yaml, the export)."""
+    from omegaconf import OmegaConf
+
+    from pretrieve.eval.model_config import resolve_encoding
+    from pretrieve.finetune.mine import PASSAGE_MAX_LENGTH
+
+    if options.model == "dual":
+        encoding = resolve_encoding(options.init_from, options.pooling, options.normalize, options.passage_max_len,
+                                    PASSAGE_MAX_LENGTH)
+        filled = {"pooling": encoding.pooling, "normalize": encoding.normalize, "passage_max_len": encoding.max_length}
+    else:
+        filled = {"pooling": options.pooling or "cls", "normalize": bool(options.normalize),
+                  "passage_max_len": options.passage_max_len or PASSAGE_MAX_LENGTH}
+    config = config.copy()
+    for key, value in filled.items():
+        OmegaConf.update(config, f"finetune.{key}", value)
+    return replace(options, **filled), config
 
 
 def load_examples(options: FinetuneOptions):
@@ -233,11 +262,19 @@ def export_finetuned(run_dir: str | Path, out: str | Path) -> Path:
 
     from pretrieve.engine.export_checkpoint import load_checkpoint_weights
     from pretrieve.engine.run_dir import locate
+    from pretrieve.finetune.mine import PASSAGE_MAX_LENGTH
     from pretrieve.models.encoder import HEAD_WEIGHTS
     from pretrieve.models.export import replace_directory
+    from pretrieve.models.model_card import write_model_card
+    from pretrieve.models.st_config import write_st_config
 
     run_dir, ckpt_dir, tag = locate(Path(run_dir))
+    meta = json.loads((run_dir / FINETUNE_META).read_text())
     options = _section(OmegaConf.load(run_dir / "config.yaml"), "finetune", FinetuneOptions)
+    # config.yaml of a run started before it recorded them: what the run trained with, and the old default length
+    options = replace(options, pooling=options.pooling or meta["pooling"],
+                      normalize=meta["normalize"] if options.normalize is None else options.normalize,
+                      passage_max_len=options.passage_max_len or PASSAGE_MAX_LENGTH)
     module = build_model(options, config_file=run_dir / MODEL_CONFIG)
     load_checkpoint_weights(module, ckpt_dir, tag)
     out = Path(out)
@@ -251,8 +288,11 @@ def export_finetuned(run_dir: str | Path, out: str | Path) -> Path:
         extra = {k: v.detach().contiguous() for k, v in module.state_dict().items()
                  if not k.startswith("encoder.bert.")}
         save_file(extra, str(tmp / HEAD_WEIGHTS))
+        dupmae = options.pooling == "dupmae"  # sentence-transformers gets eq. 12's dense part: [CLS] through W^cls
+        write_st_config(tmp, "cls" if dupmae else options.pooling, options.normalize, options.passage_max_len,
+                        dense_weight=module.joint.cls_proj.weight if dupmae else None)
     AutoTokenizer.from_pretrained(str(run_dir / TOKENIZER)).save_pretrained(str(tmp))
-    meta = json.loads((run_dir / FINETUNE_META).read_text())
     (tmp / FINETUNE_META).write_text(json.dumps({**meta, "checkpoint": tag, "options": asdict(options)}, indent=1)
                                      + "\n")
+    write_model_card(out, run_dir, tag, card_dir=tmp)
     return replace_directory(tmp, out)

@@ -41,8 +41,8 @@ class StagesOptions:
     teacher_init: str | None = None
     negatives: int = 15  # per query in stages 2 and 3 (and the teacher)
     depth: int = 200  # mining depth
-    pooling: str = "cls"
-    normalize: bool = False
+    pooling: str | None = None  # None: the base config's, else what MODEL says (eval.model_config), else cls
+    normalize: bool | None = None
     overrides: list[str] = field(default_factory=list)  # dotted key=value for every fine-tuning run
     nproc: int = 1  # ranks per fine-tuning run, on this node
 
@@ -72,8 +72,11 @@ def run_stages(opts: StagesOptions) -> dict:
                   f"finetune.{'msmarco' if opts.msmarco else 'beir'}={opts.msmarco or opts.beir}")
     source.append(f"finetune.split={opts.split}")
     mined = ["finetune.msmarco=null", "finetune.beir=null"]
-    common = ["finetune.model=dual", f"finetune.pooling={opts.pooling}",
-              f"finetune.normalize={str(opts.normalize).lower()}"]
+    common = ["finetune.model=dual"]
+    if opts.pooling is not None:
+        common.append(f"finetune.pooling={opts.pooling}")
+    if opts.normalize is not None:
+        common.append(f"finetune.normalize={str(opts.normalize).lower()}")
 
     def train(name: str, *overrides: str) -> Path:
         run_dir = out / name

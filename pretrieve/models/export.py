@@ -2,8 +2,10 @@
 
 An export holds what `transformers.AutoModel.from_pretrained(OUT)` needs (config.json, model.safetensors
 with the BertModel, the tokenizer files) plus, beside it, the head's extra weights (`pretrieve_head.safetensors`:
-MLM head, decoder, projections) and `pretrieve_head.json` (method name and options). It is written to a
-temporary directory and renamed, so an export is complete or absent.
+MLM head, decoder, projections) and `pretrieve_head.json` (method name and options). It is also a
+sentence-transformers model (models.st_config): [CLS] pooling, not normalised, texts cut at the pre-training
+length, the representation every method here pre-trains (DupMAE's joint representation: its dense part). It is
+written to a temporary directory and renamed, so an export is complete or absent.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 from pretrieve import __version__
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 from pretrieve.models.encoder import HEAD_WEIGHTS, ModelOptions
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import METHODS, get_method
+from pretrieve.models.st_config import write_st_config
 
 EXPORT_FORMAT = "pretrieve-export/1"
 HEAD_CONFIG = "pretrieve_head.json"
@@ -31,7 +35,10 @@ def method_name(head: PretrainingHead) -> str:
     raise KeyError(f"{type(head).__name__} is not a registered method head")
 
 
-def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAULT_TOKENIZER) -> Path:
+def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAULT_TOKENIZER,
+           before_rename: Callable[[Path], None] | None = None) -> Path:
+    """Export `head` to `out`; `before_rename(tmp)` adds files (a model card) to the finished temporary
+    directory before it becomes `out`."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
@@ -44,6 +51,10 @@ def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAU
     meta = {"format": EXPORT_FORMAT, "method": method_name(head), "options": asdict(head.options),
             "pretrieve_version": __version__}
     (tmp / HEAD_CONFIG).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    config = head.encoder.config
+    write_st_config(tmp, "cls", False, getattr(head.options, "max_len", min(512, config.max_position_embeddings)))
+    if before_rename is not None:
+        before_rename(tmp)
     return replace_directory(tmp, out)
 
 

@@ -8,12 +8,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Callable
 
 import torch
 
 from pretrieve.models.encoder import Encoder, ModelOptions
+
+
+# The valid values of every numeric method option, checked when the config is read: outside them a run trains
+# to rc 0 on nonsense (a masking ratio of 1.5) or crashes steps later. tests/test_method_option_ranges.py checks
+# that every numeric option of every registered method is listed.
+OPTION_RANGES: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "max_len": (">= 3 ([CLS], a token, [SEP])", lambda v: v >= 3),
+    "mlm_ratio": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "decoder_hide_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),
+    "decoder_pool_size": (">= 1", lambda v: v >= 1),
+    "decoder_attention_dropout": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "decoder_layers": (">= 1", lambda v: v >= 1),
+    "decoder_window": (">= 1", lambda v: v >= 1),
+    "bow_weight": (">= 0", lambda v: v >= 0),
+    "mlm_weight": (">= 0", lambda v: v >= 0),
+    "spans_per_level": (">= 1", lambda v: v >= 1),
+    "span_alpha": ("> 0", lambda v: v > 0),
+    "span_beta": ("> 0", lambda v: v > 0),
+    "temperature": ("> 0", lambda v: v > 0),
+}
+
+
+def check_option_ranges(options: Any, where: str) -> None:
+    for f in fields(options):
+        value = getattr(options, f.name)
+        if f.name in OPTION_RANGES and value is not None:
+            rule, ok = OPTION_RANGES[f.name]
+            if not (math.isfinite(value) and ok(value)):
+                raise ValueError(f"{where}.{f.name}: must be {rule}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -29,7 +59,9 @@ class Method:
 
         values = dict(values or {})
         values.pop("name", None)
-        return options_of(self.options, values, where, noun=f"option of method {self.name!r}")
+        options = options_of(self.options, values, where, noun=f"option of method {self.name!r}")
+        check_option_ranges(options, where)
+        return options
 
     def build(self, options: Any, model: ModelOptions, seed: int = 0):
         """The head on a new encoder (random init from `seed`, or `model.init_from`)."""

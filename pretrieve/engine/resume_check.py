@@ -1,0 +1,107 @@
+"""A resume continues the run its checkpoint belongs to: the resolved config is compared with the one that
+wrote the checkpoint (a copy inside each tag, `config.yaml`; for tags written before that copy existed, the run
+directory's `config.yaml`) before anything in the run directory is written.
+
+Keys that only say how long, how often or where to report (MAY_CHANGE) may differ; the changes are recorded
+in `resume_changes.jsonl` and on the MLflow run. Any other difference (a batch size, a method option, the
+precision, the ZeRO stage, the data) would continue another experiment on this one's weights, or fail deep
+inside DeepSpeed: it is refused, naming every differing key, unless the config says `resume_changes: allow`,
+which is recorded the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from pretrieve.config import ConfigError
+from pretrieve.engine.run_dir import TAG_CONFIG
+
+# dotted keys, or prefixes ending in "."
+MAY_CHANGE = ("run_dir", "resume", "resume_changes", "init_checkpoint", "train.max_steps", "train.stop_at",
+              "train.log_every", "train.eval_every", "train.max_runtime", "train.peak_flops", "checkpoint.every",
+              "checkpoint.keep", "data.num_workers", "tracking.")
+# another world size keeps the global batch through another split of it
+UNIVERSAL_MAY_CHANGE = ("train.micro_batch_size", "train.grad_accum", "train.global_batch_size")
+CHANGES_FILE = "resume_changes.jsonl"
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}."))
+    return {key.rstrip("."): value for key, value in out.items()}
+
+
+def _may_change(key: str) -> bool:
+    return any(key == rule or (rule.endswith(".") and key.startswith(rule)) for rule in MAY_CHANGE)
+
+
+def saved_config(ckpt_dir: Path, tag: str) -> tuple[dict, Path] | None:
+    """(config, its file) the checkpoint was written with; None when neither copy exists."""
+    for path in (ckpt_dir / tag / TAG_CONFIG, ckpt_dir.parent / "config.yaml"):
+        if path.is_file():
+            return OmegaConf.to_container(OmegaConf.load(path), resolve=True), path
+    return None
+
+
+def _defaults(cls) -> dict:
+    return {f.name: f.default if f.default is not MISSING else
+            f.default_factory() if f.default_factory is not MISSING else None for f in fields(cls)}
+
+
+def with_defaults(config: dict) -> dict:
+    """`config` with every option it leaves out at its default, so that leaving a key out and giving its
+    default value compare equal."""
+    from pretrieve.config import CheckpointOptions, DataOptions, TrainOptions
+    from pretrieve.models.encoder import ModelOptions
+
+    sections = {"train": TrainOptions, "checkpoint": CheckpointOptions}
+    if "finetune" in config:
+        from pretrieve.finetune.run import FinetuneOptions
+
+        sections["finetune"] = FinetuneOptions
+    else:
+        sections.update(data=DataOptions, model=ModelOptions)
+        name = (config.get("method") or {}).get("name")
+        if name:
+            from pretrieve.models.heads import get_method
+
+            sections["method"] = get_method(name).options
+    out = {"seed": 42, **config}
+    for section, cls in sections.items():
+        out[section] = {**_defaults(cls), **(config.get(section) or {})}
+    return out
+
+
+def check_resume(saved: dict, saved_from: Path, config: dict, universal: bool = False) -> dict[str, list]:
+    """{key: [checkpoint's value, this run's]} of every difference; ConfigError when one is not in MAY_CHANGE
+    (with a universal checkpoint, which resumes at another world size, also UNIVERSAL_MAY_CHANGE) and
+    `resume_changes` is not "allow"."""
+    before, after = _flat(with_defaults(saved)), _flat(with_defaults(config))
+    changes = {key: [before.get(key), after.get(key)] for key in sorted(set(before) | set(after))
+               if before.get(key) != after.get(key)}
+    refused = [key for key in changes if not _may_change(key) and not (universal and key in UNIVERSAL_MAY_CHANGE)]
+    if refused and config.get("resume_changes") != "allow":
+        shown = "; ".join(f"{key}: {changes[key][0]!r} -> {changes[key][1]!r}" for key in refused)
+        raise ConfigError(f"resume: this config differs from the checkpoint's ({saved_from}) in {shown}. Resuming "
+                          "would continue another experiment on these weights: restore those keys, start a new "
+                          "run_dir, or pass resume_changes=allow to continue anyway (recorded in the run)")
+    return changes
+
+
+def record_changes(run_dir: Path, tag: str, changes: dict[str, list], tracker=None) -> None:
+    """Append the resume's config changes to run_dir/resume_changes.jsonl and tag the MLflow run with them."""
+    if not changes:
+        return
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": tag, "changes": changes}
+    with open(run_dir / CHANGES_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if tracker is not None:
+        tracker.set_tag(f"pretrieve.resume_changes.{tag}", json.dumps(changes)[:5000])

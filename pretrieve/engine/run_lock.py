@@ -1,0 +1,79 @@
+"""One writer per run directory: an exclusive advisory lock (`flock`) on DIR/.lock, held by the training
+process (rank 0) for the run's life.
+
+Two trainers in one run directory (a second `pretrieve pretrain` started by mistake, or a requeued SLURM job
+while the old one still runs) would interleave metrics, checkpoints and the export. The second one is refused
+with the holder's host, pid and SLURM job id, which the holder writes into the lock file. The kernel drops the
+lock when its holder dies, however it dies: a lock file left by a dead process is stale and simply taken over
+(its previous holder is named in a log line). On NFS, `flock` is carried by the server's lock manager (NFSv4;
+Linux maps it to a whole-file POSIX lock), so it holds across nodes there too.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+LOCK_FILE = ".lock"
+
+
+class RunDirectoryLocked(RuntimeError):
+    """Another live process holds the directory."""
+
+
+def _holder() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _describe(holder: dict) -> str:
+    job = f", SLURM job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
+    return f"pid {holder.get('pid')} on {holder.get('host')}{job}, since {holder.get('since')}"
+
+
+class DirectoryLock:
+    """`with DirectoryLock(run_dir, "pretrieve pretrain"):` ... — raises RunDirectoryLocked naming the holder."""
+
+    def __init__(self, directory: Path, purpose: str):
+        self.path = Path(directory) / LOCK_FILE
+        self.purpose = purpose
+        self._fd: int | None = None
+
+    def __enter__(self) -> "DirectoryLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._read(fd)
+            os.close(fd)
+            raise RunDirectoryLocked(
+                f"{self.path.parent}: in use by another {holder.get('purpose', 'process')} ({_describe(holder)}; "
+                f"lock file {self.path}). Wait for it to end or stop it, or choose another directory") from None
+        previous = self._read(fd)
+        if previous.get("pid"):
+            print(f"pretrieve: {self.path}: taking over the stale lock of {_describe(previous)} (that process has "
+                  "ended)", file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps({**_holder(), "purpose": self.purpose}) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    @staticmethod
+    def _read(fd: int) -> dict:
+        try:
+            return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        except (ValueError, UnicodeDecodeError):
+            return {}
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)  # a clean end leaves no holder to report as stale
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None

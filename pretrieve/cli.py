@@ -4,9 +4,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from pretrieve import __version__
+
+
+def at_least(low: int):
+    """An argparse type: an int >= `low`; argparse refuses anything else naming the option, before any work."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # how argparse names the type when int() itself fails
+    return parse
+
+
+def mixture_weight(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"a mixture weight must be finite and >= 0, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +170,7 @@ def _add_finetune_stages(commands) -> None:
     p.add_argument("--up-to", choices=("stage1", "stage2", "stage3"), default="stage3")
     p.add_argument("--teacher-init", default=None, metavar="DIR", help="the cross-encoder's start (default: --model)")
     p.add_argument("--negatives", type=int, default=15, help="hard negatives per query (default 15)")
-    p.add_argument("--depth", type=int, default=200, help="mining depth (default 200)")
+    p.add_argument("--depth", type=at_least(1), default=200, help="mining depth (default 200)")
     p.add_argument("--pooling", choices=("cls", "mean", "dupmae"), default=None,
                    help="dupmae: DupMAE's joint score, eq. 12 (--model: a DupMAE export). Default: the base config's, "
                         "else what --model says about itself, else cls")
@@ -191,7 +211,7 @@ def _add_mine(commands) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="the stage-1 retriever (its export directory)")
     _add_training_data(p, "training queries with positives")
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
-    p.add_argument("--depth", type=int, default=200, help="ranks sampled from (default 200)")
+    p.add_argument("--depth", type=at_least(1), default=200, help="ranks sampled from (default 200)")
     p.add_argument("--negatives", type=int, default=15, help="negatives per query (default 15)")
     p.add_argument("--skip", type=int, default=0, help="top ranks left out (likely unjudged positives)")
     p.add_argument("--pooling", choices=("cls", "mean", "dupmae"), default=None,
@@ -200,7 +220,7 @@ def _add_mine(commands) -> None:
     p.add_argument("--max-length", type=int, default=None,
                    help="passage tokens (default: the model's maximum length, else 144)")
     p.add_argument("--query-max-length", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=at_least(1), default=64)
     p.add_argument("--index", choices=INDEXES, default="flat")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--on-missing", choices=("fail", "skip"), default="fail")
@@ -226,7 +246,7 @@ def _add_teacher_scores(commands) -> None:
     p.add_argument("--data", nargs="+", required=True, metavar="FILE")
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
     p.add_argument("--max-length", type=int, default=176, help="tokens per query-passage pair")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=at_least(1), default=64)
     p.set_defaults(run=_run_teacher_scores)
 
 
@@ -285,9 +305,9 @@ def _add_eval(commands) -> None:
                         "(default: exact up to 100,000 documents, 1,000 candidates beyond)")
     _normalize_option(p, "L2-normalize vectors (cosine similarity)")
     _max_length_option(p)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=at_least(1), default=64)
     p.add_argument("--index", choices=INDEXES, default="flat", help="faiss index (flat is exact)")
-    p.add_argument("--depth", type=int, default=1000, help="documents retrieved per query")
+    p.add_argument("--depth", type=at_least(1), default=1000, help="documents retrieved per query")
     p.add_argument("--bm25", action="store_true", help="BM25 baseline (alone, or beside --model in OUT/bm25/)")
     p.add_argument("--on-missing", choices=("fail", "skip"), default="fail",
                    help="qrels naming an unknown query or document: stop with file:line (fail), or drop and count")
@@ -314,10 +334,10 @@ def _add_encode(commands) -> None:
     p.add_argument("--pooling", choices=("cls", "mean"), default=None, help=MODEL_SAYS)
     _normalize_option(p, "L2-normalize vectors (cosine similarity)")
     _max_length_option(p)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=at_least(1), default=64)
     p.add_argument("--shard-size", type=int, default=100_000, help="documents per shard")
     p.add_argument("--worker", type=int, default=0, help="this worker's index (default 0)")
-    p.add_argument("--workers", type=int, default=1, help="workers sharing DIR (default 1)")
+    p.add_argument("--workers", type=at_least(1), default=1, help="workers sharing DIR (default 1)")
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(run=_run_encode)
 
@@ -387,13 +407,16 @@ def _add_report(commands) -> None:
     p.add_argument("--metric", action="append", default=None, help="metrics to tabulate (default ndcg@10, mrr@10, "
                                                                    "recall@100)")
     p.add_argument("--out", default="report", metavar="DIR")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log the report as an MLflow run's artifacts")
     p.set_defaults(run=_run_report)
 
 
 def _run_report(args) -> int:
     from pretrieve.eval.report import DEFAULT_METRICS, write_report
 
-    print(write_report(args.uri, args.out, args.experiment, tuple(args.metric or DEFAULT_METRICS)))
+    print(write_report(args.uri, args.out, args.experiment, tuple(args.metric or DEFAULT_METRICS),
+                       log_to_mlflow=not args.no_mlflow))
+    print(f"report: {args.out}/report.html (tables and plots on one page)", file=sys.stderr)
     return 0
 
 
@@ -514,7 +537,7 @@ def _add_prepare(commands) -> None:
                                         "webdataset shards and manifest.json. Re-running resumes.")
     p.add_argument("--source", required=True, choices=SOURCES)
     p.add_argument("--input", required=True, nargs="+", metavar="PATH", help="files or directories")
-    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--out", required=True, metavar="DIR", help="a folder, or a URL (s3://, gs://, file://)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="local HF tokenizer directory "
                    "(default: the bundled bert-base-uncased WordPiece vocabulary)")
     p.add_argument("--max-len", type=int, default=512, help="model sequence length; blocks hold max_len-2 tokens")
@@ -566,11 +589,11 @@ def _add_stream(commands) -> None:
                             description="Read prepared shards through the training stream (mixture, shuffle, "
                                         "rank/worker split) and report what came out.")
     p.add_argument("manifests", nargs="+", metavar="MANIFEST", help="manifest.json files (or their directories)")
-    p.add_argument("--weights", type=float, nargs="+", default=None, help="mixture weights, one per manifest")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--workers", type=int, default=0, help="DataLoader workers")
-    p.add_argument("--shuffle-buffer", type=int, default=1000)
+    p.add_argument("--weights", type=mixture_weight, nargs="+", default=None, help="mixture weights, one per manifest")
+    p.add_argument("--epochs", type=at_least(1), default=1)
+    p.add_argument("--batch-size", type=at_least(1), default=32)
+    p.add_argument("--workers", type=at_least(0), default=0, help="DataLoader workers")
+    p.add_argument("--shuffle-buffer", type=at_least(1), default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=_run_stream)
 

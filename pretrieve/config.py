@@ -7,6 +7,8 @@ method's options, whose defaults are the paper settings), `data:` (DataOptions),
 
 from __future__ import annotations
 
+import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -15,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from pretrieve.data.remote import ReadOptions, is_remote, local_path
 from pretrieve.models.encoder import ModelOptions
 
 
@@ -112,6 +115,11 @@ class DataOptions:
     corpora: list[str] | None = None  # informational: the corpus names the manifests hold
     validation: list[str] = field(default_factory=list)  # held-out manifests, never trained on (engine/validation.py)
     validation_batches: int = 8  # micro-batches per rank scored at each evaluation
+    # manifests and shards at URLs (https://, s3://, gs://, file://, pipe:CMD; pretrieve/data/remote.py)
+    retries: int = 5  # failed requests in a row retried, with exponential backoff and jitter, before an error
+    timeout: float = 60.0  # seconds one request (one 8 MiB block) may take before it counts as failed
+    prefetch_shards: int = 1  # shards each reader loads ahead in the background
+    storage_options: dict = field(default_factory=dict)  # per URL scheme, fsspec options: {s3: {anon: true}}
 
 
 @dataclass
@@ -181,10 +189,10 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     if not data.manifests:
         raise ConfigError("data.manifests: empty; list the manifest.json files written by `pretrieve prepare`")
     for i, path in enumerate(data.manifests):
-        if not Path(path).is_file():
+        if not is_remote(path) and not Path(local_path(path)).is_file():  # URLs: checked when opened
             raise ConfigError(f"data.manifests[{i}]: {path} not found (run `pretrieve prepare` first)")
     for i, path in enumerate(data.validation):
-        if not Path(path).is_file():
+        if not is_remote(path) and not Path(local_path(path)).is_file():
             raise ConfigError(f"data.validation[{i}]: {path} not found (run `pretrieve prepare` first)")
     if train.eval_every is not None and not data.validation:
         raise ConfigError("train.eval_every: needs data.validation (held-out manifests to score)")
@@ -192,6 +200,15 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
         raise ConfigError(f"data.validation_batches: must be >= 1, got {data.validation_batches}")
     if data.weights is not None and len(data.weights) != len(data.manifests):
         raise ConfigError(f"data.weights: {len(data.weights)} weights for {len(data.manifests)} manifests")
+    if data.weights is not None and not (all(math.isfinite(w) and w >= 0 for w in data.weights) and sum(data.weights)):
+        raise ConfigError(f"data.weights: {data.weights}: each must be finite and >= 0, and one > 0")
+    if not model.init_from:  # an id past the embedding table fails steps later, deep in a CUDA or CPU kernel
+        for i, path in enumerate(data.manifests):
+            vocab = 0 if is_remote(path) else \
+                json.loads(Path(local_path(path)).read_text()).get("tokenizer", {}).get("vocab_size", 0)
+            if vocab > model.vocab_size:  # (a remote manifest is not read here)
+                raise ConfigError(f"model.vocab_size: {model.vocab_size}, but data.manifests[{i}] ({path}) was "
+                                  f"tokenized with a vocabulary of {vocab}")
     if model.init_from and not Path(model.init_from).is_dir():
         raise ConfigError(f"model.init_from: {model.init_from} is not a directory")
     max_len = getattr(options, "max_len", None)
@@ -201,6 +218,10 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     if data.num_workers < 0 or data.shuffle_buffer < 1:
         raise ConfigError(f"data.num_workers must be >= 0 and data.shuffle_buffer >= 1 (got {data.num_workers}, "
                           f"{data.shuffle_buffer})")
+    try:
+        ReadOptions.from_options(data)
+    except ValueError as e:
+        raise ConfigError(f"data: {e}") from None
     run_dir = Path(config.get("run_dir") or f"runs/{method.name}")
     return Experiment(int(config.get("seed", 42)), run_dir, resume_of(config), model, method, options, data, train,
                       checkpoint, tracking, config, init_checkpoint_of(config))

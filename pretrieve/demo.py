@@ -2,8 +2,9 @@
 
 1. prepare every bundled sample corpus into shards; 2. stream one epoch of their weighted mixture through two
 DataLoader workers, printing counts and throughput; 3. pre-train a tiny DupMAE on CPU with DeepSpeed for a
-few dozen steps (configs/pretrain/tiny-dupmae.yaml), export it, and print the MLflow run to look at.
-Later issues extend it (eval).
+few dozen steps (configs/pretrain/tiny-dupmae.yaml) and export it; 4. evaluate the export zero-shot on the
+bundled BEIR sample beside BM25 through `pretrieve farm`; 5. print the `pretrieve report` tables and write its
+plots and HTML page; last, where everything is and what to run next.
 """
 
 from __future__ import annotations
@@ -65,11 +66,41 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"epoch": 0, "samples": samples, "tokens": tokens, "by_source": sources,
                       "samples_per_s": round(samples / seconds, 1), "next_epoch": stream.epoch}))
     print(f"shards and manifests: {out / 'shards'}; stream them again with `pretrieve stream {out}/shards/*/manifest.json`")
-    pretrain_tiny_dupmae(out, args.steps)
+    run_dir = pretrain_tiny_dupmae(out, args.steps)
+    uri = json.loads((run_dir / "run.json").read_text())["tracking_uri"]
+    report = evaluate_and_report(out, run_dir, uri, args.workers)
+    print(f"\nexport:         {run_dir / 'export'}\n"
+          f"farm results:   {out / 'farm'} (farm file {out / 'farm.yaml'})\n"
+          f"report:         {report / 'report.html'} (tables and plots; PNGs and CSVs beside it)\n"
+          f"MLflow store:   {uri}\n"
+          f"next: mlflow ui --backend-store-uri {uri}\n"
+          f"      open {report.resolve() / 'report.html'}")
     return 0
 
 
-def pretrain_tiny_dupmae(out: Path, steps: int) -> None:
+def evaluate_and_report(out: Path, run_dir: Path, uri: str, workers: int) -> Path:
+    """The export and BM25, zero-shot on the bundled BEIR sample, through `pretrieve farm`; then
+    `pretrieve report`. Returns the report folder."""
+    from pretrieve.cli import main as pretrieve
+
+    farm_out, report = out / "farm", out / "report"
+    for stale in (farm_out, report):  # the farm skips done jobs: this export is new, so are its evaluations
+        shutil.rmtree(stale, ignore_errors=True)
+    farm = {"out": str(farm_out), "workers": workers, "tracking": {"uri": uri},
+            "eval": {"max_length": 128, "depth": 100},
+            "checkpoints": [{"name": "tiny-dupmae", "model": str(run_dir / "export"), "run_dir": str(run_dir)},
+                            {"name": "bm25", "bm25": True}],
+            "datasets": [{"name": "scifact-sample", "beir": str(SAMPLES / "beir" / "scifact-sample"),
+                          "split": "test"}],
+            "stages": ["zero-shot"]}
+    (out / "farm.yaml").write_text(json.dumps(farm, indent=1) + "\n")  # JSON is YAML
+    if pretrieve(["farm", str(out / "farm.yaml")]) != 0:
+        raise SystemExit(f"demo: an evaluation failed; its log is named above (under {farm_out})")
+    pretrieve(["report", "--uri", uri, "--out", str(report)])
+    return report
+
+
+def pretrain_tiny_dupmae(out: Path, steps: int) -> Path:
     from pretrieve.config import experiment, load_config
     from pretrieve.engine.train import train
 
@@ -86,7 +117,7 @@ def pretrain_tiny_dupmae(out: Path, steps: int) -> None:
                       "seconds": round(time.perf_counter() - started, 1), "loss_first_logged": round(first["loss"], 3),
                       "loss_last": round(last["loss"], 3), "export": result["export"],
                       "mlflow_run_id": result["mlflow_run_id"]}))
-    print(f"look at it: mlflow ui --backend-store-uri sqlite:///{(out / 'runs' / 'mlflow.db').resolve()}")
+    return run_dir
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ def _config(wiki_shards, *overrides):
     ("train.lr_schedule=step", "train.lr_schedule: 'step' is not one of linear, cosine, constant, wsd"),
     ("train.lr_schedule=wsd train.decay_ratio=0.95", "train.decay_ratio: 0.95 must be > 0 and leave room"),
     ("init_checkpoint=/nope:step00000002", "init_checkpoint: /nope:step00000002: no checkpoint step00000002"),
+    ("data.weights=[0]", r"data.weights: \[0\]: each must be finite and >= 0, and one > 0"),
+    ("model.vocab_size=1000", r"model.vocab_size: 1000, but data.manifests\[0\] .* vocabulary of 30522"),
+    ("resume_changes=always", "resume_changes: 'always': the only value is allow"),
 ])
 def test_config_errors_name_the_key(wiki_shards, override, message):
     with pytest.raises(ConfigError, match=message):

@@ -74,8 +74,15 @@ def test_bad_retrieval_inputs_are_named(tmp_path):
     assert skipped.skipped == {"document not in corpus": 1, "query not in queries": 1}
     assert sum(map(len, skipped.qrels.values())) == 116
     qrels.write_text("query-id\tcorpus-id\tscore\n1\t31715818\n")
-    with pytest.raises(RetrievalDataError, match=rf"{qrels}:2: expected query id, document id and an integer"):
+    with pytest.raises(RetrievalDataError, match=rf"{qrels}:2: expected 3 columns with query id, document id"):
         load_beir(folder)
+    qrels.write_text("query-id\tcorpus-id\tscore\n1\t31715818\t1\tQ0\n")  # a TREC-style extra column
+    with pytest.raises(RetrievalDataError,
+                       match=rf"{qrels}:2: expected 3 columns .* got \['1', '31715818', '1', 'Q0'\]"):
+        load_beir(folder)
+    qrels.write_text("query-id\tcorpus-id\tscore\n1\t31715818\t-2\n")  # TREC's spam grade: not relevant
+    negative = load_beir(folder)
+    assert negative.qrels == {"1": {"31715818": 0}} and negative.skipped == {"negative grade read as 0": 1}
     (folder / "queries.jsonl").write_text('{"_id": "1", "text": "x"}\n{"_id": 2,\n')
     with pytest.raises(RetrievalDataError, match=r"queries.jsonl:2: not JSON"):
         load_beir(folder)
@@ -171,7 +178,8 @@ def test_sharded_encoding_over_two_workers_resumes_and_feeds_eval(tmp_path, tiny
     assert "vectors made with" in capsys.readouterr().err  # other settings (no --normalize): refused
 
 
-def test_farm_runs_jobs_in_parallel_logs_mlflow_and_reruns_only_what_is_missing(tmp_path, tiny_encoder):
+def test_farm_runs_jobs_in_parallel_logs_mlflow_and_reruns_only_what_is_missing(tmp_path, tiny_encoder,
+                                                                                monkeypatch):
     from mlflow.tracking import MlflowClient
 
     from pretrieve.engine.tracking import Tracker, TrackingOptions
@@ -186,8 +194,9 @@ def test_farm_runs_jobs_in_parallel_logs_mlflow_and_reruns_only_what_is_missing(
     marco = write_msmarco(load_beir(SCIFACT), tmp_path / "marco", "dev")
     second = tmp_path / "second"  # not there yet: its jobs fail, the others go on
     farm = tmp_path / "farm.yaml"
+    monkeypatch.chdir(tmp_path)  # the farm names the store relative to here, the run absolutely: still one store
     farm.write_text(json.dumps({
-        "out": str(tmp_path / "farm"), "workers": 2, "tracking": {"uri": uri},
+        "out": str(tmp_path / "farm"), "workers": 2, "tracking": {"uri": "sqlite:///mlflow.db"},
         "eval": {"max_length": 32, "depth": 20},
         "checkpoints": [{"name": "a", "model": str(tiny_encoder), "pooling": "mean", "normalize": True,
                          "run_dir": str(pretrain_run)},

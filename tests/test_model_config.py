@@ -101,7 +101,7 @@ def test_a_config_pretrieve_cannot_follow_is_refused_unless_a_pooling_is_given(t
 
 
 def test_eval_of_minilm_without_flags_equals_explicit_mean_and_normalize(tmp_path):
-    """The issue's case on real text: no flags used to mean CLS pooling without normalisation."""
+    """A new user's case on real text: no flags used to mean CLS pooling without normalisation."""
     mini = beir_subset(tmp_path / "scifact-mini", queries=15, other_docs=45)
     results = {}
     for name, flags in (("no-flags", {}), ("explicit", {"pooling": "mean", "normalize": True, "max_length": 256}),

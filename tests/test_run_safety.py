@@ -175,3 +175,17 @@ def test_every_numeric_method_option_has_a_range():
     numeric = {f.name for m in METHODS.values() for f in fields(m.options)
                if any(t in str(f.type) for t in ("int", "float")) and "str" not in str(f.type)}
     assert numeric - set(OPTION_RANGES) == set()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["stream", "m.json", "--weights", "nan"], "argument --weights: a mixture weight must be finite and >= 0, got nan"),
+    (["stream", "m.json", "--shuffle-buffer", "-5"], "argument --shuffle-buffer: must be >= 1, got -5"),
+    (["eval", "--out", "x", "--bm25", "--depth", "0"], "argument --depth: must be >= 1, got 0"),
+    (["encode", "--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+])
+def test_bad_command_line_values_are_refused_by_option(argv, message, capsys):
+    from pretrieve.cli import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2 and message in capsys.readouterr().err

@@ -10,6 +10,12 @@ file records where the next shard starts (record index, block index) and the ski
 the same command skips the records already in complete shards without tokenizing them again. The manifest
 is written last, atomically; its presence means the directory is complete.
 
+Remote output (`--out s3://bucket/shards/wiki`, `gs://...`, any fsspec URL that can be written; `file://` is
+local): the job runs into a local staging folder (`stage`, default a folder under TMPDIR named after the URL
+and the job, so re-running the command resumes there), then the shards are uploaded, then the manifest under a temporary
+name, moved into place last. Object stores show an upload whole or not at all, and no manifest names a shard
+before all of them are up, so the remote folder is complete when its manifest exists, as a local one is.
+
 Held-out splits (`--holdout FRACTION --split train|validation`): a document is on the validation side when
 the hash of its id falls below FRACTION (`holdout_side`), so the two invocations, one per side, split the
 corpus by document, disjointly and the same way on every machine; records of the other side are not tokenized.
@@ -21,16 +27,18 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shutil
+import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from pretrieve import __version__
-from pretrieve.data import corpora
+from pretrieve.data import corpora, remote
 from pretrieve.data.corpora import BadRecord, CorpusError, ReaderOptions
 from pretrieve.data.packing import pack_sentences, sentence_starts, sentence_token_bounds
 from pretrieve.data.shards import MANIFEST_FORMAT, ShardStats, ShardWriter, token_extension
@@ -65,9 +73,10 @@ class PrepareOptions:
     queries_field: str | None = "queries"
     books_format: str = "file"
     overwrite: bool = False
-    progress: bool | None = None  # None: a bar when stderr is a terminal
+    progress: bool | None = None  # None/True: a bar on a terminal, periodic lines otherwise; False: silent
     holdout: float = 0.0  # share of documents on the validation side (0: no split)
     split: str = "train"  # which side this output holds when holdout > 0: train | validation
+    stage: str | None = None  # remote `out`: the local folder the job runs in before the upload
 
     def resolved_packing(self) -> str:
         return self.packing or ("passage" if self.source in PASSAGE_SOURCES else "sentences")
@@ -97,7 +106,7 @@ class PrepareOptions:
     def output_arguments(self) -> dict:
         """The arguments that determine the output (not workers, progress, overwrite)."""
         args = asdict(self)
-        for key in ("workers", "progress", "overwrite", "out"):
+        for key in ("workers", "progress", "overwrite", "out", "stage"):
             args.pop(key)
         args["packing"] = self.resolved_packing()
         return args
@@ -106,13 +115,10 @@ class PrepareOptions:
 def prepare(opts: PrepareOptions) -> dict:
     """Run (or resume) a prepare job; returns the manifest."""
     opts.validate()
-    out = Path(opts.out)
-    files = corpora.list_input_files(opts.source, opts.inputs)
-    backend = load_backend(opts.tokenizer)
-    info = describe(opts.tokenizer, backend)
-    inputs = [{"path": str(p), "bytes": p.stat().st_size} for p in files]
-    job = {"arguments": opts.output_arguments(), "inputs": inputs, "tokenizer": info.fingerprint}
-    job_id = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
+    if remote.is_remote(opts.out):
+        return _prepare_remote(opts)
+    out = Path(remote.local_path(opts.out))
+    files, backend, info, inputs, job_id = _job(opts)
 
     state = _load_previous(out, job_id, opts.overwrite)
     if state.get("complete"):
@@ -179,6 +185,57 @@ def prepare(opts: PrepareOptions) -> dict:
     _write_json_atomic(out / MANIFEST, manifest)
     (out / STATE).unlink(missing_ok=True)
     return manifest
+
+
+def _job(opts: PrepareOptions) -> tuple:
+    """(input files, tokenizer backend, its description, input list, job id): what identifies the output."""
+    files = corpora.list_input_files(opts.source, opts.inputs)
+    backend = load_backend(opts.tokenizer)
+    info = describe(opts.tokenizer, backend)
+    inputs = [{"path": str(p), "bytes": p.stat().st_size} for p in files]
+    job = {"arguments": opts.output_arguments(), "inputs": inputs, "tokenizer": info.fingerprint}
+    return files, backend, info, inputs, hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
+
+
+def _prepare_remote(opts: PrepareOptions) -> dict:
+    """`prepare` into a local staging folder, then upload: shards first, the manifest last (module docstring)."""
+    target = opts.out.rstrip("/")
+    manifest_url = remote.child(target, MANIFEST)
+    previous = _remote_manifest(manifest_url)
+    job_id = _job(opts)[-1]
+    if previous is not None and not opts.overwrite:
+        if previous.get("job_id") != job_id:
+            raise PrepareError(f"{target} holds a complete prepare with other arguments or inputs; "
+                               "use another --out or pass --overwrite")
+        return previous
+    stage = Path(opts.stage or Path(tempfile.gettempdir()) /
+                 f"pretrieve-stage-{hashlib.sha256((target + job_id).encode()).hexdigest()[:16]}")
+    manifest = prepare(replace(opts, out=str(stage)))
+    if previous is not None:  # --overwrite: the old output stops being complete before any of it changes
+        remote.remove(manifest_url)
+    for shard in manifest["shards"]:
+        remote.upload(stage / shard["file"], remote.child(target, shard["file"]))
+    staged_manifest = remote.child(target, f".{MANIFEST}.tmp")
+    remote.upload(stage / MANIFEST, staged_manifest)
+    remote.move(staged_manifest, manifest_url)
+    for old in {s["file"] for s in (previous or {}).get("shards", [])} - {s["file"] for s in manifest["shards"]}:
+        remote.remove(remote.child(target, old))
+    if opts.stage is None:
+        shutil.rmtree(stage, ignore_errors=True)
+    return manifest
+
+
+def _remote_manifest(location: str) -> dict | None:
+    try:
+        data, _ = remote.fetch(location, digest=False)
+    except remote.NotFound:
+        return None
+    except remote.ReadError as e:
+        raise PrepareError(f"cannot check for an earlier output: {e}") from e
+    try:
+        return json.loads(bytes(data).decode("utf-8"))
+    except ValueError as e:
+        raise PrepareError(f"{location}: damaged ({e}); use another --out or pass --overwrite") from e
 
 
 def holdout_side(doc_id: str, fraction: float) -> str:
@@ -307,10 +364,10 @@ def _tokenized(work: Iterator[list[tuple]], opts: PrepareOptions) -> Iterator[tu
 
 
 def _progress(opts: PrepareOptions):
-    from tqdm import tqdm
+    """A bar on a terminal, a line every 30 s otherwise (a SLURM log); none with progress=False."""
+    from pretrieve.progress import Progress
 
-    disable = None if opts.progress is None else not opts.progress
-    return tqdm(desc=f"prepare {opts.source}", unit=" docs", disable=disable, mininterval=1.0)
+    return Progress(None, f"prepare {opts.source}", unit="docs", enabled=opts.progress is not False)
 
 
 _WORKER: dict = {}

@@ -4,7 +4,9 @@ BEIR: `corpus.jsonl` {"_id", "title", "text"}, `queries.jsonl` {"_id", "text"}, 
 line, then query-id, corpus-id, score). MS MARCO: `collection.tsv` (pid, passage) or `msmarco-docs.tsv` (docid,
 url, title, body), `queries.<split>.tsv` (qid, text), `qrels.<split>.tsv` in TREC form (qid, 0, docid,
 relevance). Only the queries judged in the split are kept. A qrels line naming a document or query that is
-not there is an error naming the file and line, or with on_missing="skip" dropped and counted.
+not there is an error naming the file and line, or with on_missing="skip" dropped and counted. A qrels line
+with more columns than its format's is an error naming it; negative grades (TREC's junk and spam) are read as
+0, not relevant, and counted in `skipped`.
 """
 
 from __future__ import annotations
@@ -101,9 +103,10 @@ def _assemble(name, corpus, queries, qrels_file, rows, on_missing) -> RetrievalS
     qrels: dict[str, dict[str, int]] = {}
     skipped: dict[str, int] = {}
     for number, cols, (qcol, dcol, rcol) in rows:
-        if len(cols) <= max(qcol, dcol, rcol) or not cols[rcol].strip().lstrip("-").isdigit():
-            raise RetrievalDataError(f"{qrels_file}:{number}: expected query id, document id and an integer "
-                                     f"relevance, got {cols!r}")
+        width = max(qcol, dcol, rcol) + 1  # BEIR: 3 columns; TREC: 4. More is a file of another format
+        if len(cols) != width or not cols[rcol].strip().lstrip("-").isdigit():
+            raise RetrievalDataError(f"{qrels_file}:{number}: expected {width} columns with query id, document id "
+                                     f"and an integer relevance, got {cols!r}")
         qid, did = cols[qcol].strip(), cols[dcol].strip()
         missing = "query not in queries" if qid not in queries else "document not in corpus" if did not in corpus \
             else None
@@ -113,7 +116,10 @@ def _assemble(name, corpus, queries, qrels_file, rows, on_missing) -> RetrievalS
                                          "pass on_missing=skip (--on-missing skip) to drop and count such lines")
             skipped[missing] = skipped.get(missing, 0) + 1
             continue
-        qrels.setdefault(qid, {})[did] = int(cols[rcol])
+        grade = int(cols[rcol])
+        if grade < 0:  # TREC's junk / spam grades: not relevant, as trec_eval's relevance threshold reads them
+            skipped["negative grade read as 0"] = skipped.get("negative grade read as 0", 0) + 1
+        qrels.setdefault(qid, {})[did] = max(grade, 0)
     if not qrels:
         raise RetrievalDataError(f"{qrels_file}: no judgements")
     return RetrievalSet(name, corpus, {q: queries[q] for q in qrels}, qrels, skipped)

@@ -13,11 +13,14 @@ import io
 import json
 import os
 import tarfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+
+from pretrieve.data.remote import ReadError, ReadOptions, fetch
 
 MANIFEST_FORMAT = "pretrieve-shards/1"  # manifest.json's "format"; `pretrieve prepare` writes it
 TOKEN_EXTENSIONS = {"ids.u16": np.dtype("<u2"), "ids.i32": np.dtype("<i4")}
@@ -105,40 +108,57 @@ class _HashingWriter:
         return self.file.write(data)
 
 
-def read_shard(path: str | Path, start: int = 0, stop: int | None = None, sha256: str | None = None,
-               num_samples: int | None = None) -> Iterator[tuple[np.ndarray, dict]]:
-    """(token ids, metadata) of samples [start, stop) of a shard, in order.
+def read_shard(location: str | Path, start: int = 0, stop: int | None = None, sha256: str | None = None,
+               num_samples: int | None = None, size: int | None = None,
+               options: ReadOptions | None = None) -> Iterator[tuple[np.ndarray, dict]]:
+    """(token ids, metadata) of samples [start, stop) of a shard at a local path or URL (data/remote.py), in order.
 
     With `sha256`, the whole file is verified before anything is yielded; with `num_samples`, a shard holding
-    fewer samples than the manifest says is an error. Parsing reads the 512-byte ustar headers directly
-    (our writer's format) instead of going through `tarfile`: it is the stream's hot loop.
+    fewer samples than the manifest says is an error.
     """
-    path = Path(path)
+    data = load_shard(location, sha256, size, options)
+    yield from parse_shard(data, location, start, stop, num_samples)
+
+
+def load_shard(location: str | Path, sha256: str | None = None, size: int | None = None,
+               options: ReadOptions | None = None, cancel: threading.Event | None = None):
+    """The bytes of a shard (bytes, bytearray or a read-only mmap), verified against `sha256` when given.
+
+    The digest is computed while the bytes arrive and checked once all of them are in, so a corrupted shard
+    fails here, before `parse_shard` turns any of it into a sample (verify-then-yield).
+    """
     try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ShardError(f"{path}: cannot read shard ({e})") from e
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        raise ShardError(f"{path}: sha256 differs from the manifest; the shard is corrupted or was replaced. "
-                         "Re-run `pretrieve prepare` into a fresh directory.")
+        data, digest = fetch(str(location), size, options, cancel, digest=sha256 is not None)
+    except ReadError as e:
+        raise ShardError(str(e)) from e  # it names the location, the range, the attempts and the last error
+    if sha256 is not None and digest != sha256:
+        raise ShardError(f"{location}: sha256 differs from the manifest ({len(data):,} bytes read); the shard is "
+                         "corrupted or was replaced. Re-run `pretrieve prepare` into a fresh directory.")
+    return data
+
+
+def parse_shard(data, location: str | Path, start: int = 0, stop: int | None = None,
+                num_samples: int | None = None) -> Iterator[tuple[np.ndarray, dict]]:
+    """Samples [start, stop) of a loaded shard. Parsing reads the 512-byte ustar headers directly (our
+    writer's format) instead of going through `tarfile`: it is the stream's hot loop."""
     index = 0
-    for key, ids_bytes, ext, meta_bytes in _samples(data, path):
+    for key, ids_bytes, ext, meta_bytes in _samples(data, location):
         if stop is not None and index >= stop:
             return
         if index >= start:
             try:
                 meta = json.loads(meta_bytes)
             except ValueError as e:
-                raise ShardError(f"{path}: sample {key}: bad JSON ({e})") from e
+                raise ShardError(f"{location}: sample {key}: bad JSON ({e})") from e
             yield np.frombuffer(ids_bytes, dtype=TOKEN_EXTENSIONS[ext]), meta
         index += 1
     expected = num_samples if stop is None else stop
     if expected is not None and index < expected:
-        raise ShardError(f"{path}: holds {index} samples, expected {expected}; the shard is truncated")
+        raise ShardError(f"{location}: holds {index} samples, expected {expected}; the shard is truncated")
 
 
-def _samples(data: bytes, path: Path) -> Iterator[tuple[str, bytes, str, bytes]]:
-    view = memoryview(data)
+def _samples(data, path: str | Path) -> Iterator[tuple[str, bytes, str, bytes]]:
+    view = memoryview(data).toreadonly()  # token arrays are views: nobody may write into a shard's bytes
     pos, end = 0, len(data)
     pending: dict[str, tuple[str, bytes]] = {}
     current_key = None

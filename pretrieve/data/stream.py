@@ -23,6 +23,13 @@ apart from the flagged `pad` samples that equalise ranks.
 
 Samples are dicts: `ids` (np.ndarray of token ids, no special tokens), `doc`, `block`, `source`, `pad`,
 and `shard` / `index` (the sample's address, handy for tests and debugging).
+
+Manifests and shards may be local paths or URLs (data/remote.py says what opens what; `read` sets retries,
+timeouts and prefetching). Each reader loads its next `read.prefetch_shards` shards in the background
+(data/prefetch.py). A shard is verified against its sha256 before any of its samples is yielded: a corrupted
+or unreadable shard is an error naming it and the sample of it where the stream stopped, and no sample of it
+reaches a batch. Positions are sample offsets, so where the bytes come from does not enter the state: a run
+resumes exactly over HTTP as from local files, and even from one to the other.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ import json
 import math
 import os
 import signal
+from contextlib import closing
 from dataclasses import dataclass
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -40,7 +49,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pretrieve.data.epoch_plan import EpochPlan, Segment, drop, total
-from pretrieve.data.shards import MANIFEST_FORMAT, read_shard
+from pretrieve.data.prefetch import prefetched
+from pretrieve.data.remote import NotFound, ReadError, ReadOptions, fetch, local_path, resolve, scheme
+from pretrieve.data.shards import MANIFEST_FORMAT, ShardError, load_shard, parse_shard
 
 STATE_FORMAT = "pretrieve-stream/1"
 
@@ -51,19 +62,33 @@ class StreamError(ValueError):
 
 @dataclass(frozen=True)
 class ShardRef:
-    path: str
+    location: str  # local path or URL
     num_samples: int
     sha256: str
+    bytes: int | None  # the file's size, when the manifest has it (remote reads then skip asking for it)
 
 
-def load_manifest(path: str | os.PathLike) -> tuple[Path, dict]:
-    path = Path(path)
-    if path.is_dir():
-        path = path / "manifest.json"
-    if not path.exists():
-        raise StreamError(f"manifest not found: {path} (run `pretrieve prepare` first)")
+def manifest_location(location: str | os.PathLike) -> str:
+    """A manifest file's location: a folder (local, or a URL whose last part is not *.json) gets manifest.json."""
+    path = local_path(location)
+    if path is not None and scheme(location) is None:
+        return str(Path(path) / "manifest.json" if Path(path).is_dir() else Path(path))
+    text = os.fspath(location)
+    if scheme(text) == "pipe" or text.rsplit("/", 1)[-1].endswith(".json"):
+        return text
+    return text.rstrip("/") + "/manifest.json"
+
+
+def load_manifest(location: str | os.PathLike, read: ReadOptions | None = None) -> tuple[str, dict]:
+    """(the manifest's location, its validated content)."""
+    path = manifest_location(location)
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        data, _ = fetch(path, options=read, digest=False)
+        manifest = json.loads(bytes(data).decode("utf-8"))
+    except NotFound:
+        raise StreamError(f"manifest not found: {path} (run `pretrieve prepare` first)") from None
+    except ReadError as e:
+        raise StreamError(f"cannot read the manifest: {e}") from e
     except ValueError as e:
         raise StreamError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(manifest, dict):
@@ -87,8 +112,11 @@ def load_manifest(path: str | os.PathLike) -> tuple[Path, dict]:
 class ShardStream(IterableDataset):
     def __init__(self, manifests: Sequence[str | os.PathLike], weights: Sequence[float] | None = None, seed: int = 0,
                  shuffle_buffer: int = 1000, rank: int | None = None, world_size: int | None = None,
-                 tokenizer: str | None = None, epoch_samples: int | None = None, verify: bool = True):
-        """`tokenizer`: the training tokenizer (a directory or a "sha256:..." fingerprint) the shards must match."""
+                 tokenizer: str | None = None, epoch_samples: int | None = None, verify: bool = True,
+                 read: ReadOptions | None = None):
+        """`tokenizer`: the training tokenizer (a directory or a "sha256:..." fingerprint) the shards must match.
+        `read`: retries, timeouts, prefetching and fsspec options for remote manifests and shards."""
+        self.read = read or ReadOptions()
         if isinstance(manifests, (str, os.PathLike)):
             manifests = [manifests]
         if not manifests:
@@ -97,12 +125,16 @@ class ShardStream(IterableDataset):
         groups: list[list[int]] = []
         fingerprints = {}
         for m in manifests:
-            path, manifest = load_manifest(m)
-            fingerprints[str(path)] = manifest["tokenizer"]["fingerprint"]
+            location, manifest = load_manifest(m, self.read)
+            fingerprints[location] = manifest["tokenizer"]["fingerprint"]
             groups.append([])
             for shard in manifest["shards"]:
                 groups[-1].append(len(self.shards))
-                self.shards.append(ShardRef(str(path.parent / shard["file"]), shard["num_samples"], shard["sha256"]))
+                try:
+                    shard_location = resolve(location, shard["file"])
+                except ValueError as e:
+                    raise StreamError(str(e)) from None
+                self.shards.append(ShardRef(shard_location, shard["num_samples"], shard["sha256"], shard.get("bytes")))
         if len(set(fingerprints.values())) > 1:
             raise StreamError(f"manifests were prepared with different tokenizers: {fingerprints}")
         self.tokenizer_fingerprint = next(iter(fingerprints.values()))
@@ -194,32 +226,47 @@ class ShardStream(IterableDataset):
         segments = self._slots()[slot]
         n, window = total(segments), self.plan.window
         first_window = offset // window
-        reader = self._read(drop(segments, first_window * window))
-        for w in range(first_window, math.ceil(n / window)):
-            samples = list(islice(reader, min(window, n - w * window)))
-            order = self.plan.window_order(self.epoch, len(self._stages) - 1, self.rank, slot, w, len(samples))
-            skip = offset - w * window if w == first_window else 0
-            for i in order[skip:]:
-                yield samples[i]
+        with closing(self._read(drop(segments, first_window * window))) as reader:  # closing stops its prefetch
+            for w in range(first_window, math.ceil(n / window)):
+                samples = list(islice(reader, min(window, n - w * window)))
+                order = self.plan.window_order(self.epoch, len(self._stages) - 1, self.rank, slot, w, len(samples))
+                skip = offset - w * window if w == first_window else 0
+                for i in order[skip:]:
+                    yield samples[i]
 
     def _read(self, segments: list[Segment]) -> Iterator[dict]:
-        """Samples of `segments` in order; a run of increasing segments of one shard is one read of it."""
-        for run in _shard_runs(segments):
-            ref = self.shards[run[0].shard]
-            count = ref.num_samples if run[-1].stop == ref.num_samples else None
-            samples = read_shard(ref.path, run[0].start, run[-1].stop, ref.sha256 if self.verify else None, count)
-            segs = iter(run)
-            seg = next(segs)
-            for index, (ids, meta) in enumerate(samples, run[0].start):
-                if index >= seg.stop:
-                    seg = next(segs)
-                if index >= seg.start:
-                    sample = {"ids": ids, "doc": meta["doc"], "block": meta["block"], "source": meta["source"],
-                              "pad": seg.pad, "shard": seg.shard, "index": index, "epoch": self.epoch,
-                              "shard_file": ref.path}
-                    if "queries" in meta:  # pseudo-queries (token ids) of the document, for CoT-MAE
-                        sample["queries"] = meta["queries"]
-                    yield sample
+        """Samples of `segments` in order; a run of increasing segments of one shard is one read of it, loaded
+        (and verified) whole before its first sample is parsed, the next runs' shards loading meanwhile."""
+        runs = list(_shard_runs(segments))
+        loads = [partial(self._load, self.shards[run[0].shard]) for run in runs]
+        with closing(prefetched(loads, self.read.prefetch_shards)) as loaded:
+            for run in runs:
+                yield from self._samples_of(run, loaded)
+
+    def _load(self, ref: ShardRef, cancel):
+        return load_shard(ref.location, ref.sha256 if self.verify else None, ref.bytes, self.read, cancel)
+
+    def _samples_of(self, run: list[Segment], loaded: Iterator) -> Iterator[dict]:
+        ref = self.shards[run[0].shard]
+        try:
+            data = next(loaded)
+        except ShardError as e:
+            raise ShardError(f"{e} The stream stopped at sample {run[0].start} of this shard's {ref.num_samples}; "
+                             "none of its samples was yielded.") from e
+        count = ref.num_samples if run[-1].stop == ref.num_samples else None
+        samples = parse_shard(data, ref.location, run[0].start, run[-1].stop, count)
+        segs = iter(run)
+        seg = next(segs)
+        for index, (ids, meta) in enumerate(samples, run[0].start):
+            if index >= seg.stop:
+                seg = next(segs)
+            if index >= seg.start:
+                sample = {"ids": ids, "doc": meta["doc"], "block": meta["block"], "source": meta["source"],
+                          "pad": seg.pad, "shard": seg.shard, "index": index, "epoch": self.epoch,
+                          "shard_file": ref.location}
+                if "queries" in meta:  # pseudo-queries (token ids) of the document, for CoT-MAE
+                    sample["queries"] = meta["queries"]
+                yield sample
 
 
 def _shard_runs(segments: list[Segment]) -> Iterator[list[Segment]]:

@@ -41,6 +41,19 @@ def flatten(tree, prefix: str = "") -> dict[str, str]:
     return {prefix.rstrip("."): str(tree)[:6000]}
 
 
+def store_location(uri: str) -> str:
+    """What an MLflow tracking URI points at, written one way: "sqlite:///runs/mlflow.db" (relative to the
+    working directory), "sqlite:////abs/runs/mlflow.db" and a file store's path or file: URI name the same store
+    whichever way they are written; server URIs compare as written, less a trailing slash."""
+    from urllib.parse import urlparse
+
+    if uri.startswith("sqlite:///"):
+        return "sqlite:" + str(Path(uri[len("sqlite:///"):]).resolve())
+    if uri.startswith("file:") or "://" not in uri:
+        return "file:" + str(Path(urlparse(uri).path if uri.startswith("file:") else uri).resolve())
+    return uri.rstrip("/")
+
+
 def metric_name(name: str) -> str:
     return name.replace("@", "_at_")  # MLflow rejects "@" (ndcg@10 -> ndcg_at_10)
 

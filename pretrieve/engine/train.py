@@ -37,6 +37,7 @@ from pretrieve.engine.run_lock import DirectoryLock
 from pretrieve.engine.tracking import Tracker, run_params, run_tags
 from pretrieve.engine.universal import is_universal
 from pretrieve.engine.validation import VALIDATION_SEED, Validation
+from pretrieve.progress import Progress
 
 PREEMPTED_EXIT_CODE = 85  # the SLURM launcher requeues on this code
 
@@ -115,6 +116,7 @@ def train(exp: Experiment) -> dict:
 
 def _pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     from pretrieve.data.masking import Vocabulary
+    from pretrieve.data.remote import ReadOptions
     from pretrieve.data.stream import ShardStream, StreamLoader
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
 
@@ -125,8 +127,9 @@ def _pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
         head.encoder.enable_activation_checkpointing()
     collate = exp.method.collator.from_options(exp.options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)),
                                                seed=exp.seed)
+    read = ReadOptions.from_options(exp.data)  # URLs: retries, timeout, prefetch, storage options
     stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
-                         shuffle_buffer=exp.data.shuffle_buffer)
+                         shuffle_buffer=exp.data.shuffle_buffer, read=read)
     # The loader's own generator: starting an iteration must not draw from the global RNG (dropout), or a
     # resumed run, which starts its iteration at another step, would drift from an uninterrupted one.
     loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, num_workers=exp.data.num_workers,
@@ -135,7 +138,8 @@ def _pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     validation = None
     if exp.data.validation:
         validation = Validation.build(exp.data.validation, exp.method.collator.from_options(
-            exp.options, collate.vocab, seed=VALIDATION_SEED), exp.train.micro_batch_size, exp.data.validation_batches)
+            exp.options, collate.vocab, seed=VALIDATION_SEED), exp.train.micro_batch_size, exp.data.validation_batches,
+            read)
     return TrainingJob(
         name=f"pretrain {exp.method.name}", module=head, loader=loader, position=stream,
         count=lambda batch: (len(batch["input_ids"]), int(batch["attention_mask"].sum())),
@@ -167,8 +171,6 @@ def run_training(exp, build_job: Callable[[Any, int], TrainingJob]) -> dict:
 def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict:
     import deepspeed
     from omegaconf import OmegaConf
-    from tqdm import tqdm
-
     if not torch.cuda.is_available():
         keep_freed_memory()  # ~10% of a CPU step went to page faults on re-allocated tensors
     seed_everything(exp.seed + rank)
@@ -232,8 +234,7 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
               "started": time.perf_counter()}
     last_step = min(exp.train.max_steps, exp.train.stop_at or exp.train.max_steps)  # of this invocation
     eval_every = exp.train.eval_every or exp.train.max_steps  # held-out loss: every N steps, and at the end
-    bar = tqdm(total=exp.train.max_steps, initial=engine.global_steps, desc=job.name,
-               unit="step", disable=rank != 0, dynamic_ncols=True)
+    bar = Progress(exp.train.max_steps, job.name, unit="step", enabled=rank == 0, initial=engine.global_steps)
     try:
         while engine.global_steps < last_step:
             for batch in loader:
@@ -263,7 +264,7 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
                 bar.update(1)
                 if log_now:
                     record = _log(metrics, tracker, step, window, engine, peak, plain_norm, lr)
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+                    bar.postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
                 if job.validation is not None and (step % eval_every == 0 or step == exp.train.max_steps):
                     _write(metrics, tracker, {"step": step, **job.validation.evaluate(engine, engine.device)})
                 preempted = (world == 1 or log_now or step % exp.checkpoint.every == 0 or step == last_step) \

@@ -30,12 +30,12 @@ class EncodeOptions:
 def length_sorted_batches(tokenizer, texts: list[str], options: EncodeOptions, device: torch.device,
                           desc: str, progress: bool):
     """(row indices into `texts`, padded batch on `device`), longest texts first, each text tokenized once."""
-    from tqdm import tqdm
+    from pretrieve.progress import track
 
     ids = tokenizer(texts, truncation=True, max_length=options.max_length)["input_ids"]
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
     size = options.batch_size
-    for start in tqdm(range(0, len(order), size), desc=desc, unit="batch", disable=not progress, leave=False):
+    for start in track(range(0, len(order), size), desc=desc, unit="batch", enabled=progress, leave=False):
         rows = order[start:start + size]
         yield rows, tokenizer.pad({"input_ids": [ids[i] for i in rows]}, return_tensors="pt").to(device)
 

@@ -7,6 +7,7 @@ on this machine or handed to SLURM, each logged as an MLflow run.
     eval: {max_length: 256, depth: 1000, index: flat, batch_size: 64}  # also contrastive_entropy: K, ce_*
     checkpoints:
       - {name: minilm, model: path/to/export, pooling: mean, normalize: true, run_dir: runs/x}
+      - {name: bm25, bm25: true}       # the BM25 baseline (`pretrieve eval --bm25`), zero-shot only
     datasets:
       - {name: scifact, beir: ../shared/data/beir/scifact, split: test}
       - {name: marco-dev, msmarco: data/msmarco, split: dev}
@@ -45,8 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrieve.engine.run_dir import write_atomic
-from pretrieve.engine.tracking import experiment_id_of, metric_name
+from pretrieve.engine.tracking import experiment_id_of, metric_name, store_location
 from pretrieve.finetune.stages import done as finetuned
+from pretrieve.progress import Progress
 
 STAGES = ("zero-shot", "stage1", "stage2", "stage3")
 EVAL_KEYS = ("max_length", "depth", "index", "batch_size", "contrastive_entropy", "ce_temperature", "ce_seed")
@@ -69,15 +71,21 @@ class Job:
         return (self.out / "metrics.json").is_file()
 
     @property
-    def model(self) -> Path:
-        """The model this job evaluates: the checkpoint, or its fine-tuned export for a stage."""
+    def model(self) -> Path | None:
+        """The model this job evaluates: the checkpoint, or its fine-tuned export for a stage (None: BM25)."""
+        if self.checkpoint.get("bm25"):
+            return None
         if self.stage == "zero-shot":
             return Path(self.checkpoint["model"])
         return finetune_dir(self.out.parents[2], self.checkpoint) / self.stage / "export"
 
     def eval_args(self, settings: dict) -> list[str]:
         """The `pretrieve eval` arguments of this job."""
-        args = ["eval", "--model", str(self.model), "--out", str(self.out), *encoding_args(self.checkpoint)]
+        if self.model is None:  # BM25 encodes nothing: only the retrieval depth applies
+            settings = {k: v for k, v in settings.items() if k == "depth"}
+            args = ["eval", "--bm25", "--out", str(self.out)]
+        else:
+            args = ["eval", "--model", str(self.model), "--out", str(self.out), *encoding_args(self.checkpoint)]
         kind = "beir" if "beir" in self.dataset else "msmarco"
         args += [f"--{kind}", str(self.dataset[kind])]
         if self.dataset.get("split"):
@@ -111,7 +119,7 @@ def load_farm(path: str | Path) -> dict:
         names = set()
         for i, entry in enumerate(farm[section]):
             for key in required:
-                if key not in entry:
+                if key not in entry and not (key == "model" and entry.get("bm25")):
                     raise ValueError(f"{path}: {section}[{i}]: no {key!r}")
             if entry["name"] in names:
                 raise ValueError(f"{path}: {section}[{i}]: name {entry['name']!r} used twice")
@@ -143,7 +151,8 @@ def load_farm(path: str | Path) -> dict:
 def jobs_of(farm: dict) -> list[Job]:
     out = Path(farm["out"])
     return [Job(c, d, s, out / c["name"] / d["name"] / s)
-            for c in farm["checkpoints"] for d in farm["datasets"] for s in farm["stages"]]
+            for c in farm["checkpoints"] for d in farm["datasets"] for s in farm["stages"]
+            if s == "zero-shot" or not c.get("bm25")]  # BM25 has nothing to fine-tune
 
 
 def finetune_dir(out: Path, checkpoint: dict) -> Path:
@@ -204,14 +213,16 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
         return {"jobs": len(jobs), "ran": 0, "failed": failed, "pending_for_slurm": len(lines),
                 "pending_chains": len(chains), "logged": logged}
     workers = max(1, int(farm["workers"]))
+    bar = Progress(len(chains) + len(pending), "farm", unit="job", enabled=progress)
 
     def report(name: str, error: str | None) -> None:
         if error:
             failed[name] = error
         if progress:
-            print(f"farm: {name} {'failed: ' + error if error else 'done'}", file=sys.stderr)
+            bar.note(f"farm: {name} {'failed: ' + error if error else 'done'}")
+        bar.update()
 
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    with bar, ThreadPoolExecutor(max_workers=workers) as pool:
         names = list(chains)
         logs = [finetune_dir(Path(farm["out"]), {"name": n}) / "finetune.log" for n in names]
         for name, error in zip(names, pool.map(lambda a: _run(a[0], a[1], None), zip(chains.values(), logs))):
@@ -245,7 +256,7 @@ def _log_done(jobs: list[Job], farm: dict, progress: bool) -> list[str]:
     from pretrieve.models.model_card import has_generated_card, write_model_card
 
     logged = [job for job in jobs if job.done() and _log_job(job, farm)]
-    for model in sorted({job.model for job in logged}):
+    for model in sorted({job.model for job in logged if job.model is not None}):
         if model.name == "export" and (model.parent / "config.yaml").is_file() and has_generated_card(model):
             try:
                 write_model_card(model, model.parent, tracking_uri=_tracking_uri(farm))
@@ -265,7 +276,8 @@ def _parent_run(job: Job, uri: str) -> tuple[str, str] | None:
     if record is None or not record.is_file():
         return None
     info = json.loads(record.read_text())
-    if info.get("tracking_uri") != uri or not info.get("run_id"):
+    if not info.get("tracking_uri") or store_location(info["tracking_uri"]) != store_location(uri) \
+            or not info.get("run_id"):
         return None
     from mlflow.tracking import MlflowClient
 
@@ -288,7 +300,9 @@ def _log_job(job: Job, farm: dict) -> bool:
         client, tracking.get("experiment", "pretrieve-eval"), (Path(farm["out"]).resolve() / "mlartifacts").as_uri())
     metrics = json.loads((job.out / "metrics.json").read_text())
     tags = {"pretrieve.farm": "eval", "checkpoint": job.checkpoint["name"], "dataset": job.dataset["name"],
-            "stage": job.stage, "model_dir": str(job.model.resolve())}  # how a model card finds its evaluations
+            "stage": job.stage}
+    if job.model is not None:
+        tags["model_dir"] = str(job.model.resolve())  # how a model card finds its evaluations
     if parent:
         tags["mlflow.parentRunId"] = parent[0]
     run = client.create_run(experiment_id, run_name=job.name.replace("/", "-"), tags=tags)

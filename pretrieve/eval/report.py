@@ -2,18 +2,23 @@
 
 Rows are checkpoints, columns datasets (and stage, when there is more than one), one table per metric; the
 last column is the mean over datasets. Writes OUT/<metric>.md, OUT/<metric>.csv and OUT/<metric>.png (grouped
-bars), and prints the markdown. When a checkpoint x dataset x stage was evaluated more than once, the
-latest run counts.
+bars), OUT/report.html (every table and plot on one self-contained page: the plots are embedded, so the file
+opens anywhere without a server), and prints the markdown. When a checkpoint x dataset x stage was evaluated
+more than once, the latest run counts. The report is also logged to MLflow: a run named `report` (tag
+`pretrieve.report`) in the experiment of the latest evaluation run, with OUT's files as artifacts; its id is
+written to OUT/mlflow.json. Each report is a new run, so earlier ones stay as they were.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 from pathlib import Path
 
 from pretrieve.engine.run_dir import write_atomic
 from pretrieve.engine.tracking import metric_name
+from pretrieve.eval.report_html import cell_text, write_html
 
 DEFAULT_METRICS = ("ndcg@10", "mrr@10", "recall@100")
 
@@ -30,7 +35,7 @@ def collect(uri: str, experiments: list[str] | None = None) -> list[dict]:
         raise ValueError(f"{uri}: no experiment named {', '.join(missing)}")
     runs = client.search_runs(ids, filter_string="tags.`pretrieve.farm` = 'eval'", max_results=50000) if ids else []
     return [{"checkpoint": r.data.tags["checkpoint"], "dataset": r.data.tags["dataset"], "stage": r.data.tags["stage"],
-             "start": r.info.start_time, **r.data.metrics} for r in runs]
+             "start": r.info.start_time, "experiment_id": r.info.experiment_id, **r.data.metrics} for r in runs]
 
 
 def evaluations_of(uri: str, model_dir: str | Path, run_id: str | None = None) -> list[dict]:
@@ -83,28 +88,44 @@ def tables(records: list[dict], metrics=DEFAULT_METRICS) -> dict[str, list[list]
     return out
 
 
-def write_report(uri: str, out: str | Path, experiments: list[str] | None = None, metrics=DEFAULT_METRICS) -> str:
-    """Write the tables and plots; returns the markdown of all tables."""
+def write_report(uri: str, out: str | Path, experiments: list[str] | None = None, metrics=DEFAULT_METRICS,
+                 log_to_mlflow: bool = True) -> str:
+    """Write the tables, plots and HTML page (and log them to MLflow); returns the markdown of all tables."""
     records = collect(uri, experiments)
     if not records:
         raise ValueError(f"{uri}: no evaluation runs (run `pretrieve farm` first)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     markdown = []
-    for metric, rows in tables(records, metrics).items():
-        def cell(v):
-            return "–" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
-
-        md = "\n".join(["| " + " | ".join(map(cell, row)) + " |" for row in rows[:1]]
+    metric_tables = tables(records, metrics)
+    for metric, rows in metric_tables.items():
+        md = "\n".join(["| " + " | ".join(map(cell_text, row)) + " |" for row in rows[:1]]
                        + ["|" + "---|" * len(rows[0])]
-                       + ["| " + " | ".join(map(cell, row)) + " |" for row in rows[1:]])
+                       + ["| " + " | ".join(map(cell_text, row)) + " |" for row in rows[1:]])
         markdown.append(f"### {metric}\n\n{md}\n")
         write_atomic(out / f"{metric}.md", md + "\n")
         text = io.StringIO()
         csv.writer(text).writerows([["" if v is None else v for v in row] for row in rows])
         write_atomic(out / f"{metric}.csv", text.getvalue())
         _plot(rows, metric, out / f"{metric}.png")
+    write_html(out / "report.html", metric_tables, {m: out / f"{m}.png" for m in metric_tables}, source=uri)
+    if log_to_mlflow:
+        _log_report(uri, out, max(records, key=lambda r: r["start"])["experiment_id"])
     return "\n".join(markdown)
+
+
+def _log_report(uri: str, out: Path, experiment_id: str) -> str:
+    """A new `report` run holding OUT's files as artifacts; its id goes to OUT/mlflow.json."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(experiment_id, run_name="report", tags={"pretrieve.report": "1"}).info.run_id
+    for path in sorted(out.iterdir()):
+        if path.is_file() and path.name != "mlflow.json" and not path.name.startswith("."):
+            client.log_artifact(run_id, str(path))
+    client.set_terminated(run_id)
+    write_atomic(out / "mlflow.json", json.dumps({"tracking_uri": uri, "run_id": run_id}))
+    return run_id
 
 
 def _plot(rows: list[list], metric: str, path: Path) -> None:
@@ -114,13 +135,22 @@ def _plot(rows: list[list], metric: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     header, body = rows[0][1:-1], rows[1:]
-    fig, ax = plt.subplots(figsize=(max(4, 1.5 * len(header) * max(1, len(body)) / 2), 3.5))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 + 0.9 * len(header) * max(1, len(body))), 3.8))
     width = 0.8 / max(1, len(body))
     for i, row in enumerate(body):
-        ax.bar([c + i * width for c in range(len(header))], [v or 0.0 for v in row[1:-1]], width, label=row[0])
-    ax.set_xticks([c + width * (len(body) - 1) / 2 for c in range(len(header))], header)
+        bars = ax.bar([c + i * width for c in range(len(header))], [v or 0.0 for v in row[1:-1]], width,
+                      label=row[0])
+        # the values on the bars: a reader compares numbers, not bar heights, when they are close
+        ax.bar_label(bars, labels=["–" if v is None else f"{v:.3f}" for v in row[1:-1]], fontsize="small",
+                     padding=2)
+    ax.set_xticks([c + width * (len(body) - 1) / 2 for c in range(len(header))], header,
+                  rotation=20 if len(header) > 3 else 0, ha="right" if len(header) > 3 else "center")
     ax.set_ylabel(metric)
-    ax.legend(fontsize="small")
+    ax.set_title(f"{metric} by dataset")
+    top = max([v for row in body for v in row[1:-1] if v is not None] or [0.0])
+    ax.set_ylim(0, max(top * 1.15, 1e-3))  # room for the value labels
+    ax.legend(fontsize="small", title="checkpoint", title_fontsize="small", loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), frameon=False)  # beside the axes: never over a bar
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=100)

@@ -105,10 +105,10 @@ class TeacherOptions:
 def teacher_scores(opts: TeacherOptions) -> dict:
     """Score every (query, passage) pair of the data with the cross-encoder; write them as pos/neg_scores."""
     import torch
-    from tqdm import tqdm
     from transformers import AutoTokenizer, BertForSequenceClassification
 
     from pretrieve.finetune.examples import read_all
+    from pretrieve.progress import track
 
     examples = read_all(opts.data)
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
@@ -121,8 +121,8 @@ def teacher_scores(opts: TeacherOptions) -> dict:
     pairs = [(i, text) for i, e in enumerate(examples) for text in (*e.pos, *e.neg)]
     scores: list[float] = []
     with torch.inference_mode():
-        for start in tqdm(range(0, len(pairs), opts.batch_size), desc="teacher scores", unit="batch",
-                          disable=not opts.progress, leave=False):
+        for start in track(range(0, len(pairs), opts.batch_size), desc="teacher scores", unit="batch",
+                           enabled=opts.progress, leave=False):
             chunk = pairs[start:start + opts.batch_size]
             batch = tokenizer([examples[i].query for i, _ in chunk], [t for _, t in chunk], truncation=True,
                               max_length=opts.max_length, padding=True, return_tensors="pt").to(device)

@@ -165,6 +165,7 @@ def _cost(study: dict, points: list[Point], where: str) -> None:
     it) and its first batch of real data collated and counted by engine/flops.py."""
     from pretrieve.config import ConfigError, experiment, load_config
     from pretrieve.data.masking import Vocabulary
+    from pretrieve.data.remote import ReadOptions
     from pretrieve.data.stream import ShardStream
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
     from pretrieve.engine.flops import train_flops
@@ -183,7 +184,8 @@ def _cost(study: dict, points: list[Point], where: str) -> None:
         key = (point.method, point.size)
         if key not in per_step:
             if samples is None:
-                stream = ShardStream(exp.data.manifests, seed=0, shuffle_buffer=1, rank=0, world_size=1)
+                stream = ShardStream(exp.data.manifests, seed=0, shuffle_buffer=1, rank=0, world_size=1,
+                                     read=ReadOptions.from_options(exp.data))
                 samples = list(islice(iter(stream), exp.train.micro_batch_size))
             batch = exp.method.collator.from_options(exp.options, vocab, seed=0)(samples)
             per_step[key] = float(train_flops(point.method, exp.options, config, batch))

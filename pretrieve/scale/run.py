@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pretrieve.engine.run_dir import write_atomic
+from pretrieve.progress import Progress
 from pretrieve.scale.plan import Point, base_config, plan, study_out, study_workers, write_plan
 from pretrieve.scale.study import KIND_TAG, STUDY_TAG
 
@@ -121,12 +122,14 @@ def run_study(path: str | Path, slurm_jobs: str | None = None, progress: bool = 
         log_validation_summary(out / "points" / point.id)
         return None
 
-    with ThreadPoolExecutor(max_workers=study_workers(study)) as pool:
+    bar = Progress(len(pending), "scale: pre-training", unit="point", enabled=progress)
+    with bar, ThreadPoolExecutor(max_workers=study_workers(study)) as pool:
         for point, error in zip(pending, pool.map(pretrain, pending)):
             if error:
                 failed[point.id] = error
             if progress:
-                print(f"scale: {point.id} {'failed: ' + error if error else 'pre-trained'}", file=sys.stderr)
+                bar.note(f"scale: {point.id} {'failed: ' + error if error else 'pre-trained'}")
+            bar.update()
     finished = [p for p in points if point_done(p, out)]
     evaluated = {}
     if finished and (study.get("evaluation") or {}).get("datasets"):

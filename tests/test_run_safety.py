@@ -4,9 +4,10 @@ after an attempt that died before its first checkpoint, a `latest` that names no
 unpruned, a full disk while saving, and method options out of range."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from conftest import pretrain_env
 from pretrieve.config import ConfigError, experiment, load_config
 from pretrieve.engine.run_dir import latest_checkpoint, prune_tags
-from pretrieve.engine.run_lock import DirectoryLock, RunDirectoryLocked
+from pretrieve.engine.run_lock import DirectoryLock
 from pretrieve.models.heads import get_method
 from pretrieve.models.heads.registry import METHODS, OPTION_RANGES
 
@@ -38,14 +39,27 @@ def _steps(run_dir: Path) -> list[int]:
 _HOLD = """
 import sys, time
 from pretrieve.engine.run_lock import DirectoryLock
-with DirectoryLock(sys.argv[1], "trainer"):
+with DirectoryLock(sys.argv[1], sys.argv[2]):
     print("held", flush=True)
     time.sleep(60)
 """
 
+_HOLD_AND_FORK = """
+import os, sys, time
+from pretrieve.engine.run_lock import DirectoryLock
+lock = DirectoryLock(sys.argv[1], "trainer").__enter__()
+child = os.fork()
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(60)
+"""
+
 
 def test_a_second_trainer_is_refused_naming_the_holder(tmp_path, wiki_shards):
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path / "run"), "trainer"], stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         done = _pretrain(tmp_path / "run", wiki_shards, "train.max_steps=2", check=False)
@@ -55,14 +69,42 @@ def test_a_second_trainer_is_refused_naming_the_holder(tmp_path, wiki_shards):
     finally:
         holder.kill()
         holder.wait()
-    # its holder is gone: the lock is stale, taken over with a note, and released at the end
-    started = time.monotonic()
+    # its holder is gone (killed: no clean release): the lock is stale, taken over with a note
     with DirectoryLock(tmp_path / "run", "trainer"):
-        with pytest.raises(RunDirectoryLocked, match="in use by another trainer"):
-            DirectoryLock(tmp_path / "run", "trainer").__enter__()
-    assert time.monotonic() - started < 5
-    with DirectoryLock(tmp_path / "run", "trainer"):
-        pass
+        assert json.loads((tmp_path / "run" / ".lock").read_text())["pid"] == os.getpid()
+    assert (tmp_path / "run" / ".lock").read_text() == ""  # released cleanly: no holder to report
+
+
+def test_a_lock_is_not_inherited_by_forked_children(tmp_path):
+    """A DataLoader worker or tokenizer pool forked by the holder, outliving it, does not keep the directory."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_AND_FORK, str(tmp_path / "run")], stdout=subprocess.PIPE,
+                              text=True)
+    child = int(holder.stdout.readline())
+    holder.kill()
+    holder.wait()
+    try:
+        os.kill(child, 0)  # the child still runs
+        with DirectoryLock(tmp_path / "run", "trainer"):
+            pass
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_a_second_prepare_into_one_folder_is_refused(tmp_path):
+    from conftest import SAMPLES
+
+    out = tmp_path / "shards"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out), "prepare"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        done = subprocess.run([sys.executable, "-m", "pretrieve", "prepare", "--source", "wikipedia", "--input",
+                               str(SAMPLES / "wikipedia"), "--out", str(out), "--workers", "0"],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0 and f"in use by another prepare (pid {holder.pid} on " in done.stderr
+        assert not list(out.glob("*.tar")) and not (out / "manifest.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,7 @@ import numpy as np
 
 from pretrieve import __version__
 from pretrieve.data import corpora, remote
+from pretrieve.engine.run_lock import DirectoryLock
 from pretrieve.data.corpora import BadRecord, CorpusError, ReaderOptions
 from pretrieve.data.packing import pack_sentences, sentence_starts, sentence_token_bounds
 from pretrieve.data.shards import MANIFEST_FORMAT, ShardStats, ShardWriter, token_extension
@@ -118,6 +119,12 @@ def prepare(opts: PrepareOptions) -> dict:
     if remote.is_remote(opts.out):
         return _prepare_remote(opts)
     out = Path(remote.local_path(opts.out))
+    # one writer per folder: two prepares into one OUT would mix shards of different settings
+    with DirectoryLock(out, "prepare"):
+        return _prepare_local(opts, out)
+
+
+def _prepare_local(opts: PrepareOptions, out: Path) -> dict:
     files, backend, info, inputs, job_id = _job(opts)
 
     state = _load_previous(out, job_id, opts.overwrite)

@@ -1,16 +1,19 @@
-"""One writer per run directory: an exclusive advisory lock (`flock`) on DIR/.lock, held by the training
-process (rank 0) for the run's life.
+"""One writer per run directory: an exclusive advisory lock (a POSIX record lock, `lockf`) on DIR/.lock, held
+by the training process (rank 0) for the run's life; `pretrieve prepare` holds its output folder the same way.
 
 Two trainers in one run directory (a second `pretrieve pretrain` started by mistake, or a requeued SLURM job
 while the old one still runs) would interleave metrics, checkpoints and the export. The second one is refused
 with the holder's host, pid and SLURM job id, which the holder writes into the lock file. The kernel drops the
 lock when its holder dies, however it dies: a lock file left by a dead process is stale and simply taken over
-(its previous holder is named in a log line). On NFS, `flock` is carried by the server's lock manager (NFSv4;
-Linux maps it to a whole-file POSIX lock), so it holds across nodes there too.
+(its previous holder is named in a log line). A POSIX lock, unlike `flock`, is not inherited by forked children
+(DataLoader workers, tokenizer pools), so a worker that outlives a killed holder does not keep the directory
+locked; within one process it does not exclude itself. On NFS it goes through the server's lock manager, so it
+holds across nodes there too. The empty lock file stays in the directory.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -48,8 +51,11 @@ class DirectoryLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                os.close(fd)
+                raise
             holder = self._read(fd)
             os.close(fd)
             raise RunDirectoryLocked(
@@ -74,6 +80,6 @@ class DirectoryLock:
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)  # a clean end leaves no holder to report as stale
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            fcntl.lockf(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

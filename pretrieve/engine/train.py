@@ -171,6 +171,7 @@ def run_training(exp, build_job: Callable[[Any, int], TrainingJob]) -> dict:
 def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict:
     import deepspeed
     from omegaconf import OmegaConf
+
     if not torch.cuda.is_available():
         keep_freed_memory()  # ~10% of a CPU step went to page faults on re-allocated tensors
     seed_everything(exp.seed + rank)

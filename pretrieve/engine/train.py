@@ -180,6 +180,8 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
         raise ValueError(f"run_dir: {run_dir} already holds checkpoints; pass resume=auto to continue that run, "
                          "or choose another run_dir")
     tag = latest_checkpoint(run_dir) if exp.resume == "auto" else None
+    branch = getattr(exp, "init_checkpoint", None) if tag is None else None  # fine-tuning has no branches
+    fresh = tag is None and branch is None
     config = OmegaConf.to_container(exp.raw, resolve=True)
     changes = {}
     if tag is not None and (saved := saved_config(ckpt_dir, tag)) is not None:  # before anything is written
@@ -190,8 +192,8 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
         write_atomic(run_dir / "config.yaml", config_yaml)
         if tag is not None:  # a kill between moving `latest` and pruning left older tags
             prune_tags(ckpt_dir, tag, exp.checkpoint.keep)
-        elif getattr(exp, "init_checkpoint", None) is None:  # a fresh start: what an attempt that died before its
-            _truncate_metrics(run_dir / "metrics.jsonl", 0)  # first checkpoint logged goes (its MLflow run too)
+        elif fresh:  # what an attempt that died before its first checkpoint logged goes (its MLflow run too)
+            _truncate_metrics(run_dir / "metrics.jsonl", 0)
 
     job = build_job(exp, rank)
     stream, loader = job.position, job.loader
@@ -203,13 +205,11 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
                                            lr_scheduler=LRSchedule.of(exp.train).scheduler)
     tracker = None
     if rank == 0:
-        fresh = tag is None and getattr(exp, "init_checkpoint", None) is None
         tracker = Tracker(exp.tracking, run_dir, run_params(config, ds_config), job.tags, fresh=fresh)
         record_changes(run_dir, tag, changes, tracker)
 
     counters = {"samples": 0, "tokens": 0}
-    branch = getattr(exp, "init_checkpoint", None) if tag is None else None
-    if tag is not None or branch is not None:
+    if not fresh:
         # a branch takes everything of another run's checkpoint but its schedule, which starts at that step
         source, source_tag = (ckpt_dir, tag) if branch is None else branch
         _, client = engine.load_checkpoint(str(source), tag=source_tag, load_lr_scheduler_states=branch is None)
@@ -227,7 +227,7 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
             if rank == 0:  # the run's totals so far
                 counters = {key: sum(c[key] for c in client["counters"]) for key in counters}
 
-    if rank == 0 and (tag is not None or branch is not None):
+    if rank == 0 and not fresh:
         _truncate_metrics(run_dir / "metrics.jsonl", engine.global_steps)  # a crashed attempt's later steps rerun
     metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
     peak = device_peak(engine.device, exp.train.precision, exp.train.peak_flops) if rank == 0 else None

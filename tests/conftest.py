@@ -13,6 +13,8 @@ from pretrieve.data.prepare import PrepareOptions, prepare
 def pytest_configure(config):
     config.addinivalue_line("markers", "integration: a slow end-to-end test of several commands together "
                                        "(`make test-integration`, also run by .ci/run); `make test` leaves it out")
+    config.addinivalue_line("markers", "cluster: a test on real cluster parts (a SLURM cluster, network namespaces, "
+                                       "fault injection) that needs root (`make test-cluster`, also run by .ci/run)")
 
 SAMPLES = Path(__file__).resolve().parent.parent / "pretrieve" / "assets" / "samples"
 

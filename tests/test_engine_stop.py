@@ -1,5 +1,6 @@
 """Preemption and export from the training loop: SIGTERM -> checkpoint -> exit 85 -> resume=auto finishes with
-the same final weights as an uninterrupted run; the run's export loads in AutoModel."""
+the same final weights as an uninterrupted run, also when the signal comes during start-up; the run's export
+loads in AutoModel."""
 
 import json
 import signal
@@ -8,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import pretrain_env
 from safetensors.torch import load_file
@@ -22,9 +24,28 @@ def _command(run_dir, wiki_shards, *overrides):
             "train.log_every=1", "checkpoint.every=1000", *overrides]
 
 
-def test_sigterm_checkpoints_exits_85_and_resume_matches(tmp_path, wiki_shards):
-    steps = "train.max_steps=12"
-    subprocess.run(_command(tmp_path / "full", wiki_shards, steps), env=pretrain_env(), check=True, capture_output=True)
+STEPS = "train.max_steps=12"
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory, wiki_shards) -> Path:
+    """The uninterrupted run."""
+    run = tmp_path_factory.mktemp("stop") / "full"
+    subprocess.run(_command(run, wiki_shards, STEPS), env=pretrain_env(), check=True, capture_output=True)
+    return run
+
+
+def _same_run(run: Path, full: Path) -> None:
+    """Every step logged once with the uninterrupted run's loss, and the same final weights."""
+    losses = [[(r["step"], r["loss"]) for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+              for d in (run, full)]
+    assert losses[0] == losses[1]
+    ours, reference = load_file(run / "export" / "model.safetensors"), load_file(full / "export" / "model.safetensors")
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+
+
+def test_sigterm_checkpoints_exits_85_and_resume_matches(tmp_path, wiki_shards, full):
+    steps = STEPS
 
     run = tmp_path / "stopped"
     proc = subprocess.Popen(_command(run, wiki_shards, steps), env=pretrain_env(), stdout=subprocess.PIPE,
@@ -45,14 +66,58 @@ def test_sigterm_checkpoints_exits_85_and_resume_matches(tmp_path, wiki_shards):
     done = subprocess.run(_command(run, wiki_shards, steps, "resume=auto"), env=pretrain_env(), capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    full = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
-    split = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["loss"] for r in split] == [r["loss"] for r in full]
-    ours, reference = load_file(run / "export" / "model.safetensors"), load_file(tmp_path / "full" / "export" / "model.safetensors")
-    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+    _same_run(run, full)
 
     model = AutoModel.from_pretrained(run / "export")
     assert model.config.hidden_size == 64
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (sig - 1) & 1)
+
+
+def test_a_signal_during_start_up_exits_85_before_the_first_step(tmp_path, wiki_shards, full):
+    """SIGUSR1 as soon as the process can take it, long before the training loop (torch is not even imported
+    then): the process does not die of it, finishes its start-up, exits 85 with nothing trained and nothing
+    logged, and resume=auto then trains the run the uninterrupted way."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_command(run, wiki_shards, STEPS, "resume=auto"), env=pretrain_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while proc.poll() is None and not _catches(proc.pid, signal.SIGUSR1) and time.time() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 85, err[-2000:]
+    assert "preempted, during start-up, before the first step; exit 85" in err
+    assert not (run / "checkpoints" / "latest").exists() and not (run / "metrics.jsonl").exists()
+
+    done = subprocess.run(_command(run, wiki_shards, STEPS, "resume=auto"), env=pretrain_env(), capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    _same_run(run, full)
+
+
+def test_programs_started_under_the_shield_outlive_the_stop_signal():
+    """As SLURM signals every process of a job step: a program started inside shield_children() (as ninja by
+    DeepSpeed's JIT load) keeps the signal blocked and finishes; the trainer takes the signal when the shield
+    ends. (/bin/sh clears the mask: what runs compilers through it is prebuild_ops' child, which ignores them.)"""
+    script = ("import os, signal, subprocess, sys\n"
+              "from pretrieve.engine.preemption import StopFlag, shield_children\n"
+              "stop = StopFlag(max_runtime=None)\n"
+              "with shield_children():\n"
+              "    compiler = 'import time; time.sleep(0.5); print(\"compiled\")'\n"
+              "    child = subprocess.Popen([sys.executable, '-c', compiler])\n"
+              "    os.killpg(0, signal.SIGUSR1)\n"  # the whole process group: this process and its child
+              "    assert child.wait() == 0\n"
+              "print('requested', stop.requested, flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          start_new_session=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "compiled\nrequested True\n"
 
 
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, wiki_shards):
@@ -79,15 +144,19 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, wiki_shards)
     assert [(r["step"], r["loss"]) for r in logged] == [(r["step"], r["loss"]) for r in full]  # steps 3-4 once
 
 
-def test_a_second_signal_exits_at_once():
-    """The first SIGUSR1 asks for a checkpoint at the next step boundary; the second ends the process now
+def test_a_repeated_signal_is_one_request_and_a_later_one_exits_at_once():
+    """The first SIGUSR1 asks for a checkpoint at the next step boundary; a repeat within the window is the same
+    request delivered twice (slurmstepd and srun both signal a preempted task); a later one ends the process now
     (the last complete checkpoint stays `latest`: it moves only after a finished save)."""
     script = ("import os, signal, time\n"
-              "from pretrieve.engine.train import StopFlag\n"
-              "stop = StopFlag(max_runtime=None)\n"
+              "from pretrieve.engine import preemption\n"
+              "preemption.REPEAT_WINDOW_S = 1.0\n"
+              "stop = preemption.StopFlag(max_runtime=None)\n"
               "os.kill(os.getpid(), signal.SIGUSR1)\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
               "assert stop.should_stop(world=1)\n"
               "print('asked', flush=True)\n"
+              "time.sleep(1.5)\n"
               "os.kill(os.getpid(), signal.SIGUSR1)\n"
               "time.sleep(30)\n"
               "print('still running')\n")

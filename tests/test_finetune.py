@@ -423,7 +423,7 @@ def test_finetune_stages_runs_each_fine_tuning_over_nproc_ranks(tmp_path, tokeni
     import threading
     import time
 
-    from pretrieve.engine.train import Preempted
+    from pretrieve.engine.preemption import Preempted
     from pretrieve.finetune.stages import StagesOptions, run_stages
 
     _tiny_encoder().bert.save_pretrained(str(tmp_path / "bert"))

@@ -55,7 +55,7 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 def test_scripts_pass_bash_n_and_shellcheck():
     scripts = sorted(LAUNCHERS.rglob("*.sh")) + sorted(LAUNCHERS.rglob("*.sbatch")) + \
         sorted((LAUNCHERS.parent / "tools").glob("*.sh"))
-    assert len(scripts) == 4
+    assert len(scripts) == 5
     for script in scripts:
         assert os.access(script, os.X_OK), f"{script} is not executable"
         subprocess.run(["bash", "-n", str(script)], check=True)

@@ -16,7 +16,6 @@ import errno
 import json
 import os
 import shutil
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,8 @@ from pretrieve.engine.determinism import deterministic
 from pretrieve.engine.export_checkpoint import ENCODER_CONFIG, export_checkpoint
 from pretrieve.engine.flops import device_peak, train_flops
 from pretrieve.engine.lr_schedule import LRSchedule, start_at
+from pretrieve.engine.preemption import (Preempted, StopFlag, prebuild_ops, retryable_startup,
+                                         shield_children)
 from pretrieve.engine.rng import rng_state, seed_everything, set_rng_state
 from pretrieve.engine.resume_check import check_resume, record_changes, saved_config
 from pretrieve.engine.run_dir import LATEST, TAG_CONFIG, latest_checkpoint, prune_tags, write_atomic
@@ -38,47 +39,6 @@ from pretrieve.engine.tracking import Tracker, run_params, run_tags
 from pretrieve.engine.universal import is_universal
 from pretrieve.engine.validation import VALIDATION_SEED, Validation
 from pretrieve.progress import Progress
-
-PREEMPTED_EXIT_CODE = 85  # the SLURM launcher requeues on this code
-
-
-class Preempted(SystemExit):
-    """Raised after the preemption checkpoint is saved; exits the process with PREEMPTED_EXIT_CODE."""
-
-    def __init__(self):
-        super().__init__(PREEMPTED_EXIT_CODE)
-
-
-class StopFlag:
-    """SIGTERM / SIGUSR1 (SLURM's pre-timeout signal) ask for a checkpoint at the next step boundary; a second
-    signal exits at once (the last complete checkpoint is untouched: `latest` moves only after a save). With
-    several ranks the ranks agree at log and checkpoint steps only: agreeing is a collective and a host sync."""
-
-    def __init__(self, max_runtime: float | None):
-        self.requested = False
-        self.deadline = None if max_runtime is None else time.monotonic() + max_runtime
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            os._exit(128 + signum)
-        self.requested = True
-
-    def should_stop(self, world: int, device: torch.device | None = None) -> bool:
-        """All ranks agree: any rank's signal or deadline stops everyone at the same step."""
-        stop = self.requested or (self.deadline is not None and time.monotonic() > self.deadline)
-        if world > 1:
-            import torch.distributed as dist
-
-            flag = torch.tensor([int(stop)], device=device)  # NCCL reduces device tensors only
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            stop = bool(flag.item())
-        return stop
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
 
 def _distributed_env() -> tuple[int, int]:
     """(rank, world size); a plain single process gets the env DeepSpeed needs to skip MPI discovery."""
@@ -156,8 +116,8 @@ def run_training(exp, build_job: Callable[[Any, int], TrainingJob]) -> dict:
         raise ConfigError("train.precision: fp16 needs a CUDA device (DeepSpeed refuses fp16 on CPU); "
                           "use bf16 or fp32")
     rank, world = _distributed_env()
-    # before the slow start (data, deepspeed.initialize, checkpoint load): a signal that arrives during it
-    # stops the run at its first step boundary, with a checkpoint, instead of killing the process
+    # takes over a signal held since the process started (engine/preemption.py); one that comes during the slow
+    # start (data, deepspeed.initialize, checkpoint load) stops the run before its first step or at it
     stop = StopFlag(exp.train.max_runtime)
     # rank 0 holds the run directory for the run's life: a second trainer there is refused, naming this one
     lock = DirectoryLock(exp.run_dir, "trainer") if rank == 0 else contextlib.nullcontext()
@@ -200,9 +160,14 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
     ds_config = deepspeed_config(exp)
     if tag is not None and is_universal(ckpt_dir / tag):  # written by `pretrieve universal`: any world size
         ds_config["checkpoint"] = {"load_universal": True}
-    engine, _, _, _ = deepspeed.initialize(model=job.module, config=ds_config,
-                                           model_parameters=[p for p in job.module.parameters() if p.requires_grad],
-                                           lr_scheduler=LRSchedule.of(exp.train).scheduler)
+    # DeepSpeed JIT-builds ops in compilers, which must outlive a preemption signal (SLURM signals them too), and
+    # joins the rendezvous, whose failure may pass (exit 86: the launcher requeues)
+    prebuild_ops(ds_config)
+    with shield_children(), retryable_startup("joining the job (deepspeed.initialize)"):
+        engine, _, _, _ = deepspeed.initialize(model=job.module, config=ds_config, model_parameters=[
+            p for p in job.module.parameters() if p.requires_grad], lr_scheduler=LRSchedule.of(exp.train).scheduler)
+    if stop.should_stop(world, engine.device):  # preempted during start-up: nothing trained since the checkpoint
+        raise Preempted(during_start_up=True)
     tracker = None
     if rank == 0:
         tracker = Tracker(exp.tracking, run_dir, run_params(config, ds_config), job.tags, fresh=fresh)

@@ -123,7 +123,7 @@ def _run_ranks(nproc: int, args: list[str]) -> None:
     import threading
     import time
 
-    from pretrieve.engine.train import PREEMPTED_EXIT_CODE, Preempted
+    from pretrieve.engine.preemption import PREEMPTED_EXIT_CODE, Preempted
     from pretrieve.engine.world import free_loopback_port
 
     port = free_loopback_port()

@@ -1,0 +1,236 @@
+"""The SLURM launchers on a real cluster (tests/slurm_cluster.py: slurmctld and two slurmd on this host): a fresh
+checkout's first job; USR1 before the time limit -> checkpoint -> exit 85 -> requeue -> resume with every loss
+equal to an uninterrupted run's, on one node and on two; USR1 while DeepSpeed compiles its op at start-up; SLURM's
+own preemption (PreemptMode=REQUEUE); the evaluation farm's array with a failing task; a GPU request on a CPU
+cluster. Root only (`make test-cluster`)."""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import free_port, pretrain_env
+from slurm_cluster import Cluster, missing
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = missing()
+    if why:
+        pytest.skip(why)
+    cluster = Cluster(tmp_path_factory.mktemp("slurm"), [int(free_port()) for _ in range(3)]).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    """The repository as a fresh clone has it: tracked and new files, no logs/ or runs/ folder."""
+    out = tmp_path_factory.mktemp("checkout") / "pretrieve"
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, out / name)
+    return out
+
+
+def _env(**extra) -> dict:
+    """What sbatch exports to the job: DeepSpeed on CPU, one thread a rank, this interpreter for the ranks."""
+    env = {k: v for k, v in pretrain_env().items() if not k.startswith("SLURM_")}
+    return {**env, "PRETRIEVE_PYTHON": sys.executable, **extra}
+
+
+def _args(wiki_shards: Path, *extra: str) -> list[str]:
+    return ["configs/pretrain/tiny-mlm.yaml", f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null",
+            "method.max_len=64", f"train.max_steps={STEPS}", "train.micro_batch_size=4", "train.log_every=1",
+            "train.zero_stage=2", "checkpoint.every=20", "data.num_workers=1", *extra]
+
+
+def _pretrain(cluster, checkout, wiki_shards, run_dir: Path, *sbatch: str, extra=(), **env) -> int:
+    return cluster.submit(*sbatch, "launchers/slurm/pretrain.sbatch", *_args(wiki_shards, *extra), cwd=checkout,
+                          env=_env(RUN_DIR=str(run_dir), **env))
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def _wait_for_steps(run_dir: Path, job: int, cluster, steps: int = 1, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert time.time() < deadline, f"job {job}: no training step in {timeout} s: {cluster.job(job)}"
+        time.sleep(0.05)
+
+
+def _finished(cluster, job: int, checkout: Path, restarts: int) -> str:
+    """Wait for `job` to complete after `restarts` requeues; its batch log (both attempts)."""
+    state = cluster.wait(job)
+    log = (checkout / f"pretrieve-{job}.out").read_text()
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", f"{state}\n{log[-3000:]}"
+    assert state["Restarts"] == str(restarts), f"{state}\n{log[-3000:]}"
+    return log
+
+
+@pytest.fixture(scope="module")
+def one_node(cluster, checkout, wiki_shards, tmp_path_factory) -> Path:
+    """A fresh checkout's first job (the batch log goes to the submit directory, which has no logs/ folder):
+    one node, one rank, uninterrupted. The reference of the one-node tests."""
+    assert not (checkout / "logs").exists()
+    run_dir = tmp_path_factory.mktemp("one-node") / "run"
+    job = _pretrain(cluster, checkout, wiki_shards, run_dir, extra=["tracking.enabled=false"])
+    log = _finished(cluster, job, checkout, restarts=0)
+    assert f"job {job} attempt 1: 1 node(s), 1 ranks" in log
+    assert [step for step, _ in _losses(run_dir)] == list(range(1, STEPS + 1))
+    assert (run_dir / "export" / "model.safetensors").is_file()
+    assert _ranks_log(checkout, job)  # made by the job
+    return run_dir
+
+
+def _ranks_log(checkout: Path, job: int) -> str:
+    """The ranks' output: logs/%x-%j-%N.log, %N the host's name (one for both nodes here)."""
+    return "".join(log.read_text() for log in sorted((checkout / "logs").glob(f"pretrieve-{job}-*.log")))
+
+
+def test_a_fresh_checkouts_first_job_trains(one_node):
+    assert (one_node / "checkpoints" / "latest").read_text() == f"step{STEPS:08d}"
+
+
+def test_usr1_before_the_time_limit_requeues_and_resumes_exactly(cluster, checkout, wiki_shards, one_node, tmp_path):
+    """As `#SBATCH --signal=USR1@600` does: USR1 to every process of the job's steps (not the batch script)."""
+    from mlflow.tracking import MlflowClient
+
+    run_dir, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = _pretrain(cluster, checkout, wiki_shards, run_dir, extra=[f"tracking.uri={uri}"])
+    _wait_for_steps(run_dir, job, cluster)
+    cluster.run("scancel", "--signal=USR1", str(job))
+    log = _finished(cluster, job, checkout, restarts=1)
+    assert "preempted with a checkpoint" in log and f"job {job} attempt 2" in log
+    assert _losses(run_dir) == _losses(one_node)  # every step once, as uninterrupted
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED", "the requeued attempt continues the MLflow run"
+    assert runs[0].data.tags["slurm_job_id"] == str(job)
+
+
+def test_two_nodes_preempted_by_usr1_resume_exactly(cluster, checkout, wiki_shards, tmp_path):
+    """One rank on each node (the documented CPU-cluster shape): an uninterrupted job, and one that USR1 stops."""
+    nodes = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1"]
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    first = _pretrain(cluster, checkout, wiki_shards, reference, *nodes, extra=["tracking.enabled=false"])
+    log = _finished(cluster, first, checkout, restarts=0)
+    assert "2 node(s), 2 ranks" in log
+    job = _pretrain(cluster, checkout, wiki_shards, run_dir, *nodes, extra=["tracking.enabled=false"])
+    _wait_for_steps(run_dir, job, cluster)
+    cluster.run("scancel", "--signal=USR1", str(job))
+    _finished(cluster, job, checkout, restarts=1)
+    assert _losses(run_dir) == _losses(reference)
+    assert _ranks_log(checkout, job).count("preempted, checkpoint saved; exit 85") == 2  # both ranks
+
+
+def test_usr1_while_deepspeed_compiles_at_start_up(cluster, checkout, wiki_shards, one_node, tmp_path):
+    """An empty extension cache: the job's first attempt JIT-compiles DeepSpeed's op. USR1 to every process of
+    the step while the compiler runs: the compile finishes, the rank exits 85 before its first step, the job is
+    requeued and trains as the uninterrupted run."""
+    run_dir, extensions = tmp_path / "run", tmp_path / "torch_extensions"
+    job = _pretrain(cluster, checkout, wiki_shards, run_dir, extra=["tracking.enabled=false"],
+                    TORCH_EXTENSIONS_DIR=str(extensions))
+    deadline = time.time() + 300
+    while not _compiling(extensions):
+        assert time.time() < deadline and cluster.job(job)["JobState"] in ("PENDING", "RUNNING"), cluster.job(job)
+        time.sleep(0.05)
+    cluster.run("scancel", "--signal=USR1", str(job))
+    log = _finished(cluster, job, checkout, restarts=1)
+    ranks_log = _ranks_log(checkout, job)
+    assert "preempted, during start-up, before the first step; exit 85" in ranks_log, ranks_log[-3000:]
+    assert "preempted with a checkpoint" in log
+    assert _losses(run_dir) == _losses(one_node)
+
+
+def _compiling(extensions: Path) -> bool:
+    """A compiler runs for the build into `extensions` (found by the environment it inherited)."""
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] in ("cc1plus", "c++", "g++"):
+            try:
+                if proc.environ().get("TORCH_EXTENSIONS_DIR") == str(extensions):
+                    return True
+            except psutil.Error:
+                continue
+    return False
+
+
+def test_preempt_mode_requeue_checkpoints_and_slurm_requeues(cluster, checkout, wiki_shards, one_node, tmp_path):
+    """A job of the `urgent` partition (a higher tier) takes the node: SLURM signals the `cpu` job (SIGTERM to
+    its steps and its batch script), the rank checkpoints and exits 85, and SLURM requeues the job itself; the
+    job later resumes as the uninterrupted run."""
+    run_dir = tmp_path / "run"
+    job = _pretrain(cluster, checkout, wiki_shards, run_dir, "--nodelist=ptnode1", extra=["tracking.enabled=false"])
+    _wait_for_steps(run_dir, job, cluster)
+    urgent = cluster.submit("--partition=urgent", "--nodelist=ptnode1", "--cpus-per-task=2", "--wrap", "sleep 1",
+                            cwd=tmp_path, env=_env())
+    assert cluster.wait(urgent)["JobState"] == "COMPLETED"
+    log = _finished(cluster, job, checkout, restarts=1)
+    ranks_log = _ranks_log(checkout, job)
+    assert "preempted, checkpoint saved; exit 85" in ranks_log, log + ranks_log[:5000]
+    assert _losses(run_dir) == _losses(one_node)
+
+
+def test_a_start_up_failure_that_may_pass_is_requeued_a_bounded_number_of_times(cluster, checkout, tmp_path):
+    """Exit 86 (engine/preemption.py: the rendezvous or the network failed at start-up): requeued START_RETRIES
+    times in a row, then the job fails with that code."""
+    python = tmp_path / "python"
+    python.write_text("#!/usr/bin/env bash\necho \"start-up attempt\"\nexit 86\n")
+    python.chmod(0o755)
+    job = cluster.submit("launchers/slurm/pretrain.sbatch", "configs/pretrain/tiny-mlm.yaml", cwd=checkout,
+                         env=_env(PRETRIEVE_PYTHON=str(python), START_RETRIES="2", RUN_DIR=str(tmp_path / "run")))
+    state = cluster.wait(job)
+    log = (checkout / f"pretrieve-{job}.out").read_text()
+    assert state["JobState"] == "FAILED" and state["ExitCode"] == "86:0" and state["Restarts"] == "2", log
+    assert "retry 1 of 2" in log and "retry 2 of 2" in log and "start-up failed 3 times in a row" in log
+    assert _ranks_log(checkout, job).count("start-up attempt") == 3
+
+
+def test_eval_farm_array_fails_only_the_failing_task(cluster, checkout, tmp_path):
+    samples = ROOT / "pretrieve" / "assets" / "samples" / "wikipedia"
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(f"# one pretrieve command per line\n--version\nexport {tmp_path / 'missing'} {tmp_path / 'x'}\n"
+                    f"prepare --source wikipedia --input {samples} --workers 0 --shard-size 1000 --out "
+                    f"'{tmp_path / 'out a'}'\n")
+    job = cluster.submit("--array=0-2", "launchers/slurm/eval_farm.sbatch", str(jobs), cwd=checkout, env=_env())
+    deadline = time.time() + 300
+    while True:
+        tasks = {t["ArrayTaskId"]: t for t in _array(cluster, job)}
+        if len(tasks) == 3 and all(t["JobState"] in ("COMPLETED", "FAILED") for t in tasks.values()):
+            break
+        assert time.time() < deadline, tasks
+        time.sleep(0.5)
+    assert {i: t["JobState"] for i, t in tasks.items()} == {"0": "COMPLETED", "1": "FAILED", "2": "COMPLETED"}
+    assert (tmp_path / "out a" / "manifest.json").is_file()
+    failed = (checkout / f"pretrieve-eval-{job}_1.out").read_text()
+    assert str(tmp_path / "missing") in failed
+
+
+def _array(cluster, job: int) -> list[dict]:
+    import re
+
+    out = cluster.run("scontrol", "-o", "show", "job", str(job)).stdout
+    return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines() if line.strip()]
+
+
+def test_a_gpu_request_on_a_cpu_cluster_is_refused_at_once(cluster, checkout, wiki_shards, tmp_path):
+    """The script asks for no GPUs itself; asking for one where there are none fails at submission, not later."""
+    with pytest.raises(RuntimeError, match="sbatch failed") as refused:
+        _pretrain(cluster, checkout, wiki_shards, tmp_path / "run", "--gpus-per-node=1")
+    assert "Invalid generic resource (gres) specification" in str(refused.value), refused.value

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import pretrain_env
 from safetensors.torch import load_file
 from transformers import AutoModel
@@ -162,3 +163,26 @@ def test_a_repeated_signal_is_one_request_and_a_later_one_exits_at_once():
               "print('still running')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.stdout == "asked\n" and done.returncode == 128 + signal.SIGUSR1, done.stderr[-2000:]
+
+
+def _wrapped_timeout() -> RuntimeError:
+    error = RuntimeError("rendezvous failed")
+    error.__cause__ = TimeoutError("the store did not answer")
+    return error
+
+
+@pytest.mark.parametrize("error, may_pass", [
+    (lambda: dist.DistNetworkError("connect to ptnode1:20002 timed out"), True),
+    (lambda: ConnectionRefusedError(111, "Connection refused"), True),
+    (_wrapped_timeout, True),
+    (lambda: RuntimeError("Error building extension 'deepspeed_shm_comm'"), False),
+    (lambda: ValueError("train.zero_stage: must be 0-3"), False),
+])
+def test_start_up_failures_that_may_pass_exit_86_and_others_are_raised(error, may_pass):
+    from pretrieve.engine.preemption import RETRY_EXIT_CODE, StartupFailed, retryable_startup
+
+    failure = error()
+    with pytest.raises(StartupFailed if may_pass else type(failure)) as raised:
+        with retryable_startup("joining the job"):
+            raise failure
+    assert raised.value.code == RETRY_EXIT_CODE if may_pass else raised.value is failure

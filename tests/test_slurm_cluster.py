@@ -4,8 +4,10 @@ equal to an uninterrupted run's, on one node and on two; USR1 while DeepSpeed co
 own preemption (PreemptMode=REQUEUE); the evaluation farm's array with a failing task; a GPU request on a CPU
 cluster. Root only (`make test-cluster`)."""
 
+import contextlib
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -74,6 +76,41 @@ def _wait_for_steps(run_dir: Path, job: int, cluster, steps: int = 1, timeout: f
         time.sleep(0.05)
 
 
+def _ranks(run_dir: Path) -> list[psutil.Process]:
+    """The job's training processes (the SLURM tasks, found by their run_dir argument; not their DataLoader
+    workers, forked with the same command line)."""
+    argument = f"run_dir={run_dir}"
+    found = [p for p in psutil.process_iter(["cmdline", "ppid"]) if argument in (p.info["cmdline"] or [])
+             and "pretrieve" in p.info["cmdline"]]
+    return [p for p in found if p.info["ppid"] not in {q.pid for q in found}]
+
+
+def _pending(process: psutil.Process, sig: int) -> bool:
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:"))]
+    return any(mask >> (sig - 1) & 1 for mask in masks)
+
+
+def _signal_paused(cluster, job: int, run_dir: Path, signal_job) -> None:
+    """Pause the ranks, signal the job (`signal_job()`), and let the ranks go on once the signal waits for each:
+    the run cannot finish first, however slow SLURM is to deliver. (SLURM's own preemption sends SIGCONT itself.)"""
+    ranks = _ranks(run_dir)
+    assert ranks, f"job {job}: no training process found"
+    for rank in ranks:
+        rank.suspend()
+    try:
+        signal_job()
+        deadline = time.time() + 60
+        while not all(not rank.is_running() or rank.status() != psutil.STATUS_STOPPED
+                      or _pending(rank, signal.SIGUSR1) or _pending(rank, signal.SIGTERM) for rank in ranks):
+            assert time.time() < deadline, f"job {job}: the signal did not reach the ranks: {cluster.job(job)}"
+            time.sleep(0.05)
+    finally:
+        for rank in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                rank.resume()
+
+
 def _finished(cluster, job: int, checkout: Path, restarts: int) -> str:
     """Wait for `job` to complete after `restarts` requeues; its batch log (both attempts)."""
     state = cluster.wait(job)
@@ -114,7 +151,7 @@ def test_usr1_before_the_time_limit_requeues_and_resumes_exactly(cluster, checko
     run_dir, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
     job = _pretrain(cluster, checkout, wiki_shards, run_dir, extra=[f"tracking.uri={uri}"])
     _wait_for_steps(run_dir, job, cluster)
-    cluster.run("scancel", "--signal=USR1", str(job))
+    _signal_paused(cluster, job, run_dir, lambda: cluster.run("scancel", "--signal=USR1", str(job)))
     log = _finished(cluster, job, checkout, restarts=1)
     assert "preempted with a checkpoint" in log and f"job {job} attempt 2" in log
     assert _losses(run_dir) == _losses(one_node)  # every step once, as uninterrupted
@@ -134,7 +171,7 @@ def test_two_nodes_preempted_by_usr1_resume_exactly(cluster, checkout, wiki_shar
     assert "2 node(s), 2 ranks" in log
     job = _pretrain(cluster, checkout, wiki_shards, run_dir, *nodes, extra=["tracking.enabled=false"])
     _wait_for_steps(run_dir, job, cluster)
-    cluster.run("scancel", "--signal=USR1", str(job))
+    _signal_paused(cluster, job, run_dir, lambda: cluster.run("scancel", "--signal=USR1", str(job)))
     _finished(cluster, job, checkout, restarts=1)
     assert _losses(run_dir) == _losses(reference)
     assert _ranks_log(checkout, job).count("preempted, checkpoint saved; exit 85") == 2  # both ranks
@@ -178,9 +215,11 @@ def test_preempt_mode_requeue_checkpoints_and_slurm_requeues(cluster, checkout, 
     run_dir = tmp_path / "run"
     job = _pretrain(cluster, checkout, wiki_shards, run_dir, "--nodelist=ptnode1", extra=["tracking.enabled=false"])
     _wait_for_steps(run_dir, job, cluster)
-    urgent = cluster.submit("--partition=urgent", "--nodelist=ptnode1", "--cpus-per-task=2", "--wrap", "sleep 1",
-                            cwd=tmp_path, env=_env())
-    assert cluster.wait(urgent)["JobState"] == "COMPLETED"
+    urgent = []
+    _signal_paused(cluster, job, run_dir, lambda: urgent.append(cluster.submit(
+        "--partition=urgent", "--nodelist=ptnode1", "--cpus-per-task=2", "--wrap", "sleep 1", cwd=tmp_path,
+        env=_env())))
+    assert cluster.wait(urgent[0])["JobState"] == "COMPLETED"
     log = _finished(cluster, job, checkout, restarts=1)
     ranks_log = _ranks_log(checkout, job)
     assert "preempted, checkpoint saved; exit 85" in ranks_log, log + ranks_log[:5000]

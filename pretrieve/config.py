@@ -143,6 +143,9 @@ class TrainOptions:
     activation_checkpointing: bool = False  # recompute encoder layers in backward: less memory, ~1/3 more compute
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step on the CPU (zero_stage >= 1)
     max_runtime: float | None = None  # seconds of wall clock; then checkpoint and exit 85, as on SIGTERM
+    # seconds deepspeed.initialize (joining the job) may take; then exit 86, which the SLURM launcher requeues:
+    # a rank that dies while the process group forms leaves the others waiting in gloo / NCCL with no timeout
+    startup_timeout: float | None = 1800.0
     deterministic: bool = False  # PyTorch's deterministic switches (engine/determinism.py): bit-exact GPU resumes
     peak_flops: float | None = None  # per device, FLOP/s at `precision`, for MFU; default: engine/flops.py's table
 
@@ -252,6 +255,9 @@ def run_sections(config: DictConfig, world_size: int) -> tuple[TrainOptions, Che
     if train.lr_schedule == "wsd" and not (0 < train.decay_ratio <= 1 - train.warmup_ratio):
         raise ConfigError(f"train.decay_ratio: {train.decay_ratio} must be > 0 and leave room for the warm-up "
                           f"(<= 1 - warmup_ratio = {1 - train.warmup_ratio:g})")
+    for key in ("max_runtime", "startup_timeout"):
+        if getattr(train, key) is not None and not getattr(train, key) > 0:
+            raise ConfigError(f"train.{key}: must be > 0 seconds (or null), got {getattr(train, key)}")
     if train.peak_flops is not None and not train.peak_flops > 0:
         raise ConfigError(f"train.peak_flops: must be > 0 FLOP/s per device, got {train.peak_flops}")
     if train.precision not in PRECISIONS:

@@ -186,3 +186,17 @@ def test_start_up_failures_that_may_pass_exit_86_and_others_are_raised(error, ma
         with retryable_startup("joining the job"):
             raise failure
     assert raised.value.code == RETRY_EXIT_CODE if may_pass else raised.value is failure
+
+
+def test_a_start_up_past_its_deadline_exits_86():
+    """As a rank whose peer died while the process group formed: blocked in C (here a sleep), ended by the
+    watchdog with the retry code; a start-up that finishes in time leaves nothing behind."""
+    script = ("import time\n"
+              "from pretrieve.engine.preemption import retryable_startup\n"
+              "with retryable_startup('joining the job', deadline=30):\n"
+              "    pass\n"
+              "with retryable_startup('joining the job', deadline=0.5):\n"
+              "    time.sleep(60)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 86, done.stderr[-2000:]
+    assert "joining the job did not finish in 0.5 s (train.startup_timeout)" in done.stderr

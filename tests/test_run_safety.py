@@ -210,6 +210,14 @@ def test_method_options_out_of_range_are_refused_by_key(wiki_shards, method, opt
         experiment(config)
 
 
+@pytest.mark.parametrize("key", ["max_runtime", "startup_timeout"])
+def test_time_limits_must_be_positive(wiki_shards, key):
+    config = load_config(CONFIGS / "tiny-mlm.yaml", [f"data.manifests=[{wiki_shards / 'manifest.json'}]",
+                                                     "data.weights=null", f"train.{key}=0"])
+    with pytest.raises(ConfigError, match=f"train.{key}: must be > 0 seconds \\(or null\\), got 0"):
+        experiment(config)
+
+
 def test_every_numeric_method_option_has_a_range():
     from dataclasses import fields
 

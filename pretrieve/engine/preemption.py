@@ -9,8 +9,9 @@ the rendezvous, the checkpoint load), and SLURM sends it to every process of the
   across exec; a blocked one does not survive /bin/sh, which clears the mask);
 - `shield_children()` around deepspeed.initialize: what it still runs (ninja finding nothing to do) inherits
   the signals blocked, and the training process takes them when the block ends;
-- `retryable_startup()` turns a start-up failure that may pass on its own (the network, the rendezvous) into
-  exit RETRY_EXIT_CODE, which the launcher requeues a bounded number of times.
+- `retryable_startup()` turns a start-up failure that may pass on its own (the network, the rendezvous, a peer
+  that died while the process group formed and left this rank waiting past its deadline) into exit
+  RETRY_EXIT_CODE, which the launcher requeues a bounded number of times.
 """
 
 from __future__ import annotations  # no torch at import: a training process installs the handlers first thing
@@ -19,6 +20,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -138,7 +140,19 @@ def _retryable(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def retryable_startup(what: str):
+def retryable_startup(what: str, deadline: float | None = None):
+    """Within: a failure that may pass raises StartupFailed; past `deadline` seconds the process exits
+    RETRY_EXIT_CODE from a watchdog thread (the main one may be blocked in C, in gloo's or NCCL's set-up)."""
+    finished = threading.Event()
+
+    def watch():
+        if not finished.wait(deadline):
+            print(f"pretrieve: {what} did not finish in {deadline:g} s (train.startup_timeout): a rank or node may "
+                  f"have died while the job formed; exit {RETRY_EXIT_CODE}", file=sys.stderr, flush=True)
+            os._exit(RETRY_EXIT_CODE)
+
+    if deadline is not None:
+        threading.Thread(target=watch, name="startup-deadline", daemon=True).start()
     try:
         yield
     except Exception as error:
@@ -147,6 +161,8 @@ def retryable_startup(what: str):
         print(f"pretrieve: {what} failed, which may pass on a retry ({type(error).__name__}: {error}); "
               f"exit {RETRY_EXIT_CODE}", file=sys.stderr)
         raise StartupFailed() from error
+    finally:
+        finished.set()
 
 
 class StopFlag:

@@ -163,7 +163,7 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
     # DeepSpeed JIT-builds ops in compilers, which must outlive a preemption signal (SLURM signals them too), and
     # joins the rendezvous, whose failure may pass (exit 86: the launcher requeues)
     prebuild_ops(ds_config)
-    with shield_children(), retryable_startup("joining the job (deepspeed.initialize)"):
+    with shield_children(), retryable_startup("joining the job (deepspeed.initialize)", exp.train.startup_timeout):
         engine, _, _, _ = deepspeed.initialize(model=job.module, config=ds_config, model_parameters=[
             p for p in job.module.parameters() if p.requires_grad], lr_scheduler=LRSchedule.of(exp.train).scheduler)
     if stop.should_stop(world, engine.device):  # preempted during start-up: nothing trained since the checkpoint

@@ -1,0 +1,107 @@
+"""Stands in for python: `inject_fault.py -m pretrieve ARGS` runs `python -m pretrieve ARGS` with one fault
+injected at an exact point of the training loop, so a test kills or pauses a rank where it means to, not where
+a timer happens to land. launchers/pretrain.sh runs it as PRETRIEVE_PYTHON through `python_with_fault`.
+
+The fault, from the environment (nothing is injected without FAULT_AT):
+  FAULT_AT    step    after step FAULT_STEP is logged (train.log_every=1), before its checkpoint
+              save    while this rank's optimizer-state file of tag FAULT_STEP is written: half of it on disk
+              tag     after tag FAULT_STEP is complete (its config.yaml written), before `latest` names it
+              prune   after `latest` names tag FAULT_STEP, before older tags are pruned
+  FAULT_STEP  the step (tag step<N>)
+  FAULT_DO    kill (SIGKILL itself, the default) | pause (wait until FAULT_MARK.go exists; a test that never
+              creates it kills the paused process)
+  FAULT_MARK  a file written (this process id) when the fault acts: a test waits for it, and its time is the
+              moment of a kill
+  FAULT_RANK  the rank that acts (default 0); the other ranks run unchanged
+"""
+
+import io
+import os
+import runpy
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+
+def python_with_fault(folder: Path) -> Path:
+    """An executable FOLDER/python that runs this file with this interpreter (PRETRIEVE_PYTHON takes one path)."""
+    script = folder / "python"
+    command = " ".join(shlex.quote(str(part)) for part in (sys.executable, Path(__file__).resolve()))
+    script.write_text(f'#!/bin/sh\nexec {command} "$@"\n')
+    script.chmod(0o755)
+    return script
+
+
+def _act() -> None:
+    mark = Path(os.environ["FAULT_MARK"]) if os.environ.get("FAULT_MARK") else None
+    if mark is not None:
+        mark.write_text(str(os.getpid()))
+    if os.environ.get("FAULT_DO", "kill") == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    go = mark.with_name(mark.name + ".go")
+    while not go.exists():
+        time.sleep(0.05)
+
+
+def _install(at: str, step: int) -> None:
+    import torch
+
+    from pretrieve.engine import train
+
+    tag = f"step{step:08d}"
+    if at == "step":
+        real_log = train._log
+
+        def log(metrics, tracker, step_now, *args, **kwargs):
+            record = real_log(metrics, tracker, step_now, *args, **kwargs)
+            if step_now == step:
+                _act()
+            return record
+
+        train._log = log
+    elif at == "save":
+        real_save = torch.save
+
+        def save(obj, path, *args, **kwargs):
+            if tag in str(path) and str(path).endswith("optim_states.pt"):
+                whole = io.BytesIO()
+                real_save(obj, whole, *args, **kwargs)
+                with open(path, "wb") as half:
+                    half.write(whole.getvalue()[:len(whole.getvalue()) // 2])
+                    half.flush()
+                    os.fsync(half.fileno())
+                _act()
+            return real_save(obj, path, *args, **kwargs)
+
+        torch.save = save
+    elif at == "tag":
+        real_write = train.write_atomic
+
+        def write_atomic(path, text):
+            if Path(path).name == train.LATEST and text == tag:
+                _act()
+            return real_write(path, text)
+
+        train.write_atomic = write_atomic
+    elif at == "prune":
+        real_prune = train.prune_tags
+
+        def prune_tags(ckpt_dir, latest, keep):
+            if latest == tag:
+                _act()
+            return real_prune(ckpt_dir, latest, keep)
+
+        train.prune_tags = prune_tags
+    else:
+        raise SystemExit(f"inject_fault.py: FAULT_AT={at!r}: expected step, save, tag or prune")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:3] != ["-m", "pretrieve"]:
+        raise SystemExit("usage: inject_fault.py -m pretrieve ARGS")
+    if os.environ.get("FAULT_AT") and os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0"):
+        _install(os.environ["FAULT_AT"], int(os.environ["FAULT_STEP"]))
+    sys.argv = [sys.argv[0], *sys.argv[3:]]
+    runpy.run_module("pretrieve", run_name="__main__", alter_sys=True)

@@ -29,8 +29,7 @@ from pretrieve.engine.determinism import deterministic
 from pretrieve.engine.export_checkpoint import ENCODER_CONFIG, export_checkpoint
 from pretrieve.engine.flops import device_peak, train_flops
 from pretrieve.engine.lr_schedule import LRSchedule, start_at
-from pretrieve.engine.preemption import (Preempted, StopFlag, prebuild_ops, retryable_startup,
-                                         shield_children)
+from pretrieve.engine.preemption import Preempted, StopFlag, prebuild_ops, retryable_startup, shield_children
 from pretrieve.engine.rng import rng_state, seed_everything, set_rng_state
 from pretrieve.engine.resume_check import check_resume, record_changes, saved_config
 from pretrieve.engine.run_dir import LATEST, TAG_CONFIG, latest_checkpoint, prune_tags, write_atomic

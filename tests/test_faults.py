@@ -70,6 +70,7 @@ def test_a_rank_killed_mid_save_ends_the_other_and_resume_is_exact(tmp_path, tmp
     took = ended - mark.stat().st_mtime
     print(f"rank 1 killed: the launcher and rank 0 ended {took:.1f} s later")
     assert took < 60, f"the job took {took:.0f} s to end after rank 1 was killed"
+    assert "another rank failed or died during the save" in job.stdout + job.stderr, job.stderr[-3000:]
     assert latest_checkpoint(run) == TAG(2) and complete(run, TAG(2))
 
     resumed = _run(two_ranks(run, manifest, "resume=auto"))

@@ -358,7 +358,12 @@ def _save_failed(ckpt_dir: Path, tag: str, error: Exception) -> OSError:
     latest = latest_checkpoint(ckpt_dir.parent)
     full = getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in str(error) or \
         "No space left" in str(error) or shutil.disk_usage(ckpt_dir).free < 16 * 2**20
-    why = ("no space left on device: " if full else "") + f"{type(error).__name__}: {str(error)[:300]}"
+    # a save is a collective (ZeRO partitions, the barrier before `latest` moves): a rank that died breaks it
+    peer = not full and (isinstance(error, (ConnectionError, torch.distributed.DistError))
+                         or "by peer" in str(error) or "Connection closed" in str(error))
+    why = ("no space left on device: " if full else "another rank failed or died during the save: " if peer
+           else "") + f"{type(error).__name__}: {str(error)[:300]}"
+    fix = "free space" if full else "see the other ranks' logs" if peer else "fix the cause"
     return OSError(errno.ENOSPC if full else errno.EIO,
                    f"{ckpt_dir / tag}: saving the checkpoint failed: {why}. `latest` still names "
-                   f"{latest or 'nothing'}: free space (or fix the cause) and rerun with resume=auto")
+                   f"{latest or 'nothing'}: {fix} and rerun with resume=auto")

@@ -28,6 +28,12 @@ def pretrain_env(**extra: str) -> dict:
     return {**env, **extra}
 
 
+def signal_in_mask(pid: int, sig: int, *masks: str) -> bool:
+    """Whether `sig` is in any of the named masks of /proc/PID/status (SigCgt: caught; ShdPnd, SigPnd: pending)."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return any(int(line.split()[1], 16) >> (sig - 1) & 1 for line in lines if line.split(":")[0] in masks)
+
+
 def free_port() -> str:
     """A free TCP port on loopback for a torchrun rendezvous (`--master_port 0` hangs with gloo here)."""
     from pretrieve.engine.world import free_loopback_port

@@ -3,6 +3,9 @@ each node an address of its own on loopback (127.0.0.21-22, added to /etc/hosts 
 configuration, state, spool and logs live under a temporary directory; `stop()` ends the daemons it started and
 puts /etc/hosts back. Needs root and Debian's slurmctld, slurmd, slurm-client and munge (tools/install_slurm.sh).
 
+A requeued job may start again after cred_expire (10 s here; SLURM's default is 120 s): the nodes refuse the
+job's revoked credential until then.
+
 Partitions, on both nodes: `cpu` (default; preemptible, PreemptMode=REQUEUE) and `urgent` (a higher priority
 tier: its jobs preempt `cpu` jobs)."""
 
@@ -126,7 +129,7 @@ SlurmctldPort={ctl_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={self.socket}
+AuthInfo=socket={self.socket},cred_expire=10
 CredType=cred/munge
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool/%n
@@ -186,10 +189,13 @@ PartitionName=urgent Nodes={','.join(NODES)} MaxTime=INFINITE State=UP PriorityT
             raise RuntimeError(f"sbatch failed ({done.returncode}): {done.stderr}")
         return int(done.stdout.strip().split(";")[0])
 
-    def job(self, job_id: int) -> dict:
-        """`scontrol show job` as a dict (JobState, Restarts, ExitCode, ...)."""
+    def jobs(self, job_id: int) -> list[dict]:
+        """`scontrol show job` as dicts (JobState, Restarts, ExitCode, ...): one, or one per array task."""
         out = self.run("scontrol", "-o", "show", "job", str(job_id)).stdout
-        return dict(re.findall(r"(\w+)=(\S*)", out))
+        return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines() if line.strip()]
+
+    def job(self, job_id: int) -> dict:
+        return self.jobs(job_id)[0]
 
     def wait(self, job_id: int, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
                                         "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"), timeout: float = 600) -> dict:
@@ -198,9 +204,6 @@ PartitionName=urgent Nodes={','.join(NODES)} MaxTime=INFINITE State=UP PriorityT
             job = self.job(job_id)
             if job.get("JobState") in states:
                 return job
-            if job.get("JobState") == "PENDING" and job.get("Reason") == "BeginTime":
-                # SLURM holds a requeued job for two minutes before it may start again: release it now
-                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} still {self.job(job_id).get('JobState')} after {timeout} s")
 

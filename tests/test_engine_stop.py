@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
-from conftest import pretrain_env
-from safetensors.torch import load_file
+from conftest import pretrain_env, signal_in_mask
+from fault_runs import assert_same_run
 from transformers import AutoModel
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
@@ -34,15 +33,6 @@ def full(tmp_path_factory, wiki_shards) -> Path:
     run = tmp_path_factory.mktemp("stop") / "full"
     subprocess.run(_command(run, wiki_shards, STEPS), env=pretrain_env(), check=True, capture_output=True)
     return run
-
-
-def _same_run(run: Path, full: Path) -> None:
-    """Every step logged once with the uninterrupted run's loss, and the same final weights."""
-    losses = [[(r["step"], r["loss"]) for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
-              for d in (run, full)]
-    assert losses[0] == losses[1]
-    ours, reference = load_file(run / "export" / "model.safetensors"), load_file(full / "export" / "model.safetensors")
-    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
 
 
 def test_sigterm_checkpoints_exits_85_and_resume_matches(tmp_path, wiki_shards, full):
@@ -67,17 +57,10 @@ def test_sigterm_checkpoints_exits_85_and_resume_matches(tmp_path, wiki_shards, 
     done = subprocess.run(_command(run, wiki_shards, steps, "resume=auto"), env=pretrain_env(), capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    _same_run(run, full)
+    assert_same_run(run, full)
 
     model = AutoModel.from_pretrained(run / "export")
     assert model.config.hidden_size == 64
-
-
-def _catches(pid: int, sig: int) -> bool:
-    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
-    return bool(caught >> (sig - 1) & 1)
 
 
 def test_a_signal_during_start_up_exits_85_before_the_first_step(tmp_path, wiki_shards, full):
@@ -88,7 +71,7 @@ def test_a_signal_during_start_up_exits_85_before_the_first_step(tmp_path, wiki_
     proc = subprocess.Popen(_command(run, wiki_shards, STEPS, "resume=auto"), env=pretrain_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
-    while proc.poll() is None and not _catches(proc.pid, signal.SIGUSR1) and time.time() < deadline:
+    while proc.poll() is None and not signal_in_mask(proc.pid, signal.SIGUSR1, "SigCgt") and time.time() < deadline:
         time.sleep(0.001)
     proc.send_signal(signal.SIGUSR1)
     _, err = proc.communicate(timeout=300)
@@ -99,7 +82,7 @@ def test_a_signal_during_start_up_exits_85_before_the_first_step(tmp_path, wiki_
     done = subprocess.run(_command(run, wiki_shards, STEPS, "resume=auto"), env=pretrain_env(), capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    _same_run(run, full)
+    assert_same_run(run, full)
 
 
 def test_programs_started_under_the_shield_outlive_the_stop_signal():

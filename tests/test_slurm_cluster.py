@@ -5,7 +5,6 @@ own preemption (PreemptMode=REQUEUE); the evaluation farm's array with a failing
 cluster. Root only (`make test-cluster`)."""
 
 import contextlib
-import json
 import shutil
 import signal
 import subprocess
@@ -15,8 +14,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import free_port, pretrain_env
+from conftest import free_port, pretrain_env, signal_in_mask
 from slurm_cluster import Cluster, missing
+from test_launchers import _losses
 
 pytestmark = pytest.mark.cluster
 
@@ -64,10 +64,6 @@ def _pretrain(cluster, checkout, wiki_shards, run_dir: Path, *sbatch: str, extra
                           env=_env(RUN_DIR=str(run_dir), **env))
 
 
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
-
-
 def _wait_for_steps(run_dir: Path, job: int, cluster, steps: int = 1, timeout: float = 300) -> None:
     deadline = time.time() + timeout
     metrics = run_dir / "metrics.jsonl"
@@ -85,15 +81,14 @@ def _ranks(run_dir: Path) -> list[psutil.Process]:
     return [p for p in found if p.info["ppid"] not in {q.pid for q in found}]
 
 
-def _pending(process: psutil.Process, sig: int) -> bool:
-    status = Path(f"/proc/{process.pid}/status").read_text()
-    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:"))]
-    return any(mask >> (sig - 1) & 1 for mask in masks)
-
-
 def _signal_paused(cluster, job: int, run_dir: Path, signal_job) -> None:
     """Pause the ranks, signal the job (`signal_job()`), and let the ranks go on once the signal waits for each:
     the run cannot finish first, however slow SLURM is to deliver. (SLURM's own preemption sends SIGCONT itself.)"""
+    def signalled(rank: psutil.Process) -> bool:  # a pending stop signal, or already going on / gone
+        if not rank.is_running() or rank.status() != psutil.STATUS_STOPPED:
+            return True
+        return any(signal_in_mask(rank.pid, sig, "ShdPnd", "SigPnd") for sig in (signal.SIGUSR1, signal.SIGTERM))
+
     ranks = _ranks(run_dir)
     assert ranks, f"job {job}: no training process found"
     for rank in ranks:
@@ -101,8 +96,7 @@ def _signal_paused(cluster, job: int, run_dir: Path, signal_job) -> None:
     try:
         signal_job()
         deadline = time.time() + 60
-        while not all(not rank.is_running() or rank.status() != psutil.STATUS_STOPPED
-                      or _pending(rank, signal.SIGUSR1) or _pending(rank, signal.SIGTERM) for rank in ranks):
+        while not all(signalled(rank) for rank in ranks):
             assert time.time() < deadline, f"job {job}: the signal did not reach the ranks: {cluster.job(job)}"
             time.sleep(0.05)
     finally:
@@ -250,7 +244,7 @@ def test_eval_farm_array_fails_only_the_failing_task(cluster, checkout, tmp_path
     job = cluster.submit("--array=0-2", "launchers/slurm/eval_farm.sbatch", str(jobs), cwd=checkout, env=_env())
     deadline = time.time() + 300
     while True:
-        tasks = {t["ArrayTaskId"]: t for t in _array(cluster, job)}
+        tasks = {t["ArrayTaskId"]: t for t in cluster.jobs(job)}
         if len(tasks) == 3 and all(t["JobState"] in ("COMPLETED", "FAILED") for t in tasks.values()):
             break
         assert time.time() < deadline, tasks
@@ -259,13 +253,6 @@ def test_eval_farm_array_fails_only_the_failing_task(cluster, checkout, tmp_path
     assert (tmp_path / "out a" / "manifest.json").is_file()
     failed = (checkout / f"pretrieve-eval-{job}_1.out").read_text()
     assert str(tmp_path / "missing") in failed
-
-
-def _array(cluster, job: int) -> list[dict]:
-    import re
-
-    out = cluster.run("scontrol", "-o", "show", "job", str(job)).stdout
-    return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines() if line.strip()]
 
 
 def test_a_gpu_request_on_a_cpu_cluster_is_refused_at_once(cluster, checkout, wiki_shards, tmp_path):

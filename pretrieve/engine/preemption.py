@@ -35,7 +35,7 @@ RETRY_EXIT_CODE = 86  # start-up failed for a reason that may pass: the launcher
 # gets SIGTERM from slurmstepd and again from srun, which forwards its own); a later one is someone insisting.
 REPEAT_WINDOW_S = 10.0
 
-_held: list[float] = []  # when the stop signal came, if it came before a StopFlag took over
+_signalled_at: float | None = None  # when this run's first stop signal came (time.monotonic())
 
 
 class Preempted(SystemExit):
@@ -54,22 +54,19 @@ class StartupFailed(SystemExit):
         super().__init__(RETRY_EXIT_CODE)
 
 
-def _insists(first: float | None, signum: int) -> None:
-    """A second signal, past the repeat window: exit now (the last complete checkpoint stays `latest`)."""
-    if first is not None and time.monotonic() - first > REPEAT_WINDOW_S:
+def _record(signum, frame) -> None:
+    """The one handler, from process start (hold_stop_signals) through the run (StopFlag)."""
+    global _signalled_at
+    if _signalled_at is None:
+        _signalled_at = time.monotonic()
+    elif time.monotonic() - _signalled_at > REPEAT_WINDOW_S:  # insisting: exit now (`latest` stays complete)
         os._exit(128 + signum)
-
-
-def _hold(signum, frame) -> None:
-    _insists(_held[0] if _held else None, signum)
-    if not _held:
-        _held.append(time.monotonic())
 
 
 def hold_stop_signals() -> None:
     """Record stop signals from now on (call first thing in a training process)."""
     for sig in STOP_SIGNALS:
-        signal.signal(sig, _hold)
+        signal.signal(sig, _record)
 
 
 @contextlib.contextmanager
@@ -171,19 +168,13 @@ class StopFlag:
     ranks the ranks agree at log and checkpoint steps only: agreeing is a collective and a host sync."""
 
     def __init__(self, max_runtime: float | None):
-        self.signalled_at = _held[0] if _held else None  # a signal during the process's start-up
-        _held.clear()
         self.deadline = None if max_runtime is None else time.monotonic() + max_runtime
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        # a signal held since the process started (hold_stop_signals) counts: it is this run's
+        self._previous = {sig: signal.signal(sig, _record) for sig in STOP_SIGNALS}
 
     @property
     def requested(self) -> bool:
-        return self.signalled_at is not None
-
-    def _handle(self, signum, frame) -> None:
-        _insists(self.signalled_at, signum)
-        if self.signalled_at is None:
-            self.signalled_at = time.monotonic()
+        return _signalled_at is not None
 
     def should_stop(self, world: int, device: torch.device | None = None) -> bool:
         """All ranks agree: any rank's signal or deadline stops everyone at the same step."""
@@ -198,5 +189,8 @@ class StopFlag:
         return stop
 
     def restore(self) -> None:
+        """The handlers before this run; a later run in this process starts unasked."""
+        global _signalled_at
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        _signalled_at = None

@@ -90,8 +90,18 @@ def _until_preempted(command: str, run) -> int:
         when = "during start-up, before the first step" if stopped.during_start_up else "checkpoint saved"
         print(f"pretrieve {command}: preempted, {when}; exit {stopped.code} (resume=auto continues)", file=sys.stderr)
         return stopped.code
-    print(json.dumps(result))
+    print_result(result)
     return 0
+
+
+def print_result(result: dict) -> None:
+    """The result line of a training command: printed by rank 0 alone, in one write. Under torchrun every rank
+    returns the result, and two ranks' prints interleave on the shared stdout (`{...}{...}` and an empty line)."""
+    import os
+
+    if int(os.environ.get("RANK", 0)) == 0:
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
 
 
 def _add_launch_info(commands) -> None:

@@ -1,3 +1,4 @@
+import json
 import os
 from pathlib import Path
 
@@ -26,6 +27,25 @@ def pretrain_env(**extra: str) -> dict:
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(key, None)
     return {**env, **extra}
+
+
+def json_lines(stdout: str) -> list:
+    """The JSON objects a subprocess printed, one per line, skipping every other line (DeepSpeed and the
+    launchers print per rank: "op built successfully", warnings)."""
+    found = []
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # not a whole object: a line of another rank or library that happens to start with {
+    return found
+
+
+def result_line(stdout: str) -> dict:
+    """The result of a `pretrieve pretrain|finetune` subprocess: its one JSON result line (rank 0 prints it)."""
+    [result] = [r for r in json_lines(stdout) if "step" in r]
+    return result
 
 
 def signal_in_mask(pid: int, sig: int, *masks: str) -> bool:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import free_port, pretrain_env
+from conftest import free_port, pretrain_env, result_line
 from pretrieve.config import DS_CONFIG_DIR, ConfigError, deepspeed_config, experiment, load_config
 from pretrieve.engine.lr_schedule import LR_SCHEDULES, LRSchedule
 
@@ -237,7 +237,9 @@ def test_resume_at_world_size_two_and_then_one(tmp_path, wiki_shards):
         done = subprocess.run(cmd, env=pretrain_env(), capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return records, json.loads(done.stdout.splitlines()[-1])
+        # one result line in all, whole: rank 0 prints it (two ranks' prints once interleaved as `{..}{..}`)
+        assert len([line for line in done.stdout.splitlines() if line.startswith("{")]) == 1, done.stdout
+        return records, result_line(done.stdout)
 
     full, result = run(tmp_path / "full", "train.max_steps=4")
     assert (result["step"], result["samples"]) == (4, 64)

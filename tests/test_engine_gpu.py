@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import json_lines
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -36,7 +37,7 @@ def _run(args: list[str], timeout: int = 900) -> str:
 def test_one_step_of_every_method_at_zero2(tmp_path, wiki_shards, precision):
     out = _run([str(ROOT / "tests" / "one_step.py"), str(tmp_path), str(wiki_shards / "manifest.json"), METHODS,
                 "2", precision])
-    results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    results = json_lines(out)
     assert sorted(r["method"] for r in results) == sorted(METHODS.split(","))
     for r in results:
         assert r["finite"] and r["step"] == 3 and r["changed"] == r["trainable"], r
@@ -88,7 +89,7 @@ def test_micro_steps_do_not_wait_for_the_device(tmp_path, wiki_shards):
                  "method.max_len=128", "train.max_steps=4", "train.log_every=4", "checkpoint.every=100",
                  "tracking.enabled=false", "train.precision=bf16", "method.decoder_attention_dropout=0"]
     out = _run(["-c", _SYNC_SITES, str(ROOT / "configs" / "pretrain" / "tiny-retromae.yaml"), json.dumps(overrides)])
-    sites = json.loads(out.strip().splitlines()[-1])
+    sites = json_lines(out)[-1]
     print(json.dumps(sites, indent=1))
     allowed = set()
     for function in (engine._log, engine._plain_grad_norm, engine.save_checkpoint):

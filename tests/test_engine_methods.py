@@ -2,7 +2,6 @@
 and 3 on one rank and at ZeRO 2 on two gloo ranks; every trainable encoder tensor moves, and the stages agree on
 the loss. On two ranks, fine-tuning's in-batch negatives are both ranks' passages."""
 
-import json
 import math
 import subprocess
 import sys
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, pretrain_env
+from conftest import free_port, json_lines, pretrain_env
 from pretrieve.models.heads import METHODS
 
 SCRIPT = Path(__file__).resolve().parent / "one_step.py"
@@ -38,7 +37,7 @@ def _run(prefix, out, wiki_shards, tiny_bert, stages, methods=",".join(ALL), *pr
                            *precision],
                           env=pretrain_env(FINETUNE_INIT=str(tiny_bert)), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return json_lines(done.stdout)
 
 
 def _check(records, stages, methods=ALL):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import pretrain_env
+from conftest import json_lines, pretrain_env
 from pretrieve.config import ConfigError, experiment, load_config
 from pretrieve.engine.determinism import CUBLAS_WORKSPACE, deterministic
 from pretrieve.engine.flops import device_peak, gpu_peak
@@ -122,7 +122,7 @@ def test_micro_steps_read_nothing_back_from_the_device(tmp_path, wiki_shards):
     done = subprocess.run([sys.executable, "-c", _COUNT_READS, str(CONFIG), json.dumps(overrides)],
                           env=pretrain_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    reads = json.loads(done.stdout.strip().splitlines()[-1])
+    reads = json_lines(done.stdout)[-1]
     assert "_run_training" not in reads, reads  # the loop body: the old code read every loss part, every micro-step
     assert reads["_log"] == 1  # one tolist of the stacked sums
     assert reads["<lambda>"] == 8  # the job's count: int() of the host batch's mask, once per micro-batch

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import SAMPLES, free_port, pretrain_env
+from conftest import SAMPLES, free_port, json_lines, pretrain_env
 from safetensors.torch import load_file
 
 from pretrieve.cli import main as cli
@@ -275,7 +275,7 @@ def test_cpu_test_and_zero3_offload_configs_train(tmp_path, wiki_shards):
                            str(wiki_shards / "manifest.json"), "mlm", "cpu_test,zero3_offload"],
                           env=pretrain_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    records = json_lines(done.stdout)
     assert [r["stage"] for r in records] == ["cpu_test", "zero3_offload"]
     for r in records:
         assert r["step"] == 3 and r["changed"] == r["trainable"] > 0, r

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import SAMPLES, beir_subset, pretrain_env
+from conftest import SAMPLES, beir_subset, pretrain_env, result_line
 
 from pretrieve.cli import main as cli
 from pretrieve.data.retrieval import load_beir
@@ -74,7 +74,7 @@ def test_finetuned_export_is_a_sentence_transformers_model_with_a_card(tmp_path,
                            "finetune.normalize=true", "finetune.temperature=0.05", "train.micro_batch_size=4",
                            "train.max_steps=2", "checkpoint.every=2", f"run_dir={run_dir}"],
                           check=True, env=pretrain_env(OMP_NUM_THREADS="2"), capture_output=True, text=True)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = result_line(done.stdout)
     export = run_dir / "export"
     declared = declared_encoding(export)
     assert (declared.pooling, declared.normalize, declared.max_length) == ("mean", True, 96)  # tiny.yaml's length
@@ -106,7 +106,7 @@ def test_pretraining_export_card_and_its_farm_evaluation(tmp_path, wiki_shards, 
                            "train.micro_batch_size=4", "train.max_steps=2", "train.log_every=1", "checkpoint.every=2",
                            f"tracking.uri={uri}", "tracking.system_metrics_every=null"],
                           check=True, env=pretrain_env(), capture_output=True, text=True)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = result_line(done.stdout)
     export = run_dir / "export"
     assert declared_encoding(export).pooling == "cls" and read_st_config(export).max_length == 64
     _assert_encode_equals_sentence_transformers(export, mini_beir, tmp_path / "vectors")

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_encode(commands)
     _add_eval(commands)
     _add_farm(commands)
+    _add_track(commands)
     _add_report(commands)
     _add_scale(commands)
     args = parser.parse_args(argv)
@@ -372,7 +373,7 @@ def _run_encode(args) -> int:
 
 
 def _run_eval(args) -> int:
-    from pretrieve.eval.evaluate import EvalOptions, run_eval
+    from pretrieve.eval.evaluate import EvalOptions, baseline_table, run_eval
 
     result = run_eval(EvalOptions(
         out=args.out, model=args.model, beir=args.beir, msmarco=args.msmarco, split=_split(args), pooling=args.pooling,
@@ -380,6 +381,8 @@ def _run_eval(args) -> int:
         depth=args.depth, bm25=args.bm25, on_missing=args.on_missing, vocab_top_k=args.vocab_top_k,
         sparse_weight=args.sparse_weight, candidates=args.candidates, embeddings=args.embeddings,
         contrastive_entropy=args.contrastive_entropy, ce_temperature=args.ce_temperature, ce_seed=args.ce_seed))
+    if args.model and args.bm25:  # the result line is the model's: BM25's numbers beside it (stdout stays one line)
+        print(baseline_table(args.out), file=sys.stderr)
     print(json.dumps({k: result[k] for k in ("ndcg@10", "mrr@10", "recall@100", "map", "contrastive_entropy",
                                              "dataset", "retriever") if k in result}))
     return 0
@@ -408,6 +411,33 @@ def _run_farm(args) -> int:
         print(f"submit: sbatch --array=0-{result['pending_for_slurm'] - 1} launchers/slurm/eval_farm.sbatch "
               f"{args.slurm}; then run `pretrieve farm {args.farm}` again to log the results", file=sys.stderr)
     return 1 if result["failed"] else 0
+
+
+def _add_track(commands) -> None:
+    from pretrieve.eval.farm import STAGES
+
+    p = commands.add_parser("track", help="log finished `pretrieve eval` folders as MLflow evaluation runs (report)",
+                            description="Log each EVAL_DIR (metrics.json, run.trec, per_query.jsonl; with its bm25/ "
+                                        "baseline) as the farm logs a job, so `pretrieve report` compares it with "
+                                        "farm runs; a folder logged before is not logged again (see "
+                                        "pretrieve/eval/track.py).")
+    p.add_argument("eval_dirs", nargs="+", metavar="EVAL_DIR", help="`pretrieve eval --out` folders")
+    p.add_argument("--uri", required=True, help="MLflow tracking URI, e.g. sqlite:///farm-out/mlflow.db")
+    p.add_argument("--experiment", default="pretrieve-eval", help="MLflow experiment (default: the farm's, "
+                                                                  "pretrieve-eval)")
+    p.add_argument("--checkpoint", default=None, metavar="NAME",
+                   help="the report's row name, with one EVAL_DIR (default: each folder's name)")
+    p.add_argument("--dataset", default=None, metavar="NAME",
+                   help="the report's column name (default: the dataset folder's name recorded in metrics.json)")
+    p.add_argument("--stage", choices=STAGES, default="zero-shot")
+    p.set_defaults(run=_run_track)
+
+
+def _run_track(args) -> int:
+    from pretrieve.eval.track import track
+
+    print(json.dumps(track(args.eval_dirs, args.uri, args.experiment, args.checkpoint, args.dataset, args.stage)))
+    return 0
 
 
 def _add_report(commands) -> None:

@@ -12,7 +12,7 @@ from conftest import SAMPLES, write_beir
 
 from pretrieve.cli import main as cli
 from pretrieve.data.retrieval import RetrievalDataError, load_beir, load_msmarco, write_msmarco
-from pretrieve.eval.evaluate import EvalOptions, run_eval
+from pretrieve.eval.evaluate import TABLE_METRICS, EvalOptions, run_eval
 from pretrieve.eval.metrics import METRICS, evaluate, trec_run_lines
 from pretrieve.eval.search import bm25_search, dense_search
 
@@ -126,11 +126,13 @@ def test_dense_search_flat_is_exact_and_approximate_indexes_recall():
         dense_search(docs, doc_ids, queries, query_ids, index="ivf")
 
 
-def test_pretrieve_eval_writes_metrics_run_and_per_query(tmp_path, tiny_encoder, capsys):
+def test_pretrieve_eval_writes_metrics_run_and_per_query_and_shows_bm25_beside_the_model(tmp_path, tiny_encoder,
+                                                                                         capsys):
     out = tmp_path / "eval"
     assert cli(["eval", "--model", str(tiny_encoder), "--beir", str(SCIFACT), "--pooling", "mean", "--normalize",
                 "--max-length", "64", "--depth", "50", "--bm25", "--out", str(out)]) == 0
-    printed = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)  # stdout stays the model's one result line
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(METRICS) <= set(metrics) and metrics["retriever"] == "dense" and printed["ndcg@10"] == metrics["ndcg@10"]
     assert metrics["documents"] == 500 and metrics["queries"] == 100 and metrics["pooling"] == "mean"
@@ -142,6 +144,15 @@ def test_pretrieve_eval_writes_metrics_run_and_per_query(tmp_path, tiny_encoder,
     bm25 = json.loads((out / "bm25" / "metrics.json").read_text())
     assert bm25["retriever"] == "bm25" and "pooling" not in bm25
     assert bm25["ndcg@10"] > metrics["ndcg@10"] + 0.3  # a random encoder against BM25 on SciFact
+    assert metrics["model"] == str(tiny_encoder.resolve())  # the model as an absolute path: `pretrieve track`
+    # both systems at the end, aligned under the header, each with the metrics.json its numbers come from
+    header, *rows = captured.err.rstrip().splitlines()[-3:]
+    assert header.split() == ["system", "ndcg@10", "mrr@10", "recall@100", "path"]
+    for row, system, source, path in ((rows[0], "model (dense)", metrics, out / "metrics.json"),
+                                      (rows[1], "bm25", bm25, out / "bm25" / "metrics.json")):
+        cells = {"system": system, "path": str(path), **{k: f"{source[k]:.4f}" for k in TABLE_METRICS}}
+        assert all(row[header.index(column):].startswith(cell + " " * (column != "path"))
+                   for column, cell in cells.items()), (header, row)
 
     # the same set in MS MARCO files gives the same metrics
     marco = write_msmarco(load_beir(SCIFACT), tmp_path / "marco", "dev")

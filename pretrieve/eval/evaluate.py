@@ -2,10 +2,10 @@
 
 OUT/metrics.json (the metrics of eval.metrics plus what was run), OUT/run.trec (top `depth` per query, in
 trec_eval's order) and OUT/per_query.jsonl (DESIGN.md "Evaluation output"), each written through a temporary
-file and a rename. `--bm25` with a model also writes the BM25 baseline to OUT/bm25/. With
-`contrastive_entropy` (K), metrics.json and per_query.jsonl add the model's contrastive entropy against K fixed
-sampled negatives (eval.contrastive, Fang et al. 2024; DESIGN.md "Validation and study metrics"), computed on
-the vectors the search used.
+file and a rename. `--bm25` with a model also writes the BM25 baseline to OUT/bm25/ (baseline_table puts the
+two side by side). With `contrastive_entropy` (K), metrics.json and per_query.jsonl add the model's contrastive
+entropy against K fixed sampled negatives (eval.contrastive, Fang et al. 2024; DESIGN.md "Validation and study
+metrics"), computed on the vectors the search used.
 """
 
 from __future__ import annotations
@@ -155,8 +155,26 @@ def _describe(opts: EvalOptions, data: RetrievalSet, dense: bool = True) -> dict
     info = {k: v for k, v in asdict(opts).items()
             if k not in ("out", "progress", "bm25", "embeddings", *_CONTRASTIVE_OPTIONS)
             and (dense or k not in encoder_only)}
+    if info.get("model"):  # absolute: the record names the model wherever it is read (`pretrieve track`)
+        info["model"] = str(Path(info["model"]).resolve())
     return {**info, "dataset": data.name, "documents": len(data.corpus), "queries": len(data.queries),
             "skipped_qrels": data.skipped}
+
+
+TABLE_METRICS = ("ndcg@10", "mrr@10", "recall@100")
+
+
+def baseline_table(out: str | Path) -> str:
+    """The model of OUT beside its BM25 baseline in OUT/bm25 (`eval --model ... --bm25`), one aligned row each:
+    system, TABLE_METRICS, the metrics.json it came from."""
+    out = Path(out)
+    rows = [["system", *TABLE_METRICS, "path"]]
+    for path in (out / "metrics.json", out / "bm25" / "metrics.json"):
+        metrics = json.loads(path.read_text())
+        system = "bm25" if metrics["retriever"] == "bm25" else f"model ({metrics['retriever']})"
+        rows.append([system, *(f"{metrics[k]:.4f}" for k in TABLE_METRICS), str(path)])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
 
 def _write(out: Path, data: RetrievalSet, run: dict, info: dict, contrastive: ContrastiveEntropy | None = None) -> dict:

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrieve.engine.run_dir import write_atomic
-from pretrieve.engine.tracking import experiment_id_of, metric_name, store_location
+from pretrieve.engine.tracking import experiment_id_of, store_location
+from pretrieve.eval.track import log_eval_run
 from pretrieve.finetune.stages import done as finetuned
 from pretrieve.progress import Progress
 
@@ -298,22 +299,12 @@ def _log_job(job: Job, farm: dict) -> bool:
     # artifacts beside the farm's outputs, not in ./mlruns under the caller's cwd
     experiment_id = parent[1] if parent else experiment_id_of(
         client, tracking.get("experiment", "pretrieve-eval"), (Path(farm["out"]).resolve() / "mlartifacts").as_uri())
-    metrics = json.loads((job.out / "metrics.json").read_text())
     tags = {"pretrieve.farm": "eval", "checkpoint": job.checkpoint["name"], "dataset": job.dataset["name"],
             "stage": job.stage}
     if job.model is not None:
         tags["model_dir"] = str(job.model.resolve())  # how a model card finds its evaluations
     if parent:
         tags["mlflow.parentRunId"] = parent[0]
-    run = client.create_run(experiment_id, run_name=job.name.replace("/", "-"), tags=tags)
-    run_id = run.info.run_id
-    for key, value in metrics.items():
-        if isinstance(value, float):
-            client.log_metric(run_id, metric_name(key), value)
-        elif value is not None and not isinstance(value, dict):
-            client.log_param(run_id, key, str(value)[:6000])
-    for artifact in ("metrics.json", "run.trec", "per_query.jsonl"):
-        client.log_artifact(run_id, str(job.out / artifact))
-    client.set_terminated(run_id)
+    run_id = log_eval_run(client, experiment_id, job.out, tags, run_name=job.name.replace("/", "-"))
     write_atomic(record, json.dumps({"tracking_uri": uri, "run_id": run_id}))
     return True

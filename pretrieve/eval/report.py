@@ -6,7 +6,8 @@ bars), OUT/report.html (every table and plot on one self-contained page: the plo
 opens anywhere without a server), and prints the markdown. When a checkpoint x dataset x stage was evaluated
 more than once, the latest run counts. The report is also logged to MLflow: a run named `report` (tag
 `pretrieve.report`) in the experiment of the latest evaluation run, with OUT's files as artifacts; its id is
-written to OUT/mlflow.json. Each report is a new run, so earlier ones stay as they were.
+written to OUT/mlflow.json. Each report is a new run, so earlier ones stay as they were. Evaluations made
+outside the farm join the tables once `pretrieve track` has logged their folders (eval.track).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def write_report(uri: str, out: str | Path, experiments: list[str] | None = None
     """Write the tables, plots and HTML page (and log them to MLflow); returns the markdown of all tables."""
     records = collect(uri, experiments)
     if not records:
-        raise ValueError(f"{uri}: no evaluation runs (run `pretrieve farm` first)")
+        raise ValueError(f"{uri}: no evaluation runs (run `pretrieve farm`, or log `pretrieve eval` folders with "
+                         "`pretrieve track`)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     markdown = []

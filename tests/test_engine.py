@@ -239,19 +239,23 @@ def test_resume_at_world_size_two_and_then_one(tmp_path, wiki_shards):
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         # one result line in all, whole: rank 0 prints it (two ranks' prints once interleaved as `{..}{..}`)
         assert len([line for line in done.stdout.splitlines() if line.startswith("{")]) == 1, done.stdout
-        return records, result_line(done.stdout)
+        return records, result_line(done.stdout), done.stderr
 
-    full, result = run(tmp_path / "full", "train.max_steps=4")
+    full, result, _ = run(tmp_path / "full", "train.max_steps=4")
     assert (result["step"], result["samples"]) == (4, 64)
     run(tmp_path / "split", "train.max_steps=4", "train.stop_at=2")
     shutil.copytree(tmp_path / "split", tmp_path / "elastic")
-    split, _ = run(tmp_path / "split", "train.max_steps=4", "resume=auto")
+    split, _, log = run(tmp_path / "split", "train.max_steps=4", "resume=auto")
+    # said once, by rank 0: 2 steps of 16 samples in all
+    assert log.count("resuming from step00000002 (data position: epoch 0, 32 of its 648 samples read)") == 1, log
     assert [(r["step"], r["loss"], r["lr"]) for r in split] == [(r["step"], r["loss"], r["lr"]) for r in full]
 
     subprocess.run([sys.executable, "-m", "pretrieve", "universal", str(tmp_path / "elastic")], env=pretrain_env(),
                    check=True, capture_output=True)
     assert (tmp_path / "elastic" / "checkpoints" / "latest").read_text() == "step00000002-universal"
-    elastic, result = run(tmp_path / "elastic", "train.max_steps=4", "train.grad_accum=2", "resume=auto", ranks=1)
+    elastic, result, log = run(tmp_path / "elastic", "train.max_steps=4", "train.grad_accum=2", "resume=auto",
+                               ranks=1)
+    assert "resuming from step00000002-universal (data position: epoch 0, 32 of its 648 samples read)" in log
     assert [r["step"] for r in elastic] == [1, 2, 3, 4] and (result["step"], result["samples"]) == (4, 64)
     assert [r["lr"] for r in elastic] == [r["lr"] for r in full]
     optim = torch.load(tmp_path / "elastic" / "checkpoints" / "step00000004" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",

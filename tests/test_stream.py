@@ -102,12 +102,14 @@ def test_elastic_resume_loses_and_repeats_nothing(manifests, old_world, new_worl
         consumed += [a for b in run_batches(stream, workers, limit=13, until_epoch=1) for a in b]
         state = stream.state_dict() if state is None else state
         assert stream.state_dict() == state  # ranks in lockstep agree on the position
+    position = f"epoch 0, {13 * BATCH * old_world} of its 717 samples read"  # all ranks' samples, as logged on resume
     rest = []
     for rank in range(new_world):
         stream = make(manifests, rank, new_world)
         stream.load_state_dict(state)
+        assert stream.describe_position() == position
         batches = run_batches(stream, workers, until_epoch=1)
-        assert stream.epoch == 1
+        assert stream.epoch == 1 and stream.describe_position() == "epoch 1, 0 of its 717 samples read"
         rest += [a for b in batches for a in b]
     real = [a[:2] for a in consumed + rest if not a[2]]
     assert len(real) == len(set(real)) == 717

@@ -215,6 +215,12 @@ def test_finetune_config_errors_name_the_key(tmp_path):
         config = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(change))
         with pytest.raises(ConfigError, match=message):
             finetune_experiment(config)
+    several = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(
+        {"finetune": {"loss": "hinge", "temperature": 0, "query_max_len": 0}, "train": {"lr": "fast"}}))
+    with pytest.raises(ConfigError) as raised:
+        finetune_experiment(several)  # each bad key, in one error
+    assert [p.split(":")[0] for p in raised.value.problems] == [
+        "train.lr", "finetune.query_max_len", "finetune.temperature", "finetune.loss"]
 
 
 def _epoch_losses(run_dir: Path) -> dict:

@@ -186,12 +186,22 @@ def test_damaged_shard_is_an_error_naming_it(books_shards, tmp_path, damage):
     else:
         data = data[: len(data) // 2]
     victim.write_bytes(bytes(data))
-    with pytest.raises(ShardError, match="books-000002.tar: sha256 differs"):
+    # the manifest records each shard's byte count: a short shard is named truncated, not a digest mismatch
+    error = "sha256 differs" if damage == "flip" else f"truncated: {len(data):,} of the {2 * len(data):,} bytes the manifest"
+    with pytest.raises(ShardError, match=f"books-000002.tar: {error}"):
         list(make([copy]))
-    with pytest.raises(ShardError, match="books-000002.tar: sha256 differs"):  # raised in a DataLoader worker
+    with pytest.raises(ShardError, match=f"books-000002.tar: {error}"):  # raised in a DataLoader worker
         list(StreamLoader(make([copy]), batch_size=BATCH, num_workers=1))
     # its worker is ended now: left for exit, multiprocessing's SIGTERM could not end it (workers ignore it)
     assert not multiprocessing.active_children()
-    if damage == "truncate":  # without sha256 verification the tar parser still notices
-        with pytest.raises(ShardError, match="books-000002.tar: .*truncated"):
+    if damage == "truncate":  # without sha256 verification too
+        with pytest.raises(ShardError, match="books-000002.tar: truncated"):
+            list(make([copy], verify=False))
+        manifest = json.loads((copy / "manifest.json").read_text())
+        for shard in manifest["shards"]:  # a manifest without byte counts: the digest still catches it
+            del shard["bytes"]
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(ShardError, match="books-000002.tar: sha256 differs"):
+            list(make([copy]))
+        with pytest.raises(ShardError, match="books-000002.tar: .*the shard is truncated"):  # and the tar parser
             list(make([copy], verify=False))

@@ -207,8 +207,24 @@ class Experiment:
     init_checkpoint: tuple[Path, str] | None = None  # (checkpoints dir, tag) a new run branches from
 
 
-_TOP_LEVEL = {"seed", "run_dir", "resume", "resume_changes", "init_checkpoint", "model", "method", "data", "train",
-              "checkpoint", "tracking"}
+# a pre-training config: these sections (each an options dataclass, but `method`, whose keys are the method's) and
+# plain keys; unknown top-level keys are refused, and `pretrieve pretrain --help` lists both from here
+SECTIONS = ("model", "method", "data", "train", "checkpoint", "tracking")
+PLAIN_KEYS = ("seed", "run_dir", "resume", "resume_changes", "init_checkpoint")
+_TOP_LEVEL = set(SECTIONS) | set(PLAIN_KEYS)
+
+
+def section_keys(name: str) -> list[str]:
+    """The keys of section `name`: its options' fields; for `method`, name and the registered methods."""
+    from pretrieve.engine.tracking import TrackingOptions
+    from pretrieve.models.heads.registry import METHODS, get_method
+
+    if name == "method":
+        get_method("mlm")  # registers the built-in methods
+        return [f"name ({' | '.join(METHODS)})", "and that method's options"]
+    classes = {"model": ModelOptions, "data": DataOptions, "train": TrainOptions, "checkpoint": CheckpointOptions,
+               "tracking": TrackingOptions}
+    return [f.name for f in fields(classes[name])]
 
 
 def _section(config: DictConfig, name: str, cls):

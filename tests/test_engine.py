@@ -71,6 +71,34 @@ def test_a_config_with_several_errors_reports_each(wiki_shards):
     assert str(raised.value).startswith("8 errors in the config:\n")
 
 
+def test_pretrain_help_lists_the_config_sections_and_the_docs(capsys, monkeypatch, wiki_shards):
+    """Each section with its keys, as the schema in config.py has them: every key listed is one a config may set."""
+    from pretrieve.cli import main
+    from pretrieve.config import PLAIN_KEYS, SECTIONS
+
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    help_text = capsys.readouterr().out
+    assert "docs/training.md" in help_text and "docs/methods.md" in help_text
+    listed = {}
+    for line in help_text.split("config sections and their keys")[1].splitlines()[2:]:
+        if line.startswith("  ") and not line.startswith("   "):
+            section, line = line.split(maxsplit=1)
+            listed[section] = []
+        if line.startswith("plain keys: "):
+            assert line.removeprefix("plain keys: ").split(", ") == list(PLAIN_KEYS)
+        else:
+            listed[section] += [key for key in line.strip().rstrip(",").split(", ") if key]
+    assert list(listed) == list(SECTIONS) and "retromae" in listed["method"][0]
+    for section in set(SECTIONS) - {"method"}:
+        for key in listed[section]:  # accepted as a key (a wrong value is fine): no "unknown key"
+            try:
+                experiment(_config(wiki_shards, f"{section}.{key}=null"))
+            except ConfigError as e:
+                assert "unknown" not in str(e), (section, key, str(e))
+
+
 def test_deepspeed_config_auto_fields(wiki_shards):
     exp = experiment(_config(wiki_shards, "train.zero_stage=2", "train.precision=bf16", "train.grad_accum=4",
                              "train.max_steps=200", "train.warmup_ratio=0.05"))

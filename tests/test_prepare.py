@@ -3,6 +3,7 @@
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -173,6 +174,22 @@ def test_cli_prepare_reports_errors_without_traceback(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 1 and "input not found" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_prepare_help_shows_each_default(capsys, monkeypatch):
+    """Every option that has a default says it; the values shown are PrepareOptions' own."""
+    from pretrieve.cli import main
+
+    monkeypatch.setenv("COLUMNS", "300")  # one line per option: no wrapped "(default:" to join
+    with pytest.raises(SystemExit):
+        main(["prepare", "--help"])
+    options = {block.split()[0]: " ".join(block.split())
+               for block in re.split(r"\n  (?=-)", capsys.readouterr().out.split("\noptions:\n")[1])}
+    for name in set(options) - {"-h,", "--source", "--input", "--out"}:
+        assert "(default: " in options[name], options[name]
+    for name in ("max_len", "shard_size", "on_error", "short_seq_prob", "seed", "text_field", "id_field", "title_field",
+                 "queries_field", "books_format", "holdout", "split"):
+        assert f"(default: {getattr(PrepareOptions, name)}" in options["--" + name.replace("_", "-")]
 
 
 def test_a_failed_prepare_removes_only_what_it_made(tmp_path):

@@ -523,9 +523,14 @@ def _add_export(commands) -> None:
 
 
 def _run_export(args) -> int:
-    from pretrieve.engine.export_checkpoint import export_checkpoint
+    from pathlib import Path
 
-    print(export_checkpoint(args.checkpoint, args.out))
+    from pretrieve.engine.export_checkpoint import export_checkpoint
+    from pretrieve.engine.run_dir import locate
+    from pretrieve.models.export import describe_export
+
+    run_dir, _, tag = locate(Path(args.checkpoint))
+    print(describe_export(export_checkpoint(args.checkpoint, args.out), source=f"{run_dir}, checkpoint {tag}"))
     return 0
 
 

@@ -185,8 +185,12 @@ def test_resume_reproduces_the_uninterrupted_run(first_halves, wiki_shards, stag
         assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
     if stage == 1:  # `pretrieve export` on the command line (ZeRO 1 keeps the frozen pooler out of its partitions)
         out = first_halves / "exported"
-        subprocess.run([sys.executable, "-m", "pretrieve", "export", str(split_dir), str(out)], check=True,
-                       capture_output=True, env=pretrain_env())
+        done = subprocess.run([sys.executable, "-m", "pretrieve", "export", str(split_dir), str(out)], check=True,
+                              capture_output=True, text=True, env=pretrain_env())
+        # what it wrote: from where, the format, each file, the pooling (after DeepSpeed's own lines)
+        assert f"\n{out}: retromae from {split_dir}, checkpoint step00000004\n" in f"\n{done.stdout}", done.stdout
+        assert "format: pretrieve-export/1" in done.stdout and "model.safetensors (" in done.stdout
+        assert "pooling: cls, not normalised, texts cut at 64 tokens" in done.stdout
         ours, reference = load_file(out / "model.safetensors"), load_file(full_dir / "export" / "model.safetensors")
         assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
     if stage == 0:  # a run directory with checkpoints is never overwritten by accident

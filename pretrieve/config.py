@@ -8,7 +8,6 @@ reports every error it finds in one ConfigError (a user fixes a config in one ro
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import types

@@ -57,18 +57,18 @@ def test_config_errors_name_the_key(wiki_shards, override, message):
 
 def test_a_config_with_several_errors_reports_each(wiki_shards):
     """One run names every bad key (each message as when it is the only one), across sections."""
-    overrides = ["bogus=1", "model.hidden_size=big", "method.mlm_ratio=abc", "data.weights=[1,2]",
-                 "train.lr=-1", "train.zero_stage=4", "checkpoint.every=0", "resume=sometimes"]
+    overrides = ["bogus=1", "model.hidden_size=big", "method.mlm_ratio=1.5", "method.decoder_pool_size=0",
+                 "data.weights=[1,2]", "train.lr=-1", "train.zero_stage=4", "checkpoint.every=0", "resume=sometimes"]
     with pytest.raises(ConfigError) as raised:
         experiment(_config(wiki_shards, *overrides))
     messages = ["bogus: unknown top-level key", "model.hidden_size: expected int, got 'big'",
-                "method.mlm_ratio: expected float, got 'abc'", "train: need lr > 0",
+                "method.mlm_ratio: must be in (0, 1]", "method.decoder_pool_size: must be >= 1", "train: need lr > 0",
                 "train.zero_stage: 4 is not 0, 1, 2 or 3", "checkpoint.every and checkpoint.keep must be >= 1",
                 "resume: 'sometimes': the only value is auto", "data.weights: 2 weights for 1 manifests"]
     assert len(raised.value.problems) == len(messages)
     for message, problem in zip(messages, raised.value.problems, strict=True):
         assert problem.startswith(message) and f"\n  {problem}" in str(raised.value)
-    assert str(raised.value).startswith("8 errors in the config:\n")
+    assert str(raised.value).startswith("9 errors in the config:\n")
 
 
 def test_pretrain_help_lists_the_config_sections_and_the_docs(capsys, monkeypatch, wiki_shards):

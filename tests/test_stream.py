@@ -187,7 +187,7 @@ def test_damaged_shard_is_an_error_naming_it(books_shards, tmp_path, damage):
         data = data[: len(data) // 2]
     victim.write_bytes(bytes(data))
     # the manifest records each shard's byte count: a short shard is named truncated, not a digest mismatch
-    error = "sha256 differs" if damage == "flip" else f"truncated: {len(data):,} of the {2 * len(data):,} bytes the manifest"
+    error = "sha256 differs" if damage == "flip" else f"truncated: {len(data):,} of the {2 * len(data):,} bytes"
     with pytest.raises(ShardError, match=f"books-000002.tar: {error}"):
         list(make([copy]))
     with pytest.raises(ShardError, match=f"books-000002.tar: {error}"):  # raised in a DataLoader worker

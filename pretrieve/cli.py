@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 
 from pretrieve import __version__
 
@@ -29,8 +30,18 @@ def mixture_weight(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose epilog may be a function, called only when help is shown: it may import the heavy
+    parts (torch), which no other use of the command line should wait for."""
+
+    def format_help(self) -> str:
+        if callable(self.epilog):
+            self.epilog = self.epilog()
+        return super().format_help()
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pretrieve", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="pretrieve", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"pretrieve {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_prepare(commands)
@@ -63,11 +74,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def _add_pretrain(commands) -> None:
     p = commands.add_parser("pretrain", help="pre-train a registered method with DeepSpeed from a YAML config",
-                            description="Train CONFIG (configs/pretrain/*.yaml) with dotted key=value overrides, "
-                                        "e.g. run_dir=runs/x train.max_steps=100 checkpoint.every=50 resume=auto.")
+                            description="Train CONFIG (configs/pretrain/*.yaml) with dotted key=value overrides,\n"
+                                        "e.g. run_dir=runs/x train.max_steps=100 checkpoint.every=50 resume=auto.",
+                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_config_sections)
     p.add_argument("config", metavar="CONFIG")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.set_defaults(run=_run_pretrain)
+
+
+def _config_sections() -> str:
+    """The sections of a pre-training config and their keys, from the schema in config.py."""
+    from pretrieve.config import PLAIN_KEYS, SECTIONS, section_keys
+
+    lines = ["config sections and their keys (docs/training.md, \"The config\"; the methods' options:",
+             "docs/methods.md):"]
+    for name in SECTIONS:
+        lines += textwrap.wrap(", ".join(section_keys(name)), width=110, initial_indent=f"  {name:<12}",
+                               subsequent_indent=" " * 14)
+    return "\n".join([*lines, f"plain keys: {', '.join(PLAIN_KEYS)}"])
 
 
 def _run_pretrain(args) -> int:
@@ -529,9 +553,14 @@ def _add_export(commands) -> None:
 
 
 def _run_export(args) -> int:
-    from pretrieve.engine.export_checkpoint import export_checkpoint
+    from pathlib import Path
 
-    print(export_checkpoint(args.checkpoint, args.out))
+    from pretrieve.engine.export_checkpoint import export_checkpoint
+    from pretrieve.engine.run_dir import locate
+    from pretrieve.models.export import describe_export
+
+    run_dir, _, tag = locate(Path(args.checkpoint))
+    print(describe_export(export_checkpoint(args.checkpoint, args.out), source=f"{run_dir}, checkpoint {tag}"))
     return 0
 
 
@@ -570,8 +599,13 @@ def _run_universal(args) -> int:
 
 
 def _add_prepare(commands) -> None:
-    from pretrieve.data.corpora import SOURCES
+    import os
+    from dataclasses import MISSING, fields
 
+    from pretrieve.data.corpora import SOURCES
+    from pretrieve.data.prepare import PrepareOptions
+
+    d = {f.name: f.default for f in fields(PrepareOptions) if f.default is not MISSING}  # the defaults, one place
     p = commands.add_parser("prepare", help="raw corpus -> tokenized, packed webdataset shards + manifest.json",
                             description="Read a raw corpus, tokenize, pack sentences into blocks and write "
                                         "webdataset shards and manifest.json. Re-running resumes.")
@@ -580,28 +614,39 @@ def _add_prepare(commands) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="a folder, or a URL (s3://, gs://, file://)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="local HF tokenizer directory "
                    "(default: the bundled bert-base-uncased WordPiece vocabulary)")
-    p.add_argument("--max-len", type=int, default=512, help="model sequence length; blocks hold max_len-2 tokens")
-    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores; 0 = in-process)")
-    p.add_argument("--shard-size", type=int, default=10000, help="samples per shard")
-    p.add_argument("--on-error", choices=("fail", "skip"), default="fail",
-                   help="bad records: stop with file:line (fail) or skip and count them in the manifest")
-    p.add_argument("--packing", choices=("sentences", "passage"), default=None,
-                   help="sentences: greedy sentence packing; passage: one text per sample (default for "
-                        "msmarco-passage and beir)")
-    p.add_argument("--short-seq-prob", type=float, default=0.0, help="probability of a shorter block target (BERT: 0.1)")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--text-field", default="text", help="jsonl / parquet: field holding the text")
-    p.add_argument("--id-field", default="id", help="jsonl / parquet: field holding the document id")
-    p.add_argument("--queries-field", default="queries",
-                   help="jsonl / parquet: optional list of pseudo-queries per document (kept for CoT-MAE)")
-    p.add_argument("--title-field", default="title", help="jsonl / parquet: optional title field ('' for none)")
-    p.add_argument("--books-format", choices=("file", "lines"), default="file",
-                   help="books: paragraphs separated by blank lines (file) or one sentence per line (lines)")
-    p.add_argument("--overwrite", action="store_true", help="delete an earlier output in --out first")
-    p.add_argument("--holdout", type=float, default=0.0, metavar="FRACTION",
-                   help="split by document: this share of documents (by a hash of the id) is the validation side")
-    p.add_argument("--split", choices=("train", "validation"), default="train",
-                   help="with --holdout: the side this --out holds (run once per side)")
+    p.add_argument("--max-len", type=int, default=d["max_len"],
+                   help="model sequence length; blocks hold max_len-2 tokens (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=None,
+                   help=f"tokenizer processes; 0 = in-process (default: all cores, {os.cpu_count()} here)")
+    p.add_argument("--shard-size", type=int, default=d["shard_size"], help="samples per shard (default: %(default)s)")
+    p.add_argument("--on-error", choices=("fail", "skip"), default=d["on_error"],
+                   help="bad records: stop with file:line (fail) or skip and count them in the manifest "
+                        "(default: %(default)s)")
+    p.add_argument("--packing", choices=("sentences", "passage"), default=d["packing"],
+                   help="sentences: greedy sentence packing; passage: one text per sample (default: passage for "
+                        "msmarco-passage and beir, else sentences)")
+    p.add_argument("--short-seq-prob", type=float, default=d["short_seq_prob"],
+                   help="probability of a shorter block target, BERT's 0.1 (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d["seed"],
+                   help="of the --short-seq-prob block targets (default: %(default)s)")
+    p.add_argument("--text-field", default=d["text_field"],
+                   help="jsonl / parquet: field holding the text (default: %(default)s)")
+    p.add_argument("--id-field", default=d["id_field"],
+                   help="jsonl / parquet: field holding the document id (default: %(default)s)")
+    p.add_argument("--queries-field", default=d["queries_field"],
+                   help="jsonl / parquet: optional list of pseudo-queries per document, kept for CoT-MAE; '' for "
+                        "none (default: %(default)s)")
+    p.add_argument("--title-field", default=d["title_field"],
+                   help="jsonl / parquet: optional title field; '' for none (default: %(default)s)")
+    p.add_argument("--books-format", choices=("file", "lines"), default=d["books_format"],
+                   help="books: paragraphs separated by blank lines (file) or one sentence per line (lines) "
+                        "(default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="delete an earlier output in --out first (default: off)")
+    p.add_argument("--holdout", type=float, default=d["holdout"], metavar="FRACTION",
+                   help="split by document: this share of documents (by a hash of the id) is the validation side "
+                        "(default: %(default)s, no split)")
+    p.add_argument("--split", choices=("train", "validation"), default=d["split"],
+                   help="with --holdout: the side this --out holds, run once per side (default: %(default)s)")
     p.set_defaults(run=_run_prepare)
 
 

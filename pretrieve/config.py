@@ -2,7 +2,8 @@
 
 A config has `seed`, `run_dir`, `resume`, `model:` (models.encoder.ModelOptions), `method:` (`name` + the
 method's options, whose defaults are the paper settings), `data:` (DataOptions), `train:` (TrainOptions) and
-`checkpoint:` (CheckpointOptions). `experiment(config)` validates all of it before any process group starts.
+`checkpoint:` (CheckpointOptions). `experiment(config)` validates all of it before any process group starts, and
+reports every error it finds in one ConfigError (a user fixes a config in one round, not one key per run).
 """
 
 from __future__ import annotations
@@ -22,7 +23,37 @@ from pretrieve.models.encoder import ModelOptions
 
 
 class ConfigError(ValueError):
-    """A config that cannot be used; the message names the file and key."""
+    """A config that cannot be used; the message names the file and key. `problems`: each error's message."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems or [message]
+
+
+class Problems:
+    """The errors of one config, collected: `add` one, `parse(fn, ...)` keeps going past fn's ConfigError (None
+    then stands for what it would have returned, and checks that need it are skipped), `raise_any` raises one
+    ConfigError listing each."""
+
+    def __init__(self):
+        self.messages: list[str] = []
+
+    def add(self, message: str) -> None:
+        self.messages.append(message)
+
+    def parse(self, fn, *args):
+        try:
+            return fn(*args)
+        except ConfigError as e:
+            self.messages += e.problems
+            return None
+
+    def raise_any(self) -> None:
+        if len(self.messages) == 1:
+            raise ConfigError(self.messages[0])
+        if self.messages:
+            raise ConfigError(f"{len(self.messages)} errors in the config:\n" + "\n".join(
+                f"  {message}" for message in self.messages), list(self.messages))
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None,
@@ -55,12 +86,13 @@ def options_of(cls, values: dict[str, Any], where: str, noun: str = "key"):
     field's type (the error names `where.key`): a YAML or override typo fails here, not steps into a run."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: unknown {noun} (known: {', '.join(sorted(known))})")
+    problems = Problems()
+    for key in sorted(set(values) - known):
+        problems.add(f"{where}.{key}: unknown {noun} (known: {', '.join(sorted(known))})")
     for key, value in values.items():
-        if not _has_type(value, hints[key]):
-            raise ConfigError(f"{where}.{key}: expected {_type_name(hints[key])}, got {value!r}")
+        if key in known and not _has_type(value, hints[key]):
+            problems.add(f"{where}.{key}: expected {_type_name(hints[key])}, got {value!r}")
+    problems.raise_any()
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:
@@ -98,6 +130,8 @@ def method_options(config: DictConfig) -> tuple[Any, Any]:
     try:
         method = get_method(values["name"])
         return method, method.options_from(values)
+    except ConfigError:
+        raise
     except (KeyError, ValueError, TypeError) as e:
         raise ConfigError(str(e).strip('"')) from e
 
@@ -172,8 +206,24 @@ class Experiment:
     init_checkpoint: tuple[Path, str] | None = None  # (checkpoints dir, tag) a new run branches from
 
 
-_TOP_LEVEL = {"seed", "run_dir", "resume", "resume_changes", "init_checkpoint", "model", "method", "data", "train",
-              "checkpoint", "tracking"}
+# a pre-training config: these sections (each an options dataclass, but `method`, whose keys are the method's) and
+# plain keys; unknown top-level keys are refused, and `pretrieve pretrain --help` lists both from here
+SECTIONS = ("model", "method", "data", "train", "checkpoint", "tracking")
+PLAIN_KEYS = ("seed", "run_dir", "resume", "resume_changes", "init_checkpoint")
+_TOP_LEVEL = set(SECTIONS) | set(PLAIN_KEYS)
+
+
+def section_keys(name: str) -> list[str]:
+    """The keys of section `name`: its options' fields; for `method`, name and the registered methods."""
+    from pretrieve.engine.tracking import TrackingOptions
+    from pretrieve.models.heads.registry import METHODS, get_method
+
+    if name == "method":
+        get_method("mlm")  # registers the built-in methods
+        return [f"name ({' | '.join(METHODS)})", "and that method's options"]
+    classes = {"model": ModelOptions, "data": DataOptions, "train": TrainOptions, "checkpoint": CheckpointOptions,
+               "tracking": TrackingOptions}
+    return [f.name for f in fields(classes[name])]
 
 
 def _section(config: DictConfig, name: str, cls):
@@ -181,96 +231,126 @@ def _section(config: DictConfig, name: str, cls):
 
 
 def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
-    """The validated experiment; every error names its key."""
-    unknown = sorted(set(config) - _TOP_LEVEL)
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown top-level key (known: {', '.join(sorted(_TOP_LEVEL))})")
-    model = model_options(config)
-    method, options = method_options(config)
-    data = _section(config, "data", DataOptions)
-    train, checkpoint, tracking = run_sections(config, world_size)
+    """The validated experiment; every error names its key, and all of them are reported at once."""
+    problems = Problems()
+    problems.parse(unknown_top_level, config, _TOP_LEVEL)
+    model = problems.parse(model_options, config)
+    method, options = problems.parse(method_options, config) or (None, None)
+    data = problems.parse(_section, config, "data", DataOptions)
+    sections = problems.parse(run_sections, config, world_size)
+    resume = problems.parse(resume_of, config)
+    init_checkpoint = problems.parse(init_checkpoint_of, config)
+    if data is not None:
+        _check_data(data, sections[0] if sections else None, problems)
+    if model is not None:
+        _check_model(model, options, data, problems)
+    problems.raise_any()
+    run_dir = Path(config.get("run_dir") or f"runs/{method.name}")
+    return Experiment(int(config.get("seed", 42)), run_dir, resume, model, method, options, data, *sections, config,
+                      init_checkpoint)
+
+
+def unknown_top_level(config: DictConfig, known: set[str]) -> None:
+    problems = Problems()
+    for key in sorted(set(config) - known):
+        problems.add(f"{key}: unknown top-level key (known: {', '.join(sorted(known))})")
+    problems.raise_any()
+
+
+def _local_manifests(paths: list[str]) -> list[tuple[int, str]]:
+    """(index, path) of the local manifests among `paths` (URLs are checked when opened)."""
+    return [(i, path) for i, path in enumerate(paths) if not is_remote(path)]
+
+
+def _check_data(data: DataOptions, train: TrainOptions | None, problems: Problems) -> None:
     if not data.manifests:
-        raise ConfigError("data.manifests: empty; list the manifest.json files written by `pretrieve prepare`")
-    for i, path in enumerate(data.manifests):
-        if not is_remote(path) and not Path(local_path(path)).is_file():  # URLs: checked when opened
-            raise ConfigError(f"data.manifests[{i}]: {path} not found (run `pretrieve prepare` first)")
-    for i, path in enumerate(data.validation):
-        if not is_remote(path) and not Path(local_path(path)).is_file():
-            raise ConfigError(f"data.validation[{i}]: {path} not found (run `pretrieve prepare` first)")
-    if train.eval_every is not None and not data.validation:
-        raise ConfigError("train.eval_every: needs data.validation (held-out manifests to score)")
+        problems.add("data.manifests: empty; list the manifest.json files written by `pretrieve prepare`")
+    for key in ("manifests", "validation"):
+        for i, path in _local_manifests(getattr(data, key)):
+            if not Path(local_path(path)).is_file():
+                problems.add(f"data.{key}[{i}]: {path} not found (run `pretrieve prepare` first)")
+    if train is not None and train.eval_every is not None and not data.validation:
+        problems.add("train.eval_every: needs data.validation (held-out manifests to score)")
     if data.validation_batches < 1:
-        raise ConfigError(f"data.validation_batches: must be >= 1, got {data.validation_batches}")
+        problems.add(f"data.validation_batches: must be >= 1, got {data.validation_batches}")
     if data.weights is not None and len(data.weights) != len(data.manifests):
-        raise ConfigError(f"data.weights: {len(data.weights)} weights for {len(data.manifests)} manifests")
+        problems.add(f"data.weights: {len(data.weights)} weights for {len(data.manifests)} manifests")
     if data.weights is not None and not (all(math.isfinite(w) and w >= 0 for w in data.weights) and sum(data.weights)):
-        raise ConfigError(f"data.weights: {data.weights}: each must be finite and >= 0, and one > 0")
-    if not model.init_from:  # an id past the embedding table fails steps later, deep in a CUDA or CPU kernel
-        for i, path in enumerate(data.manifests):
-            vocab = 0 if is_remote(path) else \
-                json.loads(Path(local_path(path)).read_text()).get("tokenizer", {}).get("vocab_size", 0)
-            if vocab > model.vocab_size:  # (a remote manifest is not read here)
-                raise ConfigError(f"model.vocab_size: {model.vocab_size}, but data.manifests[{i}] ({path}) was "
-                                  f"tokenized with a vocabulary of {vocab}")
-    if model.init_from and not Path(model.init_from).is_dir():
-        raise ConfigError(f"model.init_from: {model.init_from} is not a directory")
-    max_len = getattr(options, "max_len", None)
-    if not model.init_from and max_len is not None and max_len > model.max_position_embeddings:
-        raise ConfigError(f"method.max_len: {max_len} positions, but model.max_position_embeddings is "
-                          f"{model.max_position_embeddings}")
+        problems.add(f"data.weights: {data.weights}: each must be finite and >= 0, and one > 0")
     if data.num_workers < 0 or data.shuffle_buffer < 1:
-        raise ConfigError(f"data.num_workers must be >= 0 and data.shuffle_buffer >= 1 (got {data.num_workers}, "
-                          f"{data.shuffle_buffer})")
+        problems.add(f"data.num_workers must be >= 0 and data.shuffle_buffer >= 1 (got {data.num_workers}, "
+                     f"{data.shuffle_buffer})")
     try:
         ReadOptions.from_options(data)
     except ValueError as e:
-        raise ConfigError(f"data: {e}") from None
-    run_dir = Path(config.get("run_dir") or f"runs/{method.name}")
-    return Experiment(int(config.get("seed", 42)), run_dir, resume_of(config), model, method, options, data, train,
-                      checkpoint, tracking, config, init_checkpoint_of(config))
+        problems.add(f"data: {e}")
+
+
+def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, problems: Problems) -> None:
+    if model.init_from and not Path(model.init_from).is_dir():
+        problems.add(f"model.init_from: {model.init_from} is not a directory")
+    if model.init_from:
+        return
+    # an id past the embedding table fails steps later, deep in a CUDA or CPU kernel (remote manifests: not read)
+    for i, path in _local_manifests(data.manifests if data is not None else []):
+        if Path(local_path(path)).is_file():
+            vocab = json.loads(Path(local_path(path)).read_text()).get("tokenizer", {}).get("vocab_size", 0)
+            if vocab > model.vocab_size:
+                problems.add(f"model.vocab_size: {model.vocab_size}, but data.manifests[{i}] ({path}) was "
+                             f"tokenized with a vocabulary of {vocab}")
+    max_len = getattr(options, "max_len", None)
+    if max_len is not None and max_len > model.max_position_embeddings:
+        problems.add(f"method.max_len: {max_len} positions, but model.max_position_embeddings is "
+                     f"{model.max_position_embeddings}")
 
 
 def run_sections(config: DictConfig, world_size: int) -> tuple[TrainOptions, CheckpointOptions, Any]:
     """The validated `train:`, `checkpoint:` and `tracking:` sections, shared by pre-training and fine-tuning."""
-    from pretrieve.engine.lr_schedule import LR_SCHEDULES
     from pretrieve.engine.tracking import TrackingOptions
 
-    train = _section(config, "train", TrainOptions)
-    checkpoint = _section(config, "checkpoint", CheckpointOptions)
-    tracking = _section(config, "tracking", TrackingOptions)
+    problems = Problems()
+    train = problems.parse(_section, config, "train", TrainOptions)
+    checkpoint = problems.parse(_section, config, "checkpoint", CheckpointOptions)
+    tracking = problems.parse(_section, config, "tracking", TrackingOptions)
+    if train is not None:
+        _check_train(train, world_size, problems)
+    if checkpoint is not None and (checkpoint.every < 1 or checkpoint.keep < 1):
+        problems.add("checkpoint.every and checkpoint.keep must be >= 1")
+    problems.raise_any()
+    return train, checkpoint, tracking
+
+
+def _check_train(train: TrainOptions, world_size: int, problems: Problems) -> None:
+    from pretrieve.engine.lr_schedule import LR_SCHEDULES
+
     for key in ("micro_batch_size", "grad_accum", "max_steps", "log_every", "stop_at", "eval_every"):
         if getattr(train, key) is not None and getattr(train, key) < 1:
-            raise ConfigError(f"train.{key}: must be >= 1, got {getattr(train, key)}")
+            problems.add(f"train.{key}: must be >= 1, got {getattr(train, key)}")
     if train.lr <= 0 or not 0 <= train.warmup_ratio <= 1 or train.weight_decay < 0 or train.grad_clip < 0:
-        raise ConfigError(f"train: need lr > 0, 0 <= warmup_ratio <= 1, weight_decay >= 0 and grad_clip >= 0 (got "
-                          f"{train.lr}, {train.warmup_ratio}, {train.weight_decay}, {train.grad_clip})")
-    if train.global_batch_size is not None:
-        implied = train.micro_batch_size * train.grad_accum * world_size
-        if train.global_batch_size != implied:
-            raise ConfigError(f"train.global_batch_size: {train.global_batch_size} != micro_batch_size "
-                              f"{train.micro_batch_size} x grad_accum {train.grad_accum} x world size {world_size} "
-                              f"= {implied}")
+        problems.add(f"train: need lr > 0, 0 <= warmup_ratio <= 1, weight_decay >= 0 and grad_clip >= 0 (got "
+                     f"{train.lr}, {train.warmup_ratio}, {train.weight_decay}, {train.grad_clip})")
+    implied = train.micro_batch_size * train.grad_accum * world_size
+    if train.global_batch_size is not None and train.global_batch_size != implied:
+        problems.add(f"train.global_batch_size: {train.global_batch_size} != micro_batch_size "
+                     f"{train.micro_batch_size} x grad_accum {train.grad_accum} x world size {world_size} = {implied}")
     if train.lr_schedule not in LR_SCHEDULES:
-        raise ConfigError(f"train.lr_schedule: {train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+        problems.add(f"train.lr_schedule: {train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
     if train.lr_schedule == "wsd" and not (0 < train.decay_ratio <= 1 - train.warmup_ratio):
-        raise ConfigError(f"train.decay_ratio: {train.decay_ratio} must be > 0 and leave room for the warm-up "
-                          f"(<= 1 - warmup_ratio = {1 - train.warmup_ratio:g})")
+        problems.add(f"train.decay_ratio: {train.decay_ratio} must be > 0 and leave room for the warm-up "
+                     f"(<= 1 - warmup_ratio = {1 - train.warmup_ratio:g})")
     for key in ("max_runtime", "startup_timeout"):
         if getattr(train, key) is not None and not getattr(train, key) > 0:
-            raise ConfigError(f"train.{key}: must be > 0 seconds (or null), got {getattr(train, key)}")
+            problems.add(f"train.{key}: must be > 0 seconds (or null), got {getattr(train, key)}")
     if train.peak_flops is not None and not train.peak_flops > 0:
-        raise ConfigError(f"train.peak_flops: must be > 0 FLOP/s per device, got {train.peak_flops}")
+        problems.add(f"train.peak_flops: must be > 0 FLOP/s per device, got {train.peak_flops}")
     if train.precision not in PRECISIONS:
-        raise ConfigError(f"train.precision: {train.precision!r} is not one of {', '.join(PRECISIONS)}")
+        problems.add(f"train.precision: {train.precision!r} is not one of {', '.join(PRECISIONS)}")
     if train.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"train.zero_stage: {train.zero_stage} is not 0, 1, 2 or 3")
+        problems.add(f"train.zero_stage: {train.zero_stage} is not 0, 1, 2 or 3")
     if train.offload_optimizer and train.zero_stage == 0:
-        raise ConfigError("train.offload_optimizer: needs train.zero_stage 1, 2 or 3 (ZeRO-Offload)")
+        problems.add("train.offload_optimizer: needs train.zero_stage 1, 2 or 3 (ZeRO-Offload)")
     if train.ds_config is not None and not Path(train.ds_config).is_file():
-        raise ConfigError(f"train.ds_config: {train.ds_config} not found")
-    if checkpoint.every < 1 or checkpoint.keep < 1:
-        raise ConfigError("checkpoint.every and checkpoint.keep must be >= 1")
-    return train, checkpoint, tracking
+        problems.add(f"train.ds_config: {train.ds_config} not found")
 
 
 def resume_of(config: DictConfig) -> str | None:

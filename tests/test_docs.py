@@ -9,7 +9,9 @@
   repository's sources, so `configs/...` and `pretrieve/assets/...` resolve and outputs stay out of the
   repository: ```bash blocks with `bash -e -o pipefail`, ```python blocks with this interpreter, whose bin
   folder (the venv's `pretrieve`) comes first on PATH.
-- `mkdocs build --strict` succeeds (skipped where mkdocs is not installed).
+- `mkdocs build --strict` succeeds (skipped where mkdocs is not installed), and every relative link of the
+  built site reaches a file of the site: a link to a repository file outside docs/ must reach the copy the site
+  serves (tools/mkdocs_hooks.py), not a path that exists on GitHub only.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 import pytest
 from conftest import pretrain_env
@@ -132,6 +135,34 @@ def link_problems(path: Path, root: Path = ROOT) -> list[str]:
     return problems
 
 
+class _Hrefs(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "a":
+            self.hrefs += [value for name, value in attrs if name == "href" and value]
+
+
+def site_link_problems(site: Path) -> list[str]:
+    """Every relative link of the built site's pages that reaches no file of the site (a folder: its index.html)."""
+    problems = []
+    for page in sorted(site.rglob("*.html")):
+        parser = _Hrefs()
+        parser.feed(page.read_text(encoding="utf-8"))
+        for href in parser.hrefs:
+            url = urlsplit(href)
+            if url.scheme or url.netloc or not url.path or url.path.startswith("/"):
+                continue  # another site, an anchor of this page, or absolute (the 404 page's, by design)
+            target = (page.parent / unquote(url.path)).resolve()
+            if target.is_dir():
+                target = target / "index.html"
+            if site.resolve() not in target.parents or not target.is_file():
+                problems.append(f"{page.relative_to(site)}: {href}: no such file in the site")
+    return problems
+
+
 def runnable(kind: str) -> list[Path]:
     return [page for page in PAGES if any(block.kind == kind for block in parse(page).blocks)]
 
@@ -211,3 +242,35 @@ def test_site_builds_strict(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert (tmp_path / "site" / "index.html").exists()
+    problems = site_link_problems(tmp_path / "site")
+    assert not problems, "\n".join(problems)
+    # the pages' links to files outside docs/ reach the site's copies of them
+    launching = (tmp_path / "site" / "launching" / "index.html").read_text(encoding="utf-8")
+    assert 'href="../repository/launchers/"' in launching and 'href="../repository/ds_configs/"' in launching
+
+
+def test_the_site_hooks_relink_prose_not_code():
+    """tools/mkdocs_hooks.py rewrites link targets in prose (inline links, reference definitions), never in code."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "tools" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = ("See [a](../a.md#x) and `[b](../b.md)`, ![c](c.png).\n[ref]: <../d.md>\n"
+            "```\n[e](../e.md)\n```\n~~~~text\n```\n[f](../f.md)\n~~~~\n[g](g.md \"title\")\n")
+    assert hooks._targets(page) == ["../a.md#x", "c.png", "../d.md", "g.md"]
+    assert hooks._rewrite_links(page, str.upper) == page.replace("../a.md#x", "../A.MD#X").replace(
+        "(c.png", "(C.PNG").replace("<../d.md>", "<../D.MD>").replace("(g.md", "(G.MD")
+
+
+def test_the_site_check_finds_links_the_site_cannot_serve(tmp_path):
+    site = tmp_path / "site"
+    (site / "page").mkdir(parents=True)
+    (site / "other.html").write_text("<p>other</p>")
+    (site / "page" / "index.html").write_text(
+        '<a href="../other.html#x">ok</a> <a href="../">ok: the folder of index.html</a> <a href="#top">ok</a> '
+        '<a href="https://example.org/a.md">ok</a> <a href="../../launchers/README.md">dead</a> '
+        '<a href="../missing/">dead</a>')
+    (site / "index.html").write_text('<a href="page/">ok</a>')
+    assert site_link_problems(site) == ["page/index.html: ../../launchers/README.md: no such file in the site",
+                                        "page/index.html: ../missing/: no such file in the site"]

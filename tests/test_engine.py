@@ -55,6 +55,50 @@ def test_config_errors_name_the_key(wiki_shards, override, message):
         experiment(_config(wiki_shards, *override.split()))
 
 
+def test_a_config_with_several_errors_reports_each(wiki_shards):
+    """One run names every bad key (each message as when it is the only one), across sections."""
+    overrides = ["bogus=1", "model.hidden_size=big", "method.mlm_ratio=1.5", "method.decoder_pool_size=0",
+                 "data.weights=[1,2]", "train.lr=-1", "train.zero_stage=4", "checkpoint.every=0", "resume=sometimes"]
+    with pytest.raises(ConfigError) as raised:
+        experiment(_config(wiki_shards, *overrides))
+    messages = ["bogus: unknown top-level key", "model.hidden_size: expected int, got 'big'",
+                "method.mlm_ratio: must be in (0, 1]", "method.decoder_pool_size: must be >= 1", "train: need lr > 0",
+                "train.zero_stage: 4 is not 0, 1, 2 or 3", "checkpoint.every and checkpoint.keep must be >= 1",
+                "resume: 'sometimes': the only value is auto", "data.weights: 2 weights for 1 manifests"]
+    assert len(raised.value.problems) == len(messages)
+    for message, problem in zip(messages, raised.value.problems, strict=True):
+        assert problem.startswith(message) and f"\n  {problem}" in str(raised.value)
+    assert str(raised.value).startswith("9 errors in the config:\n")
+
+
+def test_pretrain_help_lists_the_config_sections_and_the_docs(capsys, monkeypatch, wiki_shards):
+    """Each section with its keys, as the schema in config.py has them: every key listed is one a config may set."""
+    from pretrieve.cli import main
+    from pretrieve.config import PLAIN_KEYS, SECTIONS
+
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    help_text = capsys.readouterr().out
+    assert "docs/training.md" in help_text and "docs/methods.md" in help_text
+    listed = {}
+    for line in help_text.split("config sections and their keys")[1].splitlines()[2:]:
+        if line.startswith("  ") and not line.startswith("   "):
+            section, line = line.split(maxsplit=1)
+            listed[section] = []
+        if line.startswith("plain keys: "):
+            assert line.removeprefix("plain keys: ").split(", ") == list(PLAIN_KEYS)
+        else:
+            listed[section] += [key for key in line.strip().rstrip(",").split(", ") if key]
+    assert list(listed) == list(SECTIONS) and "retromae" in listed["method"][0]
+    for section in set(SECTIONS) - {"method"}:
+        for key in listed[section]:  # accepted as a key (a wrong value is fine): no "unknown key"
+            try:
+                experiment(_config(wiki_shards, f"{section}.{key}=null"))
+            except ConfigError as e:
+                assert "unknown" not in str(e), (section, key, str(e))
+
+
 def test_deepspeed_config_auto_fields(wiki_shards):
     exp = experiment(_config(wiki_shards, "train.zero_stage=2", "train.precision=bf16", "train.grad_accum=4",
                              "train.max_steps=200", "train.warmup_ratio=0.05"))
@@ -141,8 +185,12 @@ def test_resume_reproduces_the_uninterrupted_run(first_halves, wiki_shards, stag
         assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
     if stage == 1:  # `pretrieve export` on the command line (ZeRO 1 keeps the frozen pooler out of its partitions)
         out = first_halves / "exported"
-        subprocess.run([sys.executable, "-m", "pretrieve", "export", str(split_dir), str(out)], check=True,
-                       capture_output=True, env=pretrain_env())
+        done = subprocess.run([sys.executable, "-m", "pretrieve", "export", str(split_dir), str(out)], check=True,
+                              capture_output=True, text=True, env=pretrain_env())
+        # what it wrote: from where, the format, each file, the pooling (after DeepSpeed's own lines)
+        assert f"\n{out}: retromae from {split_dir}, checkpoint step00000004\n" in f"\n{done.stdout}", done.stdout
+        assert "format: pretrieve-export/1" in done.stdout and "model.safetensors (" in done.stdout
+        assert "pooling: cls, not normalised, texts cut at 64 tokens" in done.stdout
         ours, reference = load_file(out / "model.safetensors"), load_file(full_dir / "export" / "model.safetensors")
         assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
     if stage == 0:  # a run directory with checkpoints is never overwritten by accident
@@ -239,19 +287,23 @@ def test_resume_at_world_size_two_and_then_one(tmp_path, wiki_shards):
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         # one result line in all, whole: rank 0 prints it (two ranks' prints once interleaved as `{..}{..}`)
         assert len([line for line in done.stdout.splitlines() if line.startswith("{")]) == 1, done.stdout
-        return records, result_line(done.stdout)
+        return records, result_line(done.stdout), done.stderr
 
-    full, result = run(tmp_path / "full", "train.max_steps=4")
+    full, result, _ = run(tmp_path / "full", "train.max_steps=4")
     assert (result["step"], result["samples"]) == (4, 64)
     run(tmp_path / "split", "train.max_steps=4", "train.stop_at=2")
     shutil.copytree(tmp_path / "split", tmp_path / "elastic")
-    split, _ = run(tmp_path / "split", "train.max_steps=4", "resume=auto")
+    split, _, log = run(tmp_path / "split", "train.max_steps=4", "resume=auto")
+    # said once, by rank 0: 2 steps of 16 samples in all
+    assert log.count("resuming from step00000002 (data position: epoch 0, 32 of its 648 samples read)") == 1, log
     assert [(r["step"], r["loss"], r["lr"]) for r in split] == [(r["step"], r["loss"], r["lr"]) for r in full]
 
     subprocess.run([sys.executable, "-m", "pretrieve", "universal", str(tmp_path / "elastic")], env=pretrain_env(),
                    check=True, capture_output=True)
     assert (tmp_path / "elastic" / "checkpoints" / "latest").read_text() == "step00000002-universal"
-    elastic, result = run(tmp_path / "elastic", "train.max_steps=4", "train.grad_accum=2", "resume=auto", ranks=1)
+    elastic, result, log = run(tmp_path / "elastic", "train.max_steps=4", "train.grad_accum=2", "resume=auto",
+                               ranks=1)
+    assert "resuming from step00000002-universal (data position: epoch 0, 32 of its 648 samples read)" in log
     assert [r["step"] for r in elastic] == [1, 2, 3, 4] and (result["step"], result["samples"]) == (4, 64)
     assert [r["lr"] for r in elastic] == [r["lr"] for r in full]
     optim = torch.load(tmp_path / "elastic" / "checkpoints" / "step00000004" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",

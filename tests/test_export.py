@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModel, BertConfig, BertForMaskedLM, BertModel
 
 from pretrieve.models.encoder import Encoder, ModelOptions
-from pretrieve.models.export import export, load_export
+from pretrieve.models.export import describe_export, export, load_export
 from pretrieve.models.heads import get_method
 
 TINY = ModelOptions(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
@@ -31,6 +31,12 @@ def test_export_autmodel_identical_and_continue(tmp_path, wiki_samples, vocab, l
     assert {"config.json", "model.safetensors", "tokenizer.json", "pretrieve_head.safetensors",
             "pretrieve_head.json"} <= {p.name for p in out.iterdir()}
     assert not list(tmp_path.glob(".export*"))  # no temp directory left behind
+    described = describe_export(out, source="a test")  # what `pretrieve export` prints
+    assert described.startswith(f"{out}: dupmae from a test\n  format: pretrieve-export/1, a Hugging Face BERT")
+    for path in (p for p in out.rglob("*") if p.is_file()):  # every file, with its size
+        assert f"{path.relative_to(out)} (" in described
+    assert "(sentence-transformers config)" in described.splitlines()[-1]
+    assert described.splitlines()[-1].startswith("  pooling: cls, not normalised, texts cut at 128 tokens")
 
     auto = AutoModel.from_pretrained(out).eval()
     with torch.no_grad():

@@ -84,6 +84,7 @@ def test_group_loader_resumes_and_splits_global_batches_over_ranks(tokenizer):
     head = [b for _, b in zip(range(3), first)]
     second = loader()
     second.load_state_dict(first.state_dict())
+    assert second.describe_position() == "epoch 0, 6 of its 10 examples read"  # the line a resumed run prints
     resumed = head + list(second) + list(second)
     for a, b in zip(straight, resumed, strict=True):
         assert all(torch.equal(a[k], b[k]) for k in a)
@@ -214,6 +215,12 @@ def test_finetune_config_errors_name_the_key(tmp_path):
         config = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(change))
         with pytest.raises(ConfigError, match=message):
             finetune_experiment(config)
+    several = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(
+        {"finetune": {"loss": "hinge", "temperature": 0, "query_max_len": 0}, "train": {"lr": "fast"}}))
+    with pytest.raises(ConfigError) as raised:
+        finetune_experiment(several)  # each bad key, in one error
+    assert [p.split(":")[0] for p in raised.value.problems] == [
+        "train.lr", "finetune.query_max_len", "finetune.temperature", "finetune.loss"]
 
 
 def _epoch_losses(run_dir: Path) -> dict:

@@ -3,6 +3,7 @@
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -162,6 +163,7 @@ def test_nothing_to_write_and_bad_arguments(tmp_path):
     src.write_text('{"id": "1", "text": " "}\n')
     with pytest.raises(PrepareError, match="no samples produced"):
         prepare(PrepareOptions(source="jsonl", inputs=[str(src)], out=str(tmp_path / "o"), workers=0, on_error="skip"))
+    assert not (tmp_path / "o").exists()  # a failed prepare leaves nothing it made, not even its lock file
     with pytest.raises(PrepareError, match="--max-len"):
         prepare(PrepareOptions(source="jsonl", inputs=[str(src)], out=str(tmp_path / "o"), max_len=2))
 
@@ -171,6 +173,36 @@ def test_cli_prepare_reports_errors_without_traceback(tmp_path):
                              str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")],
                             capture_output=True, text=True)
     assert result.returncode == 1 and "input not found" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_prepare_help_shows_each_default(capsys, monkeypatch):
+    """Every option that has a default says it; the values shown are PrepareOptions' own."""
+    from pretrieve.cli import main
+
+    monkeypatch.setenv("COLUMNS", "300")  # one line per option: no wrapped "(default:" to join
+    with pytest.raises(SystemExit):
+        main(["prepare", "--help"])
+    options = {block.split()[0]: " ".join(block.split())
+               for block in re.split(r"\n  (?=-)", capsys.readouterr().out.split("\noptions:\n")[1])}
+    for name in set(options) - {"-h,", "--source", "--input", "--out"}:
+        assert "(default: " in options[name], options[name]
+    for name in ("max_len", "shard_size", "on_error", "short_seq_prob", "seed", "text_field", "id_field", "title_field",
+                 "queries_field", "books_format", "holdout", "split"):
+        assert f"(default: {getattr(PrepareOptions, name)}" in options["--" + name.replace("_", "-")]
+
+
+def test_a_failed_prepare_removes_only_what_it_made(tmp_path):
+    """Folders it created go again (deepest first, while empty); a folder that was there stays, without a lock file."""
+    missing = [str(tmp_path / "missing.jsonl")]
+    with pytest.raises(CorpusError, match="input not found"):
+        prepare(PrepareOptions(source="jsonl", inputs=missing, out=str(tmp_path / "a/b/c"), workers=0))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "there").mkdir()
+    (tmp_path / "there/notes.txt").write_text("kept")
+    with pytest.raises(CorpusError, match="input not found"):
+        prepare(PrepareOptions(source="jsonl", inputs=missing, out=str(tmp_path / "there"), workers=0))
+    assert [p.name for p in (tmp_path / "there").iterdir()] == ["notes.txt"]
     help_text = subprocess.run([sys.executable, "-m", "pretrieve", "--help"], capture_output=True, text=True).stdout
     for command in ("prepare", "pretrain", "export", "eval", "farm", "report", "launch-info"):
         assert command in help_text

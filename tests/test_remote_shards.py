@@ -9,6 +9,7 @@ s3:// (fsspec + s3fs); gs:// shares the s3 code path in fsspec and is not run he
 import json
 import mmap
 import multiprocessing
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -177,6 +178,25 @@ def test_missing_shard_is_not_retried(books_shards, tmp_path):
         assert "FileNotFoundError" in str(error)  # fsspec's name for a 404
         assert [n for n, _ in server.requests].count("books-000003.tar") == 1
     assert all(s["shard"] != 3 for s in got)
+
+
+def test_a_truncated_shard_is_named_truncated_over_http_and_pipe(books_shards, tmp_path):
+    """The manifest's byte count tells a short shard from a corrupted one, whichever way it is read."""
+    shutil.copytree(books_shards, tmp_path / "books")
+    victim = tmp_path / "books" / "books-000002.tar"
+    size = victim.stat().st_size
+    victim.write_bytes(victim.read_bytes()[:size - 1000])  # ends inside a 16 KiB range
+    with ShardServer(tmp_path) as server:
+        got, error = samples_until_error(make([server.url("books/manifest.json")]))
+    assert str(error).startswith(f"{server.url('books/books-000002.tar')}: truncated: it ends at byte "
+                                 f"{size - 1000:,}, before the {size:,} bytes expected")
+    assert "stopped at sample 0" in str(error) and all(s["shard"] != 2 for s in got)
+    manifest = json.loads((tmp_path / "books" / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        shard["file"] = f"pipe:cat {tmp_path / 'books' / shard['file']}"
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    _, error = samples_until_error(make([tmp_path]))
+    assert f"books-000002.tar: truncated: {size - 1000:,} of the {size:,} bytes the manifest records" in str(error)
 
 
 @pytest.mark.parametrize("workers", [0, 1])

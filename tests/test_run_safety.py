@@ -126,8 +126,10 @@ def test_a_resume_with_another_config_is_refused_before_anything_is_written(stop
     assert "method.mlm_ratio: 0.3 -> 0.2" in done.stderr and "train.micro_batch_size: 4 -> 2" in done.stderr
     assert {name: (run_dir / name).read_text() for name in before} == before
     # cadence and length may change: recorded, and the run goes on
-    _pretrain(run_dir, wiki_shards, "train.max_steps=5", "resume=auto", "checkpoint.every=5")
+    done = _pretrain(run_dir, wiki_shards, "train.max_steps=5", "resume=auto", "checkpoint.every=5")
     assert _steps(run_dir) == [1, 2, 3, 4, 5]
+    # 2 steps of 4 samples: where the run goes on, said once (rank 0)
+    assert done.stderr.count("resuming from step00000002 (data position: epoch 0, 8 of its 648 samples read)") == 1
     [record] = [json.loads(line) for line in (run_dir / "resume_changes.jsonl").read_text().splitlines()]
     assert record["checkpoint"] == "step00000002"
     assert record["changes"].pop("run_dir") == [str(stopped_run), str(run_dir)]  # copied: allowed

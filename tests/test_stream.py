@@ -102,12 +102,14 @@ def test_elastic_resume_loses_and_repeats_nothing(manifests, old_world, new_worl
         consumed += [a for b in run_batches(stream, workers, limit=13, until_epoch=1) for a in b]
         state = stream.state_dict() if state is None else state
         assert stream.state_dict() == state  # ranks in lockstep agree on the position
+    position = f"epoch 0, {13 * BATCH * old_world} of its 717 samples read"  # all ranks' samples, as logged on resume
     rest = []
     for rank in range(new_world):
         stream = make(manifests, rank, new_world)
         stream.load_state_dict(state)
+        assert stream.describe_position() == position
         batches = run_batches(stream, workers, until_epoch=1)
-        assert stream.epoch == 1
+        assert stream.epoch == 1 and stream.describe_position() == "epoch 1, 0 of its 717 samples read"
         rest += [a for b in batches for a in b]
     real = [a[:2] for a in consumed + rest if not a[2]]
     assert len(real) == len(set(real)) == 717
@@ -184,12 +186,22 @@ def test_damaged_shard_is_an_error_naming_it(books_shards, tmp_path, damage):
     else:
         data = data[: len(data) // 2]
     victim.write_bytes(bytes(data))
-    with pytest.raises(ShardError, match="books-000002.tar: sha256 differs"):
+    # the manifest records each shard's byte count: a short shard is named truncated, not a digest mismatch
+    error = "sha256 differs" if damage == "flip" else f"truncated: {len(data):,} of the {2 * len(data):,} bytes"
+    with pytest.raises(ShardError, match=f"books-000002.tar: {error}"):
         list(make([copy]))
-    with pytest.raises(ShardError, match="books-000002.tar: sha256 differs"):  # raised in a DataLoader worker
+    with pytest.raises(ShardError, match=f"books-000002.tar: {error}"):  # raised in a DataLoader worker
         list(StreamLoader(make([copy]), batch_size=BATCH, num_workers=1))
     # its worker is ended now: left for exit, multiprocessing's SIGTERM could not end it (workers ignore it)
     assert not multiprocessing.active_children()
-    if damage == "truncate":  # without sha256 verification the tar parser still notices
-        with pytest.raises(ShardError, match="books-000002.tar: .*truncated"):
+    if damage == "truncate":  # without sha256 verification too
+        with pytest.raises(ShardError, match="books-000002.tar: truncated"):
+            list(make([copy], verify=False))
+        manifest = json.loads((copy / "manifest.json").read_text())
+        for shard in manifest["shards"]:  # a manifest without byte counts: the digest still catches it
+            del shard["bytes"]
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(ShardError, match="books-000002.tar: sha256 differs"):
+            list(make([copy]))
+        with pytest.raises(ShardError, match="books-000002.tar: .*the shard is truncated"):  # and the tar parser
             list(make([copy], verify=False))

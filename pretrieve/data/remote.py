@@ -162,9 +162,12 @@ def _read_ranges(location: str, size: int | None, options: ReadOptions, attempts
         digest.update(chunk)
         if pos == 0 and len(chunk) == size <= options.memory_limit:  # all in one answer (or Range ignored)
             return chunk, digest.hexdigest()  # no copy
+        if len(chunk) < end - pos:  # the file ends early: a Range past its end gets what there is
+            raise ReadError(f"{location}: truncated: it ends at byte {pos + len(chunk):,}, before the {size:,} bytes "
+                            "expected")
         if len(chunk) != end - pos:
-            raise ReadError(f"{location}: bytes {pos}-{end - 1}: got {len(chunk)} bytes; the file is shorter or "
-                            f"longer than the {size} bytes expected (truncated or replaced?)")
+            raise ReadError(f"{location}: bytes {pos}-{end - 1}: got {len(chunk):,} bytes, more than asked for (the "
+                            f"file is longer than the {size:,} bytes expected, or the server ignores Range)")
         spool = spool or _Spool(size, options.memory_limit)
         spool.write(chunk)
         pos = end

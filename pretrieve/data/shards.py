@@ -125,16 +125,28 @@ def load_shard(location: str | Path, sha256: str | None = None, size: int | None
     """The bytes of a shard (bytes, bytearray or a read-only mmap), verified against `sha256` when given.
 
     The digest is computed while the bytes arrive and checked once all of them are in, so a corrupted shard
-    fails here, before `parse_shard` turns any of it into a sample (verify-then-yield).
+    fails here, before `parse_shard` turns any of it into a sample (verify-then-yield). With `size` (the
+    manifest's `bytes`), a shard of another length is reported as truncated or grown, which says more than
+    its digest would.
     """
     try:
         data, digest = fetch(str(location), size, options, cancel, digest=sha256 is not None)
     except ReadError as e:
         raise ShardError(str(e)) from e  # it names the location, the range, the attempts and the last error
+    if size is not None and len(data) != size:
+        raise ShardError(f"{location}: {length_mismatch(len(data), size)}. Copy it again, or re-run "
+                         "`pretrieve prepare` into a fresh directory.")
     if sha256 is not None and digest != sha256:
         raise ShardError(f"{location}: sha256 differs from the manifest ({len(data):,} bytes read); the shard is "
                          "corrupted or was replaced. Re-run `pretrieve prepare` into a fresh directory.")
     return data
+
+
+def length_mismatch(length: int, expected: int) -> str:
+    """A file of `length` bytes where the manifest records `expected`, in words."""
+    if length < expected:
+        return f"truncated: {length:,} of the {expected:,} bytes the manifest records"
+    return f"{length:,} bytes, {length - expected:,} more than the {expected:,} the manifest records (replaced?)"
 
 
 def parse_shard(data, location: str | Path, start: int = 0, stop: int | None = None,

@@ -197,6 +197,12 @@ class ShardStream(IterableDataset):
         self._stages = [dict(s) for s in state["stages"]]
         self._rotation = state["rotation"]
 
+    def describe_position(self) -> str:
+        """The position in words: the epoch and the samples of it all ranks have read (ranks read in lockstep, so
+        each stage's count on this rank times that stage's world size; pad samples included)."""
+        read = sum(stage["world"] * sum(stage["offsets"]) for stage in self._stages)
+        return f"epoch {self.epoch}, {read} of its {total(self.plan.epoch_sequence(self.epoch))} samples read"
+
     def samples_per_epoch(self) -> int:
         """Samples this rank reads in a full epoch at the current world size (pad samples included)."""
         return math.ceil(total(self.plan.epoch_sequence(self.epoch)) / self.world_size)

@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,8 @@ class TrainingJob:
     name: str  # progress bar and log label
     module: torch.nn.Module  # forward(batch) -> {"loss": ..., other named loss parts}
     loader: Any  # re-iterable over batches (dicts of tensors)
-    position: Any  # where the loader is: state_dict() / load_state_dict(), saved in every checkpoint
+    position: Any  # where the loader is: state_dict() / load_state_dict(), saved in every checkpoint, and
+    #               describe_position() for the line a resumed run prints
     count: Callable[[dict], tuple[int, int]]  # (samples, non-padding tokens) of a batch
     flops: Callable[[dict], int]  # training FLOPs of a micro-batch (engine.flops)
     export: Callable[[Path], Any]  # rank 0, after the final checkpoint: run_dir -> run_dir/export
@@ -175,21 +177,8 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
     counters = {"samples": 0, "tokens": 0}
     if not fresh:
         # a branch takes everything of another run's checkpoint but its schedule, which starts at that step
-        source, source_tag = (ckpt_dir, tag) if branch is None else branch
-        _, client = engine.load_checkpoint(str(source), tag=source_tag, load_lr_scheduler_states=branch is None)
-        if client is None:
-            raise RuntimeError(f"{source / source_tag}: DeepSpeed could not load this checkpoint (see its log above)")
-        if branch is not None:
-            start_at(engine.lr_scheduler, engine.global_steps)
-        if len(client["stream"]) == world:
-            stream.load_state_dict(client["stream"][rank])
-            set_rng_state(client["rng"][rank], f"{source / source_tag}")
-            counters = client["counters"][rank]
-        else:  # another world size (universal checkpoint): ranks ran in lockstep, any rank's position is all's
-            stream.load_state_dict(client["stream"][0])
-            seed_everything(exp.seed + engine.global_steps + rank)
-            if rank == 0:  # the run's totals so far
-                counters = {key: sum(c[key] for c in client["counters"]) for key in counters}
+        counters = _load_checkpoint(engine, stream, (ckpt_dir, tag) if branch is None else branch,
+                                    branch is not None, exp.seed, rank, world)
 
     if rank == 0 and not fresh:
         _truncate_metrics(run_dir / "metrics.jsonl", engine.global_steps)  # a crashed attempt's later steps rerun
@@ -262,6 +251,31 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
         tracker.finish("FINISHED" if finished else "KILLED")
     return {"step": engine.global_steps, **counters, "checkpoint": latest_checkpoint(run_dir),
             "export": str(run_dir / "export") if finished else None, "mlflow_run_id": tracker.run_id if tracker else None}
+
+
+def _load_checkpoint(engine, position, source: tuple[Path, str], branch: bool, seed: int, rank: int,
+                     world: int) -> dict:
+    """Restores the engine, the data position and the RNGs from checkpoint `source` (folder, tag); returns the
+    sample and token counters this rank continues from. Rank 0 says where the run goes on."""
+    folder, tag = source
+    _, client = engine.load_checkpoint(str(folder), tag=tag, load_lr_scheduler_states=not branch)
+    if client is None:
+        raise RuntimeError(f"{folder / tag}: DeepSpeed could not load this checkpoint (see its log above)")
+    if branch:
+        start_at(engine.lr_scheduler, engine.global_steps)
+    if len(client["stream"]) == world:
+        position.load_state_dict(client["stream"][rank])
+        set_rng_state(client["rng"][rank], f"{folder / tag}")
+        counters = client["counters"][rank]
+    else:  # another world size (universal checkpoint): ranks ran in lockstep, any rank's position is all's
+        position.load_state_dict(client["stream"][0])
+        seed_everything(seed + engine.global_steps + rank)
+        counters = {key: sum(c[key] for c in client["counters"]) if rank == 0 else 0  # the run's totals so far
+                    for key in ("samples", "tokens")}
+    if rank == 0:
+        start = f"resuming from {tag}" if not branch else f"branching from {folder / tag}"
+        print(f"pretrieve: {start} (data position: {position.describe_position()})", file=sys.stderr, flush=True)
+    return counters
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -49,6 +49,10 @@ class GroupLoader:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.taken = int(state["epoch"]), int(state["examples"]) // (self.world * self.batch_size)
 
+    def describe_position(self) -> str:
+        per_epoch = self.batches_per_epoch * self.world * self.batch_size
+        return f"epoch {self.epoch}, {self.state_dict()['examples']} of its {per_epoch} examples read"
+
     def __iter__(self):
         """The rest of the current epoch (the next one when it is used up)."""
         if self.taken >= self.batches_per_epoch:

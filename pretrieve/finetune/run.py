@@ -34,7 +34,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pretrieve.config import ConfigError, _section, resume_of, run_sections
+from pretrieve.config import Problems, _section, resume_of, run_sections, unknown_top_level
 from pretrieve.models.encoder import FINETUNE_META
 
 MODEL_CONFIG = "model_config.json"  # in the run directory: the architecture, for the export
@@ -80,43 +80,57 @@ class FinetuneExperiment:
 
 
 def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExperiment:
-    unknown = sorted(set(config) - _TOP_LEVEL)
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown top-level key (known: {', '.join(sorted(_TOP_LEVEL))})")
-    options = _section(config, "finetune", FinetuneOptions)
-    train, checkpoint, tracking = run_sections(config, world_size)
+    """The validated fine-tuning experiment; every error names its key, and all of them are reported at once."""
+    problems = Problems()
+    problems.parse(unknown_top_level, config, _TOP_LEVEL)
+    options = problems.parse(_section, config, "finetune", FinetuneOptions)
+    sections = problems.parse(run_sections, config, world_size)
+    resume = problems.parse(resume_of, config)
+    if options is not None:
+        _check_options(options, problems)
+        if Path(options.init_from or "").is_dir() and options.model in ("dual", "cross"):
+            options, config = _with_model_encoding(options, config)  # reads init_from
+            _check_encoding(options, problems)
+    problems.raise_any()
+    run_dir = Path(config.get("run_dir") or f"runs/finetune-{options.model}")
+    return FinetuneExperiment(int(config.get("seed", 42)), run_dir, resume, options, *sections, config)
+
+
+def _check_options(options: FinetuneOptions, problems: Problems) -> None:
+    from pretrieve.finetune.models import LOSSES
+
     if not options.init_from or not Path(options.init_from).is_dir():
-        raise ConfigError(f"finetune.init_from: {options.init_from!r} is not a model directory")
+        problems.add(f"finetune.init_from: {options.init_from!r} is not a model directory")
     if options.model not in ("dual", "cross"):
-        raise ConfigError(f"finetune.model: {options.model!r} is not dual or cross")
-    options, config = _with_model_encoding(options, config)
-    sources = [bool(options.data), options.msmarco is not None, options.beir is not None]
-    if sum(sources) != 1:
-        raise ConfigError("finetune: give exactly one of data: [files], msmarco: DIR or beir: DIR")
+        problems.add(f"finetune.model: {options.model!r} is not dual or cross")
+    if sum([bool(options.data), options.msmarco is not None, options.beir is not None]) != 1:
+        problems.add("finetune: give exactly one of data: [files], msmarco: DIR or beir: DIR")
     for i, path in enumerate(options.data):
         if not Path(path).is_file():
-            raise ConfigError(f"finetune.data[{i}]: {path} not found")
+            problems.add(f"finetune.data[{i}]: {path} not found")
     if options.negatives < 0:
-        raise ConfigError(f"finetune.negatives: must be >= 0, got {options.negatives}")
-    for key in ("query_max_len", "passage_max_len"):
-        if getattr(options, key) < 3:  # [CLS] ... [SEP] and at least one token
-            raise ConfigError(f"finetune.{key}: must be >= 3, got {getattr(options, key)}")
+        problems.add(f"finetune.negatives: must be >= 0, got {options.negatives}")
+    if options.query_max_len < 3:  # [CLS] ... [SEP] and at least one token
+        problems.add(f"finetune.query_max_len: must be >= 3, got {options.query_max_len}")
     if options.temperature <= 0:
-        raise ConfigError(f"finetune.temperature: must be > 0, got {options.temperature}")
-    from pretrieve.finetune.models import DUAL_POOLINGS, LOSSES
-
+        problems.add(f"finetune.temperature: must be > 0, got {options.temperature}")
     if options.loss not in LOSSES:
-        raise ConfigError(f"finetune.loss: {options.loss!r} is not one of {', '.join(LOSSES)}")
-    if options.model == "dual" and options.pooling not in DUAL_POOLINGS:
-        raise ConfigError(f"finetune.pooling: {options.pooling!r} is not one of {', '.join(DUAL_POOLINGS)}")
-    if options.pooling == "dupmae" and options.normalize:
-        raise ConfigError("finetune.normalize: pooling dupmae scores with eq. (12), an unnormalised inner product")
+        problems.add(f"finetune.loss: {options.loss!r} is not one of {', '.join(LOSSES)}")
     if options.model == "cross" and options.loss != "contrastive":
-        raise ConfigError(f"finetune.loss: {options.loss} is for the dual encoder; the cross-encoder teacher "
-                          "learns with the softmax over each group (leave loss at contrastive)")
-    run_dir = Path(config.get("run_dir") or f"runs/finetune-{options.model}")
-    return FinetuneExperiment(int(config.get("seed", 42)), run_dir, resume_of(config), options, train, checkpoint,
-                              tracking, config)
+        problems.add(f"finetune.loss: {options.loss} is for the dual encoder; the cross-encoder teacher "
+                     "learns with the softmax over each group (leave loss at contrastive)")
+
+
+def _check_encoding(options: FinetuneOptions, problems: Problems) -> None:
+    """Checks of the options as filled in from init_from (pooling, normalize, passage_max_len)."""
+    from pretrieve.finetune.models import DUAL_POOLINGS
+
+    if options.passage_max_len < 3:
+        problems.add(f"finetune.passage_max_len: must be >= 3, got {options.passage_max_len}")
+    if options.model == "dual" and options.pooling not in DUAL_POOLINGS:
+        problems.add(f"finetune.pooling: {options.pooling!r} is not one of {', '.join(DUAL_POOLINGS)}")
+    if options.pooling == "dupmae" and options.normalize:
+        problems.add("finetune.normalize: pooling dupmae scores with eq. (12), an unnormalised inner product")
 
 
 def _with_model_encoding(options: FinetuneOptions, config: DictConfig) -> tuple[FinetuneOptions, DictConfig]:

@@ -71,6 +71,34 @@ def replace_directory(tmp: Path, out: Path) -> Path:
     return out
 
 
+def describe_export(out: str | Path, source: str | None = None) -> str:
+    """What the export directory `out` holds, in words (`pretrieve export` prints it): its format, files and
+    pooling. `source`: where its weights came from (a checkpoint)."""
+    import textwrap
+
+    from pretrieve.models.st_config import read_st_config
+
+    out = Path(out)
+    meta, st = export_meta(out), read_st_config(out)
+    files = [f"{p.relative_to(out)} ({_size(p.stat().st_size)})" for p in sorted(out.rglob("*")) if p.is_file()]
+    origin = f" from {source}" if source else ""
+    return "\n".join([
+        f"{out}: {meta['method']}{origin}",
+        f"  format: {meta['format']}, a Hugging Face BERT directory and a sentence-transformers model, with the "
+        "head's weights",
+        *textwrap.wrap(", ".join(files), width=110, initial_indent="  files: ", subsequent_indent=" " * 9),
+        f"  pooling: {st.pooling}, {'L2-normalised' if st.normalize else 'not normalised'}, texts cut at "
+        f"{st.max_length} tokens (sentence-transformers config)"])
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "kB", "MB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
 def export_meta(path: str | Path) -> dict:
     """The method and options of a pre-training export ({} for a directory that is not one)."""
     config = Path(path) / HEAD_CONFIG

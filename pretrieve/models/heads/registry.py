@@ -37,13 +37,16 @@ OPTION_RANGES: dict[str, tuple[str, Callable[[float], bool]]] = {
 }
 
 
-def check_option_ranges(options: Any, where: str) -> None:
+def option_range_problems(options: Any, where: str) -> list[str]:
+    """One message per option outside its range."""
+    problems = []
     for f in fields(options):
         value = getattr(options, f.name)
         if f.name in OPTION_RANGES and value is not None:
             rule, ok = OPTION_RANGES[f.name]
             if not (math.isfinite(value) and ok(value)):
-                raise ValueError(f"{where}.{f.name}: must be {rule}, got {value!r}")
+                problems.append(f"{where}.{f.name}: must be {rule}, got {value!r}")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -54,13 +57,17 @@ class Method:
     options: type  # dataclass; its defaults are the paper's settings
 
     def options_from(self, values: dict[str, Any] | None = None, where: str = "method") -> Any:
-        """Options with `values` over the defaults; an unknown key is an error naming it."""
-        from pretrieve.config import options_of
+        """Options with `values` over the defaults; an unknown key or a value out of range is a ConfigError
+        naming it (each of them, when there are several)."""
+        from pretrieve.config import Problems, options_of
 
         values = dict(values or {})
         values.pop("name", None)
         options = options_of(self.options, values, where, noun=f"option of method {self.name!r}")
-        check_option_ranges(options, where)
+        problems = Problems()
+        for message in option_range_problems(options, where):
+            problems.add(message)
+        problems.raise_any()
         return options
 
     def build(self, options: Any, model: ModelOptions, seed: int = 0):

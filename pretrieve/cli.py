@@ -574,9 +574,10 @@ def _add_prepare(commands) -> None:
 
     p = commands.add_parser("prepare", help="raw corpus -> tokenized, packed webdataset shards + manifest.json",
                             description="Read a raw corpus, tokenize, pack sentences into blocks and write "
-                                        "webdataset shards and manifest.json. Re-running resumes.")
-    p.add_argument("--source", required=True, choices=SOURCES)
-    p.add_argument("--input", required=True, nargs="+", metavar="PATH", help="files or directories")
+                                        "webdataset shards and manifest.json. Re-running resumes. Split over "
+                                        "jobs: --part I --parts N in each (own --out), then --combine.")
+    p.add_argument("--source", choices=SOURCES, help="the corpus format (needed unless --combine)")
+    p.add_argument("--input", nargs="+", metavar="PATH", help="files or directories (needed unless --combine)")
     p.add_argument("--out", required=True, metavar="DIR", help="a folder, or a URL (s3://, gs://, file://)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="local HF tokenizer directory "
                    "(default: the bundled bert-base-uncased WordPiece vocabulary)")
@@ -602,6 +603,13 @@ def _add_prepare(commands) -> None:
                    help="split by document: this share of documents (by a hash of the id) is the validation side")
     p.add_argument("--split", choices=("train", "validation"), default="train",
                    help="with --holdout: the side this --out holds (run once per side)")
+    p.add_argument("--part", type=at_least(0), default=0, metavar="I",
+                   help="with --parts: prepare record groups I, I+N, I+2N, ... of the input (e.g. a SLURM array task)")
+    p.add_argument("--parts", type=at_least(1), default=1, metavar="N", help="jobs the input is split over")
+    p.add_argument("--group-records", type=at_least(1), default=100_000, metavar="R",
+                   help="consecutive records per group, the unit of --part; no shard spans two groups")
+    p.add_argument("--combine", nargs="+", default=None, metavar="PART",
+                   help="write --out's manifest over the shards of these --part outputs (one corpus, as one job)")
     p.set_defaults(run=_run_prepare)
 
 
@@ -609,19 +617,36 @@ def _run_prepare(args) -> int:
     from pretrieve.data.prepare import PrepareOptions, prepare
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 
+    if args.combine:
+        return _run_prepare_combine(args)
+    if not args.source or not args.input:
+        raise ValueError("--source and --input are needed (or --combine PART... to join the parts of a split run)")
     opts = PrepareOptions(
         source=args.source, inputs=args.input, out=args.out, tokenizer=args.tokenizer or DEFAULT_TOKENIZER,
         max_len=args.max_len, shard_size=args.shard_size, on_error=args.on_error, packing=args.packing,
         short_seq_prob=args.short_seq_prob, seed=args.seed, text_field=args.text_field, id_field=args.id_field,
         title_field=args.title_field or None, queries_field=args.queries_field or None,
         books_format=args.books_format, overwrite=args.overwrite, holdout=args.holdout, split=args.split,
+        part=args.part, parts=args.parts, group_records=args.group_records,
     )
     if args.workers is not None:
         opts.workers = args.workers
-    m = prepare(opts)
-    print(f"{args.out}: {m['num_documents']:,} documents -> {m['num_samples']:,} samples, {m['num_tokens']:,} tokens "
-          f"in {len(m['shards'])} shards; skipped {m['skipped'] or 'none'}; truncated {m['truncated_documents']}")
+    _print_prepared(args.out, prepare(opts))
     return 0
+
+
+def _run_prepare_combine(args) -> int:
+    from pretrieve.data.combine import combine
+
+    if args.source or args.input:
+        raise ValueError("--combine joins prepared parts; it takes no --source or --input")
+    _print_prepared(args.out, combine(args.combine, args.out))
+    return 0
+
+
+def _print_prepared(out: str, m: dict) -> None:
+    print(f"{out}: {m['num_documents']:,} documents -> {m['num_samples']:,} samples, {m['num_tokens']:,} tokens "
+          f"in {len(m['shards'])} shards; skipped {m['skipped'] or 'none'}; truncated {m['truncated_documents']}")
 
 
 def _add_stream(commands) -> None:

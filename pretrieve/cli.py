@@ -461,6 +461,8 @@ def _run_report(args) -> int:
 
 
 def _add_scale(commands) -> None:
+    from pretrieve.scale.memory import DEVICES
+
     p = commands.add_parser("scale", help="scaling studies: plan a study's grid, fit scaling laws to its points")
     actions = p.add_subparsers(dest="scale_command", metavar="ACTION", required=True)
     fit = actions.add_parser("fit", help="fit Chinchilla / joint / single-variable laws, IsoFLOP allocation, metric",
@@ -480,9 +482,15 @@ def _add_scale(commands) -> None:
                               description="Check STUDY.yaml, print its grid (pretrieve/scale/plan.py documents the "
                                           "keys) and write the run list to <run.out>/plan.json.")
     plan.add_argument("study", metavar="STUDY.yaml")
+    plan.add_argument("--device", choices=sorted(DEVICES), default=None,
+                      help="the device each rank trains on: its peak FLOP/s at the points' precision x --mfu gives "
+                           "the device-hours, and a point whose micro-batch will not fit its memory is warned "
+                           "about (default: this machine's CPU, measured, no memory check)")
+    plan.add_argument("--mfu", type=float, default=0.25,
+                      help="model FLOPs utilisation a run sustains, the share of the peak (default 0.25; "
+                           "`pretrain` logs the real one)")
     plan.add_argument("--flops-per-second", type=float, default=None,
-                      help="sustained FLOP/s of one device for the estimate (default: this machine's measured "
-                           "fp32 matmul peak at 25%% MFU)")
+                      help="sustained FLOP/s of one device for the estimate, instead of the device's peak x --mfu")
     plan.set_defaults(run=_run_scale_plan)
     run = actions.add_parser("run", help="pre-train every point of the study, then evaluate them (MLflow child runs)",
                              description="Pre-train the pending points of STUDY.yaml (resume=auto), then evaluate "
@@ -501,12 +509,27 @@ def _run_scale_fit(args) -> int:
 
 
 def _run_scale_plan(args) -> int:
-    from pretrieve.engine.flops import measured_cpu_peak
+    from functools import cache
+
+    from pretrieve.scale.memory import device, device_flops, fit_advice
     from pretrieve.scale.plan import plan, table, write_plan
 
+    if not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu must be in (0, 1], got {args.mfu}")
     study, points = plan(args.study)
-    rate = args.flops_per_second or 0.25 * measured_cpu_peak()
-    print(table(points, rate))
+    name = args.device or "cpu"
+    if args.flops_per_second:
+        print(table(points, lambda p: args.flops_per_second, f"{args.flops_per_second:.3g} FLOP/s"))
+    else:
+        peak = cache(device_flops)  # the CPU's is measured: once
+        peaks = sorted({f"{peak(name, p.precision):.3g} FLOP/s at {p.precision}" for p in points})
+        print(table(points, lambda p: args.mfu * peak(name, p.precision),
+                    f"{args.mfu:.0%} MFU of {name} ({', '.join(peaks)})"))
+    if args.device:
+        for point in points:
+            advice = fit_advice(point, args.device, device(args.device).memory)
+            if advice:
+                print(f"pretrieve scale plan: warning: {advice}", file=sys.stderr)
     print(f"run list: {write_plan(study, points)}")
     return 0
 

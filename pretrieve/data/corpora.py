@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from functools import partial
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Generator, Iterable, Iterator, NamedTuple
 
 SOURCES = ("wikipedia", "books", "msmarco-passage", "msmarco-doc", "beir", "jsonl")
 ARROW_SUFFIXES = (".parquet", ".arrow")
@@ -49,8 +49,7 @@ class BadRecord:
 Record = Document | BadRecord
 
 
-@dataclass(frozen=True)
-class Cursor:
+class Cursor(NamedTuple):  # a tuple: one is made per record
     """Where reading can start again: the input file (index in the file list), inside it the byte offset in the
     decompressed text and the lines before it (text files) or the row (arrow / parquet: `offset`), and the
     index of the record read first from there."""
@@ -85,17 +84,18 @@ def read_records(source: str, files: list[Path], options: ReaderOptions = Reader
     next_index = start.record
     for k, path in enumerate(files[start.file:], start.file):
         cursor = start if k == start.file else Cursor(k, 0, 0, next_index)
-        for item in _file_records(source, path, cursor, wanted, options):
-            yield item
-            next_index = item[0] + 1
+        next_index = yield from _file_records(source, path, cursor, wanted, options)
 
 
 def _every_record(index: int) -> bool:
     return True
 
 
+Records = Generator[tuple[int, Cursor, Record | None], None, int]  # returns the index after its last record
+
+
 def _file_records(source: str, path: Path, cursor: Cursor, wanted: Callable[[int], bool],
-                  options: ReaderOptions) -> Iterator[tuple[int, Cursor, Record | None]]:
+                  options: ReaderOptions) -> Records:
     if path.name.endswith(ARROW_SUFFIXES):
         return _arrow_records(path, cursor, wanted, options)
     if source == "books":
@@ -183,17 +183,25 @@ def _decoded(raw: bytes, where: str) -> str | BadRecord:
 
 
 def _line_records(path: Path, cursor: Cursor, wanted: Callable[[int], bool],
-                  parse: Callable[[str, str], Record]) -> Iterator[tuple[int, Cursor, Record | None]]:
+                  parse: Callable[[str, str], Record]) -> Records:
     """A record per non-blank line (blank lines between records are none); a line that is not UTF-8 is one."""
-    index = cursor.record
+    index, file = cursor.record, cursor.file
     for lineno, offset, raw in _raw_lines(path, cursor.offset, cursor.line):
-        where = f"{path}:{lineno}"
-        line = _decoded(raw, where)
-        if isinstance(line, str) and not line.strip():
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            line = None
+        if line is not None and not line.strip():
             continue
-        record = None if not wanted(index) else line if isinstance(line, BadRecord) else parse(line, where)
-        yield index, Cursor(cursor.file, offset, lineno - 1, index), record
+        if not wanted(index):
+            record = None
+        elif line is None:
+            record = _decoded(raw, f"{path}:{lineno}")
+        else:
+            record = parse(line.rstrip("\r\n"), f"{path}:{lineno}")
+        yield index, Cursor(file, offset, lineno - 1, index), record
         index += 1
+    return index
 
 
 def _join_title(title: str | None, text: str) -> str:
@@ -244,8 +252,7 @@ def _tsv_record(line: str, where: str, num_fields: int, to_doc: Callable[[list[s
     return _document(doc_id, text, where)
 
 
-def _book_records(path: Path, cursor: Cursor, wanted: Callable[[int], bool],
-                  options: ReaderOptions) -> Iterator[tuple[int, Cursor, Record | None]]:
+def _book_records(path: Path, cursor: Cursor, wanted: Callable[[int], bool], options: ReaderOptions) -> Records:
     """One document per file, after a record for each line that is not UTF-8 (the line is dropped from the book,
     the rest kept). `file`: hard-wrapped paragraphs separated by blank lines; `lines`: one sentence a line.
     Every record's cursor is the book's start: a book is read whole."""
@@ -270,10 +277,10 @@ def _book_records(path: Path, cursor: Cursor, wanted: Callable[[int], bool],
     if current:
         paragraphs.append(" ".join(current))
     yield index, start, _document(path.stem, "\n".join(paragraphs), f"{path}:1") if wanted(index) else None
+    return index + 1
 
 
-def _arrow_records(path: Path, cursor: Cursor, wanted: Callable[[int], bool],
-                   options: ReaderOptions) -> Iterator[tuple[int, Cursor, Record | None]]:
+def _arrow_records(path: Path, cursor: Cursor, wanted: Callable[[int], bool], options: ReaderOptions) -> Records:
     """HF `datasets` parquet or arrow files with `title`/`text` columns (and `id` when present); a row per record."""
     import pyarrow as pa
 
@@ -292,6 +299,7 @@ def _arrow_records(path: Path, cursor: Cursor, wanted: Callable[[int], bool],
             row += size
     except (pa.ArrowException, OSError) as e:
         raise CorpusError(f"{path}: cannot read as {path.suffix[1:]} ({e})") from e
+    return first_index + max(row, cursor.offset)
 
 
 def _arrow_batches(path: Path, from_row: int) -> tuple[int, Iterator]:

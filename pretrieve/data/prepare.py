@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, astuple, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -381,7 +381,7 @@ class _ShardSequence:
     def _save_state(self, next_position: dict) -> None:
         """`next`: the record to go on from (its cursor re-reads it) and its first block not yet written."""
         _write_json_atomic(self.out / STATE, {
-            "job_id": self.job_id, "next": {**next_position, "cursor": list(astuple(next_position["cursor"]))},
+            "job_id": self.job_id, "next": {**next_position, "cursor": list(next_position["cursor"])},
             "shards": self.shard_entries(), "skipped": dict(self.skipped), "documents": self.documents,
             "truncated": self.truncated,
         })

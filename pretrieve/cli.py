@@ -485,6 +485,8 @@ def _run_report(args) -> int:
 
 
 def _add_scale(commands) -> None:
+    from pretrieve.scale.memory import DEVICES
+
     p = commands.add_parser("scale", help="scaling studies: plan a study's grid, fit scaling laws to its points")
     actions = p.add_subparsers(dest="scale_command", metavar="ACTION", required=True)
     fit = actions.add_parser("fit", help="fit Chinchilla / joint / single-variable laws, IsoFLOP allocation, metric",
@@ -504,9 +506,15 @@ def _add_scale(commands) -> None:
                               description="Check STUDY.yaml, print its grid (pretrieve/scale/plan.py documents the "
                                           "keys) and write the run list to <run.out>/plan.json.")
     plan.add_argument("study", metavar="STUDY.yaml")
+    plan.add_argument("--device", choices=sorted(DEVICES), default=None,
+                      help="the device each rank trains on: its peak FLOP/s at the points' precision x --mfu gives "
+                           "the device-hours, and a point whose micro-batch will not fit its memory is warned "
+                           "about (default: this machine's CPU, measured, no memory check)")
+    plan.add_argument("--mfu", type=float, default=0.25,
+                      help="model FLOPs utilisation a run sustains, the share of the peak (default 0.25; "
+                           "`pretrain` logs the real one)")
     plan.add_argument("--flops-per-second", type=float, default=None,
-                      help="sustained FLOP/s of one device for the estimate (default: this machine's measured "
-                           "fp32 matmul peak at 25%% MFU)")
+                      help="sustained FLOP/s of one device for the estimate, instead of the device's peak x --mfu")
     plan.set_defaults(run=_run_scale_plan)
     run = actions.add_parser("run", help="pre-train every point of the study, then evaluate them (MLflow child runs)",
                              description="Pre-train the pending points of STUDY.yaml (resume=auto), then evaluate "
@@ -525,12 +533,27 @@ def _run_scale_fit(args) -> int:
 
 
 def _run_scale_plan(args) -> int:
-    from pretrieve.engine.flops import measured_cpu_peak
+    from functools import cache
+
+    from pretrieve.scale.memory import device, device_flops, fit_advice
     from pretrieve.scale.plan import plan, table, write_plan
 
+    if not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu must be in (0, 1], got {args.mfu}")
     study, points = plan(args.study)
-    rate = args.flops_per_second or 0.25 * measured_cpu_peak()
-    print(table(points, rate))
+    name = args.device or "cpu"
+    if args.flops_per_second:
+        print(table(points, lambda p: args.flops_per_second, f"{args.flops_per_second:.3g} FLOP/s"))
+    else:
+        peak = cache(device_flops)  # the CPU's is measured: once
+        peaks = sorted({f"{peak(name, p.precision):.3g} FLOP/s at {p.precision}" for p in points})
+        print(table(points, lambda p: args.mfu * peak(name, p.precision),
+                    f"{args.mfu:.0%} MFU of {name} ({', '.join(peaks)})"))
+    if args.device:
+        for point in points:
+            advice = fit_advice(point, args.device, device(args.device).memory)
+            if advice:
+                print(f"pretrieve scale plan: warning: {advice}", file=sys.stderr)
     print(f"run list: {write_plan(study, points)}")
     return 0
 
@@ -608,9 +631,10 @@ def _add_prepare(commands) -> None:
     d = {f.name: f.default for f in fields(PrepareOptions) if f.default is not MISSING}  # the defaults, one place
     p = commands.add_parser("prepare", help="raw corpus -> tokenized, packed webdataset shards + manifest.json",
                             description="Read a raw corpus, tokenize, pack sentences into blocks and write "
-                                        "webdataset shards and manifest.json. Re-running resumes.")
-    p.add_argument("--source", required=True, choices=SOURCES)
-    p.add_argument("--input", required=True, nargs="+", metavar="PATH", help="files or directories")
+                                        "webdataset shards and manifest.json. Re-running resumes. Split over "
+                                        "jobs: --part I --parts N in each (own --out), then --combine.")
+    p.add_argument("--source", choices=SOURCES, help="the corpus format (needed unless --combine)")
+    p.add_argument("--input", nargs="+", metavar="PATH", help="files or directories (needed unless --combine)")
     p.add_argument("--out", required=True, metavar="DIR", help="a folder, or a URL (s3://, gs://, file://)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="local HF tokenizer directory "
                    "(default: the bundled bert-base-uncased WordPiece vocabulary)")
@@ -647,6 +671,17 @@ def _add_prepare(commands) -> None:
                         "(default: %(default)s, no split)")
     p.add_argument("--split", choices=("train", "validation"), default=d["split"],
                    help="with --holdout: the side this --out holds, run once per side (default: %(default)s)")
+    p.add_argument("--part", type=at_least(0), default=d["part"], metavar="I",
+                   help="with --parts: prepare record groups I, I+N, I+2N, ... of the input (e.g. a SLURM array task) "
+                        "(default: %(default)s)")
+    p.add_argument("--parts", type=at_least(1), default=d["parts"], metavar="N",
+                   help="jobs the input is split over (default: %(default)s)")
+    p.add_argument("--group-records", type=at_least(1), default=d["group_records"], metavar="R",
+                   help="consecutive records per group, the unit of --part; no shard spans two groups "
+                        "(default: %(default)s)")
+    p.add_argument("--combine", nargs="+", default=None, metavar="PART",
+                   help="write --out's manifest over the shards of these --part outputs (one corpus, as one job) "
+                        "(default: none: prepare from --input)")
     p.set_defaults(run=_run_prepare)
 
 
@@ -654,19 +689,36 @@ def _run_prepare(args) -> int:
     from pretrieve.data.prepare import PrepareOptions, prepare
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 
+    if args.combine:
+        return _run_prepare_combine(args)
+    if not args.source or not args.input:
+        raise ValueError("--source and --input are needed (or --combine PART... to join the parts of a split run)")
     opts = PrepareOptions(
         source=args.source, inputs=args.input, out=args.out, tokenizer=args.tokenizer or DEFAULT_TOKENIZER,
         max_len=args.max_len, shard_size=args.shard_size, on_error=args.on_error, packing=args.packing,
         short_seq_prob=args.short_seq_prob, seed=args.seed, text_field=args.text_field, id_field=args.id_field,
         title_field=args.title_field or None, queries_field=args.queries_field or None,
         books_format=args.books_format, overwrite=args.overwrite, holdout=args.holdout, split=args.split,
+        part=args.part, parts=args.parts, group_records=args.group_records,
     )
     if args.workers is not None:
         opts.workers = args.workers
-    m = prepare(opts)
-    print(f"{args.out}: {m['num_documents']:,} documents -> {m['num_samples']:,} samples, {m['num_tokens']:,} tokens "
-          f"in {len(m['shards'])} shards; skipped {m['skipped'] or 'none'}; truncated {m['truncated_documents']}")
+    _print_prepared(args.out, prepare(opts))
     return 0
+
+
+def _run_prepare_combine(args) -> int:
+    from pretrieve.data.combine import combine
+
+    if args.source or args.input:
+        raise ValueError("--combine joins prepared parts; it takes no --source or --input")
+    _print_prepared(args.out, combine(args.combine, args.out))
+    return 0
+
+
+def _print_prepared(out: str, m: dict) -> None:
+    print(f"{out}: {m['num_documents']:,} documents -> {m['num_samples']:,} samples, {m['num_tokens']:,} tokens "
+          f"in {len(m['shards'])} shards; skipped {m['skipped'] or 'none'}; truncated {m['truncated_documents']}")
 
 
 def _add_stream(commands) -> None:

@@ -109,3 +109,47 @@ def test_missing_input_and_truncated_archive(tmp_path):
     shutil.copy(SAMPLES / "books/blake-poems.txt", empty_dir / "README")  # not a *.txt: still no book
     with pytest.raises(CorpusError, match="holds no books files"):
         list(read_corpus("books", [empty_dir]))
+
+
+def cursor_inputs(tmp_path):
+    """(source, files, whether bad records are among them) for every kind of input the cursor handles: plain, .gz
+    and .bz2 lines (a blank and a non-UTF-8 line among them), TSV, parquet in row groups of 9, an arrow stream
+    in batches of 7, books."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lines = gzip.open(SAMPLES / "wikipedia/wiki_00.jsonl.gz", "rb").read().splitlines(True)[:12]
+    text = b"".join(lines[:4]) + b"\n\xff\xfe\n" + b"".join(lines[4:])
+    (tmp_path / "plain.jsonl").write_bytes(text)
+    (tmp_path / "lines.jsonl.gz").write_bytes(gzip.compress(text))
+    (tmp_path / "lines.jsonl.bz2").write_bytes(bz2.compress(text))
+    table = pq.read_table(SAMPLES / "wikipedia-parquet/train-00000-of-00001.parquet")
+    pq.write_table(table, tmp_path / "groups.parquet", row_group_size=9)
+    with pa.ipc.new_stream(tmp_path / "batches.arrow", table.schema) as stream:
+        for batch in table.to_batches(max_chunksize=7):
+            stream.write_batch(batch)
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books/bad.txt").write_bytes(b"One line.\n\xe9t\xe9\n\nAnother paragraph.\n\xff\n")
+    shutil.copy(SAMPLES / "books/blake-poems.txt", tmp_path / "books")
+    return [("wikipedia", [tmp_path / "plain.jsonl", tmp_path / "lines.jsonl.gz", tmp_path / "lines.jsonl.bz2"], True),
+            ("msmarco-passage", [SAMPLES / "msmarco-passage/collection.tsv"], False),
+            ("wikipedia", [tmp_path / "groups.parquet", tmp_path / "batches.arrow"], False),
+            ("books", sorted((tmp_path / "books").glob("*.txt")), True)]
+
+
+def test_reading_from_any_cursor_gives_the_rest(tmp_path):
+    """From the cursor of any record, the reader yields that record and all after it (a book's records from the
+    book's start), numbered as in a full read; records refused by `wanted` come as None, numbered alike."""
+    from pretrieve.data.corpora import read_records
+
+    for source, files, has_bad in cursor_inputs(tmp_path):
+        full = list(read_records(source, files))
+        assert [index for index, _, _ in full] == list(range(len(full)))
+        assert len({cursor.file for _, cursor, _ in full}) == len(files)
+        assert any(isinstance(r, BadRecord) for _, _, r in full) == has_bad
+        for index, cursor, record in full:
+            rest = list(read_records(source, files, start=cursor))
+            assert rest == full[cursor.record:], (source, index)
+        odd = list(read_records(source, files, wanted=lambda i: i % 2 == 1))
+        assert [(i, c) for i, c, _ in odd] == [(i, c) for i, c, _ in full]
+        assert [r for _, _, r in odd] == [r if i % 2 else None for i, _, r in full]

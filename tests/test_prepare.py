@@ -206,3 +206,102 @@ def test_a_failed_prepare_removes_only_what_it_made(tmp_path):
     help_text = subprocess.run([sys.executable, "-m", "pretrieve", "--help"], capture_output=True, text=True).stdout
     for command in ("prepare", "pretrain", "export", "eval", "farm", "report", "launch-info"):
         assert command in help_text
+
+
+def stream_samples(manifest, epochs=2):
+    """Every sample of `epochs` epochs of rank 1 of 2, shuffled, as comparable tuples (the address included)."""
+    from pretrieve.data.stream import ShardStream
+
+    stream = ShardStream([manifest], seed=5, shuffle_buffer=16, rank=1, world_size=2)
+    return [(s["epoch"], s["shard"], s["index"], s["doc"], s["block"], s["pad"], s["ids"].tolist())
+            for _ in range(epochs) for s in stream]
+
+
+def books_with_bad_lines(tmp_path):
+    """Six books cut from the bundled two, two of them with a Latin-1 line (a record of its own, skipped)."""
+    folder = tmp_path / "books-in"
+    folder.mkdir()
+    for book in sorted((SAMPLES / "books").glob("*.txt")):
+        paragraphs = book.read_bytes().split(b"\n\n")
+        for k in range(3):
+            bad = b"caf\xe9 au lait\n\n" if k == 1 else b""
+            (folder / f"{book.stem}-{k}.txt").write_bytes(bad + b"\n\n".join(paragraphs[k::3]))
+    return folder
+
+
+@pytest.mark.parametrize("source,make_input,options", [
+    ("wikipedia", lambda _: SAMPLES / "wikipedia", {"group_records": 7, "short_seq_prob": 0.3}),  # random blocks
+    ("wikipedia", lambda _: SAMPLES / "wikipedia-parquet", {"group_records": 5}),
+    ("books", books_with_bad_lines, {"group_records": 2, "on_error": "skip"}),
+], ids=["jsonl.gz", "parquet", "books"])
+def test_parts_stream_the_same_samples_as_one_prepare(tmp_path, source, make_input, options):
+    """3 parts of one input, combined (given out of order): the single job's shards byte for byte, in its order,
+    its manifest but for the shards' names, and so the same samples in the same order from the stream."""
+    from pretrieve.data.combine import combine
+
+    common = dict(source=source, inputs=[str(make_input(tmp_path))], workers=0, shard_size=16, **options)
+    single = prepare(PrepareOptions(out=str(tmp_path / "single"), **common))
+    parts = [prepare(PrepareOptions(out=str(tmp_path / f"part-{i}"), part=i, parts=3, **common)) for i in range(3)]
+    assert all(p["num_samples"] for p in parts) and sum(p["num_samples"] for p in parts) == single["num_samples"]
+    assert single["skipped"] == ({"bad_utf8": 2} if source == "books" else {})
+    combined = combine([str(tmp_path / f"part-{i}") for i in (2, 0, 1)], str(tmp_path / "all"))
+    assert [s["sha256"] for s in combined["shards"]] == [s["sha256"] for s in single["shards"]]
+    assert len(single["shards"]) > len(parts)  # several groups per part
+    assert combined["shards"][0]["file"].startswith("../part-0/")
+    differing = {key for key in single if single[key] != combined[key]}
+    assert differing == {"shards", "created", "prepare_seconds"} and set(combined) - set(single) == {"parts"}
+    assert stream_samples(tmp_path / "all") == stream_samples(tmp_path / "single")
+    assert prepare(PrepareOptions(out=str(tmp_path / "all"), **common)) == combined  # the single job's output
+
+
+def test_combine_refuses_missing_repeated_and_foreign_parts(tmp_path, capsys):
+    """Through the command line: parts as a SLURM array would run them, one that gets no group (a warning, an
+    empty part), and the refusals, each naming what is wrong."""
+    from pretrieve.cli import main as cli
+
+    wiki = str(SAMPLES / "wikipedia")
+    run = ["prepare", "--source", "wikipedia", "--input", wiki, "--workers", "0", "--shard-size", "64",
+           "--group-records", "25", "--parts", "4"]
+    for i in range(4):
+        assert cli([*run, "--part", str(i), "--out", str(tmp_path / f"p{i}")]) == 0
+    assert "part 3 of 4 holds no samples: the input's 60 records make 3 group(s)" in capsys.readouterr().err
+    parts = [str(tmp_path / f"p{i}") for i in range(4)]
+    assert cli(["prepare", "--combine", *parts, "--out", str(tmp_path / "all")]) == 0
+    assert "60 documents -> 648 samples" in capsys.readouterr().out
+    assert cli(["prepare", "--combine", *parts[:2], parts[0], "--out", str(tmp_path / "x")]) == 1
+    assert f"part 0 of 4 given twice: {parts[0]}/manifest.json and {parts[0]}/manifest.json" in capsys.readouterr().err
+    assert cli(["prepare", "--combine", parts[0], parts[2], "--out", str(tmp_path / "x")]) == 1
+    assert "parts 1, 3 of 4 missing" in capsys.readouterr().err
+    assert cli([*run[:-1], "3", "--part", "1", "--out", str(tmp_path / "q1")]) == 0  # 3 parts, not 4
+    assert cli(["prepare", "--combine", parts[0], str(tmp_path / "q1"), "--out", str(tmp_path / "x")]) == 1
+    assert "are parts of different runs: parts differ" in capsys.readouterr().err
+    assert cli(["prepare", "--combine", parts[0], "--source", "wikipedia", "--out", str(tmp_path / "x")]) == 1
+    assert "takes no --source or --input" in capsys.readouterr().err
+    assert cli(["prepare", "--source", "wikipedia", "--input", wiki, "--part", "4", "--parts", "4",
+                "--out", str(tmp_path / "x")]) == 1
+    assert "--part must be in [0, --parts), got part 4 of 4" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_resume_seeks_past_the_records_already_in_shards(tmp_path):
+    """A run stopped by a bad record late in a plain JSON-lines file resumes from its cursor. The bytes before the
+    cursor are then overwritten by one line of garbage of the same length (the inputs' sizes are part of the
+    job): a reader that went through them would number the records after them differently (as the reader that
+    re-parsed from the start did). The resumed run ends with the reference's shards."""
+    lines = gzip.open(SAMPLES / "wikipedia/wiki_00.jsonl.gz", "rb").read().splitlines(True)
+    good = b"".join(lines)
+    src = tmp_path / "wiki.jsonl"
+    src.write_bytes(b"".join(lines[:50]) + b"{" * (len(lines[50]) - 1) + b"\n" + b"".join(lines[51:]))
+    opts = dict(source="wikipedia", inputs=[str(src)], workers=0, shard_size=16)
+    with pytest.raises(CorpusError, match="wiki.jsonl:51: malformed JSON"):
+        prepare(PrepareOptions(out=str(tmp_path / "out"), **opts))
+    state = json.loads((tmp_path / "out/.prepare-state.json").read_text())
+    file, offset, line, record = state["next"]["cursor"]
+    assert (file, line) == (0, record) and 0 < record < 50 and offset == len(b"".join(lines[:record]))
+    src.write_bytes(b"\xff" * offset + good[offset:])
+    resumed = prepare(PrepareOptions(out=str(tmp_path / "out"), **opts))
+    src.write_bytes(good)
+    reference = prepare(PrepareOptions(out=str(tmp_path / "ref"), **opts))
+    assert [s["sha256"] for s in resumed["shards"]] == [s["sha256"] for s in reference["shards"]]
+    for key in ("num_samples", "num_documents", "num_records", "skipped", "truncated_documents"):
+        assert resumed[key] == reference[key]

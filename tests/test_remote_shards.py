@@ -338,3 +338,25 @@ def test_pretraining_reads_its_shards_over_http_with_the_configured_retries(serv
     over_http = pretrain(tmp_path / "http", server.url("wiki/manifest.json"))
     assert over_http == pretrain(tmp_path / "local", wiki_shards / "manifest.json")
     assert sum(1 for name, _ in server.requests if name.endswith(first_shard)) >= 2  # the 503, then the retry
+
+
+def test_parts_prepared_into_s3_combine_there(s3, tmp_path, monkeypatch):
+    """Two parts written to S3, combined into the folder above them: shard names relative to the combined
+    manifest, which streams back the single local job's samples."""
+    import fsspec
+
+    from pretrieve.data.combine import combine
+
+    monkeypatch.setitem(fsspec.config.conf, "s3", s3)
+    common = dict(source="books", inputs=[str(SAMPLES / "books")], shard_size=16, workers=0, group_records=1)
+    for i in range(2):
+        prepare(PrepareOptions(out=f"s3://pretrieve-test/split/part-{i}", part=i, parts=2, **common))
+    combined = combine([f"s3://pretrieve-test/split/part-{i}" for i in range(2)], "s3://pretrieve-test/split")
+    single = prepare(PrepareOptions(out=str(tmp_path / "single"), **common))
+    names = [s["file"] for s in combined["shards"]]
+    assert names[0].startswith("part-0/books-") and names[-1].startswith("part-1/books-"), names
+    assert [s["sha256"] for s in combined["shards"]] == [s["sha256"] for s in single["shards"]]
+    monkeypatch.delitem(fsspec.config.conf, "s3")
+    read = ReadOptions(storage_options={"s3": s3})
+    assert run(make(["s3://pretrieve-test/split/manifest.json"], read=read)) == \
+        run(make([tmp_path / "single" / "manifest.json"]))

@@ -69,7 +69,8 @@ def test_plan_command_prints_the_grid_and_writes_the_run_list(tmp_path, wiki_sha
     ({"methods": ["mlm", "retro"]}, r"methods\[1\]: 'retro' is not a registered method"),
     ({"sizes": {"odd": {"hidden_size": 30, "num_layers": 1, "num_heads": 4, "intermediate_size": 64}}},
      "sizes.odd: num_heads 4 does not divide hidden_size 30"),
-    ({"budgets": {"tokens": [100]}}, r"budgets.tokens\[0\]: 100 gives 100 tokens, less than one batch \(4 x 64"),
+    ({"budgets": {"tokens": [100]}},
+     r"budgets.tokens\[0\]: 100 gives 100 tokens, less than one step \(4 x grad_accum 1 x world 1 x 64 = 256"),
     ({"budgets": {"flops": [1e12]}}, "budgets: give one of tokens"),
     ({"train": {"batch_size": 4}}, "train.batch_size .>= 1. and train.seq_len"),
     ({"config": str(CONFIGS / "tiny-{method}.yaml"), "train": {"batch_size": 4, "seq_len": 64,
@@ -161,3 +162,53 @@ def test_scale_run_slurm_lists_the_pending_points(tmp_path, wiki_shards):
     assert all("resume=auto" in line and f"tracking.parent_run_id={result['parent_run_id']}" in line
                for line in lines)
     assert not (tmp_path / "study" / "points").exists()  # nothing ran here
+
+
+def test_plan_tokens_and_flops_count_accumulation_and_ranks(tmp_path, wiki_shards):
+    """grad_accum 4 (a train override) on 2 ranks: an optimizer step takes 4 x 4 x 2 sequences, so the same budgets
+    take 8 times fewer steps, and D and C (the micro-batch's FLOPs x 4 x 2 per step) stay those of the budgets.
+    Each point pins its global batch: started on one rank, its config check refuses it."""
+    from pretrieve.config import ConfigError
+
+    _, base = plan(write_study(tmp_path, wiki_shards))
+    study = write_study(tmp_path, wiki_shards,
+                        train={"batch_size": 4, "seq_len": 64, "lr": 1e-3, "base_width": 64, "world_size": 2,
+                               "overrides": ["tracking.enabled=false", "train.grad_accum=4"]})
+    _, accumulated = plan(study)
+    assert [p.steps for p in base] == [8, 32] * 4 and [p.steps for p in accumulated] == [1, 4] * 4
+    for one, many in zip(base, accumulated):
+        assert many.D == one.D == many.steps * 4 * 4 * 2 * 64 and many.tokens_per_step == 2048
+        assert many.C == pytest.approx(one.C) and many.id == one.id
+        exp = experiment(load_config(CONFIGS / f"tiny-{many.method}.yaml", many.overrides), world_size=2)
+        assert (exp.train.grad_accum, exp.train.global_batch_size, exp.train.max_steps) == (4, 32, many.steps)
+        with pytest.raises(ConfigError, match=r"global_batch_size: 32 != micro_batch_size 4 x grad_accum 4 x world"):
+            experiment(load_config(CONFIGS / f"tiny-{many.method}.yaml", many.overrides), world_size=1)
+
+
+def test_plan_prices_a_device_and_warns_when_a_micro_batch_will_not_fit(tmp_path, wiki_shards, capsys, vocab):
+    """A BERT-large-shaped point, 64 x 512 tokens a micro-batch in fp32: about 117 GB on one device by the
+    documented estimate (checked here against the formula), too much for an H100 (the warning names both ways
+    out), not for an H200; the device-hours use the device's fp32 peak x --mfu."""
+    from pretrieve.data.stream import ShardStream
+    from pretrieve.scale.memory import GB, layer_activations, needed
+
+    large = {"large": {"hidden_size": 1024, "num_layers": 24, "num_heads": 16, "intermediate_size": 4096}}
+    path = write_study(tmp_path, wiki_shards, methods=["mlm"], sizes=large, budgets={"tokens": [1e6]},
+                       train={"batch_size": 64, "seq_len": 512, "overrides": ["tracking.enabled=false"]})
+    assert cli(["scale", "plan", str(path), "--device", "h100", "--mfu", "0.5"]) == 0
+    printed = capsys.readouterr()
+    _, (point,) = plan(path)
+    samples = list(islice(iter(ShardStream([wiki_shards / "manifest.json"], seed=0, shuffle_buffer=1)), 64))
+    exp = experiment(load_config(CONFIGS / "tiny-mlm.yaml", point.overrides))
+    length = exp.method.collator.from_options(exp.options, vocab, seed=0)(samples)["input_ids"].shape[1]
+    assert point.memory["per_sequence"] == 24 * layer_activations(1, length, 1024, 4096, 16, 4)
+    assert point.memory["per_sequence_checkpointed"] == 24 * 4 * length * 1024 + layer_activations(
+        1, length, 1024, 4096, 16, 4)
+    assert 100 < needed(point.memory, 64, False) / GB < 130 and needed(point.memory, 64, True) / GB < 72
+    assert f"{point.C / (0.5 * 67e12) / 3600:.3g} device-hours at 50% MFU of h100 (6.7e+13 FLOP/s at fp32)" \
+        in printed.out
+    assert f"warning: point {point.id}: about {needed(point.memory, 64, False) / GB:.1f} GB per device" in printed.err
+    assert "over the 72.0 GB usable of h100 (80 GB): add train.activation_checkpointing=true" in printed.err
+    assert "or set train.batch_size: 32 with train.grad_accum=2 (the same tokens per step" in printed.err
+    assert cli(["scale", "plan", str(path), "--device", "h200"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -3,6 +3,13 @@
 A reader never decides what to do with a bad record: it reports it with its location (`file:line` or
 `file:row`), and `prepare` either stops with that message or skips and counts it (`--on-error skip`).
 Document text keeps paragraph breaks as "\\n" so the packer can treat them as sentence boundaries.
+
+Records are numbered over the whole input (`read_records`): a non-blank line of a JSON-lines or TSV file (a line
+that is not UTF-8 too), a row of a parquet / arrow file, a book (after its lines that are not UTF-8). Records a
+caller does not want are counted without being parsed, and reading can start again at a `Cursor` without
+parsing what comes before it: plain files seek to the byte, `.gz` / `.bz2` decompress up to it (their formats
+have no random access), parquet starts at the row group holding it, arrow skips whole record batches, a book
+is read again from its start.
 """
 
 from __future__ import annotations
@@ -13,7 +20,8 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from functools import partial
+from typing import Callable, Generator, Iterable, Iterator, NamedTuple
 
 SOURCES = ("wikipedia", "books", "msmarco-passage", "msmarco-doc", "beir", "jsonl")
 ARROW_SUFFIXES = (".parquet", ".arrow")
@@ -41,6 +49,16 @@ class BadRecord:
 Record = Document | BadRecord
 
 
+class Cursor(NamedTuple):  # a tuple: one is made per record
+    """Where reading can start again: the input file (index in the file list), inside it the byte offset in the
+    decompressed text and the lines before it (text files) or the row (arrow / parquet: `offset`), and the
+    index of the record read first from there."""
+    file: int = 0
+    offset: int = 0
+    line: int = 0
+    record: int = 0
+
+
 @dataclass(frozen=True)
 class ReaderOptions:
     text_field: str = "text"
@@ -54,22 +72,45 @@ def read_corpus(source: str, inputs: Iterable[str | os.PathLike], options: Reade
     """All records of `inputs` (files or directories) read as `source`, in a deterministic order."""
     if source not in SOURCES:
         raise CorpusError(f"unknown source {source!r}; choose one of {', '.join(SOURCES)}")
-    files = list_input_files(source, inputs)
-    for path in files:
-        if path.name.endswith(ARROW_SUFFIXES):
-            yield from _read_arrow(path, options)
-        elif source == "books":
-            yield from _read_book(path, options)
-        elif source == "msmarco-passage":
-            yield from _read_tsv(path, 2, lambda f: (f[0], f[1]))
-        elif source == "msmarco-doc":
-            yield from _read_tsv(path, 4, lambda f: (f[0], _join_title(f[2], f[3])))
-        elif source == "beir":
-            yield from _read_jsonl(path, ReaderOptions(text_field="text", id_field="_id", title_field="title"))
-        elif source == "wikipedia":
-            yield from _read_jsonl(path, ReaderOptions(text_field="text", id_field="id", title_field="title"))
-        else:
-            yield from _read_jsonl(path, options)
+    for _, _, record in read_records(source, list_input_files(source, inputs), options):
+        yield record
+
+
+def read_records(source: str, files: list[Path], options: ReaderOptions = ReaderOptions(), start: Cursor = Cursor(),
+                 wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[int, Cursor, Record | None]]:
+    """(index, cursor, record) of every record of `files` from `start` on; the cursor re-reads the record. A
+    record whose index `wanted` refuses comes as None, counted but not parsed."""
+    wanted = wanted or _every_record
+    next_index = start.record
+    for k, path in enumerate(files[start.file:], start.file):
+        cursor = start if k == start.file else Cursor(k, 0, 0, next_index)
+        next_index = yield from _file_records(source, path, cursor, wanted, options)
+
+
+def _every_record(index: int) -> bool:
+    return True
+
+
+Records = Generator[tuple[int, Cursor, Record | None], None, int]  # returns the index after its last record
+
+
+def _file_records(source: str, path: Path, cursor: Cursor, wanted: Callable[[int], bool],
+                  options: ReaderOptions) -> Records:
+    if path.name.endswith(ARROW_SUFFIXES):
+        return _arrow_records(path, cursor, wanted, options)
+    if source == "books":
+        return _book_records(path, cursor, wanted, options)
+    if source == "msmarco-passage":
+        parse = partial(_tsv_record, num_fields=2, to_doc=lambda f: (f[0], f[1]))
+    elif source == "msmarco-doc":
+        parse = partial(_tsv_record, num_fields=4, to_doc=lambda f: (f[0], _join_title(f[2], f[3])))
+    elif source == "beir":
+        parse = partial(_json_record, options=ReaderOptions(text_field="text", id_field="_id", title_field="title"))
+    elif source == "wikipedia":
+        parse = partial(_json_record, options=ReaderOptions(text_field="text", id_field="id", title_field="title"))
+    else:
+        parse = partial(_json_record, options=options)
+    return _line_records(path, cursor, wanted, parse)
 
 
 # Which files a directory input contributes, per source (explicitly named files are always read).
@@ -116,16 +157,51 @@ def _open_binary(path: Path):
 
 def numbered_lines(path: Path) -> Iterator[tuple[str, str | BadRecord]]:
     """(location, decoded line without newline | BadRecord) per line; a broken archive is a CorpusError."""
+    for lineno, _, raw in _raw_lines(path, 0, 0):
+        where = f"{path}:{lineno}"
+        yield where, _decoded(raw, where)
+
+
+def _raw_lines(path: Path, offset: int, lines_before: int) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset, raw line) from `offset` (decompressed bytes; .gz / .bz2 decompress up to it)."""
     try:
         with _open_binary(path) as f:
-            for lineno, raw in enumerate(f, 1):
-                where = f"{path}:{lineno}"
-                try:
-                    yield where, raw.decode("utf-8").rstrip("\r\n")
-                except UnicodeDecodeError as e:
-                    yield where, BadRecord("bad_utf8", where, f"invalid UTF-8 at byte {e.start}")
+            if offset:
+                f.seek(offset)
+            for lineno, raw in enumerate(f, lines_before + 1):
+                yield lineno, offset, raw
+                offset += len(raw)
     except (EOFError, OSError, gzip.BadGzipFile) as e:
         raise CorpusError(f"{path}: cannot read ({e}); the file is truncated or not a {path.suffix or 'text'} file") from e
+
+
+def _decoded(raw: bytes, where: str) -> str | BadRecord:
+    try:
+        return raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as e:
+        return BadRecord("bad_utf8", where, f"invalid UTF-8 at byte {e.start}")
+
+
+def _line_records(path: Path, cursor: Cursor, wanted: Callable[[int], bool],
+                  parse: Callable[[str, str], Record]) -> Records:
+    """A record per non-blank line (blank lines between records are none); a line that is not UTF-8 is one."""
+    index, file = cursor.record, cursor.file
+    for lineno, offset, raw in _raw_lines(path, cursor.offset, cursor.line):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            line = None
+        if line is not None and not line.strip():
+            continue
+        if not wanted(index):
+            record = None
+        elif line is None:
+            record = _decoded(raw, f"{path}:{lineno}")
+        else:
+            record = parse(line.rstrip("\r\n"), f"{path}:{lineno}")
+        yield index, Cursor(file, offset, lineno - 1, index), record
+        index += 1
+    return index
 
 
 def _join_title(title: str | None, text: str) -> str:
@@ -141,19 +217,12 @@ def _document(doc_id: str, text: str, where: str) -> Record:
     return Document(str(doc_id), text, where)
 
 
-def _read_jsonl(path: Path, options: ReaderOptions) -> Iterator[Record]:
-    for where, line in numbered_lines(path):
-        if isinstance(line, BadRecord):
-            yield line
-            continue
-        if not line.strip():
-            continue  # blank line between records: not a record
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            yield BadRecord("bad_json", where, f"malformed JSON ({e.msg} at column {e.colno})")
-            continue
-        yield _from_mapping(obj, options, where)
+def _json_record(line: str, where: str, options: ReaderOptions) -> Record:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return BadRecord("bad_json", where, f"malformed JSON ({e.msg} at column {e.colno})")
+    return _from_mapping(obj, options, where)
 
 
 def _from_mapping(obj, options: ReaderOptions, where: str) -> Record:
@@ -175,28 +244,26 @@ def _from_mapping(obj, options: ReaderOptions, where: str) -> Record:
     return record
 
 
-def _read_tsv(path: Path, num_fields: int, to_doc: Callable[[list[str]], tuple[str, str]]) -> Iterator[Record]:
-    for where, line in numbered_lines(path):
-        if isinstance(line, BadRecord):
-            yield line
-            continue
-        if not line.strip():
-            continue
-        fields = line.split("\t", num_fields - 1)
-        if len(fields) != num_fields:
-            yield BadRecord("bad_row", where, f"expected {num_fields} tab-separated fields, found {len(fields)}")
-            continue
-        doc_id, text = to_doc(fields)
-        yield _document(doc_id, text, where)
+def _tsv_record(line: str, where: str, num_fields: int, to_doc: Callable[[list[str]], tuple[str, str]]) -> Record:
+    fields = line.split("\t", num_fields - 1)
+    if len(fields) != num_fields:
+        return BadRecord("bad_row", where, f"expected {num_fields} tab-separated fields, found {len(fields)}")
+    doc_id, text = to_doc(fields)
+    return _document(doc_id, text, where)
 
 
-def _read_book(path: Path, options: ReaderOptions) -> Iterator[Record]:
-    """One document per file. `file`: hard-wrapped paragraphs separated by blank lines; `lines`: one sentence a line."""
+def _book_records(path: Path, cursor: Cursor, wanted: Callable[[int], bool], options: ReaderOptions) -> Records:
+    """One document per file, after a record for each line that is not UTF-8 (the line is dropped from the book,
+    the rest kept). `file`: hard-wrapped paragraphs separated by blank lines; `lines`: one sentence a line.
+    Every record's cursor is the book's start: a book is read whole."""
+    start = Cursor(cursor.file, 0, 0, cursor.record)
+    index = cursor.record
     paragraphs: list[str] = []
     current: list[str] = []
     for _, line in numbered_lines(path):
         if isinstance(line, BadRecord):
-            yield line  # the line is dropped from the book; the rest of the book is kept
+            yield index, start, line if wanted(index) else None
+            index += 1
             continue
         line = line.strip()
         if options.books_format == "lines":
@@ -209,26 +276,45 @@ def _read_book(path: Path, options: ReaderOptions) -> Iterator[Record]:
             current = []
     if current:
         paragraphs.append(" ".join(current))
-    yield _document(path.stem, "\n".join(paragraphs), f"{path}:1")
+    yield index, start, _document(path.stem, "\n".join(paragraphs), f"{path}:1") if wanted(index) else None
+    return index + 1
 
 
-def _read_arrow(path: Path, options: ReaderOptions) -> Iterator[Record]:
-    """HF `datasets` parquet or arrow files with `title`/`text` columns (and `id` when present)."""
+def _arrow_records(path: Path, cursor: Cursor, wanted: Callable[[int], bool], options: ReaderOptions) -> Records:
+    """HF `datasets` parquet or arrow files with `title`/`text` columns (and `id` when present); a row per record."""
+    import pyarrow as pa
+
+    first_index = cursor.record - cursor.offset  # the index of the file's row 0
+    try:
+        row, batches = _arrow_batches(path, cursor.offset)
+        for batch in batches:
+            size, skip = batch.num_rows, max(cursor.offset - row, 0)
+            indices = range(first_index + row + skip, first_index + row + size)
+            # rows of other parts' records are not converted (to_pylist is the parsing here)
+            objs = batch.slice(skip).to_pylist() if any(map(wanted, indices)) else [None] * len(indices)
+            for index, obj in zip(indices, objs):
+                at = index - first_index
+                record = _from_mapping(obj, options, f"{path}:row {at + 1}") if wanted(index) else None
+                yield index, Cursor(cursor.file, at, 0, index), record
+            row += size
+    except (pa.ArrowException, OSError) as e:
+        raise CorpusError(f"{path}: cannot read as {path.suffix[1:]} ({e})") from e
+    return first_index + max(row, cursor.offset)
+
+
+def _arrow_batches(path: Path, from_row: int) -> tuple[int, Iterator]:
+    """(the row the batches start at, record batches holding rows from `from_row` on, maybe a few before)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if path.suffix == ".parquet":
+        parquet = pq.ParquetFile(path)
+        group, row = 0, 0
+        while group < parquet.num_row_groups and row + parquet.metadata.row_group(group).num_rows <= from_row:
+            row += parquet.metadata.row_group(group).num_rows
+            group += 1
+        return row, parquet.iter_batches(batch_size=1024, row_groups=range(group, parquet.num_row_groups))
     try:
-        if path.suffix == ".parquet":
-            batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
-        else:
-            try:
-                batches = iter(pa.ipc.open_stream(path))  # what `datasets.save_to_disk` writes
-            except pa.ArrowInvalid:
-                batches = iter(pa.ipc.open_file(path))
-        row = 0
-        for batch in batches:
-            for obj in batch.to_pylist():
-                row += 1
-                yield _from_mapping(obj, options, f"{path}:row {row}")
-    except (pa.ArrowException, OSError) as e:
-        raise CorpusError(f"{path}: cannot read as {path.suffix[1:]} ({e})") from e
+        return 0, iter(pa.ipc.open_stream(path))  # what `datasets.save_to_disk` writes
+    except pa.ArrowInvalid:
+        return 0, iter(pa.ipc.open_file(path))

@@ -6,9 +6,17 @@ results in input order into shards of `shard_size` samples (shards.py). The outp
 number of workers.
 
 Crash safety and resume: shards are renamed into place only when complete, and after each one a state
-file records where the next shard starts (record index, block index) and the skip counts so far. Re-running
-the same command skips the records already in complete shards without tokenizing them again. The manifest
-is written last, atomically; its presence means the directory is complete.
+file records where the next shard starts (record index, block index, and the reader's cursor: file, byte
+offset or row) and the skip counts so far. Re-running the same command reads on from the cursor, neither
+parsing nor tokenizing the records already in complete shards. The manifest is written last, atomically; its
+presence means the directory is complete.
+
+Parts (`--part i --parts n`): records (corpora.py numbers them over the whole input) form groups of
+`group_records` consecutive records, and a shard never spans two groups, in a single job as in a part. Part
+i prepares groups i, i + n, i + 2n, ... and counts the other records without parsing them. Its shards are
+therefore byte for byte the single job's shards of those groups (the packing's random draws are seeded by the
+record index), and `combine.py` lists all parts' shards in group order: the single job's shard table, which
+the stream (a function of shard sizes and contents) reads into the same samples in the same order.
 
 Remote output (`--out s3://bucket/shards/wiki`, `gs://...`, any fsspec URL that can be written; `file://` is
 local): the job runs into a local staging folder (`stage`, default a folder under TMPDIR named after the URL
@@ -28,6 +36,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -40,7 +49,7 @@ import numpy as np
 from pretrieve import __version__
 from pretrieve.data import corpora, remote
 from pretrieve.engine.run_lock import DirectoryLock
-from pretrieve.data.corpora import BadRecord, CorpusError, ReaderOptions
+from pretrieve.data.corpora import BadRecord, CorpusError, Cursor, Document, ReaderOptions
 from pretrieve.data.packing import pack_sentences, sentence_starts, sentence_token_bounds
 from pretrieve.data.shards import MANIFEST_FORMAT, ShardStats, ShardWriter, token_extension
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, describe, load_backend
@@ -78,6 +87,9 @@ class PrepareOptions:
     holdout: float = 0.0  # share of documents on the validation side (0: no split)
     split: str = "train"  # which side this output holds when holdout > 0: train | validation
     stage: str | None = None  # remote `out`: the local folder the job runs in before the upload
+    part: int = 0  # this job's share of the input: record groups part, part + parts, part + 2 parts, ...
+    parts: int = 1
+    group_records: int = 100_000  # consecutive records per group; no shard spans two groups
 
     def resolved_packing(self) -> str:
         return self.packing or ("passage" if self.source in PASSAGE_SOURCES else "sentences")
@@ -103,6 +115,16 @@ class PrepareOptions:
             raise PrepareError("--split validation needs --holdout FRACTION > 0")
         if self.books_format not in ("file", "lines"):
             raise PrepareError(f"--books-format must be file or lines, got {self.books_format!r}")
+        if not 0 <= self.part < self.parts:
+            raise PrepareError(f"--part must be in [0, --parts), got part {self.part} of {self.parts}")
+        if self.group_records < 1:
+            raise PrepareError(f"--group-records must be positive, got {self.group_records}")
+
+    def wanted(self):
+        """The record indices this part prepares (None: all)."""
+        if self.parts == 1:
+            return None
+        return lambda index: (index // self.group_records) % self.parts == self.part
 
     def output_arguments(self) -> dict:
         """The arguments that determine the output (not workers, progress, overwrite)."""
@@ -133,47 +155,31 @@ def _prepare_local(opts: PrepareOptions, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     token_ext = token_extension(info.vocab_size)
     output = _ShardSequence(out, opts.source, token_ext, opts.shard_size, job_id, state)
-
-    records = corpora.read_corpus(opts.source, files, ReaderOptions(
+    resume = state.get("next", {"record": 0, "block": 0, "cursor": [0, 0, 0, 0]})
+    cursor = Cursor(*resume["cursor"])
+    records = _Counted(corpora.read_records(opts.source, files, ReaderOptions(
         text_field=opts.text_field, id_field=opts.id_field, title_field=opts.title_field,
-        queries_field=opts.queries_field, books_format=opts.books_format))
-    resume_record, resume_block = state.get("next", [0, 0])
-    if opts.holdout:
-        records = (r for r in records
-                   if isinstance(r, BadRecord) or holdout_side(r.doc_id, opts.holdout) == opts.split)
-    work = _chunks(records, resume_record)
+        queries_field=opts.queries_field, books_format=opts.books_format), cursor, opts.wanted()), cursor.record)
     started = time.perf_counter()
     try:
-        for item in _tokenized(work, opts):
-            kind, index = item[0], item[1]
-            if kind == "bad":
-                _, _, reason, where, detail = item
-                if opts.on_error == "fail":
-                    raise CorpusError(f"{where}: {detail} ({reason}); fix the input or pass --on-error skip")
-                output.skipped[reason] += 1
-                continue
-            _, _, doc_id, blocks, truncated, queries = item
-            first = resume_block if index == resume_record else 0
-            if first == 0:  # a document split over the resume point was counted before the stop
-                output.truncated += truncated
-                output.documents += 1
-            for block_index in range(first, len(blocks)):
-                meta = {"doc": doc_id, "block": block_index, "source": opts.source}
-                if queries:
-                    meta["queries"] = queries
-                output.add(blocks[block_index], meta, next_position=(index, block_index + 1))
+        _write_samples(output, _tokenized(_chunks(_kept(records, opts), resume["record"]), opts), opts, resume)
     except BaseException:
         output.abort()
         raise
     output.finish()
-    if output.num_samples == 0:
+    if output.num_samples == 0 and opts.parts == 1:
         raise PrepareError(f"no samples produced from {', '.join(map(str, opts.inputs))} "
                            f"(skipped: {dict(output.skipped) or 'none'})")
+    if output.num_samples == 0:
+        groups = -(-records.count // opts.group_records)
+        print(f"pretrieve prepare: part {opts.part} of {opts.parts} holds no samples: the input's {records.count:,} "
+              f"records make {groups} group(s) of --group-records {opts.group_records}", file=sys.stderr)
     manifest = {
         "format": MANIFEST_FORMAT,
         "num_samples": output.num_samples,
         "num_tokens": output.num_tokens,
         "num_documents": output.documents,
+        "num_records": records.count,
         "token_dtype": "uint16" if token_ext == "ids.u16" else "int32",
         "max_len": opts.max_len,
         "max_tokens_per_sample": opts.max_len - 2,
@@ -183,7 +189,7 @@ def _prepare_local(opts: PrepareOptions, out: Path) -> dict:
         "arguments": opts.output_arguments(),
         "skipped": dict(sorted(output.skipped.items())),
         "truncated_documents": output.truncated,
-        "shards": [s.as_dict() for s in output.shards],
+        "shards": output.shard_entries(),
         "job_id": job_id,
         "pretrieve_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -194,14 +200,62 @@ def _prepare_local(opts: PrepareOptions, out: Path) -> dict:
     return manifest
 
 
+def _write_samples(output: "_ShardSequence", results: Iterator[tuple], opts: PrepareOptions, resume: dict) -> None:
+    """Each record's blocks as samples, from the resume point on; a new group of records starts a new shard."""
+    for item in results:
+        kind, index, cursor = item[0], item[1], item[2]
+        output.enter_group(index // opts.group_records, {"record": index, "block": 0, "cursor": cursor})
+        if kind == "bad":
+            _, _, _, reason, where, detail = item
+            if opts.on_error == "fail":
+                raise CorpusError(f"{where}: {detail} ({reason}); fix the input or pass --on-error skip")
+            output.skipped[reason] += 1
+            continue
+        _, _, _, doc_id, blocks, truncated, queries = item
+        first = resume["block"] if index == resume["record"] else 0
+        if first == 0:  # a document split over the resume point was counted before the stop
+            output.truncated += truncated
+            output.documents += 1
+        for block_index in range(first, len(blocks)):
+            meta = {"doc": doc_id, "block": block_index, "source": opts.source}
+            if queries:
+                meta["queries"] = queries
+            output.add(blocks[block_index], meta, {"record": index, "block": block_index + 1, "cursor": cursor})
+
+
+def _kept(records: Iterator[tuple], opts: PrepareOptions) -> Iterator[tuple]:
+    """`--holdout`: the documents of this side (bad records stay, to be reported; other parts' pass, uncounted)."""
+    if not opts.holdout:
+        return records
+    return ((index, cursor, r) for index, cursor, r in records
+            if not isinstance(r, Document) or holdout_side(r.doc_id, opts.holdout) == opts.split)
+
+
+class _Counted:
+    """The records read so far: the index after the last one seen."""
+
+    def __init__(self, records: Iterator[tuple], start: int):
+        self.records, self.count = records, start
+
+    def __iter__(self) -> Iterator[tuple]:
+        for item in self.records:
+            self.count = item[0] + 1
+            yield item
+
+
+def job_id_of(arguments: dict, inputs: list[dict], fingerprint: str) -> str:
+    """What identifies an output: its arguments, inputs (paths and sizes) and tokenizer (combine.py uses it too)."""
+    job = {"arguments": arguments, "inputs": inputs, "tokenizer": fingerprint}
+    return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
+
+
 def _job(opts: PrepareOptions) -> tuple:
     """(input files, tokenizer backend, its description, input list, job id): what identifies the output."""
     files = corpora.list_input_files(opts.source, opts.inputs)
     backend = load_backend(opts.tokenizer)
     info = describe(opts.tokenizer, backend)
     inputs = [{"path": str(p), "bytes": p.stat().st_size} for p in files]
-    job = {"arguments": opts.output_arguments(), "inputs": inputs, "tokenizer": info.fingerprint}
-    return files, backend, info, inputs, hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
+    return files, backend, info, inputs, job_id_of(opts.output_arguments(), inputs, info.fingerprint)
 
 
 def _prepare_remote(opts: PrepareOptions) -> dict:
@@ -280,7 +334,9 @@ class _ShardSequence:
 
     def __init__(self, out: Path, source: str, token_ext: str, shard_size: int, job_id: str, state: dict):
         self.out, self.source, self.token_ext, self.shard_size, self.job_id = out, source, token_ext, shard_size, job_id
-        self.shards = [ShardStats(**s) for s in state.get("shards", [])]
+        self.shards = [ShardStats(**{k: v for k, v in s.items() if k != "group"}) for s in state.get("shards", [])]
+        self.groups = [s["group"] for s in state.get("shards", [])]  # the record group of each shard
+        self.group: int | None = None  # the group of the shard being written
         self.skipped = Counter(state.get("skipped", {}))
         self.documents = state.get("documents", 0)
         self.truncated = state.get("truncated", 0)
@@ -299,7 +355,17 @@ class _ShardSequence:
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.shards) + (self.writer.num_tokens if self.writer else 0)
 
-    def add(self, ids: np.ndarray, meta: dict, next_position: tuple[int, int]) -> None:
+    def shard_entries(self) -> list[dict]:
+        return [{**s.as_dict(), "group": g} for s, g in zip(self.shards, self.groups)]
+
+    def enter_group(self, group: int, next_position: dict) -> None:
+        """The next record belongs to `group`: a shard of another group ends here, however few samples it has."""
+        if group != self.group and self.writer is not None:
+            self._close_shard()
+            self._save_state(next_position)
+        self.group = group
+
+    def add(self, ids: np.ndarray, meta: dict, next_position: dict) -> None:
         if self.writer is None:
             self.writer = ShardWriter(self.out / f"{self.source}-{len(self.shards):06d}.tar", self.token_ext)
         self.writer.add(ids, meta)
@@ -309,12 +375,15 @@ class _ShardSequence:
 
     def _close_shard(self) -> None:
         self.shards.append(self.writer.close())
+        self.groups.append(self.group)
         self.writer = None
 
-    def _save_state(self, next_position: tuple[int, int]) -> None:
+    def _save_state(self, next_position: dict) -> None:
+        """`next`: the record to go on from (its cursor re-reads it) and its first block not yet written."""
         _write_json_atomic(self.out / STATE, {
-            "job_id": self.job_id, "next": list(next_position), "shards": [s.as_dict() for s in self.shards],
-            "skipped": dict(self.skipped), "documents": self.documents, "truncated": self.truncated,
+            "job_id": self.job_id, "next": {**next_position, "cursor": list(next_position["cursor"])},
+            "shards": self.shard_entries(), "skipped": dict(self.skipped), "documents": self.documents,
+            "truncated": self.truncated,
         })
 
     def finish(self) -> None:
@@ -329,16 +398,17 @@ class _ShardSequence:
             self.writer = None
 
 
-def _chunks(records: Iterator, resume_record: int) -> Iterator[list[tuple]]:
-    """Groups of (index, record) of about CHUNK_CHARS text; records before `resume_record` are dropped."""
+def _chunks(records: Iterator[tuple], resume_record: int) -> Iterator[list[tuple]]:
+    """Groups of (index, cursor, ...) of about CHUNK_CHARS text; records before `resume_record` (the records of a
+    book read again from its start) and other parts' records (None) are dropped."""
     chunk, chars = [], 0
-    for index, record in enumerate(records):
-        if index < resume_record:
+    for index, cursor, record in records:
+        if index < resume_record or record is None:
             continue
         if isinstance(record, BadRecord):
-            chunk.append((index, "bad", record.reason, record.where, record.detail))
+            chunk.append((index, cursor, "bad", record.reason, record.where, record.detail))
         else:
-            chunk.append((index, "doc", record.doc_id, record.text, record.where, record.queries))
+            chunk.append((index, cursor, "doc", record.doc_id, record.text, record.where, record.queries))
             chars += len(record.text)
         if chars >= CHUNK_CHARS:
             yield chunk
@@ -348,7 +418,8 @@ def _chunks(records: Iterator, resume_record: int) -> Iterator[list[tuple]]:
 
 
 def _tokenized(work: Iterator[list[tuple]], opts: PrepareOptions) -> Iterator[tuple]:
-    """Results per record in input order: ("doc", index, doc_id, blocks, truncated, query_ids) or ("bad", index, ...)."""
+    """Results per record in input order: ("doc", index, cursor, doc_id, blocks, truncated, query_ids) or
+    ("bad", index, cursor, reason, where, detail)."""
     config = (opts.tokenizer, opts.max_len - 2, opts.resolved_packing(), opts.short_seq_prob, opts.seed)
     with _progress(opts) as bar:
         if opts.workers <= 0:
@@ -388,27 +459,27 @@ def _init_worker(config: tuple) -> None:
 
 
 def _process_chunk(chunk: list[tuple]) -> list[tuple]:
-    docs = [item for item in chunk if item[1] == "doc"]
-    encodings = _WORKER["backend"].encode_batch([item[3] for item in docs], add_special_tokens=False)
+    docs = [item for item in chunk if item[2] == "doc"]
+    encodings = _WORKER["backend"].encode_batch([item[4] for item in docs], add_special_tokens=False)
     encoded = {item[0]: enc for item, enc in zip(docs, encodings)}
-    queries = [q for item in docs for q in item[5]]
+    queries = [q for item in docs for q in item[6]]
     query_ids = iter(_WORKER["backend"].encode_batch(queries, add_special_tokens=False) if queries else ())
     results = []
     for item in chunk:
-        index = item[0]
-        if item[1] == "bad":
-            results.append(("bad", index, *item[2:]))
+        index, cursor = item[0], item[1]
+        if item[2] == "bad":
+            results.append(("bad", index, cursor, *item[3:]))
             continue
-        _, _, doc_id, text, where, doc_queries = item
+        _, _, _, doc_id, text, where, doc_queries = item
         # pseudo-queries as token id lists (JSON), each cut to a block's length
         query_tokens = [next(query_ids).ids[:_WORKER["max_tokens"]] for _ in doc_queries]
         enc = encoded[index]
         ids = np.asarray(enc.ids, dtype=np.int32)
         if len(ids) == 0:
-            results.append(("bad", index, "empty", where, "no tokens after tokenization"))
+            results.append(("bad", index, cursor, "empty", where, "no tokens after tokenization"))
             continue
         blocks, truncated = _blocks(ids, text, enc, index)
-        results.append(("doc", index, doc_id, blocks, truncated, [q for q in query_tokens if q]))
+        results.append(("doc", index, cursor, doc_id, blocks, truncated, [q for q in query_tokens if q]))
     return results
 
 

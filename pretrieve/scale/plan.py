@@ -9,8 +9,9 @@ The study file (pretrieve/scale/study.py has the `name`, `tracking` and `fit` ke
     budgets: {tokens: [2.0e5, 4.0e5]}             # training tokens D, or {tokens_per_parameter: [20, 40]}
     seeds: [0]
     train:
-      batch_size: 16                              # sequences per optimizer step
+      batch_size: 16                              # sequences per micro-batch and rank (train.micro_batch_size)
       seq_len: 128                                # method.max_len; D counts seq_len tokens per sequence
+      world_size: 1                               # data-parallel ranks each point trains on (default 1)
       lr: 1.0e-3                                  # the peak lr at base_width
       lr_rule: inverse_width                      # lr x base_width / hidden (Adam's width rule), or constant
       base_width: 128
@@ -19,9 +20,13 @@ The study file (pretrieve/scale/study.py has the `name`, `tracking` and `fit` ke
 
 Per point (method x size x budget x seed): N, the encoder's non-embedding parameters (Kaplan et al. 2020:
 attention, FFN and their LayerNorms, biases included; not the embeddings, the frozen pooler, or the training
-heads, which the retriever does not keep), N_total (with the embeddings), D = steps x batch_size x seq_len
-with steps = round(D_asked / (batch_size x seq_len)), and C = steps x the training FLOPs of one step
-(engine/flops.py on the first batch of the study's data, collated by the method). `plan.json` (written
+heads, which the retriever does not keep), N_total (with the embeddings), and what runs: an optimizer step
+takes batch_size x grad_accum x world_size sequences (grad_accum: the point's resolved train.grad_accum, from
+the config or train.overrides), so D = steps x that x seq_len with steps = round(D_asked / (that x seq_len)),
+and C = steps x grad_accum x world_size x the training FLOPs of one micro-batch (engine/flops.py on the first
+batch of the study's data, collated by the method). Each point pins train.global_batch_size to its sequences
+per step, so a point started on another number of ranks stops at its config check instead of training on
+other tokens than planned. Its memory per device is estimated by scale/memory.py. `plan.json` (written
 atomically under run.out, default runs/scale/<name>) lists every point with the `pretrieve pretrain`
 overrides that make it; `scale run` reads it.
 """
@@ -29,10 +34,11 @@ overrides that make it; `scale run` reads it.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from itertools import islice, product
 from pathlib import Path
 
+from pretrieve.scale.memory import GB, needed
 from pretrieve.scale.study import load_study
 
 LR_RULES = ("inverse_width", "constant")
@@ -56,6 +62,16 @@ class Point:
     steps: int
     lr: float
     overrides: list[str]
+    micro_batch_size: int = 1  # sequences per micro-batch and rank
+    grad_accum: int = 1
+    world_size: int = 1
+    seq_len: int = 0
+    precision: str = "fp32"
+    memory: dict = field(default_factory=dict)  # scale/memory.py's estimate
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.world_size * self.seq_len
 
 
 def non_embedding_parameters(hidden: int, layers: int, ffn: int) -> int:
@@ -70,10 +86,58 @@ def embedding_parameters(hidden: int, vocab: int, positions: int, token_types: i
 
 def plan(path: str | Path) -> tuple[dict, list[Point]]:
     """(the study, its points), every key checked before anything is computed."""
-    from pretrieve.models.heads import METHODS
-
     study = load_study(path)
     where = str(path)
+    methods, sizes, seeds, (kind, values) = _grid(study, where)
+    train = study.get("train") or {}
+    batch, seq_len, world = train.get("batch_size"), train.get("seq_len"), train.get("world_size", 1)
+    if not isinstance(batch, int) or batch < 1 or not isinstance(seq_len, int) or seq_len < 4:
+        raise StudyError(f"{where}: train.batch_size (>= 1) and train.seq_len (>= 4) are needed as integers")
+    if not isinstance(world, int) or world < 1:
+        raise StudyError(f"{where}: train.world_size: a positive integer is needed, got {world!r}")
+    if train.get("lr_rule", "inverse_width") not in LR_RULES:
+        raise StudyError(f"{where}: train.lr_rule: {train['lr_rule']!r} is not one of {', '.join(LR_RULES)}")
+    data = study.get("data") or {}
+    manifests = data.get("manifests") or []
+    if not manifests:
+        raise StudyError(f"{where}: data.manifests: the shards to pre-train on (pretrieve prepare)")
+
+    out = study_out(study)
+    common = [f"method.max_len={seq_len}", f"train.micro_batch_size={batch}"]
+    data_overrides = [f"data.manifests=[{','.join(map(str, manifests))}]", "data.weights=null",
+                      *_validation_overrides(data)]
+    accumulation = {m: _grad_accum(study, m, [*common, *train.get("overrides", [])], where) for m in methods}
+    points = []
+    for method, (size, shape), (b, budget), seed in product(methods, sizes.items(), enumerate(values), seeds):
+        n = non_embedding_parameters(shape["hidden_size"], shape["num_layers"], shape["intermediate_size"])
+        tokens = budget * n if kind == "tokens_per_parameter" else budget
+        sequences = batch * accumulation[method] * world  # per optimizer step
+        steps = round(tokens / (sequences * seq_len))
+        if steps < 1:
+            raise StudyError(f"{where}: budgets.{kind}[{b}]: {budget:g} gives {tokens:,.0f} tokens, less than one "
+                             f"step ({batch} x grad_accum {accumulation[method]} x world {world} x {seq_len} = "
+                             f"{sequences * seq_len:,})")
+        lr = float(train.get("lr", 1e-4))
+        if train.get("lr_rule", "inverse_width") == "inverse_width":
+            lr *= train.get("base_width", shape["hidden_size"]) / shape["hidden_size"]
+        point_id = f"{method}-{size}-D{steps * sequences * seq_len:.3g}-s{seed}".replace("+", "")
+        overrides = [*(f"model.{k}={shape[k]}" for k in SIZE_KEYS), *common, f"train.max_steps={steps}",
+                     f"train.lr={lr:.6g}", f"seed={seed}", f"run_dir={out / 'points' / point_id}", *data_overrides,
+                     f"train.global_batch_size={sequences}", *train.get("overrides", [])]
+        points.append(Point(point_id, method, size, seed, n, 0, steps * sequences * seq_len, 0.0, steps, lr,
+                            overrides, micro_batch_size=batch, grad_accum=accumulation[method], world_size=world,
+                            seq_len=seq_len))
+    duplicated = {p.id for p in points if sum(q.id == p.id for q in points) > 1}
+    if duplicated:
+        raise StudyError(f"{where}: budgets: two budgets give the same steps ({sorted(duplicated)[0]})")
+    _cost(study, points, where)
+    return study, points
+
+
+def _grid(study: dict, where: str) -> tuple[list, dict, list, tuple]:
+    """(methods, sizes, seeds, (budget kind, budgets)), checked."""
+    from pretrieve.models.heads import METHODS
+
     methods = _list(study, "methods", where)
     known = sorted(METHODS)
     for i, method in enumerate(methods):
@@ -90,46 +154,27 @@ def plan(path: str | Path) -> tuple[dict, list[Point]]:
         if shape["hidden_size"] % shape["num_heads"]:
             raise StudyError(f"{where}: sizes.{name}: num_heads {shape['num_heads']} does not divide hidden_size "
                              f"{shape['hidden_size']}")
-    train = study.get("train") or {}
-    batch, seq_len = train.get("batch_size"), train.get("seq_len")
-    if not isinstance(batch, int) or batch < 1 or not isinstance(seq_len, int) or seq_len < 4:
-        raise StudyError(f"{where}: train.batch_size (>= 1) and train.seq_len (>= 4) are needed as integers")
-    if train.get("lr_rule", "inverse_width") not in LR_RULES:
-        raise StudyError(f"{where}: train.lr_rule: {train['lr_rule']!r} is not one of {', '.join(LR_RULES)}")
     seeds = _list(study, "seeds", where, default=[0])
     budgets = study.get("budgets") or {}
     if len(budgets) != 1 or next(iter(budgets)) not in ("tokens", "tokens_per_parameter"):
         raise StudyError(f"{where}: budgets: give one of tokens: [...] or tokens_per_parameter: [...]")
-    (kind, values), = budgets.items()
-    data = study.get("data") or {}
-    manifests = data.get("manifests") or []
-    if not manifests:
-        raise StudyError(f"{where}: data.manifests: the shards to pre-train on (pretrieve prepare)")
+    return methods, sizes, seeds, next(iter(budgets.items()))
 
-    out = study_out(study)
-    points = []
-    for method, (size, shape), (b, budget), seed in product(methods, sizes.items(), enumerate(values), seeds):
-        n = non_embedding_parameters(shape["hidden_size"], shape["num_layers"], shape["intermediate_size"])
-        tokens = budget * n if kind == "tokens_per_parameter" else budget
-        steps = round(tokens / (batch * seq_len))
-        if steps < 1:
-            raise StudyError(f"{where}: budgets.{kind}[{b}]: {budget:g} gives {tokens:,.0f} tokens, less than one "
-                             f"batch ({batch} x {seq_len} = {batch * seq_len:,})")
-        lr = float(train.get("lr", 1e-4))
-        if train.get("lr_rule", "inverse_width") == "inverse_width":
-            lr *= train.get("base_width", shape["hidden_size"]) / shape["hidden_size"]
-        point_id = f"{method}-{size}-D{steps * batch * seq_len:.3g}-s{seed}".replace("+", "")
-        overrides = [*(f"model.{k}={shape[k]}" for k in SIZE_KEYS), f"method.max_len={seq_len}",
-                     f"train.micro_batch_size={batch}", f"train.max_steps={steps}", f"train.lr={lr:.6g}",
-                     f"seed={seed}", f"run_dir={out / 'points' / point_id}",
-                     f"data.manifests=[{','.join(map(str, manifests))}]", "data.weights=null",
-                     *_validation_overrides(data), *train.get("overrides", [])]
-        points.append(Point(point_id, method, size, seed, n, 0, steps * batch * seq_len, 0.0, steps, lr, overrides))
-    duplicated = {p.id for p in points if sum(q.id == p.id for q in points) > 1}
-    if duplicated:
-        raise StudyError(f"{where}: budgets: two budgets give the same steps ({sorted(duplicated)[0]})")
-    _cost(study, points, where)
-    return study, points
+
+def _grad_accum(study: dict, method: str, overrides: list[str], where: str) -> int:
+    """train.grad_accum of `method`'s points: its base config with the study's overrides (checked in full later)."""
+    from omegaconf import OmegaConf
+
+    from pretrieve.config import ConfigError, TrainOptions, load_config
+
+    try:
+        config = load_config(base_config(study, method), overrides)
+    except (ConfigError, OSError) as e:
+        raise StudyError(f"{where}: {method}: {e}") from e
+    value = OmegaConf.select(config, "train.grad_accum", default=TrainOptions.grad_accum)
+    if not isinstance(value, int) or value < 1:
+        raise StudyError(f"{where}: {method}: train.grad_accum: must be an integer >= 1, got {value!r}")
+    return value
 
 
 def _list(study: dict, key: str, where: str, default=None) -> list:
@@ -161,35 +206,40 @@ def base_config(study: dict, method: str) -> str:
 
 
 def _cost(study: dict, points: list[Point], where: str) -> None:
-    """N_total and C of every point: each point's experiment is built (its config checked as `pretrain` checks
-    it) and its first batch of real data collated and counted by engine/flops.py."""
+    """N_total, C and memory of every point: each point's experiment is built (its config checked as `pretrain`
+    checks it at the study's world size) and its first batch of real data collated and counted by
+    engine/flops.py and scale/memory.py."""
     from pretrieve.config import ConfigError, experiment, load_config
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.remote import ReadOptions
     from pretrieve.data.stream import ShardStream
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
     from pretrieve.engine.flops import train_flops
+    from pretrieve.scale.memory import estimate
 
     vocab = Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER))
-    per_step: dict[tuple, float] = {}
+    per_micro_batch: dict[tuple, tuple[float, dict]] = {}
     samples = None
     for point in points:
         try:
-            exp = experiment(load_config(base_config(study, point.method), point.overrides))
+            exp = experiment(load_config(base_config(study, point.method), point.overrides), point.world_size)
         except ConfigError as e:
             raise StudyError(f"{where}: point {point.id}: {e}") from e
         config = exp.model.bert_config()
         point.N_total = point.N + embedding_parameters(config.hidden_size, config.vocab_size,
                                                       config.max_position_embeddings, config.type_vocab_size)
+        point.precision = exp.train.precision
         key = (point.method, point.size)
-        if key not in per_step:
+        if key not in per_micro_batch:
             if samples is None:
                 stream = ShardStream(exp.data.manifests, seed=0, shuffle_buffer=1, rank=0, world_size=1,
                                      read=ReadOptions.from_options(exp.data))
                 samples = list(islice(iter(stream), exp.train.micro_batch_size))
             batch = exp.method.collator.from_options(exp.options, vocab, seed=0)(samples)
-            per_step[key] = float(train_flops(point.method, exp.options, config, batch))
-        point.C = per_step[key] * point.steps
+            per_micro_batch[key] = (float(train_flops(point.method, exp.options, config, batch)),
+                                    estimate(exp, point.world_size, batch))
+        flops, point.memory = per_micro_batch[key]
+        point.C = flops * point.grad_accum * point.world_size * point.steps
 
 
 def write_plan(study: dict, points: list[Point]) -> Path:
@@ -202,15 +252,16 @@ def write_plan(study: dict, points: list[Point]) -> Path:
     return path
 
 
-def table(points: list[Point], flops_per_second: float) -> str:
-    """The grid as a markdown table, with the total compute and device-hours at `flops_per_second`."""
-    lines = ["| point | method | size | N | N_total | D | steps | C (FLOPs) | device-hours |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for p in points:
+def table(points: list[Point], flops_per_second, rate_label: str) -> str:
+    """The grid as a markdown table, with the total compute and device-hours at `flops_per_second(point)` FLOP/s
+    (described by `rate_label`), and the estimated memory per device."""
+    lines = ["| point | method | size | N | N_total | D | steps | C (FLOPs) | device-hours | sequences/step | "
+             "GB/device |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    hours = [p.C / flops_per_second(p) / 3600 for p in points]
+    for p, h in zip(points, hours):
+        memory = needed(p.memory, p.micro_batch_size, p.memory["activation_checkpointing"]) / GB
         lines.append(f"| {p.id} | {p.method} | {p.size} | {p.N:,} | {p.N_total:,} | {p.D:,} | {p.steps:,} | "
-                     f"{p.C:.3g} | {p.C / flops_per_second / 3600:.3g} |")
+                     f"{p.C:.3g} | {h:.3g} | {p.micro_batch_size} x {p.grad_accum} x {p.world_size} | {memory:.3g} |")
     total = sum(p.C for p in points)
-    lines.append(f"\n{len(points)} points, {total:.3g} FLOPs in all: {total / flops_per_second / 3600:.3g} "
-                 f"device-hours at {flops_per_second:.3g} FLOP/s")
+    lines.append(f"\n{len(points)} points, {total:.3g} FLOPs in all: {sum(hours):.3g} device-hours at {rate_label}")
     return "\n".join(lines)
-

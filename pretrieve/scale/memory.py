@@ -1,0 +1,149 @@
+"""Devices for `pretrieve scale plan --device`, and whether a point's micro-batch fits one of them.
+
+Memory of one device while training a micro-batch of b sequences of length s (bytes):
+
+    states       = P (w / Z3 + g / Z2 + o / Z1)      P trainable parameters (the head built on the meta device);
+                                                     (w, g, o) = (4, 4, 8) in fp32, (2, 2, 12) in bf16 / fp16
+                                                     (fp32 master weights and Adam's moments: ZeRO, Rajbhandari et
+                                                     al. 2020, sec. 3); Zk = world size where ZeRO stage >= k
+                                                     partitions that part, else 1; o = 0 with offload_optimizer
+    layer(b, s)  = s b h (8e + 2) + 2e s b f + (2e + 1) a s^2 b
+                                                     activations one transformer layer keeps for backward
+                                                     (Korthikanti et al. 2022, eq. 2, for element size e = 2 in
+                                                     bf16 / fp16, 4 in fp32, FFN width f, a heads; the dropout
+                                                     masks take 1 byte an element); an upper bound where the
+                                                     attention kernel keeps no score matrix (the a s^2 terms)
+    encoder      = L layer(b, s), or with activation checkpointing L e s b h + layer(b, s) (the layer inputs,
+                   and one layer's activations while it is recomputed)
+    decoders     = retromae, dupmae: layer(b, s); seed: decoder_layers x layer(b, s_dec); cotmae, cotmote:
+                   decoder_layers x layer(b, s_ctx) (never checkpointed)
+    vocabulary   = per vocabulary projection 4 V (h + 1), its fp32 gradient kept from forward to backward, and
+                   one chunk of logits (models/vocab_projection.py keeps no [positions, V] tensor)
+
+All but the states grow linearly with b, so a point keeps its estimate as states + workspace + b x (bytes per
+sequence, without and with activation checkpointing), and the plan can price another micro-batch. A device
+counts as full at USABLE_SHARE of its memory: the CUDA context and the caching allocator's fragmentation take
+the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+GB = 1e9
+USABLE_SHARE = 0.9
+LOGITS_CHUNK_BYTES = 4 * (1 << 26)  # models/vocab_projection.py: CHUNK_ELEMENTS on CUDA, fp32
+
+
+@dataclass(frozen=True)
+class Device:
+    part: str | None  # engine/flops.py GPU_PEAKS part (its peak FLOP/s); None: this machine's CPU, measured
+    memory: float  # bytes
+
+
+def host_memory() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+# --device NAME: the part of engine/flops.py's peak table and its memory (vendors' data sheets)
+DEVICES = {
+    "h100": Device("H100 SXM", 80 * GB), "h100-pcie": Device("H100 PCIe", 80 * GB),
+    "h100-nvl": Device("H100 NVL", 94 * GB), "h200": Device("H200", 141 * GB),
+    "a100": Device("A100", 80 * GB), "a100-40gb": Device("A100", 40 * GB),
+    "l40s": Device("L40S", 48 * GB), "a10": Device("A10", 24 * GB), "cpu": Device(None, 0.0),
+}
+
+
+def device(name: str) -> Device:
+    """The device called `name`; cpu: this machine's memory."""
+    if name not in DEVICES:
+        raise ValueError(f"--device {name!r}: choose one of {', '.join(DEVICES)}")
+    return Device(None, host_memory()) if name == "cpu" else DEVICES[name]
+
+
+def device_flops(name: str, precision: str) -> float:
+    """Peak FLOP/s of one `name` device at `precision` (cpu: a measured fp32 matmul, as for MFU)."""
+    from pretrieve.engine.flops import GPU_PEAKS, measured_cpu_peak
+
+    part = device(name).part
+    if part is None:
+        return measured_cpu_peak()
+    return next(peaks[precision] for _, known, peaks in GPU_PEAKS if known == part)
+
+
+def layer_activations(b: int, s: int, h: int, f: int, heads: int, element: int) -> int:
+    return s * b * h * (8 * element + 2) + 2 * element * s * b * f + (2 * element + 1) * heads * s * s * b
+
+
+def estimate(exp, world_size: int, batch: dict) -> dict:
+    """The memory model of the module docstring for `exp`'s training on `batch` (its collated micro-batch):
+    {"states", "workspace", "per_sequence", "per_sequence_checkpointed"} in bytes, and the configured
+    "activation_checkpointing"."""
+    import torch
+
+    with torch.device("meta"):  # exact parameter counts of every head, nothing allocated
+        head = exp.method.build(exp.options, exp.model)
+    params = sum(p.numel() for p in head.parameters() if p.requires_grad)
+    t, config = exp.train, exp.model.bert_config()
+    mixed = t.precision != "fp32"
+    element = 2 if mixed else 4
+    w, g, o = (2, 2, 12) if mixed else (4, 4, 8)
+    split = [world_size if t.zero_stage >= k else 1 for k in (1, 2, 3)]
+    states = params * (w / split[2] + g / split[1] + (0 if t.offload_optimizer else o) / split[0])
+    b, s = batch["input_ids"].shape
+    h, f, heads, layers = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                           config.num_hidden_layers)
+    layer = layer_activations(1, s, h, f, heads, element)
+    decoders = sum(n * layer_activations(1, length, h, f, heads, element)
+                   for n, length in decoder_layers(exp.method.name, exp.options, batch))
+    projections = 1 + bool(decoder_layers(exp.method.name, exp.options, batch))
+    return {"states": states, "workspace": projections * (4 * config.vocab_size * (h + 1) + LOGITS_CHUNK_BYTES),
+            "per_sequence": layers * layer + decoders,
+            "per_sequence_checkpointed": layers * element * s * h + layer + decoders,
+            "activation_checkpointing": t.activation_checkpointing}
+
+
+def decoder_layers(method: str, options, batch: dict) -> list[tuple[int, int]]:
+    """(layers, sequence length) of the decoders `method` trains beside the encoder."""
+    length = batch["input_ids"].shape[1]
+    if method in ("retromae", "dupmae"):
+        return [(1, length)]
+    if method == "seed":
+        return [(options.decoder_layers, batch["dec_input_ids"].shape[1])]
+    if method in ("cotmae", "cotmote"):
+        return [(options.decoder_layers, batch["ctx_input_ids"].shape[1])]
+    return []
+
+
+def needed(memory: dict, micro_batch: int, checkpointing: bool) -> float:
+    per_sequence = memory["per_sequence_checkpointed" if checkpointing else "per_sequence"]
+    return memory["states"] + memory["workspace"] + micro_batch * per_sequence
+
+
+def fit_advice(point, device_name: str, capacity: float) -> str | None:
+    """None when `point`'s micro-batch fits `capacity` bytes, else the warning with what would make it fit."""
+    memory, b, accum = point.memory, point.micro_batch_size, point.grad_accum
+    checkpointing = memory["activation_checkpointing"]
+    usable = USABLE_SHARE * capacity
+    need = needed(memory, b, checkpointing)
+    if need <= usable:
+        return None
+    head = (f"point {point.id}: about {need / GB:.1f} GB per device (model states {memory['states'] / GB:.1f} GB) "
+            f"for a micro-batch of {b} x {point.seq_len} tokens, over the {usable / GB:.1f} GB usable of "
+            f"{device_name} ({capacity / GB:.0f} GB)")
+    fixes = []
+    if not checkpointing and needed(memory, b, True) <= usable:
+        fixes.append(f"add train.activation_checkpointing=true to train.overrides "
+                     f"({needed(memory, b, True) / GB:.1f} GB, about 1/3 more compute)")
+    for ckpt in (checkpointing, True):
+        smaller = next((k for k in range(2, b + 1) if b % k == 0 and needed(memory, b // k, ckpt) <= usable), None)
+        if smaller is not None:
+            also = " and train.activation_checkpointing=true" if ckpt and not checkpointing else ""
+            fixes.append(f"set train.batch_size: {b // smaller} with train.grad_accum={accum * smaller}{also} "
+                         f"(the same tokens per step; {needed(memory, b // smaller, ckpt) / GB:.1f} GB)")
+            break
+    if not fixes:
+        fixes.append("even a micro-batch of 1 with activation checkpointing does not fit: raise train.zero_stage "
+                     "(ZeRO partitions the model states over the ranks), train.offload_optimizer, or the world size")
+    return f"{head}: {'; or '.join(fixes)}"

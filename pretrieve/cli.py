@@ -212,12 +212,12 @@ def _add_training_data(p, what: str) -> None:
 
 
 def _add_mine(commands) -> None:
-    from pretrieve.eval.search import INDEXES
-
     p = commands.add_parser("mine", help="mine ANN hard negatives with a fine-tuned retriever (stage 2's data)",
-                            description="Encode the corpus and the training queries, search with faiss, drop "
-                                        "positives and the top --skip, and sample --negatives from the results down "
-                                        "to --depth; writes fine-tuning JSON lines.")
+                            description="Encode the corpus (or read its vectors from --embeddings) and the training "
+                                        "queries, search, drop positives and the top --skip, and sample --negatives "
+                                        "from the results down to --depth; writes fine-tuning JSON lines. Worker i of "
+                                        "n mines the i-th n-th of the queries into a part file; the worker that "
+                                        "completes the parts merges them into --out.")
     p.add_argument("--model", required=True, metavar="DIR", help="the stage-1 retriever (its export directory)")
     _add_training_data(p, "training queries with positives")
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
@@ -231,7 +231,11 @@ def _add_mine(commands) -> None:
                    help="passage tokens (default: the model's maximum length, else 144)")
     p.add_argument("--query-max-length", type=int, default=32)
     p.add_argument("--batch-size", type=at_least(1), default=64)
-    p.add_argument("--index", choices=INDEXES, default="flat")
+    _index_options(p)
+    p.add_argument("--embeddings", default=None, metavar="DIR",
+                   help="--msmarco / --beir, cls / mean pooling: the corpus vectors `pretrieve encode` wrote to DIR "
+                        "with this model and settings (default: encode the corpus here)")
+    _worker_options(p, "queries")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--on-missing", choices=("fail", "skip"), default="fail")
     p.set_defaults(run=_run_mine)
@@ -244,7 +248,8 @@ def _run_mine(args) -> int:
         model=args.model, out=args.out, data=args.data, msmarco=args.msmarco, beir=args.beir, split=args.split,
         on_missing=args.on_missing, depth=args.depth, negatives=args.negatives, skip=args.skip, pooling=args.pooling,
         normalize=args.normalize, max_length=args.max_length, query_max_length=args.query_max_length,
-        batch_size=args.batch_size, index=args.index, seed=args.seed))))
+        batch_size=args.batch_size, index=args.index, nprobe=args.nprobe, ef_search=args.ef_search,
+        embeddings=args.embeddings, worker=args.worker, workers=args.workers, seed=args.seed))))
     return 0
 
 

@@ -1,6 +1,7 @@
-"""Evaluation at MS MARCO scale, on the bundled SciFact sample with a tiny random encoder: the corpus streamed
-(never all its texts or tokens in memory), vectors written as float32 / float16 shards and read memory-mapped,
-and exact search shard by shard equal to one flat index."""
+"""Evaluation and mining at MS MARCO scale, on the bundled SciFact sample with a tiny random encoder: the corpus
+streamed (never all its texts or tokens in memory), vectors written as float32 / float16 shards and read
+memory-mapped, exact search shard by shard equal to one flat index, and mining split over workers equal to one
+process."""
 
 import json
 import shutil
@@ -15,9 +16,12 @@ from pretrieve.data.retrieval import RetrievalDataError, load_beir, load_retriev
 from pretrieve.eval.encode import DenseEncoder, EncodeOptions
 from pretrieve.eval.search import dense_search, faiss_gpus, top_k
 from pretrieve.eval.vectors import ShardedVectors, encode_corpus_shards, open_corpus_vectors
+from pretrieve.finetune.examples import read_examples
+from pretrieve.finetune.mine import MineOptions, mine
 from pretrieve.models.representation import POOLINGS
 
 SCIFACT = SAMPLES / "beir" / "scifact-sample"
+FLAG = SAMPLES / "finetune" / "embedder_retrieval_msmarco.jsonl"
 
 
 def whole_list_vectors(encoder: DenseEncoder, texts: list[str]) -> np.ndarray:
@@ -207,3 +211,47 @@ def test_eval_searches_shards_without_corpus_texts_and_reports_index_recall(tmp_
     assert 0.9 <= metrics["index_recall@50"] <= 1.0 and "index_recall@50" not in exact
     assert metrics["ndcg@10"] == pytest.approx(exact["ndcg@10"], abs=0.02)  # float16, approximate
     capsys.readouterr()
+
+
+def test_mine_with_embeddings_over_workers_gives_the_negatives_of_one_process(tmp_path, encoded, tiny_encoder):
+    vectors, _ = encoded
+    common = dict(model=str(tiny_encoder), beir=str(SCIFACT), split="test", depth=30, negatives=4, skip=1,
+                  pooling="mean", normalize=True, max_length=64, progress=False)
+    alone = tmp_path / "alone.jsonl"
+    assert mine(MineOptions(out=str(alone), **common))["queries_with_fewer_negatives"] == 0
+    split = tmp_path / "split" / "hard.jsonl"
+    for worker, merged in ((2, False), (0, False), (1, True)):  # in any order; the last part completes the file
+        result = mine(MineOptions(out=str(split), embeddings=str(vectors / "float32"), worker=worker, workers=3,
+                                  **common))
+        assert result["merged"] is merged and result["queries"] in (33, 34)
+        assert split.is_file() is merged
+    assert split.read_bytes() == alone.read_bytes()
+    assert sorted(p.name for p in split.parent.iterdir()) == ["hard.jsonl"]  # parts, settings and lock removed
+
+    data = load_beir(SCIFACT)
+    examples = read_examples(alone)
+    assert [e.query for e in examples] == [data.queries[q] for q in data.qrels]
+    for example, qid in zip(examples, data.qrels):
+        assert example.pos == [data.doc_text(d) for d, rel in data.qrels[qid].items() if rel > 0]
+        assert len(example.neg) == 4 and not set(example.neg) & set(example.pos)
+
+    mine(MineOptions(out=str(split), worker=0, workers=2, **{**common, "negatives": 3}))
+    with pytest.raises(ValueError, match="mined parts made with"):  # a worker started with other settings
+        mine(MineOptions(out=str(split), worker=1, workers=2, **common))
+    with pytest.raises(ValueError, match="vectors made with"):  # vectors of other settings than the model's
+        mine(MineOptions(out=str(tmp_path / "x.jsonl"), embeddings=str(vectors / "float32"),
+                         **{**common, "max_length": 32}))
+    with pytest.raises(ValueError, match="--embeddings: vectors of an MS MARCO / BEIR corpus"):
+        mine(MineOptions(model=str(tiny_encoder), out=str(tmp_path / "y.jsonl"), data=[str(FLAG)],
+                         embeddings=str(vectors / "float32")))
+
+
+def test_mine_of_training_passages_over_workers_gives_the_negatives_of_one_process(tmp_path, tiny_encoder, capsys):
+    common = ["mine", "--model", str(tiny_encoder), "--data", str(FLAG), "--depth", "12", "--negatives", "5",
+              "--max-length", "48"]
+    assert cli([*common, "--out", str(tmp_path / "alone.jsonl")]) == 0
+    for worker in ("1", "0"):
+        assert cli([*common, "--worker", worker, "--workers", "2", "--out", str(tmp_path / "split.jsonl")]) == 0
+    assert (tmp_path / "split.jsonl").read_bytes() == (tmp_path / "alone.jsonl").read_bytes()
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [p.get("merged") for p in printed] == [None, False, True]

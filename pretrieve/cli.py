@@ -237,12 +237,12 @@ def _add_training_data(p, what: str) -> None:
 
 
 def _add_mine(commands) -> None:
-    from pretrieve.eval.search import INDEXES
-
     p = commands.add_parser("mine", help="mine ANN hard negatives with a fine-tuned retriever (stage 2's data)",
-                            description="Encode the corpus and the training queries, search with faiss, drop "
-                                        "positives and the top --skip, and sample --negatives from the results down "
-                                        "to --depth; writes fine-tuning JSON lines.")
+                            description="Encode the corpus (or read its vectors from --embeddings) and the training "
+                                        "queries, search, drop positives and the top --skip, and sample --negatives "
+                                        "from the results down to --depth; writes fine-tuning JSON lines. Worker i of "
+                                        "n mines the i-th n-th of the queries into a part file; the worker that "
+                                        "completes the parts merges them into --out.")
     p.add_argument("--model", required=True, metavar="DIR", help="the stage-1 retriever (its export directory)")
     _add_training_data(p, "training queries with positives")
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
@@ -256,7 +256,11 @@ def _add_mine(commands) -> None:
                    help="passage tokens (default: the model's maximum length, else 144)")
     p.add_argument("--query-max-length", type=int, default=32)
     p.add_argument("--batch-size", type=at_least(1), default=64)
-    p.add_argument("--index", choices=INDEXES, default="flat")
+    _index_options(p)
+    p.add_argument("--embeddings", default=None, metavar="DIR",
+                   help="--msmarco / --beir, cls / mean pooling: the corpus vectors `pretrieve encode` wrote to DIR "
+                        "with this model and settings (default: encode the corpus here)")
+    _worker_options(p, "queries")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--on-missing", choices=("fail", "skip"), default="fail")
     p.set_defaults(run=_run_mine)
@@ -269,7 +273,8 @@ def _run_mine(args) -> int:
         model=args.model, out=args.out, data=args.data, msmarco=args.msmarco, beir=args.beir, split=args.split,
         on_missing=args.on_missing, depth=args.depth, negatives=args.negatives, skip=args.skip, pooling=args.pooling,
         normalize=args.normalize, max_length=args.max_length, query_max_length=args.query_max_length,
-        batch_size=args.batch_size, index=args.index, seed=args.seed))))
+        batch_size=args.batch_size, index=args.index, nprobe=args.nprobe, ef_search=args.ef_search,
+        embeddings=args.embeddings, worker=args.worker, workers=args.workers, seed=args.seed))))
     return 0
 
 
@@ -319,9 +324,22 @@ def _split(args) -> str:
     return args.split or ("test" if args.beir else "dev")
 
 
-def _add_eval(commands) -> None:
+def _index_options(p) -> None:
     from pretrieve.eval.search import INDEXES
 
+    p.add_argument("--index", choices=INDEXES, default="flat",
+                   help="flat: exact; ivf, ivfpq, hnsw: approximate faiss indexes, one per block of the corpus")
+    p.add_argument("--nprobe", type=at_least(1), default=32, help="ivf / ivfpq: lists searched per query")
+    p.add_argument("--ef-search", type=at_least(1), default=None,
+                   help="hnsw: candidates kept while searching (default max(128, depth))")
+
+
+def _worker_options(p, what: str) -> None:
+    p.add_argument("--worker", type=int, default=0, help="this worker's index (default 0)")
+    p.add_argument("--workers", type=at_least(1), default=1, help=f"workers sharing the {what} (default 1)")
+
+
+def _add_eval(commands) -> None:
     p = commands.add_parser("eval", help="score an encoder (or BM25) on a BEIR / MS MARCO set: metrics, run, per query",
                             description="Encode the corpus and the judged queries, search, and write OUT/metrics.json "
                                         "(ndcg@10, mrr@10, mrr@100, recall@100, recall@1000, map), OUT/run.trec and "
@@ -341,7 +359,7 @@ def _add_eval(commands) -> None:
     _normalize_option(p, "L2-normalize vectors (cosine similarity)")
     _max_length_option(p)
     p.add_argument("--batch-size", type=at_least(1), default=64)
-    p.add_argument("--index", choices=INDEXES, default="flat", help="faiss index (flat is exact)")
+    _index_options(p)
     p.add_argument("--depth", type=at_least(1), default=1000, help="documents retrieved per query")
     p.add_argument("--bm25", action="store_true", help="BM25 baseline (alone, or beside --model in OUT/bm25/)")
     p.add_argument("--on-missing", choices=("fail", "skip"), default="fail",
@@ -361,38 +379,40 @@ def _add_eval(commands) -> None:
 
 def _add_encode(commands) -> None:
     p = commands.add_parser("encode", help="encode a corpus to .npy + .ids shards, resumable, split over workers",
-                            description="Write DIR/corpus-NNNNN.npy and .ids per --shard-size documents; worker i of "
-                                        "n takes every n-th shard, complete shards are skipped. `pretrieve eval "
-                                        "--embeddings DIR` with the same model and settings reads them.")
+                            description="Stream the corpus through the encoder and write DIR/corpus-NNNNN.npy and "
+                                        ".ids per --shard-size documents; worker i of n takes every n-th shard, "
+                                        "complete shards are skipped. `pretrieve eval --embeddings DIR` and "
+                                        "`pretrieve mine --embeddings DIR` with the same model and settings read "
+                                        "them.")
     p.add_argument("--model", required=True, metavar="DIR")
     _add_retrieval_set(p)
     p.add_argument("--pooling", choices=("cls", "mean"), default=None, help=MODEL_SAYS)
     _normalize_option(p, "L2-normalize vectors (cosine similarity)")
     _max_length_option(p)
     p.add_argument("--batch-size", type=at_least(1), default=64)
-    p.add_argument("--shard-size", type=int, default=100_000, help="documents per shard")
-    p.add_argument("--worker", type=int, default=0, help="this worker's index (default 0)")
-    p.add_argument("--workers", type=at_least(1), default=1, help="workers sharing DIR (default 1)")
+    p.add_argument("--shard-size", type=at_least(1), default=100_000, help="documents per shard")
+    p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                   help="vectors as stored (float16: half the disk; search computes in float32 or more)")
+    _worker_options(p, "shards of DIR")
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(run=_run_encode)
 
 
 def _run_encode(args) -> int:
-    from pretrieve.data.retrieval import load_retrieval_set
-    from pretrieve.eval.encode import DenseEncoder, EncodeOptions, encode_corpus_shards
+    from pretrieve.data.retrieval import stream_corpus
+    from pretrieve.eval.encode import DenseEncoder, EncodeOptions
     from pretrieve.eval.model_config import resolve_encoding
+    from pretrieve.eval.vectors import encode_corpus_shards
 
-    data = load_retrieval_set(args.beir, args.msmarco, _split(args), "skip")
     encoding = resolve_encoding(args.model, args.pooling, args.normalize, args.max_length)
     if encoding.pooling not in ("cls", "mean"):
         raise ValueError(f"{args.model}: pooling {encoding.pooling} ({encoding.source}) is not a dense pooling; "
                          "`pretrieve encode` writes cls or mean vectors (give --pooling)")
     encoder = DenseEncoder(args.model, EncodeOptions(encoding.pooling, encoding.max_length, args.batch_size,
                                                      encoding.normalize))
-    doc_ids = list(data.corpus)
-    shards = encode_corpus_shards(encoder, doc_ids, [data.doc_text(d) for d in doc_ids], args.out, args.shard_size,
-                                  args.worker, args.workers)
-    print(json.dumps({"out": args.out, "documents": len(doc_ids), "shards": [s.name for s in shards]}))
+    shards, documents = encode_corpus_shards(encoder, stream_corpus(args.beir, args.msmarco), args.out,
+                                             args.shard_size, args.worker, args.workers, args.dtype)
+    print(json.dumps({"out": args.out, "documents": documents, "shards": [s.name for s in shards]}))
     return 0
 
 
@@ -402,9 +422,10 @@ def _run_eval(args) -> int:
     result = run_eval(EvalOptions(
         out=args.out, model=args.model, beir=args.beir, msmarco=args.msmarco, split=_split(args), pooling=args.pooling,
         max_length=args.max_length, normalize=args.normalize, batch_size=args.batch_size, index=args.index,
-        depth=args.depth, bm25=args.bm25, on_missing=args.on_missing, vocab_top_k=args.vocab_top_k,
-        sparse_weight=args.sparse_weight, candidates=args.candidates, embeddings=args.embeddings,
-        contrastive_entropy=args.contrastive_entropy, ce_temperature=args.ce_temperature, ce_seed=args.ce_seed))
+        nprobe=args.nprobe, ef_search=args.ef_search, depth=args.depth, bm25=args.bm25, on_missing=args.on_missing,
+        vocab_top_k=args.vocab_top_k, sparse_weight=args.sparse_weight, candidates=args.candidates,
+        embeddings=args.embeddings, contrastive_entropy=args.contrastive_entropy, ce_temperature=args.ce_temperature,
+        ce_seed=args.ce_seed))
     if args.model and args.bm25:  # the result line is the model's: BM25's numbers beside it (stdout stays one line)
         print(baseline_table(args.out), file=sys.stderr)
     print(json.dumps({k: result[k] for k in ("ndcg@10", "mrr@10", "recall@100", "map", "contrastive_entropy",

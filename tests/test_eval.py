@@ -14,7 +14,7 @@ from pretrieve.cli import main as cli
 from pretrieve.data.retrieval import RetrievalDataError, load_beir, load_msmarco, write_msmarco
 from pretrieve.eval.evaluate import TABLE_METRICS, EvalOptions, run_eval
 from pretrieve.eval.metrics import METRICS, evaluate, trec_run_lines
-from pretrieve.eval.search import bm25_search, dense_search
+from pretrieve.eval.search import bm25_search, dense_search, index_recall
 
 SCIFACT = SAMPLES / "beir" / "scifact-sample"
 
@@ -118,12 +118,13 @@ def test_dense_search_flat_is_exact_and_approximate_indexes_recall():
         top = np.argsort(-brute[i])[:10]
         assert list(exact[qid]) == [doc_ids[j] for j in top]
         assert list(exact[qid].values()) == pytest.approx(brute[i, top].tolist(), rel=1e-5)
-    for index, floor in (("hnsw", 0.9), ("ivfpq", 0.3)):
+    for index, floor in (("hnsw", 0.9), ("ivf", 0.5), ("ivfpq", 0.3)):
         found = dense_search(docs, doc_ids, queries, query_ids, k=10, index=index)
         recall = np.mean([len(set(found[q]) & set(exact[q])) / 10 for q in query_ids])
         assert recall >= floor, (index, recall)
-    with pytest.raises(ValueError, match="index: 'ivf'"):
-        dense_search(docs, doc_ids, queries, query_ids, index="ivf")
+        assert index_recall(found, exact) == pytest.approx(recall)
+    with pytest.raises(ValueError, match="index: 'lsh'"):
+        dense_search(docs, doc_ids, queries, query_ids, index="lsh")
 
 
 def test_pretrieve_eval_writes_metrics_run_and_per_query_and_shows_bm25_beside_the_model(tmp_path, tiny_encoder,

@@ -1,4 +1,5 @@
-"""Retrieval test collections, BEIR folders and MS MARCO files, read into one in-memory form.
+"""Retrieval test collections, BEIR folders and MS MARCO files, read into one in-memory form, or their corpus
+streamed.
 
 BEIR: `corpus.jsonl` {"_id", "title", "text"}, `queries.jsonl` {"_id", "text"}, `qrels/<split>.tsv` (a header
 line, then query-id, corpus-id, score). MS MARCO: `collection.tsv` (pid, passage) or `msmarco-docs.tsv` (docid,
@@ -7,6 +8,11 @@ relevance). Only the queries judged in the split are kept. A qrels line naming a
 not there is an error naming the file and line, or with on_missing="skip" dropped and counted. A qrels line
 with more columns than its format's is an error naming it; negative grades (TREC's junk and spam) are read as
 0, not relevant, and counted in `skipped`.
+
+At MS MARCO scale (8.8M passages) the texts need not be held: `load_retrieval_set(..., texts=False)` keeps the
+document ids alone (what searching precomputed vectors needs), and `stream_corpus` yields (id, text) one
+document at a time (what encoding needs). Every reader sees the same documents in the same order: a repeated id
+with the same title and text counts once, with another text it is an error naming both lines.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from pretrieve.data.corpora import BadRecord, numbered_lines
 
@@ -25,33 +32,48 @@ class RetrievalDataError(ValueError):
 @dataclass
 class RetrievalSet:
     name: str
-    corpus: dict[str, tuple[str, str]]  # doc id -> (title, text)
+    corpus: dict[str, tuple[str, str] | None]  # doc id -> (title, text); None when read with texts=False
     queries: dict[str, str]  # judged query id -> text
     qrels: dict[str, dict[str, int]]  # query id -> doc id -> relevance
     skipped: dict[str, int] = field(default_factory=dict)  # qrels lines dropped, by reason
 
     def doc_text(self, doc_id: str) -> str:
         """title + " " + text, the BEIR / MTEB convention."""
-        title, text = self.corpus[doc_id]
-        return f"{title} {text}".strip()
+        document = self.corpus[doc_id]
+        if document is None:
+            raise ValueError(f"{self.name}: read without its corpus texts (texts=False); document {doc_id} has none")
+        return document_text(*document)
+
+
+def document_text(title: str, text: str) -> str:
+    return f"{title} {text}".strip()
 
 
 def load_retrieval_set(beir: str | Path | None = None, msmarco: str | Path | None = None, split: str = "test",
-                       on_missing: str = "fail") -> RetrievalSet:
+                       on_missing: str = "fail", texts: bool = True) -> RetrievalSet:
+    """The set; texts=False keeps the corpus's ids only (each maps to None)."""
     if (beir is None) == (msmarco is None):
         raise ValueError("give one of a BEIR folder or an MS MARCO folder")
-    return load_beir(beir, split, on_missing) if beir is not None else load_msmarco(msmarco, split, on_missing)
+    return load_beir(beir, split, on_missing, texts) if beir is not None else \
+        load_msmarco(msmarco, split, on_missing, texts)
 
 
-def load_beir(folder: str | Path, split: str = "test", on_missing: str = "fail") -> RetrievalSet:
+def stream_corpus(beir: str | Path | None = None, msmarco: str | Path | None = None) -> Iterator[tuple[str, str]]:
+    """(doc id, title + " " + text) of the set's corpus in file order, read one document at a time; the same
+    documents, in the same order, as `load_retrieval_set(...).corpus`. Memory: the ids seen so far."""
+    if (beir is None) == (msmarco is None):
+        raise ValueError("give one of a BEIR folder or an MS MARCO folder")
+    path = Path(beir) / "corpus.jsonl" if beir is not None else _msmarco_collection(Path(msmarco))
+    _require(path)
+    for key, document in _unique_documents(path):
+        yield key, document_text(*document)
+
+
+def load_beir(folder: str | Path, split: str = "test", on_missing: str = "fail", texts: bool = True) -> RetrievalSet:
     folder = Path(folder)
     qrels_file = folder / "qrels" / f"{split}.tsv"
     _require(folder / "corpus.jsonl", folder / "queries.jsonl", qrels_file)
-    corpus, queries = _Unique(folder / "corpus.jsonl"), _Unique(folder / "queries.jsonl")
-    for number, record in jsonl_records(corpus.path):
-        title = _field(record, "title", corpus.path, number, optional=True)
-        text = _field(record, "text", corpus.path, number)
-        corpus.add(number, _field(record, "_id", corpus.path, number), (title, text))
+    corpus, queries = _read_corpus(folder / "corpus.jsonl", texts), _Unique(folder / "queries.jsonl")
     for number, record in jsonl_records(queries.path):
         queries.add(number, _field(record, "_id", queries.path, number), _field(record, "text", queries.path, number))
     rows = [(number, cols, (0, 1, 2)) for number, cols in _tsv(qrels_file)
@@ -59,21 +81,13 @@ def load_beir(folder: str | Path, split: str = "test", on_missing: str = "fail")
     return _assemble(folder.name, corpus, queries, qrels_file, rows, on_missing)
 
 
-def load_msmarco(folder: str | Path, split: str = "dev", on_missing: str = "fail") -> RetrievalSet:
+def load_msmarco(folder: str | Path, split: str = "dev", on_missing: str = "fail",
+                 texts: bool = True) -> RetrievalSet:
     folder = Path(folder)
     queries_file, qrels_file = folder / f"queries.{split}.tsv", folder / f"qrels.{split}.tsv"
-    passages, documents = folder / "collection.tsv", folder / "msmarco-docs.tsv"
-    collection = passages if passages.is_file() else documents
+    collection = _msmarco_collection(folder)
     _require(collection, queries_file, qrels_file)
-    corpus, queries = _Unique(collection), _Unique(queries_file)
-    for number, cols in _tsv(collection):
-        if collection == passages and len(cols) == 2:
-            corpus.add(number, cols[0], ("", cols[1]))
-        elif collection == documents and len(cols) == 4:
-            corpus.add(number, cols[0], (cols[2], cols[3]))
-        else:
-            raise RetrievalDataError(f"{collection}:{number}: expected {2 if collection == passages else 4} "
-                                     f"tab-separated columns, got {len(cols)}")
+    corpus, queries = _read_corpus(collection, texts), _Unique(queries_file)
     for number, cols in _tsv(queries_file):
         if len(cols) != 2:
             raise RetrievalDataError(f"{queries_file}:{number}: expected qid<TAB>text, got {len(cols)} columns")
@@ -95,6 +109,46 @@ def write_msmarco(data: RetrievalSet, folder: str | Path, split: str = "dev") ->
     (folder / f"qrels.{split}.tsv").write_text("".join(f"{q}\t0\t{d}\t{rel}\n" for q, docs in data.qrels.items()
                                                        for d, rel in docs.items()))
     return folder
+
+
+def _msmarco_collection(folder: Path) -> Path:
+    """collection.tsv (passages) when there is one, else msmarco-docs.tsv (documents)."""
+    passages = folder / "collection.tsv"
+    return passages if passages.is_file() else folder / "msmarco-docs.tsv"
+
+
+def _corpus_records(path: Path) -> Iterator[tuple[int, str, tuple[str, str]]]:
+    """(line number, doc id, (title, text)) of a corpus.jsonl, collection.tsv or msmarco-docs.tsv."""
+    if path.name == "corpus.jsonl":
+        for number, record in jsonl_records(path):
+            title = _field(record, "title", path, number, optional=True)
+            yield number, _field(record, "_id", path, number), (title, _field(record, "text", path, number))
+        return
+    columns = 2 if path.name == "collection.tsv" else 4  # pid, passage | docid, url, title, body
+    for number, cols in _tsv(path):
+        if len(cols) != columns:
+            raise RetrievalDataError(f"{path}:{number}: expected {columns} tab-separated columns, got {len(cols)}")
+        yield number, cols[0], ("", cols[1]) if columns == 2 else (cols[2], cols[3])
+
+
+def _unique_documents(path: Path) -> Iterator[tuple[str, tuple[str, str]]]:
+    """(doc id, (title, text)) in file order; an id repeated with the same document is dropped, with another it
+    is an error naming both lines. Only a hash of each document is kept, not its text."""
+    seen: dict[str, int] = {}
+    for number, key, document in _corpus_records(path):
+        digest = hash(document)
+        if key not in seen:
+            seen[key] = digest
+            yield key, document
+        elif seen[key] != digest:
+            first = next(n for n, k, _ in _corpus_records(path) if k == key)  # the error's path only: read again
+            raise RetrievalDataError(f"{path}:{number}: id {key!r} again, with other text than at line {first}")
+
+
+def _read_corpus(path: Path, texts: bool) -> dict[str, tuple[str, str] | None]:
+    if texts:
+        return dict(_unique_documents(path))
+    return dict.fromkeys(key for key, _ in _unique_documents(path))
 
 
 def _assemble(name, corpus, queries, qrels_file, rows, on_missing) -> RetrievalSet:

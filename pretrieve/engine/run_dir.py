@@ -1,7 +1,9 @@
-"""The run directory's small files: atomic writes, and the `latest` pointer to the newest complete checkpoint."""
+"""The run directory's small files: atomic writes, settings records shared by parallel workers, and the `latest`
+pointer to the newest complete checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -16,6 +18,27 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def record_settings(path: Path, settings: dict, what: str) -> None:
+    """PATH records the settings of what workers write beside it: the first worker writes it, every other one
+    checks that it was started with the same (keys PATH has beyond `settings` are not compared). The record
+    appears whole or not at all, even when workers start together: it is written under a name of this
+    process's own and hard-linked into place, which fails if another worker got there first."""
+    settings = json.loads(json.dumps(settings))  # as read back: tuples become lists
+    if not path.is_file():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(settings, indent=1) + "\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    previous = json.loads(path.read_text())
+    if {k: previous.get(k) for k in settings} != settings:
+        raise ValueError(f"{path}: this place holds {what} made with {previous}, not {settings}; use another "
+                         "output, or remove it to start over")
 
 
 def latest_checkpoint(run_dir: Path) -> str | None:

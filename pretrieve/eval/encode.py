@@ -1,22 +1,30 @@
 """Dense encoding of texts with an exported encoder (a HF directory: `pretrieve export`, or any BERT-like model).
 
-Texts are tokenized once, sorted by length and batched, so a batch pads only to its own longest text (on
-SciFact at 256 tokens this skips most of the padding a corpus-order batch carries); vectors come back in
-input order. Pooling: `cls` (the [CLS] vector, the RetroMAE family) or `mean` (over non-padding tokens,
-sentence-transformers); `normalize` makes inner product cosine. bf16 autocast on a GPU, fp32 on CPU.
-A CoT-MoTE encoder (an export with query experts) encodes queries through its query experts and documents
-through its passage experts (cot-mote.txt §3.3).
+Texts are read a window at a time (`EncodeOptions.window`, default 64 batches): a window is tokenized in one
+call, sorted by length and batched, so a batch pads only to its own longest text (on SciFact at 256 tokens this
+skips most of the padding a corpus-order batch carries), and memory holds one window's tokens whatever the
+corpus size; vectors come back in input order. A text's vector does not depend on its batch-mates except by
+float rounding: on CPU, a batch of other lengths moves a few coordinates by one or two float32 ulps (about
+1e-7, from how the matrix products are blocked), so two window sizes agree to that, and one window over all the
+texts is the whole-list sort of earlier versions, bit for bit. Pooling: `cls` (the [CLS] vector, the RetroMAE
+family) or `mean` (over non-padding tokens, sentence-transformers); `normalize` makes inner product cosine. bf16
+autocast on a GPU, fp32 on CPU. A CoT-MoTE encoder (an export with query experts) encodes queries through its
+query experts and documents through its passage experts (cot-mote.txt §3.3).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
 
 from pretrieve.models.representation import POOLINGS
+
+WINDOW_BATCHES = 64  # batches per window when EncodeOptions.window is not given
 
 
 @dataclass
@@ -25,19 +33,32 @@ class EncodeOptions:
     max_length: int = 256
     batch_size: int = 64
     normalize: bool = False
+    window: int | None = None  # texts tokenized and length-sorted together; None: WINDOW_BATCHES batches
+
+    def window_size(self) -> int:
+        return self.window or self.batch_size * WINDOW_BATCHES
 
 
-def length_sorted_batches(tokenizer, texts: list[str], options: EncodeOptions, device: torch.device,
-                          desc: str, progress: bool):
-    """(row indices into `texts`, padded batch on `device`), longest texts first, each text tokenized once."""
-    from pretrieve.progress import track
+def length_sorted_batches(tokenizer, texts: Iterable[str], options: EncodeOptions, device: torch.device,
+                          desc: str, progress: bool, total: int | None = None):
+    """(row indices into `texts`, padded batch on `device`): `texts` read window by window, each window
+    tokenized in one call and batched longest texts first. `total`: the number of texts, for the progress
+    line (default: len(texts) when it has one)."""
+    from pretrieve.progress import Progress
 
-    ids = tokenizer(texts, truncation=True, max_length=options.max_length)["input_ids"]
-    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-    size = options.batch_size
-    for start in track(range(0, len(order), size), desc=desc, unit="batch", enabled=progress, leave=False):
-        rows = order[start:start + size]
-        yield rows, tokenizer.pad({"input_ids": [ids[i] for i in rows]}, return_tensors="pt").to(device)
+    if total is None and hasattr(texts, "__len__"):
+        total = len(texts)  # type: ignore[arg-type]
+    stream, start, size = iter(texts), 0, options.batch_size
+    with Progress(total, desc, unit="text", enabled=progress, leave=False) as shown:
+        while window := list(islice(stream, options.window_size())):
+            ids = tokenizer(window, truncation=True, max_length=options.max_length)["input_ids"]
+            order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+            for first in range(0, len(order), size):
+                rows = order[first:first + size]
+                yield [start + i for i in rows], \
+                    tokenizer.pad({"input_ids": [ids[i] for i in rows]}, return_tensors="pt").to(device)
+                shown.update(len(rows))
+            start += len(window)
 
 
 class DenseEncoder:
@@ -64,14 +85,26 @@ class DenseEncoder:
         return {"model": self.model_dir, "pooling": self.options.pooling, "max_length": self.options.max_length,
                 "normalize": self.options.normalize}
 
-    @torch.inference_mode()
+    @property
+    def dim(self) -> int:
+        return self.model.config.hidden_size
+
     def encode(self, texts: list[str], desc: str = "encode", progress: bool = True,
                queries: bool = False) -> np.ndarray:
         """[len(texts), hidden] float32 vectors, in the order of `texts`; `queries` picks the query experts."""
-        out = np.empty((len(texts), self.model.config.hidden_size), dtype=np.float32)
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        for rows, vectors in self.vectors(texts, desc, progress, queries):
+            out[rows] = vectors
+        return out
+
+    @torch.inference_mode()
+    def vectors(self, texts: Iterable[str], desc: str = "encode", progress: bool = True, queries: bool = False,
+                total: int | None = None) -> Iterator[tuple[list[int], np.ndarray]]:
+        """(rows of `texts`, their float32 vectors) batch by batch, `texts` read one window at a time."""
         pool = POOLINGS[self.options.pooling]
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
-        for rows, batch in length_sorted_batches(self.tokenizer, texts, self.options, self.device, desc, progress):
+        for rows, batch in length_sorted_batches(self.tokenizer, texts, self.options, self.device, desc, progress,
+                                                 total):
             with autocast:
                 if self.routed:
                     text_type = torch.full((len(rows),), int(queries), dtype=torch.long, device=self.device)
@@ -81,78 +114,7 @@ class DenseEncoder:
             vectors = pool(hidden.float(), batch["attention_mask"])
             if self.options.normalize:
                 vectors = torch.nn.functional.normalize(vectors, dim=-1)
-            out[rows] = vectors.cpu().numpy()
-        return out
-
-
-def encode_corpus_shards(encoder: "DenseEncoder", doc_ids: list[str], texts: list[str], out: str | Path,
-                         shard_size: int = 100_000, worker: int = 0, workers: int = 1,
-                         progress: bool = True) -> list[Path]:
-    """Encode the corpus in shards of `shard_size` documents to OUT/corpus-NNNNN.npy (float32 [n, d]) and
-    OUT/corpus-NNNNN.ids (one id per line), each written to a temporary name and renamed, ids last. Worker
-    `worker` of `workers` (processes or GPUs sharing OUT) takes every `workers`-th shard; shards already
-    complete are skipped, so a killed encoding continues where it stopped. OUT/encode.json records the model
-    and settings; encoding into a folder made with others is an error. Returns this worker's shards."""
-    import json
-
-    from pretrieve.engine.run_dir import write_atomic
-
-    if not 0 <= worker < workers:
-        raise ValueError(f"worker {worker} is not in 0..{workers - 1}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    settings = {**encoder.settings(), "shard_size": shard_size, "documents": len(doc_ids)}
-    record = out / "encode.json"
-    if record.is_file():
-        previous = json.loads(record.read_text())
-        if previous != settings:
-            raise ValueError(f"{record}: this folder holds vectors made with {previous}, not {settings}")
-    else:
-        write_atomic(record, json.dumps(settings, indent=1) + "\n")
-    mine = []
-    for number, start in enumerate(range(0, len(doc_ids), shard_size)):
-        if number % workers != worker:
-            continue
-        stem = out / f"corpus-{number:05d}"
-        mine.append(stem)
-        if stem.with_suffix(".ids").is_file():
-            continue
-        vectors = encoder.encode(texts[start:start + shard_size], desc=f"encode shard {number}", progress=progress)
-        tmp = stem.with_name(f".{stem.name}.npy.tmp")
-        with open(tmp, "wb") as f:
-            np.save(f, vectors)
-        tmp.replace(stem.with_suffix(".npy"))
-        write_atomic(stem.with_suffix(".ids"), "".join(f"{d}\n" for d in doc_ids[start:start + shard_size]))
-    return mine
-
-
-def load_corpus_shards(folder: str | Path, doc_ids: list[str], encoder: "DenseEncoder") -> np.ndarray:
-    """The vectors of `doc_ids`, in that order, from FOLDER/corpus-*.npy + .ids written by `encoder`'s model and
-    settings; an error names what is missing or different."""
-    import json
-
-    folder = Path(folder)
-    record = folder / "encode.json"
-    if not record.is_file():
-        raise ValueError(f"{record}: not found; write the vectors with `pretrieve encode`")
-    made = json.loads(record.read_text())
-    if {k: made.get(k) for k in encoder.settings()} != encoder.settings():
-        raise ValueError(f"{record}: vectors made with {made}, but this evaluation encodes with {encoder.settings()}")
-    shards = sorted(folder.glob("corpus-*.ids"))
-    row_of, blocks = {}, []
-    for ids_file in shards:
-        ids = ids_file.read_text().splitlines()
-        vectors = np.load(ids_file.with_suffix(".npy"), mmap_mode="r")
-        if len(vectors) != len(ids):
-            raise ValueError(f"{ids_file}: {len(ids)} ids for {len(vectors)} vectors")
-        offset = sum(len(b) for b in blocks)
-        row_of.update((d, offset + i) for i, d in enumerate(ids))
-        blocks.append(vectors)
-    missing = [d for d in doc_ids if d not in row_of]
-    if missing:
-        raise ValueError(f"{folder}: {len(missing)} of {len(doc_ids)} documents have no vector (first: {missing[0]}); "
-                         "run `pretrieve encode` for the missing shards")
-    return np.concatenate(blocks)[[row_of[d] for d in doc_ids]]
+            yield rows, vectors.cpu().numpy()
 
 
 def has_query_experts(model_dir: str | Path) -> bool:

@@ -6,6 +6,12 @@ file and a rename. `--bm25` with a model also writes the BM25 baseline to OUT/bm
 two side by side). With `contrastive_entropy` (K), metrics.json and per_query.jsonl add the model's contrastive
 entropy against K fixed sampled negatives (eval.contrastive, Fang et al. 2024; DESIGN.md "Validation and study
 metrics"), computed on the vectors the search used.
+
+Dense retrieval never holds the corpus's texts: the set is read with its document ids alone, and the corpus is
+streamed through the encoder (eval.vectors.encode_corpus; vectors in memory) or, with `embeddings`, not read
+at all: `pretrieve encode`'s shards are memory-mapped and searched block by block. An approximate `index`
+(ivf, ivfpq, hnsw) adds `index_recall@<depth>` to metrics.json: the share of the exact top `depth` it found,
+over up to RECALL_QUERIES of the queries (evenly spaced) searched again with `flat`.
 """
 
 from __future__ import annotations
@@ -17,15 +23,18 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrieve.data.retrieval import RetrievalSet, load_retrieval_set
+from pretrieve.data.retrieval import RetrievalSet, load_retrieval_set, stream_corpus
 from pretrieve.engine.run_dir import write_atomic
 from pretrieve.eval.contrastive import ContrastiveEntropy, check_options, contrastive_entropy
-from pretrieve.eval.encode import VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder, load_corpus_shards
+from pretrieve.eval.encode import VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder
 from pretrieve.eval.metrics import evaluate, trec_run_lines
 from pretrieve.eval.model_config import resolve_encoding
-from pretrieve.eval.search import bm25_search, dense_search, hybrid_search, pair_scorer, sparse_search
+from pretrieve.eval.search import (IndexOptions, bm25_search, dense_search, hybrid_search, index_recall, pair_scorer,
+                                   sparse_search)
+from pretrieve.eval.vectors import check_same_documents, encode_corpus, open_corpus_vectors
 
 EXACT_HYBRID_DOCS = 100_000  # up to here hybrid / DupMAE scores are exact over the corpus; beyond, candidates
+RECALL_QUERIES = 1_000  # queries an approximate index's recall against flat is measured on
 
 
 @dataclass
@@ -40,6 +49,8 @@ class EvalOptions:
     normalize: bool | None = None  # None: what the model says, else off
     batch_size: int = 64
     index: str = "flat"
+    nprobe: int = 32  # ivf / ivfpq: lists searched
+    ef_search: int | None = None  # hnsw: search breadth (None: max(128, depth))
     depth: int = 1000
     bm25: bool = False
     on_missing: str = "fail"
@@ -60,41 +71,36 @@ def run_eval(opts: EvalOptions) -> dict:
     if opts.contrastive_entropy is not None and opts.model is None:
         raise ValueError("--contrastive-entropy scores a model's own similarities: give --model DIR (BM25 scores "
                          "share no scale with a softmax over inner products, so the BM25 baseline has none)")
-    data = load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing)
+    encoding = None
+    if opts.model is not None:
+        encoding = resolve_encoding(opts.model, opts.pooling, opts.normalize, opts.max_length)
+        opts = replace(opts, pooling=encoding.pooling, normalize=encoding.normalize, max_length=encoding.max_length)
+    texts = opts.bm25 or opts.pooling in VOCAB_POOLINGS  # dense retrieval streams the corpus instead
+    data = load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing, texts=texts)
     if opts.contrastive_entropy is not None:  # before the encoding, not after it
         check_options(opts.contrastive_entropy, opts.ce_temperature, data.qrels, len(data.corpus))
     out = Path(opts.out)
     result = None
     if opts.model is not None:
         started = time.perf_counter()
-        encoding = resolve_encoding(opts.model, opts.pooling, opts.normalize, opts.max_length)
-        opts = replace(opts, pooling=encoding.pooling, normalize=encoding.normalize, max_length=encoding.max_length)
         doc_ids, query_ids = list(data.corpus), list(data.queries)
-        doc_texts, query_texts = [data.doc_text(d) for d in doc_ids], [data.queries[q] for q in query_ids]
+        query_texts, info = [data.queries[q] for q in query_ids], {}
         if opts.pooling in VOCAB_POOLINGS:
             encoder = VocabEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size),
                                    top_k=opts.vocab_top_k)
             opts = replace(opts, vocab_top_k=encoder.top_k)
-            vectors = encode_vocab(encoder, doc_texts, query_texts, progress=opts.progress)
+            vectors = encode_vocab(encoder, [data.doc_text(d) for d in doc_ids], query_texts, progress=opts.progress)
             run = search_vocab(vectors, doc_ids, query_ids, opts.depth, opts.sparse_weight, opts.candidates)
             score = pair_scorer(vectors.dense_docs, vectors.dense_queries, vectors.sparse_docs,
                                 vectors.sparse_queries, opts.sparse_weight)
         else:
-            encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size,
-                                                             opts.normalize))
-            if opts.embeddings:
-                docs = load_corpus_shards(opts.embeddings, doc_ids, encoder)
-            else:
-                docs = encoder.encode(doc_texts, desc="encode corpus", progress=opts.progress)
-            queries = encoder.encode(query_texts, desc="encode queries", progress=opts.progress, queries=True)
-            run = dense_search(docs, doc_ids, queries, query_ids, k=opts.depth, index=opts.index)
-            score = pair_scorer(docs, queries)
+            run, score, info = _dense(opts, doc_ids, query_ids, query_texts)
         contrastive = None
         if opts.contrastive_entropy is not None:
             contrastive = contrastive_entropy(data.qrels, doc_ids, query_ids, score, opts.contrastive_entropy,
                                               opts.ce_temperature, opts.ce_seed)
         retriever = "dense" if opts.pooling in ("cls", "mean") else opts.pooling
-        result = _write(out, data, run, {**_describe(opts, data), "retriever": retriever,
+        result = _write(out, data, run, {**_describe(opts, data), "retriever": retriever, **info,
                                          "encoding_from": encoding.source,
                                          "seconds": round(time.perf_counter() - started, 1)}, contrastive)
     if opts.bm25:
@@ -105,6 +111,26 @@ def run_eval(opts: EvalOptions) -> dict:
                        "seconds": round(time.perf_counter() - started, 1)})
         result = result or bm25
     return result
+
+
+def _dense(opts: EvalOptions, doc_ids: list[str], query_ids: list[str], query_texts: list[str]):
+    """(run, pair scorer, extra metrics) of a cls / mean encoder: the corpus streamed through it, or its vectors
+    from `opts.embeddings`."""
+    encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size, opts.normalize))
+    if opts.embeddings:
+        docs = open_corpus_vectors(opts.embeddings, encoder.settings(), doc_ids)
+    else:
+        docs = encode_corpus(encoder, stream_corpus(opts.beir, opts.msmarco), progress=opts.progress)
+        check_same_documents(opts.beir or opts.msmarco, docs.ids, doc_ids)  # the files did not change meanwhile
+    queries = encoder.encode(query_texts, desc="encode queries", progress=opts.progress, queries=True)
+    index = IndexOptions(opts.index, opts.nprobe, opts.ef_search)
+    run = dense_search(docs, doc_ids, queries, query_ids, k=opts.depth, index=index)
+    info = {}
+    if opts.index != "flat":
+        sample = np.unique(np.linspace(0, len(query_ids) - 1, min(RECALL_QUERIES, len(query_ids))).astype(int))
+        exact = dense_search(docs, doc_ids, queries[sample], [query_ids[i] for i in sample], k=opts.depth)
+        info = {f"index_recall@{opts.depth}": round(index_recall(run, exact), 6), "index_recall_queries": len(sample)}
+    return run, pair_scorer(docs, queries), info
 
 
 @dataclass
@@ -150,8 +176,8 @@ _CONTRASTIVE_OPTIONS = ("contrastive_entropy", "ce_temperature", "ce_seed")  # r
 
 
 def _describe(opts: EvalOptions, data: RetrievalSet, dense: bool = True) -> dict:
-    encoder_only = ("model", "pooling", "max_length", "normalize", "batch_size", "index", "vocab_top_k",
-                    "sparse_weight", "candidates")
+    encoder_only = ("model", "pooling", "max_length", "normalize", "batch_size", "index", "nprobe", "ef_search",
+                    "vocab_top_k", "sparse_weight", "candidates")
     info = {k: v for k, v in asdict(opts).items()
             if k not in ("out", "progress", "bm25", "embeddings", *_CONTRASTIVE_OPTIONS)
             and (dense or k not in encoder_only)}

@@ -4,7 +4,8 @@ on this machine or handed to SLURM, each logged as an MLflow run.
     out: farm-out                      # job outputs: <out>/<checkpoint>/<dataset>/<stage>/
     workers: 2                         # jobs at once on this machine
     tracking: {uri: sqlite:///runs/mlflow.db, experiment: pretrieve-eval}
-    eval: {max_length: 256, depth: 1000, index: flat, batch_size: 64}  # also contrastive_entropy: K, ce_*
+    eval: {max_length: 256, depth: 1000, index: flat, batch_size: 64}  # also contrastive_entropy: K, ce_*,
+                                       # and nprobe / ef_search for index ivf / ivfpq / hnsw
     checkpoints:
       - {name: minilm, model: path/to/export, pooling: mean, normalize: true, run_dir: runs/x}
       - {name: bm25, bm25: true}       # the BM25 baseline (`pretrieve eval --bm25`), zero-shot only
@@ -52,7 +53,8 @@ from pretrieve.finetune.stages import done as finetuned
 from pretrieve.progress import Progress
 
 STAGES = ("zero-shot", "stage1", "stage2", "stage3")
-EVAL_KEYS = ("max_length", "depth", "index", "batch_size", "contrastive_entropy", "ce_temperature", "ce_seed")
+EVAL_KEYS = ("max_length", "depth", "index", "nprobe", "ef_search", "batch_size", "contrastive_entropy",
+             "ce_temperature", "ce_seed")
 FINETUNE_KEYS = ("config", "data", "msmarco", "beir", "split", "negatives", "depth", "teacher_init", "nproc",
                  "overrides")
 

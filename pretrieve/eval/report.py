@@ -2,8 +2,9 @@
 
 Rows are checkpoints, columns datasets (and stage, when there is more than one), one table per metric; the
 last column is the mean over datasets. Writes OUT/<metric>.md, OUT/<metric>.csv and OUT/<metric>.png (grouped
-bars), OUT/report.html (every table and plot on one self-contained page: the plots are embedded, so the file
-opens anywhere without a server), and prints the markdown. When a checkpoint x dataset x stage was evaluated
+bars; left out when matplotlib, the `plots` extra, is not installed), OUT/report.html (every table and plot on
+one self-contained page: the plots are embedded, so the file opens anywhere without a server), and prints the
+markdown. When a checkpoint x dataset x stage was evaluated
 more than once, the latest run counts. The report is also logged to MLflow: a run named `report` (tag
 `pretrieve.report`) in the experiment of the latest evaluation run, with OUT's files as artifacts; its id is
 written to OUT/mlflow.json. Each report is a new run, so earlier ones stay as they were. Evaluations made
@@ -20,6 +21,7 @@ from pathlib import Path
 from pretrieve.engine.run_dir import write_atomic
 from pretrieve.engine.tracking import metric_name
 from pretrieve.eval.report_html import cell_text, write_html
+from pretrieve.optional import MATPLOTLIB, available
 
 DEFAULT_METRICS = ("ndcg@10", "mrr@10", "recall@100")
 
@@ -100,6 +102,7 @@ def write_report(uri: str, out: str | Path, experiments: list[str] | None = None
     out.mkdir(parents=True, exist_ok=True)
     markdown = []
     metric_tables = tables(records, metrics)
+    plots = available(MATPLOTLIB, "the report's plots")
     for metric, rows in metric_tables.items():
         md = "\n".join(["| " + " | ".join(map(cell_text, row)) + " |" for row in rows[:1]]
                        + ["|" + "---|" * len(rows[0])]
@@ -109,8 +112,10 @@ def write_report(uri: str, out: str | Path, experiments: list[str] | None = None
         text = io.StringIO()
         csv.writer(text).writerows([["" if v is None else v for v in row] for row in rows])
         write_atomic(out / f"{metric}.csv", text.getvalue())
-        _plot(rows, metric, out / f"{metric}.png")
-    write_html(out / "report.html", metric_tables, {m: out / f"{m}.png" for m in metric_tables}, source=uri)
+        if plots:
+            _plot(rows, metric, out / f"{metric}.png")
+    write_html(out / "report.html", metric_tables, {m: out / f"{m}.png" for m in metric_tables if plots},
+               source=uri)
     if log_to_mlflow:
         _log_report(uri, out, max(records, key=lambda r: r["start"])["experiment_id"])
     return "\n".join(markdown)

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from pretrieve.eval.vectors import ShardedVectors
+from pretrieve.optional import FAISS, require
 
 INDEXES = ("flat", "ivf", "ivfpq", "hnsw")
 BLOCK_BYTES = 1 << 28  # document vectors searched at once (256 MiB)
@@ -111,7 +112,11 @@ def exact_top_k(queries: np.ndarray, block: np.ndarray, k: int) -> TopK:
 
 
 def faiss_gpus() -> int:
-    """GPUs faiss can use here (0 with a CPU-only faiss build)."""
+    """GPUs faiss can use here (0 with a CPU-only faiss build, or without faiss: exact search needs none)."""
+    import importlib.util
+
+    if importlib.util.find_spec("faiss") is None:
+        return 0
     import faiss
 
     return faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
@@ -124,7 +129,7 @@ def _faiss_search(block: np.ndarray, k: int, index: IndexOptions) -> Callable[[n
 
 
 def _faiss_index(block: np.ndarray, k: int, index: IndexOptions):
-    import faiss
+    faiss = require(FAISS, f"the {index.kind} index")
 
     dim, count = block.shape[1], len(block)
     if index.kind == "flat":  # on GPUs, each holding a share of the block (not a copy each)

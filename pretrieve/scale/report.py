@@ -5,7 +5,7 @@
                                     "allocation": {a, b, ci95, source, ...}, "metric": {...}, "holdout": {...}}}
     OUT/fit.md        the parameters, intervals and errors as markdown tables
     OUT/points.csv    every point with the laws' predictions and residuals
-    OUT/*.png         pretrieve/scale/plots.py
+    OUT/*.png         pretrieve/scale/plots.py (left out when matplotlib, the `plots` extra, is not installed)
 
 From a STUDY.yaml the outputs are also logged as artifacts (folder `scale_fit`) of the study's parent run.
 Non-finite numbers are written as null: fit.json stays strict JSON.
@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from pretrieve.engine.run_dir import write_atomic
+from pretrieve.optional import MATPLOTLIB, available
 from pretrieve.scale.fit import MetricFit, MethodFit, fit_method
 from pretrieve.scale.plots import write_plots
 from pretrieve.scale.points import read_points_csv, read_points_mlflow
@@ -84,8 +85,9 @@ def write_outputs(fits: dict[str, MethodFit], out: Path, source: str, bootstrap:
     write_atomic(out / "fit.json", json.dumps(_strict({m: f.to_json() for m, f in fits.items()}), indent=1) + "\n")
     write_atomic(out / "fit.md", markdown(fits, source, bootstrap, skipped))
     write_atomic(out / "points.csv", points_table(fits))
-    for fit in fits.values():
-        write_plots(fit, out)
+    if available(MATPLOTLIB, "the fit's plots"):
+        for fit in fits.values():
+            write_plots(fit, out)
 
 
 def points_table(fits: dict[str, MethodFit]) -> str:

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 from pretrieve import __version__
+from pretrieve.engine.preemption import INTERRUPTED_EXIT_CODE, Stopped, end_by_sigint_at_exit, hold_stop_signals
 
 
 def at_least(low: int):
@@ -41,6 +42,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `pretrieve ARGV`; without `argv`, this process's command line, and the process is the command's: a
+    training command holds stop signals from here (engine/preemption.py; `python -m pretrieve` from its first
+    line), and one that SIGINT stopped ends the process by SIGINT."""
+    if argv is None:
+        hold_stop_signals(sys.argv[1:])
     parser = _Parser(prog="pretrieve", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"pretrieve {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -65,8 +71,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    code = _run_command(args, own_process=argv is None)
+    if argv is None and code == INTERRUPTED_EXIT_CODE:
+        end_by_sigint_at_exit()  # as an interrupted program ends: a shell script running it stops too
+    return code
+
+
+def _run_command(args, own_process: bool) -> int:
+    """Run the command; its errors and stops as one line each. `own_process`: the command is this process's
+    (`pretrieve ...`): Ctrl-C outside a training loop ends it with a line too (a caller in this process, such as
+    a test, keeps its KeyboardInterrupt)."""
+    import os
+
     try:
         return args.run(args)
+    except Stopped as stopped:  # a stop signal, with the work so far saved
+        if stopped.every_rank or int(os.environ.get("RANK", 0)) == 0:
+            print(f"pretrieve {args.command}: {stopped.line}", file=sys.stderr)
+        return stopped.code
+    except KeyboardInterrupt:
+        if not own_process:
+            raise
+        print(f"pretrieve {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
     except (ValueError, RuntimeError, OSError) as e:  # our errors carry file/line/key; no traceback needed
         print(f"pretrieve {args.command}: error: {e}", file=sys.stderr)
         return 1
@@ -102,20 +129,7 @@ def _run_pretrain(args) -> int:
 
     config = load_config(args.config, args.overrides)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    return _until_preempted("pretrain", lambda: train(experiment(config, world_size=world)))
-
-
-def _until_preempted(command: str, run) -> int:
-    """Print the result of the training `run()`, or exit 85 once preempted with the run's position saved."""
-    from pretrieve.engine.preemption import Preempted
-
-    try:
-        result = run()
-    except Preempted as stopped:  # the newest checkpoint is the run's position; the launcher requeues on this code
-        when = "during start-up, before the first step" if stopped.during_start_up else "checkpoint saved"
-        print(f"pretrieve {command}: preempted, {when}; exit {stopped.code} (resume=auto continues)", file=sys.stderr)
-        return stopped.code
-    print_result(result)
+    print_result(train(experiment(config, world_size=world)))  # a stop signal: Stopped, reported by main
     return 0
 
 
@@ -190,7 +204,8 @@ def _run_finetune(args) -> int:
 
     config = load_config(args.config, args.overrides, required=("finetune",))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    return _until_preempted("finetune", lambda: finetune(finetune_experiment(config, world_size=world)))
+    print_result(finetune(finetune_experiment(config, world_size=world)))
+    return 0
 
 
 def _add_finetune_stages(commands) -> None:
@@ -213,18 +228,19 @@ def _add_finetune_stages(commands) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every fine-tuning run (repeatable), e.g. --set train.max_steps=100")
     p.add_argument("--nproc", type=int, default=1,
-                   help="ranks per fine-tuning run on this node (one per GPU; default 1); SIGTERM / SIGUSR1 reach "
-                        "every rank, a preemption exits 85")
+                   help="ranks per fine-tuning run on this node (one per GPU; default 1); SIGTERM / SIGUSR1 / "
+                        "SIGINT reach every rank, a preemption exits 85")
     p.set_defaults(run=_run_finetune_stages)
 
 
 def _run_finetune_stages(args) -> int:
     from pretrieve.finetune.stages import StagesOptions, run_stages
 
-    return _until_preempted("finetune-stages", lambda: run_stages(StagesOptions(
+    print_result(run_stages(StagesOptions(
         model=args.model, out=args.out, config=args.config, up_to=args.up_to, data=args.data, msmarco=args.msmarco,
         beir=args.beir, split=args.split, teacher_init=args.teacher_init, negatives=args.negatives, depth=args.depth,
         pooling=args.pooling, normalize=args.normalize, overrides=args.overrides, nproc=args.nproc)))
+    return 0
 
 
 def _add_training_data(p, what: str) -> None:

@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 from pathlib import Path
 
 # Triton kernels run under the interpreter on machines without a GPU; it must be chosen before triton loads.
@@ -52,6 +53,18 @@ def signal_in_mask(pid: int, sig: int, *masks: str) -> bool:
     """Whether `sig` is in any of the named masks of /proc/PID/status (SigCgt: caught; ShdPnd, SigPnd: pending)."""
     lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     return any(int(line.split()[1], 16) >> (sig - 1) & 1 for line in lines if line.split(":")[0] in masks)
+
+
+@pytest.fixture
+def sigint_at_default():
+    """Children start with SIGINT at its default: under a background job of a non-interactive shell (`make test &`)
+    this process inherits it ignored, so would they, and a test sending them SIGINT would prove nothing."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:  # a handler of Python's own: exec sets it back to the default in a child
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def free_port() -> str:

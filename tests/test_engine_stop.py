@@ -1,8 +1,10 @@
 """Preemption and export from the training loop: SIGTERM -> checkpoint -> exit 85 -> resume=auto finishes with
-the same final weights as an uninterrupted run, also when the signal comes during start-up; the run's export
-loads in AutoModel."""
+the same final weights as an uninterrupted run, also when the signal comes during start-up; Ctrl-C (SIGINT) ->
+checkpoint -> one line -> the process ends by SIGINT, and a second one ends it at once; the run's export loads
+in AutoModel."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import pretrain_env, signal_in_mask
+from conftest import json_lines, pretrain_env, signal_in_mask
 from fault_runs import assert_same_run
 from transformers import AutoModel
 
@@ -85,6 +87,60 @@ def test_a_signal_during_start_up_exits_85_before_the_first_step(tmp_path, wiki_
     assert_same_run(run, full)
 
 
+def test_ctrl_c_saves_its_step_says_so_in_one_line_and_resume_matches(tmp_path, wiki_shards, full, sigint_at_default):
+    """SIGINT to the process group, as a terminal sends Ctrl-C, after the step-4 checkpoint: a checkpoint at the
+    step it came, one line naming it and no traceback, and the process ends by SIGINT (130 in a shell; not 85,
+    which the SLURM launcher requeues). resume=auto then gives the uninterrupted run's losses and weights."""
+    run = tmp_path / "run"
+    command = _command(run, wiki_shards, STEPS, "checkpoint.every=4", "tracking.enabled=false")
+    proc = subprocess.Popen(command, env=pretrain_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, as a terminal's foreground job
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.05)
+    assert signal_in_mask(proc.pid, signal.SIGINT, "SigCgt")  # caught: not ignored, not Python's KeyboardInterrupt
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGINT, err[-2000:]
+    stopped_at = int((run / "checkpoints" / "latest").read_text().removeprefix("step"))
+    assert 5 <= stopped_at < 12
+    assert [line for line in err.splitlines() if "interrupt" in line.lower()] == [
+        f"pretrieve pretrain: interrupted: saved step {stopped_at} to {run / 'checkpoints' / f'step{stopped_at:08d}'}; "
+        "resume with resume=auto"]
+    assert "Traceback" not in err, err[-3000:]
+    assert not json_lines(out) and not (run / "export").exists()  # no result line: the run did not finish
+
+    done = subprocess.run(command + ["resume=auto"], env=pretrain_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_run(run, full)
+
+
+_INTERRUPT = ("import os, signal, sys, time\n"
+              "from pretrieve.engine.preemption import Stop, StopFlag, hold_stop_signals\n"
+              "hold_stop_signals(['pretrain'])\n"
+              "stop = StopFlag(max_runtime=None)\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"
+              "print(stop.should_stop(world=1).name, signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"  # at once: well within the repeat window of SIGTERM
+              "time.sleep(float(sys.argv[1]))\n"
+              "print('still running')\n")
+
+
+def test_a_second_ctrl_c_ends_the_process_at_once_and_an_ignored_one_stays_ignored(sigint_at_default):
+    """The first SIGINT asks for a checkpoint; a second, however soon (SLURM never repeats SIGINT, unlike SIGTERM),
+    ends the process by SIGINT at once. Where SIGINT came ignored (`nohup`, a script's background job), a training
+    process leaves it ignored, as Python does: neither one stops it."""
+    done = subprocess.run([sys.executable, "-c", _INTERRUPT, "30"], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "INTERRUPTED False\n" and done.returncode == -signal.SIGINT, done.stderr[-2000:]
+
+    ignored = subprocess.run(["sh", "-c", f"trap '' INT; exec {sys.executable} -c \"$0\" 0", _INTERRUPT],
+                             capture_output=True, text=True, timeout=60)
+    assert ignored.stdout == "NONE True\nstill running\n" and ignored.returncode == 0, ignored.stderr[-2000:]
+
+
 def test_programs_started_under_the_shield_outlive_the_stop_signal():
     """As SLURM signals every process of a job step: a program started inside shield_children() (as ninja by
     DeepSpeed's JIT load) keeps the signal blocked and finishes; the trainer takes the signal when the shield
@@ -142,7 +198,7 @@ def test_a_repeated_signal_is_one_request_and_a_later_one_exits_at_once():
               "print('asked', flush=True)\n"
               "time.sleep(1.5)\n"
               "os.kill(os.getpid(), signal.SIGUSR1)\n"
-              "time.sleep(30)\n"
+              "time.sleep(float(sys.argv[1]))\n"
               "print('still running')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.stdout == "asked\n" and done.returncode == 128 + signal.SIGUSR1, done.stderr[-2000:]

@@ -253,6 +253,57 @@ def test_farm_runs_jobs_in_parallel_logs_mlflow_and_reruns_only_what_is_missing(
     assert (tmp_path / "report" / "ndcg@10.png").stat().st_size > 1000
 
 
+def test_an_interrupted_farm_leaves_its_jobs_not_done_and_the_next_run_does_them(tmp_path, tiny_encoder,
+                                                                                 sigint_at_default):
+    """Ctrl-C to the farm's process group, as a terminal sends it, while its first job runs: the farm passes it
+    on to the job (in a session of its own), which ends saying so in its log and writes no metrics.json; the
+    second job does not start; the farm says so in one line and ends by SIGINT. The next run does both."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    from pretrieve.eval.farm import run_farm
+
+    farm, out = tmp_path / "farm.yaml", tmp_path / "farm"
+    farm.write_text(json.dumps({
+        "out": str(out), "workers": 1, "tracking": {"enabled": False}, "eval": {"max_length": 32, "depth": 20},
+        "checkpoints": [{"name": name, "model": str(tiny_encoder), "pooling": "mean"} for name in ("a", "b")],
+        "datasets": [{"name": "scifact", "beir": str(SCIFACT)}]}))
+    proc = subprocess.Popen([sys.executable, "-m", "pretrieve", "farm", str(farm)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def first_job_running() -> bool:
+        """Its process is loading torch: inside its command, well before its end."""
+        try:
+            return any("libtorch" in Path(f"/proc/{job.pid}/maps").read_text()
+                       for job in psutil.Process(proc.pid).children())
+        except (OSError, psutil.NoSuchProcess):
+            return False
+
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and not first_job_running():
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGINT, err[-3000:]
+    assert [line for line in err.splitlines() if "interrupt" in line.lower()] == [
+        "pretrieve farm: interrupted: 2 of 2 jobs stopped or not started (none of them is done); run the same "
+        "command again to finish them"] and "Traceback" not in err, err[-3000:]
+    first, second = out / "a" / "scifact" / "zero-shot", out / "b" / "scifact" / "zero-shot"
+    log = (first / "eval.log").read_text()
+    assert log.splitlines()[-1] == "pretrieve eval: interrupted" and "Traceback" not in log, log[-3000:]
+    assert not (first / "metrics.json").exists() and not second.exists()
+
+    again = run_farm(farm, progress=False)
+    assert again["ran"] == 2 and not again["failed"]
+    assert (first / "metrics.json").is_file() and (second / "metrics.json").is_file()
+
+
 def _synthetic_sparse(rng, rows, vocab, nonzero):
     weights = np.zeros((rows, vocab), dtype=np.float32)
     for row in weights:

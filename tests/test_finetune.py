@@ -457,3 +457,57 @@ def test_finetune_stages_runs_each_fine_tuning_over_nproc_ranks(tmp_path, tokeni
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 7))  # resumed after the preemption checkpoint
     assert records[0]["loss"] == pytest.approx(math.log(4), abs=0.02)
+
+
+def test_finetune_stages_passes_ctrl_c_to_its_ranks_once_and_holds_signals_from_its_start(tmp_path, tokenizer,
+                                                                                          sigint_at_default):
+    """Ctrl-C to the chain's process group (`finetune-stages --nproc 2`, as a terminal sends it): its ranks, each
+    in a session of its own, get SIGINT once, from the chain, save a checkpoint at one step and end by SIGINT;
+    rank 0 and the chain say where, one line each. A SIGUSR1 at the chain's first moment is held: it exits 85
+    before any rank starts."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import pretrain_env, signal_in_mask
+
+    _tiny_encoder().bert.save_pretrained(str(tmp_path / "bert"))
+    tokenizer.save_pretrained(str(tmp_path / "bert"))
+
+    def chain(out: Path, **popen) -> subprocess.Popen:
+        return subprocess.Popen([
+            sys.executable, "-m", "pretrieve", "finetune-stages", "--model", str(tmp_path / "bert"), "--out", str(out),
+            "--config", str(Path(__file__).parent.parent / "configs" / "finetune" / "tiny.yaml"), "--data", str(FLAG),
+            "--up-to", "stage1", "--nproc", "2", "--set", "train.micro_batch_size=2", "--set", "train.max_steps=20",
+            "--set", "checkpoint.every=20"], env=pretrain_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, **popen)
+
+    early = chain(tmp_path / "early")
+    while early.poll() is None and not signal_in_mask(early.pid, signal.SIGUSR1, "SigCgt"):
+        time.sleep(0.001)
+    early.send_signal(signal.SIGUSR1)
+    _, err = early.communicate(timeout=300)
+    assert early.returncode == 85, err[-2000:]
+    assert "pretrieve finetune-stages: preempted, during start-up, before the first step; exit 85" in err
+    assert not (tmp_path / "early" / "stage1").exists()
+
+    run_dir = tmp_path / "chain" / "stage1"
+    proc = chain(tmp_path / "chain", start_new_session=True)
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and not (
+            (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text()):
+        time.sleep(0.05)
+    assert signal_in_mask(proc.pid, signal.SIGINT, "SigCgt")
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGINT, err[-3000:]
+    stopped = int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step"))
+    assert 1 <= stopped < 20 and not (run_dir / "export").exists()
+    saved = run_dir / "checkpoints" / f"step{stopped:08d}"
+    assert [line for line in err.splitlines() if "interrupt" in line.lower()] == [
+        f"pretrieve finetune: interrupted: saved step {stopped} to {saved}; resume with resume=auto",
+        f"pretrieve finetune-stages: interrupted in stage1 (its latest checkpoint: {saved}); run the same command "
+        "again to continue"], err[-3000:]
+    assert "Traceback" not in err

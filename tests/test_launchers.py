@@ -283,12 +283,13 @@ def test_cpu_test_and_zero3_offload_configs_train(tmp_path, wiki_shards):
 
 
 def test_dataloader_workers_ignore_the_stop_signals(wiki_shards):
-    """SLURM signals every process of a step; only the main process may act on it (workers would die)."""
+    """SLURM signals every process of a step, a terminal's Ctrl-C every process of its foreground group; only the
+    main process may act on it (workers would die, and print their own tracebacks)."""
     from pretrieve.data.stream import ShardStream, StreamLoader
 
     def handlers(samples):
-        return [signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)]
+        return [signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)]
 
     loader = StreamLoader(ShardStream([wiki_shards / "manifest.json"], seed=0, shuffle_buffer=8), batch_size=4,
                           num_workers=1, collate_fn=handlers)
-    assert next(iter(loader)) == [signal.SIG_IGN, signal.SIG_IGN]
+    assert next(iter(loader)) == [signal.SIG_IGN, signal.SIG_IGN, signal.SIG_IGN]

@@ -52,6 +52,7 @@ from pretrieve.data.epoch_plan import EpochPlan, Segment, drop, total
 from pretrieve.data.prefetch import prefetched
 from pretrieve.data.remote import NotFound, ReadError, ReadOptions, fetch, local_path, resolve, scheme
 from pretrieve.data.shards import MANIFEST_FORMAT, ShardError, load_shard, parse_shard
+from pretrieve.engine.preemption import STOP_SIGNALS
 
 STATE_FORMAT = "pretrieve-stream/1"
 
@@ -343,15 +344,16 @@ class StreamLoader(DataLoader):
 
 
 class _StopSignalsIgnored:
-    """Worker init: SLURM sends its pre-timeout USR1 and its TERM to every process of a job step. The main
-    process decides (a checkpoint at the next step, then it ends its workers); a worker killed under it
-    would make the DataLoader raise in the middle of that step."""
+    """Worker init: SLURM sends its pre-timeout USR1 and its TERM to every process of a job step, a terminal its
+    Ctrl-C (INT) to every process of its foreground group, torchrun to its worker's. The main process decides (a
+    checkpoint at the next step, then it ends its workers); a worker killed under it would make the DataLoader
+    raise in the middle of that step, and print its own traceback."""
 
     def __init__(self, then=None):
         self.then = then
 
     def __call__(self, worker_id: int) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         if self.then is not None:
             self.then(worker_id)

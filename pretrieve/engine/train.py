@@ -30,7 +30,7 @@ from pretrieve.engine.determinism import deterministic
 from pretrieve.engine.export_checkpoint import ENCODER_CONFIG, export_checkpoint
 from pretrieve.engine.flops import device_peak, train_flops
 from pretrieve.engine.lr_schedule import LRSchedule, start_at
-from pretrieve.engine.preemption import Preempted, StopFlag, prebuild_ops, retryable_startup, shield_children
+from pretrieve.engine.preemption import StopFlag, prebuild_ops, retryable_startup, shield_children
 from pretrieve.engine.rng import rng_state, seed_everything, set_rng_state
 from pretrieve.engine.resume_check import check_resume, record_changes, saved_config
 from pretrieve.engine.run_dir import LATEST, TAG_CONFIG, latest_checkpoint, prune_tags, write_atomic
@@ -167,8 +167,8 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
     with shield_children(), retryable_startup("joining the job (deepspeed.initialize)", exp.train.startup_timeout):
         engine, _, _, _ = deepspeed.initialize(model=job.module, config=ds_config, model_parameters=[
             p for p in job.module.parameters() if p.requires_grad], lr_scheduler=LRSchedule.of(exp.train).scheduler)
-    if stop.should_stop(world, engine.device):  # preempted during start-up: nothing trained since the checkpoint
-        raise Preempted(during_start_up=True)
+    if why := stop.should_stop(world, engine.device):  # stopped during start-up: nothing trained since `tag`
+        raise stop.stopped(why, ckpt_dir / tag if tag else None)
     tracker = None
     if rank == 0:
         tracker = Tracker(exp.tracking, run_dir, run_params(config, ds_config), job.tags, fresh=fresh)
@@ -221,17 +221,17 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
                     bar.postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
                 if job.validation is not None and (step % eval_every == 0 or step == exp.train.max_steps):
                     _write(metrics, tracker, {"step": step, **job.validation.evaluate(engine, engine.device)})
-                preempted = (world == 1 or log_now or step % exp.checkpoint.every == 0 or step == last_step) \
+                stopping = (world == 1 or log_now or step % exp.checkpoint.every == 0 or step == last_step) \
                     and stop.should_stop(world, engine.device)
-                if step % exp.checkpoint.every == 0 or step == last_step or preempted:
-                    save_checkpoint(engine, ckpt_dir, step, stream, counters, exp.checkpoint.keep, rank, world,
-                                    config_yaml)
-                if preempted:
+                if step % exp.checkpoint.every == 0 or step == last_step or stopping:
+                    saved = save_checkpoint(engine, ckpt_dir, step, stream, counters, exp.checkpoint.keep, rank,
+                                            world, config_yaml)
+                if stopping:  # a Stop: preempted or interrupted
                     if tracker is not None:
                         tracker.finish("KILLED")  # reopened by resume=auto
                     if world > 1:  # nobody exits before rank 0 has moved `latest`: the deepspeed launcher
                         torch.distributed.barrier()  # and torchrun end every rank once one exits non-zero
-                    raise Preempted()
+                    raise stop.stopped(stopping, ckpt_dir / saved, step)
                 if step >= last_step:
                     break
     finally:

@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrieve.engine.child_processes import STOPPED, ChildProcesses
+from pretrieve.engine.preemption import stop_exit
 from pretrieve.engine.run_dir import write_atomic
 from pretrieve.engine.tracking import experiment_id_of, store_location
 from pretrieve.eval.track import log_eval_run
@@ -217,36 +218,47 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
                 "pending_chains": len(chains), "logged": logged}
     workers = max(1, int(farm["workers"]))
     bar = Progress(len(chains) + len(pending), "farm", unit="job", enabled=progress)
+    stopped: list[str] = []  # cut off by a stop signal, or not started after it: not done
 
     def report(name: str, error: str | None) -> None:
+        if error is STOPPED:
+            stopped.append(name)
+            return
         if error:
             failed[name] = error
         if progress:
             bar.note(f"farm: {name} {'failed: ' + error if error else 'done'}")
         bar.update()
 
-    with bar, ThreadPoolExecutor(max_workers=workers) as pool:
+    with bar, ChildProcesses() as children, ThreadPoolExecutor(max_workers=workers) as pool:
         names = list(chains)
         logs = [finetune_dir(Path(farm["out"]), {"name": n}) / "finetune.log" for n in names]
-        for name, error in zip(names, pool.map(lambda a: _run(a[0], a[1], None), zip(chains.values(), logs))):
+        for name, error in zip(names, pool.map(lambda a: _run(children, a[0], a[1], None),
+                                               zip(chains.values(), logs))):
             report(f"{name}/finetune", error)
         runnable = [job for job in pending if job.stage == "zero-shot" or finetuned(job.model)]
         for job in pending:
             if job not in runnable:
-                report(job.name, f"no fine-tuned model at {job.model} (its fine-tuning chain failed)")
-        for job, error in zip(runnable, pool.map(lambda j: _run(j.eval_args(farm["eval"]), j.out / "eval.log",
-                                                                j), runnable)):
+                report(job.name, STOPPED if children.stopped else
+                       f"no fine-tuned model at {job.model} (its fine-tuning chain failed)")
+        for job, error in zip(runnable, pool.map(lambda j: _run(children, j.eval_args(farm["eval"]),
+                                                                j.out / "eval.log", j), runnable)):
             report(job.name, error)
+    if children.stopped:  # what finished is done (and logged by the next run); the rest is not
+        raise stop_exit(children.stopped, f"{len(stopped)} of {len(chains) + len(pending)} jobs stopped or not "
+                                          "started (none of them is done)", "run the same command again to finish "
+                                                                            "them")
     logged = _log_done(jobs, farm, progress)
     return {"jobs": len(jobs), "ran": len(chains) + len(pending) - len(failed), "failed": failed,
             "pending_for_slurm": 0, "logged": logged}
 
 
-def _run(args: list[str], log: Path, job: Job | None) -> str | None:
-    """Run `pretrieve ARGS` in its own process, output to `log`; None on success, else where to read why."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as stream:
-        code = subprocess.call([sys.executable, "-m", "pretrieve", *args], stdout=stream, stderr=subprocess.STDOUT)
+def _run(children: ChildProcesses, args: list[str], log: Path, job: Job | None) -> str | None:
+    """Run `pretrieve ARGS` in its own process, output to `log`; None on success, STOPPED, or where to read why
+    it failed."""
+    code = children.run_job([sys.executable, "-m", "pretrieve", *args], log)
+    if code is STOPPED:
+        return STOPPED
     if code != 0 or (job is not None and not job.done()):
         last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
         return f"exit {code}: {last[0] if last else ''} (log: {log})"

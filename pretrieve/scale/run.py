@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pretrieve.engine.child_processes import STOPPED, ChildProcesses
+from pretrieve.engine.preemption import stop_exit
 from pretrieve.engine.run_dir import write_atomic
 from pretrieve.progress import Progress
 from pretrieve.scale.plan import Point, base_config, plan, study_out, study_workers, write_plan
@@ -97,7 +98,7 @@ def farm_config(study: dict, points: list[Point], out: Path) -> dict:
 
 
 def run_study(path: str | Path, slurm_jobs: str | None = None, progress: bool = True) -> dict:
-    from pretrieve.eval.farm import run_farm
+    from pretrieve.eval.farm import run_farm  # stopped by a signal, it ends the study's run too
 
     study, points = plan(path)
     write_plan(study, points)
@@ -112,24 +113,32 @@ def run_study(path: str | Path, slurm_jobs: str | None = None, progress: bool = 
         return {"points": len(points), "pending_for_slurm": len(pending), "parent_run_id": parent}
 
     def pretrain(point: Point) -> str | None:
+        """None once pre-trained; else why not (STOPPED: a stop signal cut it off or kept it from starting)."""
         log = out / "points" / point.id / "pretrain.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "a") as stream:
-            code = subprocess.call([sys.executable, "-m", "pretrieve", *pretrain_args(study, point, parent)],
-                                   stdout=stream, stderr=subprocess.STDOUT)
+        code = children.run_job([sys.executable, "-m", "pretrieve", *pretrain_args(study, point, parent)], log,
+                                append=True)
+        if code is STOPPED:
+            return STOPPED  # its checkpoint is saved: the next run resumes it
         if code != 0 or not point_done(point, out):
             return f"exit {code} (log: {log})"
         log_validation_summary(out / "points" / point.id)
         return None
 
     bar = Progress(len(pending), "scale: pre-training", unit="point", enabled=progress)
-    with bar, ThreadPoolExecutor(max_workers=study_workers(study)) as pool:
+    with bar, ChildProcesses() as children, ThreadPoolExecutor(max_workers=study_workers(study)) as pool:
         for point, error in zip(pending, pool.map(pretrain, pending)):
+            if error is STOPPED:
+                continue
             if error:
                 failed[point.id] = error
             if progress:
                 bar.note(f"scale: {point.id} {'failed: ' + error if error else 'pre-trained'}")
             bar.update()
+    if children.stopped:  # the finished points are done; the others resume from their checkpoints next time
+        left = [p for p in pending if not point_done(p, out)]
+        raise stop_exit(children.stopped, f"{len(left)} of {len(points)} points not pre-trained yet (the next run "
+                                          "resumes each from its latest checkpoint)",
+                        "run the same command again to continue")
     finished = [p for p in points if point_done(p, out)]
     evaluated = {}
     if finished and (study.get("evaluation") or {}).get("datasets"):

@@ -56,6 +56,16 @@ def available() -> str | None:
     return None
 
 
+def made_or_skipped(make):
+    """`make()` (two_nodes or offline_node), or the calling test skipped saying why namespaces can't be made."""
+    import pytest
+
+    why_not = available()
+    if why_not:
+        pytest.skip(why_not)
+    return make()
+
+
 def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True)
     if done.returncode != 0:

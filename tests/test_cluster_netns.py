@@ -23,10 +23,7 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def nodes():
-    why_not = netns.available()
-    if why_not:
-        pytest.skip(why_not)
-    with netns.two_nodes() as made:
+    with netns.made_or_skipped(netns.two_nodes) as made:
         yield made
 
 

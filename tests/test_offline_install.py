@@ -59,10 +59,7 @@ def _node_environment(node: Path) -> None:
 
 @pytest.fixture
 def offline_node():
-    why_not = netns.available()
-    if why_not:
-        pytest.skip(why_not)
-    with netns.offline_node() as node:
+    with netns.made_or_skipped(netns.offline_node) as node:
         yield node
 
 

@@ -475,7 +475,7 @@ def _run_farm(args) -> int:
 
 
 def _add_track(commands) -> None:
-    from pretrieve.eval.farm import STAGES
+    from pretrieve.eval.track import STAGES  # light: building the parser must not import torch (farm does)
 
     p = commands.add_parser("track", help="log finished `pretrieve eval` folders as MLflow evaluation runs (report)",
                             description="Log each EVAL_DIR (metrics.json, run.trec, per_query.jsonl; with its bm25/ "

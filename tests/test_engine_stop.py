@@ -239,3 +239,13 @@ def test_a_start_up_past_its_deadline_exits_86():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 86, done.stderr[-2000:]
     assert "joining the job did not finish in 0.5 s (train.startup_timeout)" in done.stderr
+
+
+def test_the_command_line_is_built_without_importing_torch():
+    """Every command's parser is built before its stop handlers are in place (eval's Ctrl-C line, the training
+    commands' held signals): a parser that imports torch (seconds) would take a Ctrl-C as a traceback there."""
+    done = subprocess.run([sys.executable, "-c", "import sys; from pretrieve.cli import main\n"
+                           "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+                           "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')))"],
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout[-2000:]

@@ -49,11 +49,10 @@ from pretrieve.engine.child_processes import STOPPED, ChildProcesses
 from pretrieve.engine.preemption import stop_exit
 from pretrieve.engine.run_dir import write_atomic
 from pretrieve.engine.tracking import experiment_id_of, store_location
-from pretrieve.eval.track import log_eval_run
+from pretrieve.eval.track import STAGES, log_eval_run
 from pretrieve.finetune.stages import done as finetuned
 from pretrieve.progress import Progress
 
-STAGES = ("zero-shot", "stage1", "stage2", "stage3")
 EVAL_KEYS = ("max_length", "depth", "index", "nprobe", "ef_search", "batch_size", "contrastive_entropy",
              "ce_temperature", "ce_seed")
 FINETUNE_KEYS = ("config", "data", "msmarco", "beir", "split", "negatives", "depth", "teacher_init", "nproc",

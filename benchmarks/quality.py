@@ -36,15 +36,15 @@ step and per evaluation on this machine, to fit the time available).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import subprocess
 import sys
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from quality_data import split_pretrain as split_raw_text
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data"
@@ -120,40 +120,15 @@ def pretrieve(args: list[str], log_file: Path, threads: int = 2) -> None:
 
 
 # --- data -------------------------------------------------------------------------------------------------
-def held_out(doc_id: str) -> bool:
-    """The held-out rule for Wikipedia articles: 1 in 20 by a hash of the article id (stable, order-free)."""
-    return zlib.crc32(doc_id.encode()) % 20 == 0
-
-
 def split_pretrain(work: Path, smoke: bool) -> dict:
-    """Wikipedia split by article, books by title (the book whose file name hashes lowest is held out); the
-    raw train / held-out files under work/data/raw. Returns the inputs of each part."""
+    """Wikipedia split by article, books by title (quality_data.split_pretrain); the raw train / held-out files
+    under work/data/raw. Returns the inputs of each part."""
     if smoke:
         wiki, books = SAMPLES / "wikipedia" / "wiki_00.jsonl.gz", sorted((SAMPLES / "books").glob("*.txt"))
     else:
         wiki = SHARED / "pretrain" / "enwiki-sample" / "enwiki_2015_wikiextractor_100shards.jsonl.gz"
         books = sorted((SHARED / "pretrain" / "gutenberg").glob("*.txt"))
-    raw = work / "data" / "raw"
-    train, heldout = raw / "wiki-train.jsonl", raw / "wiki-heldout.jsonl"
-    counts_file = raw / "split.json"
-    if not counts_file.is_file():
-        raw.mkdir(parents=True, exist_ok=True)
-        counts = [0, 0]
-        with gzip.open(wiki, "rt", encoding="utf-8") as f, open(f"{train}.tmp", "w") as tr, \
-                open(f"{heldout}.tmp", "w") as ho:
-            for line in f:
-                out = held_out(str(json.loads(line)["id"]))
-                (ho if out else tr).write(line)
-                counts[out] += 1
-        os.replace(f"{train}.tmp", train)
-        os.replace(f"{heldout}.tmp", heldout)
-        write_atomic(counts_file, json.dumps({"wiki_train_articles": counts[0], "wiki_heldout_articles": counts[1]}))
-    book_out = min(books, key=lambda p: zlib.crc32(p.name.encode()))
-    return {"wiki": str(wiki), "books": [str(b) for b in books], "rule": "Wikipedia: crc32(article id) % 20 == 0 "
-            "held out; books: the file whose crc32(name) is lowest held out",
-            "books_heldout": [book_out.name], **json.loads(counts_file.read_text()),
-            "parts": {"wiki-train": [str(train)], "wiki-heldout": [str(heldout)],
-                      "books-train": [str(b) for b in books if b != book_out], "books-heldout": [str(book_out)]}}
+    return split_raw_text(wiki, books, work / "data" / "raw")
 
 
 def prepare(source: str, inputs: list[str], out: Path, max_len: int, skip_bad: bool = False,

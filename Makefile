@@ -68,7 +68,8 @@ test-cluster: install
 
 # on a machine with an NVIDIA GPU (`make install` there gets PyPI's CUDA build of torch): the kernel and engine
 # tests that need CUDA (tests/test_kernels_gpu.py, tests/test_engine_gpu.py), then the fused vs eager vs SDPA
-# attention benchmark and the BERT-base L = 512 bf16 throughput of retromae and dupmae, JSON to benchmarks/results/
+# attention benchmark and the BERT-base L = 512 bf16 throughput of retromae and dupmae, JSON to benchmarks/results/,
+# then the retrieval-quality study at its gpu scale
 test-gpu: install
 	$(VENV_PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make test-gpu: torch ' + torch.__version__ + ' sees no CUDA device')"
 	$(VENV_PY) -m pytest -q -rs --durations=10 tests/test_kernels_gpu.py tests/test_engine_gpu.py
@@ -77,6 +78,8 @@ test-gpu: install
 	    $(VENV_PY) benchmarks/pretrain_throughput.py --method $$method --size base --seq-len 512 --batch 32 --steps 20 \
 	        --out benchmarks/results/pretrain_throughput_gpu.json || exit 1; \
 	done
+	# what pre-training buys after the same fine-tuning, at the gpu scale (docs/benchmarks.md; ~25 min, resumable)
+	$(VENV_PY) benchmarks/quality.py --scale gpu
 
 bench: install
 	$(VENV_PY) -m pip install -q $(PIP_FROM) -c $(VENV)/torch-constraint.txt -e ".[bench]"

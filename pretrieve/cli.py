@@ -9,7 +9,9 @@ import sys
 import textwrap
 
 from pretrieve import __version__
-from pretrieve.engine.preemption import INTERRUPTED_EXIT_CODE, Stopped, end_by_sigint_at_exit, hold_stop_signals
+from pretrieve.engine.preemption import (INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Stopped, end_by_sigint_at_exit,
+                                        hold_stop_signals)
+from pretrieve.engine.world import leave_process_group
 
 
 def at_least(low: int):
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     code = _run_command(args, own_process=argv is None)
+    if argv is None and code in (0, PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE):
+        leave_process_group()
     if argv is None and code == INTERRUPTED_EXIT_CODE:
         end_by_sigint_at_exit()  # as an interrupted program ends: a shell script running it stops too
     return code

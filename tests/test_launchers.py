@@ -250,6 +250,31 @@ def test_launch_info_resolves_the_world(tmp_path, wiki_shards, capsys, monkeypat
     assert code == 1 and f"{hostfile}:2: expected 'HOST slots=N'" in err
 
 
+def test_a_rank_leaves_its_process_group_when_its_command_ends_well(tmp_path):
+    """Gloo work still held when Python shuts down aborts a rank now and then, after a run that succeeded: a
+    command that ended well (or stopped on every rank) destroys the group first; a failed one leaves it alone
+    (a rank still inside a collective would never let go)."""
+    def ends_with(code: int) -> str:
+        # the command, as pretrieve runs it in its own process, joins a gloo group and ends with `code`
+        script = (f"import sys, torch, torch.distributed as dist\n"
+                  f"from pretrieve import cli\n"
+                  f"def command(args, own_process):\n"
+                  f"    dist.init_process_group('gloo', init_method='file://{tmp_path}/store{code}', rank=0,\n"
+                  f"                            world_size=1)\n"
+                  f"    dist.all_reduce(torch.ones(3))\n"
+                  f"    return {code}\n"
+                  f"cli._run_command = command\n"
+                  f"sys.argv = ['pretrieve', 'export', 'RUN', 'OUT']\n"
+                  f"cli.main()\n"
+                  f"print('still in a group:', dist.is_initialized())\n")
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert ends_with(0) == ends_with(85) == "still in a group: False"
+    assert ends_with(1) == "still in a group: True"
+
+
 def test_every_ds_config_resolves_and_precision_variants_must_match(wiki_shards):
     def exp(*overrides):
         return experiment(load_config(CONFIG, [f"data.manifests=[{wiki_shards / 'manifest.json'}]",

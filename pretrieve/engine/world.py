@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,3 +81,13 @@ def resolve_world(hostfile: str | None = None, env: dict | None = None) -> World
         per_host = [ranks // len(hosts) + (i < ranks % len(hosts)) for i in range(len(hosts))]
         return World(list(zip(hosts, per_host)), f"SLURM job {env.get('SLURM_JOB_ID', '?')}")
     return World([("localhost", local_devices()[0])], "this machine")
+
+
+def leave_process_group() -> None:
+    """A rank whose command ended well (or stopped where every rank agreed to) leaves its process group before
+    Python shuts down, as torch.distributed asks: gloo work still held at interpreter teardown now and then
+    aborts the process (SIGABRT, "terminate called without an active exception") after a run that succeeded.
+    Not after a failure: a rank still inside a collective would never let go (torchtitan does the same)."""
+    dist = sys.modules.get("torch.distributed")  # no torch import for the commands that never loaded it
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

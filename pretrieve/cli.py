@@ -161,7 +161,7 @@ def _add_launch_info(commands) -> None:
 
 def _run_launch_info(args) -> int:
     from pretrieve.config import deepspeed_config, ds_config_path, experiment, load_config
-    from pretrieve.engine.run_dir import latest_checkpoint
+    from pretrieve.utils.run_dir import latest_checkpoint
     from pretrieve.engine.world import local_devices, resolve_world
 
     world = resolve_world(args.hostfile)
@@ -620,7 +620,7 @@ def _run_export(args) -> int:
     from pathlib import Path
 
     from pretrieve.engine.export_checkpoint import export_checkpoint
-    from pretrieve.engine.run_dir import locate
+    from pretrieve.utils.run_dir import locate
     from pretrieve.models.export import describe_export
 
     run_dir, _, tag = locate(Path(args.checkpoint))
@@ -640,7 +640,7 @@ def _add_card(commands) -> None:
 
 
 def _run_card(args) -> int:
-    from pretrieve.models.model_card import refresh_card
+    from pretrieve.eval.model_card import refresh_card
 
     print(refresh_card(args.run_dir, args.tracking_uri))
     return 0

@@ -194,7 +194,8 @@ def test_farm_runs_jobs_in_parallel_logs_mlflow_and_reruns_only_what_is_missing(
                                                                                 monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from pretrieve.engine.tracking import Tracker, TrackingOptions
+    from pretrieve.config import TrackingOptions
+    from pretrieve.engine.tracking import Tracker
     from pretrieve.eval.farm import run_farm
     from pretrieve.eval.report import write_report
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import free_port
 from fault_runs import TAG, assert_same_run, complete, one_rank, reference, tags, two_ranks, with_fault
 from inject_fault import python_with_fault
-from pretrieve.engine.run_dir import latest_checkpoint
+from pretrieve.utils.run_dir import latest_checkpoint
 from test_launchers import _env, _losses
 
 pytestmark = pytest.mark.cluster

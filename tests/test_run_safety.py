@@ -14,8 +14,8 @@ import pytest
 
 from conftest import pretrain_env
 from pretrieve.config import ConfigError, experiment, load_config
-from pretrieve.engine.run_dir import latest_checkpoint, prune_tags
-from pretrieve.engine.run_lock import DirectoryLock
+from pretrieve.utils.run_dir import latest_checkpoint, prune_tags
+from pretrieve.utils.run_lock import DirectoryLock
 from pretrieve.models.heads import get_method
 from pretrieve.models.heads.registry import METHODS, OPTION_RANGES
 
@@ -38,7 +38,7 @@ def _steps(run_dir: Path) -> list[int]:
 
 _HOLD = """
 import sys, time
-from pretrieve.engine.run_lock import DirectoryLock
+from pretrieve.utils.run_lock import DirectoryLock
 with DirectoryLock(sys.argv[1], sys.argv[2]):
     print("held", flush=True)
     time.sleep(60)
@@ -46,7 +46,7 @@ with DirectoryLock(sys.argv[1], sys.argv[2]):
 
 _HOLD_AND_FORK = """
 import os, sys, time
-from pretrieve.engine.run_lock import DirectoryLock
+from pretrieve.utils.run_lock import DirectoryLock
 lock = DirectoryLock(sys.argv[1], "trainer").__enter__()
 child = os.fork()
 if child == 0:

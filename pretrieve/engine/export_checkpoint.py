@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pretrieve.engine.run_dir import locate
+from pretrieve.utils.run_dir import locate
 
 ENCODER_CONFIG = "encoder_config.json"
 
@@ -22,7 +22,7 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     from pretrieve.config import load_config, method_options
     from pretrieve.models.encoder import Encoder
     from pretrieve.models.export import export
-    from pretrieve.models.model_card import write_model_card
+    from pretrieve.eval.model_card import write_model_card
 
     run_dir, ckpt_dir, tag = locate(Path(path))
     method, options = method_options(load_config(run_dir / "config.yaml"))

@@ -33,8 +33,8 @@ from pretrieve.engine.lr_schedule import LRSchedule, start_at
 from pretrieve.engine.preemption import StopFlag, prebuild_ops, retryable_startup, shield_children
 from pretrieve.engine.rng import rng_state, seed_everything, set_rng_state
 from pretrieve.engine.resume_check import check_resume, record_changes, saved_config
-from pretrieve.engine.run_dir import LATEST, TAG_CONFIG, latest_checkpoint, prune_tags, write_atomic
-from pretrieve.engine.run_lock import DirectoryLock
+from pretrieve.utils.run_dir import LATEST, TAG_CONFIG, latest_checkpoint, prune_tags, write_atomic
+from pretrieve.utils.run_lock import DirectoryLock
 from pretrieve.engine.tracking import Tracker, run_params, run_tags
 from pretrieve.engine.universal import is_universal
 from pretrieve.engine.validation import VALIDATION_SEED, Validation
@@ -141,12 +141,12 @@ def _run_training(exp, build_job, rank: int, world: int, stop: StopFlag) -> dict
         raise ValueError(f"run_dir: {run_dir} already holds checkpoints; pass resume=auto to continue that run, "
                          "or choose another run_dir")
     tag = latest_checkpoint(run_dir) if exp.resume == "auto" else None
-    branch = getattr(exp, "init_checkpoint", None) if tag is None else None  # fine-tuning has no branches
+    branch = exp.init_checkpoint if tag is None else None
     fresh = tag is None and branch is None
     config = OmegaConf.to_container(exp.raw, resolve=True)
     changes = {}
     if tag is not None and (saved := saved_config(ckpt_dir, tag)) is not None:  # before anything is written
-        changes = check_resume(*saved, config, universal=is_universal(ckpt_dir / tag))
+        changes = check_resume(*saved, config, exp.section_classes, universal=is_universal(ckpt_dir / tag))
     config_yaml = OmegaConf.to_yaml(exp.raw, resolve=True)
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)

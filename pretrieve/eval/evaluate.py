@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from pretrieve.data.retrieval import RetrievalSet, load_retrieval_set, stream_corpus
-from pretrieve.engine.run_dir import write_atomic
+from pretrieve.utils.run_dir import write_atomic
 from pretrieve.eval.contrastive import ContrastiveEntropy, check_options, contrastive_entropy
 from pretrieve.eval.encode import VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder
 from pretrieve.eval.metrics import evaluate, trec_run_lines

@@ -31,7 +31,7 @@ checkpoint names its `run_dir` and that run is in the same MLflow store. Stages:
 it is) and `stage1` / `stage2` / `stage3`, the checkpoint fine-tuned (pretrieve/finetune/stages.py) with the
 checkpoint's pooling and normalisation (left out: what the model's own config says, eval.model_config). After
 logging, the model card of an evaluated run export (RUN/export/README.md) is written again with the farm's
-evaluations (models.model_card). A checkpoint's fine-tuning chain runs first, once for all its stages,
+evaluations (eval.model_card). A checkpoint's fine-tuning chain runs first, once for all its stages,
 as one process (log: <out>/<checkpoint>/finetune/finetune.log, its runs in the farm's MLflow experiment); with
 `--slurm`, pending chains are listed first and their evaluation jobs on the next `--slurm` call.
 """
@@ -47,7 +47,7 @@ from pathlib import Path
 
 from pretrieve.engine.child_processes import STOPPED, ChildProcesses
 from pretrieve.engine.preemption import stop_exit
-from pretrieve.engine.run_dir import write_atomic
+from pretrieve.utils.run_dir import write_atomic
 from pretrieve.engine.tracking import experiment_id_of, store_location
 from pretrieve.eval.track import STAGES, log_eval_run
 from pretrieve.finetune.stages import done as finetuned
@@ -266,8 +266,8 @@ def _run(children: ChildProcesses, args: list[str], log: Path, job: Job | None) 
 
 def _log_done(jobs: list[Job], farm: dict, progress: bool) -> list[str]:
     """Log the done jobs not logged yet; then write again the model cards of the run exports they evaluated
-    (models.model_card), now with these evaluations. Returns the names of the jobs logged."""
-    from pretrieve.models.model_card import has_generated_card, write_model_card
+    (eval.model_card), now with these evaluations. Returns the names of the jobs logged."""
+    from pretrieve.eval.model_card import has_generated_card, write_model_card
 
     logged = [job for job in jobs if job.done() and _log_job(job, farm)]
     for model in sorted({job.model for job in logged if job.model is not None}):

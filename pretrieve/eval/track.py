@@ -19,7 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrieve.engine.tracking import experiment_id_of, metric_name
+from pretrieve.engine.tracking import experiment_id_of
+from pretrieve.utils.metric_names import metric_name
 
 EVAL_FILES = ("metrics.json", "run.trec", "per_query.jsonl")
 STAGES = ("zero-shot", "stage1", "stage2", "stage3")  # what an evaluation comes after (the farm's `stages`)

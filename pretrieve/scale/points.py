@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrieve.engine.tracking import metric_name
+from pretrieve.utils.metric_names import metric_name
 
 DEFAULT_METHOD = "all"
 FLOPS_PER_PARAMETER_TOKEN = 6.0  # C = 6 N D (Kaplan et al. 2020, sec. 2.1) when a point has no C

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrieve.engine.run_dir import write_atomic
+from pretrieve.utils.run_dir import write_atomic
 from pretrieve.optional import MATPLOTLIB, available
 from pretrieve.scale.fit import MetricFit, MethodFit, fit_method
 from pretrieve.scale.plots import write_plots

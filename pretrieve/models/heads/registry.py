@@ -59,7 +59,7 @@ class Method:
     def options_from(self, values: dict[str, Any] | None = None, where: str = "method") -> Any:
         """Options with `values` over the defaults; an unknown key or a value out of range is a ConfigError
         naming it (each of them, when there are several)."""
-        from pretrieve.config import Problems, options_of
+        from pretrieve.utils.options import Problems, options_of
 
         values = dict(values or {})
         values.pop("name", None)

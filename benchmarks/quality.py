@@ -130,7 +130,7 @@ def pretrain_runs(jobs: list[tuple[str, Path, list[str]]], plan: dict) -> None:
         args = [f"run_dir={run_dir}", "resume=auto", *overrides]
         if inprocess:
             from pretrieve.config import experiment, load_config
-            from pretrieve.engine.train import train
+            from pretrieve.pretrain import train
 
             train(experiment(load_config(config, args)))
         else:

@@ -129,7 +129,7 @@ def _run_pretrain(args) -> int:
     import os
 
     from pretrieve.config import experiment, load_config
-    from pretrieve.engine.train import train
+    from pretrieve.pretrain import train
 
     config = load_config(args.config, args.overrides)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -619,7 +619,7 @@ def _add_export(commands) -> None:
 def _run_export(args) -> int:
     from pathlib import Path
 
-    from pretrieve.engine.export_checkpoint import export_checkpoint
+    from pretrieve.pretrain import export_checkpoint
     from pretrieve.utils.run_dir import locate
     from pretrieve.models.export import describe_export
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from pretrieve.config import experiment, load_config
-from pretrieve.engine.train import train
+from pretrieve.pretrain import train
 from pretrieve.finetune.run import finetune, finetune_experiment
 
 ROOT = Path(__file__).resolve().parent.parent

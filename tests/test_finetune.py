@@ -227,7 +227,7 @@ def _epoch_losses(run_dir: Path) -> dict:
     """A fine-tuning run's loss over the batches of its first epoch (dropout off), with its initial weights and
     with its final checkpoint."""
     from pretrieve.config import section
-    from pretrieve.engine.export_checkpoint import load_checkpoint_weights
+    from pretrieve.engine.checkpoint import load_checkpoint_weights
     from pretrieve.finetune.batches import PairLoader
     from pretrieve.finetune.run import FinetuneOptions, build_model, load_examples
 

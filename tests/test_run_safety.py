@@ -14,7 +14,8 @@ import pytest
 
 from conftest import pretrain_env
 from pretrieve.config import ConfigError, experiment, load_config
-from pretrieve.utils.run_dir import latest_checkpoint, prune_tags
+from pretrieve.engine.checkpoint import prune_tags
+from pretrieve.utils.run_dir import latest_checkpoint
 from pretrieve.utils.run_lock import DirectoryLock
 from pretrieve.models.heads import get_method
 from pretrieve.models.heads.registry import METHODS, OPTION_RANGES

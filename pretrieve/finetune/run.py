@@ -273,7 +273,7 @@ def export_finetuned(run_dir: str | Path, out: str | Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from pretrieve.engine.export_checkpoint import load_checkpoint_weights
+    from pretrieve.engine.checkpoint import load_checkpoint_weights
     from pretrieve.utils.run_dir import locate
     from pretrieve.finetune.mine import PASSAGE_MAX_LENGTH
     from pretrieve.models.encoder import HEAD_WEIGHTS

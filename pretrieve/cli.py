@@ -306,14 +306,16 @@ def _run_mine(args) -> int:
 
 
 def _add_teacher_scores(commands) -> None:
+    from pretrieve.finetune.mine import TeacherOptions
+
     p = commands.add_parser("teacher-scores", help="score training pairs with a cross-encoder (stage 3's soft labels)",
                             description="Add pos_scores / neg_scores from a fine-tuned cross-encoder "
                                         "(finetune.model=cross) to fine-tuning JSON lines.")
     p.add_argument("--model", required=True, metavar="DIR", help="the cross-encoder's export directory")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE")
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
-    p.add_argument("--max-length", type=int, default=176, help="tokens per query-passage pair")
-    p.add_argument("--batch-size", type=at_least(1), default=64)
+    _option(p, TeacherOptions, "--max-length", type=int, help="tokens per query-passage pair")
+    _option(p, TeacherOptions, "--batch-size", type=at_least(1))
     p.set_defaults(run=_run_teacher_scores)
 
 

@@ -4,9 +4,10 @@ and command-line defaults alike (docs/design.md, "Layers")."""
 
 from __future__ import annotations
 
+import inspect
 import types
 import typing
-from dataclasses import fields
+from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
 
@@ -60,6 +61,20 @@ def options_of(cls, values: dict[str, Any], where: str, noun: str = "key"):
         return cls(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from e
+
+
+def default_of(owner, name: str) -> Any:
+    """The default of `owner`'s `name`: an options dataclass's field (its default_factory called) or a function's
+    parameter. A command-line flag takes its default from here, so each default is written once."""
+    if is_dataclass(owner):
+        field = {f.name: f for f in fields(owner)}[name]
+        default = field.default_factory() if field.default_factory is not MISSING else field.default
+        missing = MISSING
+    else:
+        default, missing = inspect.signature(owner).parameters[name].default, inspect.Parameter.empty
+    if default is missing:
+        raise TypeError(f"{owner.__qualname__}.{name} has no default")
+    return default
 
 
 def _has_type(value, hint) -> bool:

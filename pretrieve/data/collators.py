@@ -1,4 +1,4 @@
-"""Batch builders of the built-in methods; each method's registry entry names its own (DESIGN.md "Batch").
+"""Batch builders of the built-in methods; each method's registry entry names its own (docs/design.md, "Batch").
 
 A collator turns stream samples (dicts with `ids`, the block's token ids without special tokens, plus the
 stream's `epoch`, `shard`, `index`, `pad`) into a dict of batch-first tensors. Its random choices come from

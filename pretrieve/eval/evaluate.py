@@ -1,10 +1,10 @@
 """`pretrieve eval`: score one encoder (or BM25) on one retrieval set and write the evaluation outputs.
 
 OUT/metrics.json (the metrics of eval.metrics plus what was run), OUT/run.trec (top `depth` per query, in
-trec_eval's order) and OUT/per_query.jsonl (DESIGN.md "Evaluation output"), each written through a temporary
+trec_eval's order) and OUT/per_query.jsonl (docs/design.md, "Evaluation output"), each written through a temporary
 file and a rename. `--bm25` with a model also writes the BM25 baseline to OUT/bm25/ (baseline_table puts the
 two side by side). With `contrastive_entropy` (K), metrics.json and per_query.jsonl add the model's contrastive
-entropy against K fixed sampled negatives (eval.contrastive, Fang et al. 2024; DESIGN.md "Validation and study
+entropy against K fixed sampled negatives (eval.contrastive, Fang et al. 2024; docs/design.md, "Validation and study
 metrics"), computed on the vectors the search used.
 
 Dense retrieval never holds the corpus's texts: the set is read with its document ids alone, and the corpus is

@@ -1,7 +1,7 @@
 """`pretrieve track EVAL_DIR ...`: log finished `pretrieve eval` output folders as MLflow evaluation runs, the
 way the farm logs its jobs, so `pretrieve report` compares them with farm runs without evaluating again.
 
-A folder holds metrics.json, run.trec and per_query.jsonl (DESIGN.md "Evaluation output"); metrics.json also
+A folder holds metrics.json, run.trec and per_query.jsonl (docs/design.md, "Evaluation output"); metrics.json also
 records what was run (model, pooling, split, depth, ...). Each folder becomes one run with the farm's tags
 (`pretrieve.farm: eval`, checkpoint, dataset, stage; `model_dir`, the model evaluated), the float values of
 metrics.json as metrics under their MLflow names (ndcg@10 -> ndcg_at_10), the other values as params, the

@@ -150,8 +150,8 @@ def unregister_method(name: str) -> None:
 
 
 def get_method(name: str) -> Method:
-    import pretrieve.models.heads  # noqa: F401  (registers the built-in methods)
-
+    """The method registered as `name`. The built-in ones are registered by the time this module can be used:
+    importing it runs the package's __init__.py first, which imports every method's file."""
     if name not in METHODS:
         raise KeyError(f"method {name!r} is not registered (known: {', '.join(sorted(METHODS))})")
     return METHODS[name]

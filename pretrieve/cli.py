@@ -163,8 +163,8 @@ def _add_launch_info(commands) -> None:
 
 def _run_launch_info(args) -> int:
     from pretrieve.config import deepspeed_config, ds_config_path, experiment, load_config
-    from pretrieve.utils.run_dir import latest_checkpoint
     from pretrieve.engine.world import local_devices, resolve_world
+    from pretrieve.utils.run_dir import latest_checkpoint
 
     world = resolve_world(args.hostfile)
     exp = experiment(load_config(args.config, args.overrides), world_size=world.size)
@@ -638,9 +638,9 @@ def _add_export(commands) -> None:
 def _run_export(args) -> int:
     from pathlib import Path
 
+    from pretrieve.models.export import describe_export
     from pretrieve.pretrain import export_checkpoint
     from pretrieve.utils.run_dir import locate
-    from pretrieve.models.export import describe_export
 
     run_dir, _, tag = locate(Path(args.checkpoint))
     print(describe_export(export_checkpoint(args.checkpoint, args.out), source=f"{run_dir}, checkpoint {tag}"))

@@ -93,8 +93,8 @@ def test_peak_flops_override(wiki_shards):
 # test process).
 _COUNT_READS = """
 import collections, json, sys, torch
-from pretrieve.config import experiment, load_config
 from pretrieve import pretrain
+from pretrieve.config import experiment, load_config
 from pretrieve.engine import metrics, train as loop
 reads = collections.Counter()
 def counting(name):

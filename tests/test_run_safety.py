@@ -15,10 +15,10 @@ import pytest
 from conftest import pretrain_env
 from pretrieve.config import ConfigError, experiment, load_config
 from pretrieve.engine.checkpoint import prune_tags
-from pretrieve.utils.run_dir import latest_checkpoint
-from pretrieve.utils.run_lock import DirectoryLock
 from pretrieve.models.heads import get_method
 from pretrieve.models.heads.registry import METHODS, option_range
+from pretrieve.utils.run_dir import latest_checkpoint
+from pretrieve.utils.run_lock import DirectoryLock
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 

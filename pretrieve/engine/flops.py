@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from pretrieve.models.flops import encoder_flops, layer_flops, vocab_flops  # noqa: F401  (fine-tuning's count)
+from pretrieve.models.flops import encoder_flops
 from pretrieve.models.heads.registry import get_method
 
 # Dense peak FLOP/s per GPU for MFU, from the vendors' data sheets: tensor cores without sparsity for bf16/fp16,

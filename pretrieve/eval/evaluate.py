@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 from pretrieve.data.retrieval import RetrievalSet, load_retrieval_set, stream_corpus
-from pretrieve.utils.run_dir import write_atomic
 from pretrieve.eval.contrastive import ContrastiveEntropy, check_options, contrastive_entropy
 from pretrieve.eval.encode import DenseEncoder, EncodeOptions, VocabEncoder
 from pretrieve.eval.metrics import evaluate, trec_run_lines
@@ -33,6 +32,7 @@ from pretrieve.eval.options import EvalOptions
 from pretrieve.eval.search import (IndexOptions, bm25_search, dense_search, hybrid_search, index_recall, pair_scorer,
                                    sparse_search)
 from pretrieve.eval.vectors import check_same_documents, encode_corpus, open_corpus_vectors
+from pretrieve.utils.run_dir import write_atomic
 from pretrieve.models.poolings import DENSE_POOLINGS, VOCAB_POOLINGS
 
 EXACT_HYBRID_DOCS = 100_000  # up to here hybrid / DupMAE scores are exact over the corpus; beyond, candidates

@@ -47,11 +47,11 @@ from pathlib import Path
 
 from pretrieve.engine.child_processes import STOPPED, ChildProcesses
 from pretrieve.engine.preemption import stop_exit
-from pretrieve.utils.run_dir import write_atomic
 from pretrieve.engine.tracking import experiment_id_of, store_location
 from pretrieve.eval.track import STAGES, log_eval_run
 from pretrieve.finetune.stages import done as finetuned
 from pretrieve.progress import Progress
+from pretrieve.utils.run_dir import write_atomic
 
 EVAL_KEYS = ("max_length", "depth", "index", "nprobe", "ef_search", "batch_size", "contrastive_entropy",
              "ce_temperature", "ce_seed")

@@ -174,11 +174,11 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
 
     from transformers import AutoTokenizer
 
-    from pretrieve.engine.flops import layer_flops, vocab_flops
-    from pretrieve.utils.run_dir import write_atomic
     from pretrieve.engine.tracking import run_tags
     from pretrieve.engine.train import TrainingJob
     from pretrieve.finetune.batches import GroupLoader, PairLoader
+    from pretrieve.models.flops import layer_flops, vocab_flops
+    from pretrieve.utils.run_dir import write_atomic
 
     o = exp.options
     tokenizer = AutoTokenizer.from_pretrained(o.init_from)
@@ -274,12 +274,12 @@ def export_finetuned(run_dir: str | Path, out: str | Path) -> Path:
     from transformers import AutoTokenizer
 
     from pretrieve.engine.checkpoint import load_checkpoint_weights
-    from pretrieve.utils.run_dir import locate
+    from pretrieve.eval.model_card import write_model_card
     from pretrieve.finetune.mine import PASSAGE_MAX_LENGTH
     from pretrieve.models.encoder import HEAD_WEIGHTS
     from pretrieve.models.export import replace_directory
-    from pretrieve.eval.model_card import write_model_card
     from pretrieve.models.st_config import write_st_config
+    from pretrieve.utils.run_dir import locate
 
     run_dir, ckpt_dir, tag = locate(Path(run_dir))
     meta = json.loads((run_dir / FINETUNE_META).read_text())

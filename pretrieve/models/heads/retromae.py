@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from pretrieve.data.collators import RetroMAECollator
-from pretrieve.models.heads.base import PretrainingHead
-from pretrieve.models.flops import labelled, layer_flops, vocab_flops
-from pretrieve.models.heads.registry import MethodOptions, option, register_method
 from pretrieve.kernels import CompactMask, resolve, two_stream_attention
+from pretrieve.models.flops import labelled, layer_flops, vocab_flops
+from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.decoder import DecoderLayer
+from pretrieve.models.heads.registry import MethodOptions, option, register_method
 
 QUERY_STREAM_CHOICES = ("position", "embeddings")
 

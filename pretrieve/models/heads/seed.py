@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from pretrieve.data.collators import SEEDCollator
+from pretrieve.models.flops import labelled, layer_flops, vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.decoder import DecoderLayer, masked_attention
-from pretrieve.models.flops import labelled, layer_flops, vocab_flops
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
 
 

@@ -32,8 +32,8 @@ from pretrieve.eval.options import EvalOptions
 from pretrieve.eval.search import (IndexOptions, bm25_search, dense_search, hybrid_search, index_recall, pair_scorer,
                                    sparse_search)
 from pretrieve.eval.vectors import check_same_documents, encode_corpus, open_corpus_vectors
-from pretrieve.utils.run_dir import write_atomic
 from pretrieve.models.poolings import DENSE_POOLINGS, VOCAB_POOLINGS
+from pretrieve.utils.run_dir import write_atomic
 
 EXACT_HYBRID_DOCS = 100_000  # up to here hybrid / DupMAE scores are exact over the corpus; beyond, candidates
 RECALL_QUERIES = 1_000  # queries an approximate index's recall against flat is measured on

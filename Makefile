@@ -9,6 +9,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 VENV_PY := $(VENV)/bin/python
+# the quality study's text and collections (pretrain/, beir/), for make test-gpu
+QUALITY_DATA ?= ../shared/data
 TORCH_VERSION ?= 2.13.0
 DEMO_OUT ?= demo-out
 EXTRAS ?= dev,cpu
@@ -79,7 +81,7 @@ test-gpu: install
 	        --out benchmarks/results/pretrain_throughput_gpu.json || exit 1; \
 	done
 	# what pre-training buys after the same fine-tuning, at the gpu scale (docs/benchmarks.md; ~25 min, resumable)
-	$(VENV_PY) benchmarks/quality.py --scale gpu
+	$(VENV_PY) benchmarks/quality.py --scale gpu --data $(QUALITY_DATA)
 
 bench: install
 	$(VENV_PY) -m pip install -q $(PIP_FROM) -c $(VENV)/torch-constraint.txt -e ".[bench]"

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import threading
+from typing import Any, Callable
 
 import psutil
 import pytest
@@ -19,16 +20,20 @@ from pretrieve.eval.farm import load_farm, run_farm
 SCIFACT = SAMPLES / "beir" / "scifact-sample"
 
 
-def watch_jobs(farm: subprocess.Popen) -> list[dict[int, str]]:
-    """Until the farm ends: at each look, {pid: CUDA_VISIBLE_DEVICES} of its running `pretrieve eval` children
-    (once they have exec'd: before that a child's environment is the farm's)."""
+def visible_devices(job: psutil.Process) -> str | None:
+    return job.environ().get("CUDA_VISIBLE_DEVICES")
+
+
+def watch_jobs(farm: subprocess.Popen, look: Callable[[psutil.Process], Any] = visible_devices) -> list[dict]:
+    """Until the farm ends: at each look, {pid: look(job)} of its running `pretrieve eval` children (once they
+    have exec'd: before that a child's environment is the farm's)."""
     looks = []
     while farm.poll() is None:
         running = {}
         for child in psutil.Process(farm.pid).children():
             try:
                 if "eval" in child.cmdline():
-                    running[child.pid] = child.environ().get("CUDA_VISIBLE_DEVICES")
+                    running[child.pid] = look(child)
             except psutil.Error:  # ended between the listing and the look
                 continue
         looks.append(running)

@@ -420,9 +420,9 @@ def _add_encode(commands) -> None:
     p = commands.add_parser("encode", help="encode a corpus to .npy + .ids shards, resumable, split over workers",
                             description="Stream the corpus through the encoder and write DIR/corpus-NNNNN.npy and "
                                         ".ids per --shard-size documents; worker i of n takes every n-th shard, "
-                                        "complete shards are skipped. `pretrieve eval --embeddings DIR` and "
-                                        "`pretrieve mine --embeddings DIR` with the same model and settings read "
-                                        "them.")
+                                        "on GPU i mod the GPUs it sees, and complete shards are skipped. "
+                                        "`pretrieve eval --embeddings DIR` and `pretrieve mine --embeddings DIR` "
+                                        "with the same model and settings read them.")
     p.add_argument("--model", required=True, metavar="DIR")
     _add_retrieval_set(p)
     p.add_argument("--pooling", choices=DENSE_POOLINGS, default=None, help=MODEL_SAYS)
@@ -439,6 +439,7 @@ def _add_encode(commands) -> None:
 
 def _run_encode(args) -> int:
     from pretrieve.data.retrieval import stream_corpus
+    from pretrieve.engine.devices import worker_device
     from pretrieve.eval.encode import DenseEncoder, EncodeOptions
     from pretrieve.eval.model_config import resolve_encoding
     from pretrieve.eval.vectors import encode_corpus_shards
@@ -448,7 +449,7 @@ def _run_encode(args) -> int:
         raise ValueError(f"{args.model}: pooling {encoding.pooling} ({encoding.source}) is not a dense pooling; "
                          "`pretrieve encode` writes cls or mean vectors (give --pooling)")
     encoder = DenseEncoder(args.model, EncodeOptions(encoding.pooling, encoding.max_length, args.batch_size,
-                                                     encoding.normalize))
+                                                     encoding.normalize), device=worker_device(args.worker))
     shards, documents = encode_corpus_shards(encoder, stream_corpus(args.beir, args.msmarco), args.out,
                                              args.shard_size, args.worker, args.workers, args.dtype)
     print(json.dumps({"out": args.out, "documents": documents, "shards": [s.name for s in shards]}))

@@ -49,9 +49,21 @@ def store_location(uri: str) -> str:
 
 
 def experiment_id_of(client, name: str, artifact_location: str | None = None) -> str:
-    """The id of MLflow experiment `name`, created (with `artifact_location`) when missing."""
+    """The id of MLflow experiment `name`, created (with `artifact_location`) when missing. Writers started
+    together (farm processes, array tasks on one tracking server) may all find it missing: the one whose
+    create loses the race takes the winner's."""
+    from mlflow.exceptions import MlflowException
+
     found = client.get_experiment_by_name(name)
-    return found.experiment_id if found else client.create_experiment(name, artifact_location=artifact_location)
+    if found:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except MlflowException:
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
 
 
 def _git_commit() -> str:

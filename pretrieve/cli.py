@@ -341,12 +341,14 @@ def _max_length_option(p) -> None:
                    help="tokens per text, queries and documents (default: the model's maximum length, else 256)")
 
 
-def _add_retrieval_set(p) -> None:
+def _add_retrieval_set(p, split: bool = True) -> None:
+    """--beir / --msmarco, and with `split` the qrels split (encode reads the corpus alone: it has none)."""
     data = p.add_mutually_exclusive_group(required=True)
     data.add_argument("--beir", default=None, metavar="DIR", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/")
     data.add_argument("--msmarco", default=None, metavar="DIR",
                       help="MS MARCO folder: collection.tsv or msmarco-docs.tsv, queries.SPLIT.tsv, qrels.SPLIT.tsv")
-    p.add_argument("--split", default=None, help="qrels split (default: test for BEIR, dev for MS MARCO)")
+    if split:
+        p.add_argument("--split", default=None, help="qrels split (default: test for BEIR, dev for MS MARCO)")
 
 
 def _split(args) -> str:
@@ -424,7 +426,7 @@ def _add_encode(commands) -> None:
                                         "`pretrieve eval --embeddings DIR` and `pretrieve mine --embeddings DIR` "
                                         "with the same model and settings read them.")
     p.add_argument("--model", required=True, metavar="DIR")
-    _add_retrieval_set(p)
+    _add_retrieval_set(p, split=False)
     p.add_argument("--pooling", choices=DENSE_POOLINGS, default=None, help=MODEL_SAYS)
     _normalize_option(p, "L2-normalize vectors (cosine similarity)")
     _max_length_option(p)

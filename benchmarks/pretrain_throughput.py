@@ -116,7 +116,7 @@ def main() -> None:
         p.error("--steps must exceed --warmup")
     from pretrieve.config import experiment, load_config
     from pretrieve.data.prepare import PrepareOptions, prepare
-    from pretrieve.engine.train import train
+    from pretrieve.pretrain import train
 
     torch.set_num_threads(args.threads)
     gpu = torch.cuda.is_available()

@@ -130,7 +130,7 @@ def pretrain_runs(jobs: list[tuple[str, Path, list[str]]], plan: dict) -> None:
         args = [f"run_dir={run_dir}", "resume=auto", *overrides]
         if inprocess:
             from pretrieve.config import experiment, load_config
-            from pretrieve.engine.train import train
+            from pretrieve.pretrain import train
 
             train(experiment(load_config(config, args)))
         else:
@@ -474,7 +474,7 @@ def general_results(plan: dict, part: dict, results_path: Path) -> dict:
                      f"General pre-training, then the same fine-tuning: NDCG@10 ({scale})")
     curve = plot_curve(part["curve"], Path(f"{stem}-steps.png"),
                        f"{plan['curve']['arm']}: NDCG@10 after the same fine-tuning, by pre-training steps ({scale})")
-    return {**part, "arms": summary, "plot": str(plot), "curve_plot": str(curve)}
+    return {**part, "arms": summary, "plot": plot and str(plot), "curve_plot": curve and str(curve)}
 
 
 def domain_results(plan: dict, part: dict, results_path: Path) -> dict:
@@ -484,8 +484,17 @@ def domain_results(plan: dict, part: dict, results_path: Path) -> dict:
         scale = scale_name(plan)
         plot = plot_arms(summary, Path(f"{results_path.with_suffix('')}-domain-{base_name}.png"),
                          f"Domain adaptation from {base_name}: NDCG@10 on each target ({scale})")
-        out[base_name] = {**entry, "arms": summary, "plot": str(plot)}
+        out[base_name] = {**entry, "arms": summary, "plot": plot and str(plot)}
     return out
+
+
+def use_data(folder: Path, parser: argparse.ArgumentParser) -> None:
+    """Read the shared data from `folder` (a GPU node gets a copy of it beside the repository)."""
+    global SHARED
+    missing = [name for name in ("pretrain", "beir") if not (folder / name).is_dir()]
+    if missing:
+        parser.error(f"--data {folder}: no {' or '.join(missing)} folder there (the shared data: pretrain/, beir/)")
+    SHARED = folder
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -501,7 +510,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="change a setting of the plan (benchmarks/quality_plan.py), e.g. general.arms='{\"none\": 1}'")
     p.add_argument("--tables", action="store_true", help="print the markdown tables of --results and exit")
     p.add_argument("--plan", action="store_true", help="print the settings this command would fix, and exit")
+    p.add_argument("--data", default=str(SHARED), metavar="DIR",
+                   help="the shared data: pretrain/ (Wikipedia sample, books) and beir/ (default %(default)s)")
     args = p.parse_args(argv)
+    if not (args.smoke or args.tables or args.plan):  # the smoke run reads the bundled samples
+        use_data(Path(args.data), p)
     work = Path(args.out or ROOT / "bench-out" / f"quality-{args.scale}{'-smoke' if args.smoke else ''}")
     results_path = Path(args.results or (work / "quality.json" if args.smoke else ROOT / "benchmarks" / "results" /
                                          ("quality.json" if args.scale == "cpu" else "quality-gpu.json")))

@@ -34,7 +34,7 @@ def log(message: str) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    from pretrieve.engine.run_dir import write_atomic as replace_atomically
+    from pretrieve.utils.run_dir import write_atomic as replace_atomically
 
     path.parent.mkdir(parents=True, exist_ok=True)
     replace_atomically(path, text)

@@ -203,7 +203,7 @@ def flat(settings: dict, prefix: str = "") -> dict:
 def fix_settings(work: Path, plan: dict) -> dict:
     """Record `plan` as WORK/settings.json with the time it was fixed, or check it against the recorded one:
     another value (or a key added or dropped) is an error naming the key. Returns the record."""
-    from pretrieve.engine.run_dir import write_atomic
+    from pretrieve.utils.run_dir import write_atomic
 
     path = work / "settings.json"
     if path.is_file():

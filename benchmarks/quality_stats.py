@@ -87,6 +87,12 @@ def summarize(scores: dict[str, dict[str, list[dict[str, float]]]], references: 
 
 
 def _pyplot():
+    """pyplot, or None where matplotlib is not installed (a GPU node's offline install without the `plots`
+    extra): the study's numbers do not need it, its figures are left out."""
+    from pretrieve.optional import MATPLOTLIB, available
+
+    if not available(MATPLOTLIB, "the study's figures"):
+        return None
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -103,9 +109,11 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def plot_arms(summary: dict, path: Path, title: str) -> Path:
-    """NDCG@10 by arm with its 95 % interval, one panel per dataset (the average last)."""
+def plot_arms(summary: dict, path: Path, title: str) -> Path | None:
+    """NDCG@10 by arm with its 95 % interval, one panel per dataset (the average last); None without matplotlib."""
     plt = _pyplot()
+    if plt is None:
+        return None
     arms = list(summary)
     names = list(next(iter(summary.values())))
     fig, axes = plt.subplots(1, len(names), figsize=(max(6.4, 3.2 * len(names)), 3.6), squeeze=False)
@@ -122,9 +130,13 @@ def plot_arms(summary: dict, path: Path, title: str) -> Path:
     return _save(fig, path)
 
 
-def plot_curve(points: list[dict], path: Path, title: str) -> Path:
-    """NDCG@10 after the same fine-tuning against pre-training steps, one line per dataset."""
-    fig, ax = _pyplot().subplots(figsize=(6.4, 3.6))
+def plot_curve(points: list[dict], path: Path, title: str) -> Path | None:
+    """NDCG@10 after the same fine-tuning against pre-training steps, one line per dataset; None without
+    matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for name in points[0]["ndcg@10"]:
         ax.plot([p["step"] for p in points], [p["ndcg@10"][name] for p in points], marker="o", label=name)
     ax.set_xlabel("pre-training steps (0: the base)")

@@ -34,7 +34,7 @@ def main() -> None:
 
     from pretrieve.config import experiment, load_config
     from pretrieve.data.prepare import PrepareOptions, prepare
-    from pretrieve.engine.train import train
+    from pretrieve.pretrain import train
 
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)

@@ -12,6 +12,8 @@ from pretrieve import __version__
 from pretrieve.engine.preemption import (INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Stopped, end_by_sigint_at_exit,
                                         hold_stop_signals)
 from pretrieve.engine.world import leave_process_group
+from pretrieve.models.poolings import DENSE_POOLINGS, DUAL_POOLINGS, EVAL_POOLINGS
+from pretrieve.utils.options import default_of
 
 
 def at_least(low: int):
@@ -129,7 +131,7 @@ def _run_pretrain(args) -> int:
     import os
 
     from pretrieve.config import experiment, load_config
-    from pretrieve.engine.train import train
+    from pretrieve.pretrain import train
 
     config = load_config(args.config, args.overrides)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -161,8 +163,8 @@ def _add_launch_info(commands) -> None:
 
 def _run_launch_info(args) -> int:
     from pretrieve.config import deepspeed_config, ds_config_path, experiment, load_config
-    from pretrieve.engine.run_dir import latest_checkpoint
     from pretrieve.engine.world import local_devices, resolve_world
+    from pretrieve.utils.run_dir import latest_checkpoint
 
     world = resolve_world(args.hostfile)
     exp = experiment(load_config(args.config, args.overrides), world_size=world.size)
@@ -225,7 +227,7 @@ def _add_finetune_stages(commands) -> None:
     p.add_argument("--teacher-init", default=None, metavar="DIR", help="the cross-encoder's start (default: --model)")
     p.add_argument("--negatives", type=int, default=15, help="hard negatives per query (default 15)")
     p.add_argument("--depth", type=at_least(1), default=200, help="mining depth (default 200)")
-    p.add_argument("--pooling", choices=("cls", "mean", "dupmae"), default=None,
+    p.add_argument("--pooling", choices=DUAL_POOLINGS, default=None,
                    help="dupmae: DupMAE's joint score, eq. 12 (--model: a DupMAE export). Default: the base config's, "
                         "else what --model says about itself, else cls")
     _normalize_option(p, "cosine similarity in training and mining")
@@ -257,6 +259,10 @@ def _add_training_data(p, what: str) -> None:
 
 
 def _add_mine(commands) -> None:
+    from functools import partial
+
+    from pretrieve.finetune.mine import PASSAGE_MAX_LENGTH, MineOptions
+
     p = commands.add_parser("mine", help="mine ANN hard negatives with a fine-tuned retriever (stage 2's data)",
                             description="Encode the corpus (or read its vectors from --embeddings) and the training "
                                         "queries, search, drop positives and the top --skip, and sample --negatives "
@@ -266,23 +272,24 @@ def _add_mine(commands) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="the stage-1 retriever (its export directory)")
     _add_training_data(p, "training queries with positives")
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
-    p.add_argument("--depth", type=at_least(1), default=200, help="ranks sampled from (default 200)")
-    p.add_argument("--negatives", type=int, default=15, help="negatives per query (default 15)")
-    p.add_argument("--skip", type=int, default=0, help="top ranks left out (likely unjudged positives)")
-    p.add_argument("--pooling", choices=("cls", "mean", "dupmae"), default=None,
+    option = partial(_option, p, MineOptions)
+    option("--depth", type=at_least(1), help="ranks sampled from (default %(default)s)")
+    option("--negatives", type=int, help="negatives per query (default %(default)s)")
+    option("--skip", type=int, help="top ranks left out (likely unjudged positives)")
+    p.add_argument("--pooling", choices=DUAL_POOLINGS, default=None,
                    help=f"dupmae: eq. 12, searched as eval does. {MODEL_SAYS}")
     _normalize_option(p, "L2-normalize vectors")
     p.add_argument("--max-length", type=int, default=None,
-                   help="passage tokens (default: the model's maximum length, else 144)")
-    p.add_argument("--query-max-length", type=int, default=32)
-    p.add_argument("--batch-size", type=at_least(1), default=64)
-    _index_options(p)
+                   help=f"passage tokens (default: the model's maximum length, else {PASSAGE_MAX_LENGTH})")
+    option("--query-max-length", type=int)
+    option("--batch-size", type=at_least(1))
+    _index_options(p, MineOptions)
     p.add_argument("--embeddings", default=None, metavar="DIR",
                    help="--msmarco / --beir, cls / mean pooling: the corpus vectors `pretrieve encode` wrote to DIR "
                         "with this model and settings (default: encode the corpus here)")
-    _worker_options(p, "queries")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--on-missing", choices=("fail", "skip"), default="fail")
+    _worker_options(p, MineOptions, "queries")
+    option("--seed", type=int)
+    option("--on-missing", choices=("fail", "skip"))
     p.set_defaults(run=_run_mine)
 
 
@@ -299,14 +306,16 @@ def _run_mine(args) -> int:
 
 
 def _add_teacher_scores(commands) -> None:
+    from pretrieve.finetune.mine import TeacherOptions
+
     p = commands.add_parser("teacher-scores", help="score training pairs with a cross-encoder (stage 3's soft labels)",
                             description="Add pos_scores / neg_scores from a fine-tuned cross-encoder "
                                         "(finetune.model=cross) to fine-tuning JSON lines.")
     p.add_argument("--model", required=True, metavar="DIR", help="the cross-encoder's export directory")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE")
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
-    p.add_argument("--max-length", type=int, default=176, help="tokens per query-passage pair")
-    p.add_argument("--batch-size", type=at_least(1), default=64)
+    _option(p, TeacherOptions, "--max-length", type=int, help="tokens per query-passage pair")
+    _option(p, TeacherOptions, "--batch-size", type=at_least(1))
     p.set_defaults(run=_run_teacher_scores)
 
 
@@ -332,104 +341,117 @@ def _max_length_option(p) -> None:
                    help="tokens per text, queries and documents (default: the model's maximum length, else 256)")
 
 
-def _add_retrieval_set(p) -> None:
+def _add_retrieval_set(p, split: bool = True) -> None:
+    """--beir / --msmarco, and with `split` the qrels split (encode reads the corpus alone: it has none)."""
     data = p.add_mutually_exclusive_group(required=True)
     data.add_argument("--beir", default=None, metavar="DIR", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/")
     data.add_argument("--msmarco", default=None, metavar="DIR",
                       help="MS MARCO folder: collection.tsv or msmarco-docs.tsv, queries.SPLIT.tsv, qrels.SPLIT.tsv")
-    p.add_argument("--split", default=None, help="qrels split (default: test for BEIR, dev for MS MARCO)")
+    if split:
+        p.add_argument("--split", default=None, help="qrels split (default: test for BEIR, dev for MS MARCO)")
 
 
 def _split(args) -> str:
     return args.split or ("test" if args.beir else "dev")
 
 
-def _index_options(p) -> None:
+def _index_options(p, options) -> None:
+    """--index, --nprobe, --ef-search, defaulting to `options`' fields (EvalOptions, MineOptions)."""
     from pretrieve.eval.search import INDEXES
 
-    p.add_argument("--index", choices=INDEXES, default="flat",
-                   help="flat: exact; ivf, ivfpq, hnsw: approximate faiss indexes, one per block of the corpus")
-    p.add_argument("--nprobe", type=at_least(1), default=32, help="ivf / ivfpq: lists searched per query")
-    p.add_argument("--ef-search", type=at_least(1), default=None,
-                   help="hnsw: candidates kept while searching (default max(128, depth))")
+    _option(p, options, "--index", choices=INDEXES,
+            help="flat: exact; ivf, ivfpq, hnsw: approximate faiss indexes, one per block of the corpus")
+    _option(p, options, "--nprobe", type=at_least(1), help="ivf / ivfpq: lists searched per query")
+    _option(p, options, "--ef-search", type=at_least(1),
+            help="hnsw: candidates kept while searching (default max(128, depth))")
 
 
-def _worker_options(p, what: str) -> None:
-    p.add_argument("--worker", type=int, default=0, help="this worker's index (default 0)")
-    p.add_argument("--workers", type=at_least(1), default=1, help=f"workers sharing the {what} (default 1)")
+def _worker_options(p, options, what: str) -> None:
+    """--worker, --workers, defaulting to `options`' (MineOptions, or encode_corpus_shards' parameters)."""
+    _option(p, options, "--worker", type=int, help="this worker's index (default %(default)s)")
+    _option(p, options, "--workers", type=at_least(1), help=f"workers sharing the {what} (default %(default)s)")
 
 
 def _add_eval(commands) -> None:
+    from functools import partial
+
+    from pretrieve.eval.contrastive import DEFAULT_NEGATIVES
+    from pretrieve.eval.options import EvalOptions
+
     p = commands.add_parser("eval", help="score an encoder (or BM25) on a BEIR / MS MARCO set: metrics, run, per query",
                             description="Encode the corpus and the judged queries, search, and write OUT/metrics.json "
                                         "(ndcg@10, mrr@10, mrr@100, recall@100, recall@1000, map), OUT/run.trec and "
                                         "OUT/per_query.jsonl.")
     p.add_argument("--model", default=None, metavar="DIR", help="HF encoder directory (`pretrieve export` output)")
     _add_retrieval_set(p)
-    p.add_argument("--pooling", choices=("cls", "mean", "dupmae", "sparse", "hybrid"), default=None,
+    p.add_argument("--pooling", choices=EVAL_POOLINGS, default=None,
                    help="cls / mean: dense; dupmae (eq. 12: a DupMAE export or a model fine-tuned with dupmae), "
                         f"sparse (SPLADE-style) and hybrid (CLS + sparse) need the model's MLM head. {MODEL_SAYS}")
-    p.add_argument("--vocab-top-k", type=int, default=None,
-                   help="dupmae / sparse / hybrid: entries a document keeps (default: dupmae the trained k, else "
-                        "384; sparse / hybrid 256)")
-    p.add_argument("--sparse-weight", type=float, default=1.0, help="hybrid: weight of the sparse score")
-    p.add_argument("--candidates", type=int, default=None,
-                   help="dupmae / hybrid: re-score each query's dense + sparse top N instead of the whole corpus "
-                        "(default: exact up to 100,000 documents, 1,000 candidates beyond)")
+    option = partial(_option, p, EvalOptions)
+    option("--vocab-top-k", type=int, help="dupmae / sparse / hybrid: entries a document keeps (default: dupmae the "
+                                           "trained k, else 384; sparse / hybrid 256)")
+    option("--sparse-weight", type=float, help="hybrid: weight of the sparse score")
+    option("--candidates", type=int,
+           help="dupmae / hybrid: re-score each query's dense + sparse top N instead of the whole corpus "
+                "(default: exact up to 100,000 documents, 1,000 candidates beyond)")
     _normalize_option(p, "L2-normalize vectors (cosine similarity)")
     _max_length_option(p)
-    p.add_argument("--batch-size", type=at_least(1), default=64)
-    _index_options(p)
-    p.add_argument("--depth", type=at_least(1), default=1000, help="documents retrieved per query")
+    option("--batch-size", type=at_least(1))
+    _index_options(p, EvalOptions)
+    option("--depth", type=at_least(1), help="documents retrieved per query")
     p.add_argument("--bm25", action="store_true", help="BM25 baseline (alone, or beside --model in OUT/bm25/)")
-    p.add_argument("--on-missing", choices=("fail", "skip"), default="fail",
-                   help="qrels naming an unknown query or document: stop with file:line (fail), or drop and count")
-    p.add_argument("--embeddings", default=None, metavar="DIR",
-                   help="dense: read the corpus vectors `pretrieve encode` wrote to DIR instead of encoding")
-    p.add_argument("--contrastive-entropy", type=int, nargs="?", const=256, default=None, metavar="K",
-                   help="also write contrastive_entropy (Fang et al. 2024): mean -log p(relevant) against K fixed "
-                        "sampled negatives per judged pair, by the model's own scores (K default 256; needs --model)")
-    p.add_argument("--ce-temperature", type=float, default=1.0,
-                   help="contrastive entropy: divide scores by this (default 1.0, the raw inner product)")
-    p.add_argument("--ce-seed", type=int, default=0,
-                   help="contrastive entropy: seed of the negatives, the same for every model compared (default 0)")
+    option("--on-missing", choices=("fail", "skip"),
+           help="qrels naming an unknown query or document: stop with file:line (fail), or drop and count")
+    option("--embeddings", metavar="DIR",
+           help="dense: read the corpus vectors `pretrieve encode` wrote to DIR instead of encoding")
+    option("--contrastive-entropy", type=int, nargs="?", const=DEFAULT_NEGATIVES, metavar="K",
+           help="also write contrastive_entropy (Fang et al. 2024): mean -log p(relevant) against K fixed sampled "
+                "negatives per judged pair, by the model's own scores (K default %(const)s; needs --model)")
+    option("--ce-temperature", type=float,
+           help="contrastive entropy: divide scores by this (default %(default)s, the raw inner product)")
+    option("--ce-seed", type=int,
+           help="contrastive entropy: seed of the negatives, the same for every model compared (default %(default)s)")
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(run=_run_eval)
 
 
 def _add_encode(commands) -> None:
+    from pretrieve.eval.options import EncodeOptions
+    from pretrieve.eval.vectors import DTYPES, encode_corpus_shards
+
     p = commands.add_parser("encode", help="encode a corpus to .npy + .ids shards, resumable, split over workers",
                             description="Stream the corpus through the encoder and write DIR/corpus-NNNNN.npy and "
                                         ".ids per --shard-size documents; worker i of n takes every n-th shard, "
-                                        "complete shards are skipped. `pretrieve eval --embeddings DIR` and "
-                                        "`pretrieve mine --embeddings DIR` with the same model and settings read "
-                                        "them.")
+                                        "on GPU i mod the GPUs it sees, and complete shards are skipped. "
+                                        "`pretrieve eval --embeddings DIR` and `pretrieve mine --embeddings DIR` "
+                                        "with the same model and settings read them.")
     p.add_argument("--model", required=True, metavar="DIR")
-    _add_retrieval_set(p)
-    p.add_argument("--pooling", choices=("cls", "mean"), default=None, help=MODEL_SAYS)
+    _add_retrieval_set(p, split=False)
+    p.add_argument("--pooling", choices=DENSE_POOLINGS, default=None, help=MODEL_SAYS)
     _normalize_option(p, "L2-normalize vectors (cosine similarity)")
     _max_length_option(p)
-    p.add_argument("--batch-size", type=at_least(1), default=64)
-    p.add_argument("--shard-size", type=at_least(1), default=100_000, help="documents per shard")
-    p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
-                   help="vectors as stored (float16: half the disk; search computes in float32 or more)")
-    _worker_options(p, "shards of DIR")
+    _option(p, EncodeOptions, "--batch-size", type=at_least(1))
+    _option(p, encode_corpus_shards, "--shard-size", type=at_least(1), help="documents per shard")
+    _option(p, encode_corpus_shards, "--dtype", choices=DTYPES,
+            help="vectors as stored (float16: half the disk; search computes in float32 or more)")
+    _worker_options(p, encode_corpus_shards, "shards of DIR")
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(run=_run_encode)
 
 
 def _run_encode(args) -> int:
     from pretrieve.data.retrieval import stream_corpus
+    from pretrieve.engine.devices import worker_device
     from pretrieve.eval.encode import DenseEncoder, EncodeOptions
     from pretrieve.eval.model_config import resolve_encoding
     from pretrieve.eval.vectors import encode_corpus_shards
 
     encoding = resolve_encoding(args.model, args.pooling, args.normalize, args.max_length)
-    if encoding.pooling not in ("cls", "mean"):
+    if encoding.pooling not in DENSE_POOLINGS:
         raise ValueError(f"{args.model}: pooling {encoding.pooling} ({encoding.source}) is not a dense pooling; "
                          "`pretrieve encode` writes cls or mean vectors (give --pooling)")
     encoder = DenseEncoder(args.model, EncodeOptions(encoding.pooling, encoding.max_length, args.batch_size,
-                                                     encoding.normalize))
+                                                     encoding.normalize), device=worker_device(args.worker))
     shards, documents = encode_corpus_shards(encoder, stream_corpus(args.beir, args.msmarco), args.out,
                                              args.shard_size, args.worker, args.workers, args.dtype)
     print(json.dumps({"out": args.out, "documents": documents, "shards": [s.name for s in shards]}))
@@ -619,9 +641,9 @@ def _add_export(commands) -> None:
 def _run_export(args) -> int:
     from pathlib import Path
 
-    from pretrieve.engine.export_checkpoint import export_checkpoint
-    from pretrieve.engine.run_dir import locate
     from pretrieve.models.export import describe_export
+    from pretrieve.pretrain import export_checkpoint
+    from pretrieve.utils.run_dir import locate
 
     run_dir, _, tag = locate(Path(args.checkpoint))
     print(describe_export(export_checkpoint(args.checkpoint, args.out), source=f"{run_dir}, checkpoint {tag}"))
@@ -640,7 +662,7 @@ def _add_card(commands) -> None:
 
 
 def _run_card(args) -> int:
-    from pretrieve.models.model_card import refresh_card
+    from pretrieve.eval.model_card import refresh_card
 
     print(refresh_card(args.run_dir, args.tracking_uri))
     return 0
@@ -664,66 +686,58 @@ def _run_universal(args) -> int:
 
 def _add_prepare(commands) -> None:
     import os
-    from dataclasses import MISSING, fields
+    from functools import partial
 
     from pretrieve.data.corpora import SOURCES
     from pretrieve.data.prepare import PrepareOptions
 
-    d = {f.name: f.default for f in fields(PrepareOptions) if f.default is not MISSING}  # the defaults, one place
     p = commands.add_parser("prepare", help="raw corpus -> tokenized, packed webdataset shards + manifest.json",
                             description="Read a raw corpus, tokenize, pack sentences into blocks and write "
                                         "webdataset shards and manifest.json. Re-running resumes. Split over "
                                         "jobs: --part I --parts N in each (own --out), then --combine.")
+    option = partial(_option, p, PrepareOptions, shown="%(default)s")
     p.add_argument("--source", choices=SOURCES, help="the corpus format (needed unless --combine)")
     p.add_argument("--input", nargs="+", metavar="PATH", help="files or directories (needed unless --combine)")
     p.add_argument("--out", required=True, metavar="DIR", help="a folder, or a URL (s3://, gs://, file://)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="local HF tokenizer directory "
                    "(default: the bundled bert-base-uncased WordPiece vocabulary)")
-    p.add_argument("--max-len", type=int, default=d["max_len"],
-                   help="model sequence length; blocks hold max_len-2 tokens (default: %(default)s)")
+    option("--max-len", "model sequence length; blocks hold max_len-2 tokens", type=int)
     p.add_argument("--workers", type=int, default=None,
                    help=f"tokenizer processes; 0 = in-process (default: all cores, {os.cpu_count()} here)")
-    p.add_argument("--shard-size", type=int, default=d["shard_size"], help="samples per shard (default: %(default)s)")
-    p.add_argument("--on-error", choices=("fail", "skip"), default=d["on_error"],
-                   help="bad records: stop with file:line (fail) or skip and count them in the manifest "
-                        "(default: %(default)s)")
-    p.add_argument("--packing", choices=("sentences", "passage"), default=d["packing"],
-                   help="sentences: greedy sentence packing; passage: one text per sample (default: passage for "
-                        "msmarco-passage and beir, else sentences)")
-    p.add_argument("--short-seq-prob", type=float, default=d["short_seq_prob"],
-                   help="probability of a shorter block target, BERT's 0.1 (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d["seed"],
-                   help="of the --short-seq-prob block targets (default: %(default)s)")
-    p.add_argument("--text-field", default=d["text_field"],
-                   help="jsonl / parquet: field holding the text (default: %(default)s)")
-    p.add_argument("--id-field", default=d["id_field"],
-                   help="jsonl / parquet: field holding the document id (default: %(default)s)")
-    p.add_argument("--queries-field", default=d["queries_field"],
-                   help="jsonl / parquet: optional list of pseudo-queries per document, kept for CoT-MAE; '' for "
-                        "none (default: %(default)s)")
-    p.add_argument("--title-field", default=d["title_field"],
-                   help="jsonl / parquet: optional title field; '' for none (default: %(default)s)")
-    p.add_argument("--books-format", choices=("file", "lines"), default=d["books_format"],
-                   help="books: paragraphs separated by blank lines (file) or one sentence per line (lines) "
-                        "(default: %(default)s)")
+    option("--shard-size", "samples per shard", type=int)
+    option("--on-error", "bad records: stop with file:line (fail) or skip and count them in the manifest",
+           choices=("fail", "skip"))
+    option("--packing", "sentences: greedy sentence packing; passage: one text per sample",
+           shown="passage for msmarco-passage and beir, else sentences", choices=("sentences", "passage"))
+    option("--short-seq-prob", "probability of a shorter block target, BERT's 0.1", type=float)
+    option("--seed", "of the --short-seq-prob block targets", type=int)
+    option("--text-field", "jsonl / parquet: field holding the text")
+    option("--id-field", "jsonl / parquet: field holding the document id")
+    option("--queries-field", "jsonl / parquet: optional list of pseudo-queries per document, kept for CoT-MAE; '' "
+           "for none")
+    option("--title-field", "jsonl / parquet: optional title field; '' for none")
+    option("--books-format", "books: paragraphs separated by blank lines (file) or one sentence per line (lines)",
+           choices=("file", "lines"))
     p.add_argument("--overwrite", action="store_true", help="delete an earlier output in --out first (default: off)")
-    p.add_argument("--holdout", type=float, default=d["holdout"], metavar="FRACTION",
-                   help="split by document: this share of documents (by a hash of the id) is the validation side "
-                        "(default: %(default)s, no split)")
-    p.add_argument("--split", choices=("train", "validation"), default=d["split"],
-                   help="with --holdout: the side this --out holds, run once per side (default: %(default)s)")
-    p.add_argument("--part", type=at_least(0), default=d["part"], metavar="I",
-                   help="with --parts: prepare record groups I, I+N, I+2N, ... of the input (e.g. a SLURM array task) "
-                        "(default: %(default)s)")
-    p.add_argument("--parts", type=at_least(1), default=d["parts"], metavar="N",
-                   help="jobs the input is split over (default: %(default)s)")
-    p.add_argument("--group-records", type=at_least(1), default=d["group_records"], metavar="R",
-                   help="consecutive records per group, the unit of --part; no shard spans two groups "
-                        "(default: %(default)s)")
+    option("--holdout", "split by document: this share of documents (by a hash of the id) is the validation side",
+           shown="%(default)s, no split", type=float, metavar="FRACTION")
+    option("--split", "with --holdout: the side this --out holds, run once per side", choices=("train", "validation"))
+    option("--part", "with --parts: prepare record groups I, I+N, I+2N, ... of the input (e.g. a SLURM array task)",
+           type=at_least(0), metavar="I")
+    option("--parts", "jobs the input is split over", type=at_least(1), metavar="N")
+    option("--group-records", "consecutive records per group, the unit of --part; no shard spans two groups",
+           type=at_least(1), metavar="R")
     p.add_argument("--combine", nargs="+", default=None, metavar="PART",
                    help="write --out's manifest over the shards of these --part outputs (one corpus, as one job) "
                         "(default: none: prepare from --input)")
     p.set_defaults(run=_run_prepare)
+
+
+def _option(p, options, flag: str, help: str | None = None, shown: str | None = None, **kwargs) -> None:
+    """A flag whose default is its field's in the options class `options` (--max-len: max_len), the one place
+    that default is written; `shown`: how the help's end states it, "(default: SHOWN)" (None: not stated)."""
+    p.add_argument(flag, default=default_of(options, flag.lstrip("-").replace("-", "_")),
+                   help=help if shown is None else f"{help} (default: {shown})", **kwargs)
 
 
 def _run_prepare(args) -> int:
@@ -777,24 +791,9 @@ def _add_stream(commands) -> None:
 
 
 def _run_stream(args) -> int:
-    import time
+    from pretrieve.data.stream_counts import epoch_counts
 
-    from pretrieve.data.stream import ShardStream, StreamLoader
-
-    stream = ShardStream(args.manifests, weights=args.weights, seed=args.seed, shuffle_buffer=args.shuffle_buffer)
-    loader = StreamLoader(stream, batch_size=args.batch_size, num_workers=args.workers)
-    for _ in range(args.epochs):
-        epoch = stream.epoch
-        samples = tokens = batches = 0
-        sources: dict[str, int] = {}
-        start = time.perf_counter()
-        for batch in loader:
-            batches += 1
-            samples += len(batch)
-            for sample in batch:
-                tokens += len(sample["ids"])
-                sources[sample["source"]] = sources.get(sample["source"], 0) + 1
-        seconds = time.perf_counter() - start
-        print(json.dumps({"epoch": epoch, "batches": batches, "samples": samples, "tokens": tokens, "sources": sources,
-                          "seconds": round(seconds, 3), "samples_per_s": round(samples / max(seconds, 1e-9), 1)}))
+    for counts in epoch_counts(args.manifests, epochs=args.epochs, batch_size=args.batch_size, workers=args.workers,
+                               shuffle_buffer=args.shuffle_buffer, seed=args.seed, weights=args.weights):
+        print(json.dumps(counts))
     return 0

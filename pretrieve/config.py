@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import types
-import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -20,40 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from pretrieve.data.remote import ReadOptions, is_remote, local_path
 from pretrieve.models.encoder import ModelOptions
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the file and key. `problems`: each error's message."""
-
-    def __init__(self, message: str, problems: list[str] | None = None):
-        super().__init__(message)
-        self.problems = problems or [message]
-
-
-class Problems:
-    """The errors of one config, collected: `add` one, `parse(fn, ...)` keeps going past fn's ConfigError (None
-    then stands for what it would have returned, and checks that need it are skipped), `raise_any` raises one
-    ConfigError listing each."""
-
-    def __init__(self):
-        self.messages: list[str] = []
-
-    def add(self, message: str) -> None:
-        self.messages.append(message)
-
-    def parse(self, fn, *args):
-        try:
-            return fn(*args)
-        except ConfigError as e:
-            self.messages += e.problems
-            return None
-
-    def raise_any(self) -> None:
-        if len(self.messages) == 1:
-            raise ConfigError(self.messages[0])
-        if self.messages:
-            raise ConfigError(f"{len(self.messages)} errors in the config:\n" + "\n".join(
-                f"  {message}" for message in self.messages), list(self.messages))
+from pretrieve.utils.options import ConfigError, Problems, options_of
+from pretrieve.utils.run_dir import latest_checkpoint
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None,
@@ -81,45 +47,6 @@ def model_options(config: DictConfig) -> ModelOptions:
     return options_of(ModelOptions, OmegaConf.to_container(config.model, resolve=True), "model")
 
 
-def options_of(cls, values: dict[str, Any], where: str, noun: str = "key"):
-    """`cls(**values)` for an options dataclass, after checking every key is a field and every value has the
-    field's type (the error names `where.key`): a YAML or override typo fails here, not steps into a run."""
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
-    problems = Problems()
-    for key in sorted(set(values) - known):
-        problems.add(f"{where}.{key}: unknown {noun} (known: {', '.join(sorted(known))})")
-    for key, value in values.items():
-        if key in known and not _has_type(value, hints[key]):
-            problems.add(f"{where}.{key}: expected {_type_name(hints[key])}, got {value!r}")
-    problems.raise_any()
-    try:
-        return cls(**values)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: {e}") from e
-
-
-def _has_type(value, hint) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_has_type(value, a) for a in args)
-    if origin in (list, tuple):
-        return isinstance(value, (list, tuple)) and all(_has_type(v, args[0]) for v in value)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint in (int, float):  # an int where a float is asked is fine; True is not a number here
-        return isinstance(value, int if hint is int else (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    return True  # Any and other annotations: not checked
-
-
-def _type_name(hint) -> str:
-    return hint.__name__ if typing.get_origin(hint) is None else str(hint).replace("NoneType", "None")
-
-
 def method_options(config: DictConfig) -> tuple[Any, Any]:
     """(registered Method, its options) from the `method:` section."""
     from pretrieve.models.heads import get_method
@@ -138,6 +65,7 @@ def method_options(config: DictConfig) -> tuple[Any, Any]:
 
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 PRECISIONS = ("fp32", "bf16", "fp16")
+LR_SCHEDULES = ("linear", "cosine", "constant", "wsd")  # engine/lr_schedule.py
 
 
 @dataclass
@@ -165,7 +93,7 @@ class TrainOptions:
     stop_at: int | None = None  # end this invocation after that step, with a checkpoint (resume=auto goes on)
     lr: float = 1e-4  # the peak of the schedule
     warmup_ratio: float = 0.1
-    lr_schedule: str = "linear"  # after the warm-up: linear | cosine | constant | wsd (engine/lr_schedule.py)
+    lr_schedule: str = "linear"  # after the warm-up: one of LR_SCHEDULES (engine/lr_schedule.py)
     decay_ratio: float = 0.2  # wsd: the share of max_steps that decays, at the end
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -191,31 +119,64 @@ class CheckpointOptions:
 
 
 @dataclass
-class Experiment:
+class TrackingOptions:
+    enabled: bool = True
+    uri: str | None = None  # default: sqlite:///<run_dir parent>/mlflow.db
+    experiment: str = "pretrieve"
+    system_metrics_every: float | None = 10.0  # seconds between CPU/GPU/memory samples (None: off)
+    parent_run_id: str | None = None  # nest the run under this one (a scaling study's parent run)
+    tags: dict | None = None  # extra run tags (a study point's N, D, C, size, seed)
+
+
+@dataclass(kw_only=True)
+class RunExperiment:
+    """What the training loop (engine/train.py) reads of any experiment: the run settings that pre-training and
+    fine-tuning share. Each kind adds its own sections and names their options classes (`section_classes`)."""
+
     seed: int
     run_dir: Path
     resume: str | None
+    train: TrainOptions
+    checkpoint: CheckpointOptions
+    tracking: TrackingOptions
+    raw: DictConfig
+    init_checkpoint: tuple[Path, str] | None = None  # (checkpoints dir, tag) a new run branches from
+
+    def section_classes(self, config: dict) -> dict[str, type]:
+        """The options class of each section of `config` (a resolved config of this kind, this run's or the one a
+        checkpoint was written with): engine/resume_check.py fills in their defaults before comparing."""
+        return {"train": TrainOptions, "checkpoint": CheckpointOptions}
+
+
+@dataclass(kw_only=True)
+class Experiment(RunExperiment):
+    """A pre-training experiment."""
+
     model: ModelOptions
     method: Any  # the registered Method
     options: Any  # its options
     data: DataOptions
-    train: TrainOptions
-    checkpoint: CheckpointOptions
-    tracking: Any  # engine.tracking.TrackingOptions
-    raw: DictConfig
-    init_checkpoint: tuple[Path, str] | None = None  # (checkpoints dir, tag) a new run branches from
+
+    def section_classes(self, config: dict) -> dict[str, type]:
+        classes = {**super().section_classes(config), "data": DataOptions, "model": ModelOptions}
+        name = (config.get("method") or {}).get("name")
+        if name:
+            from pretrieve.models.heads import get_method
+
+            classes["method"] = get_method(name).options
+        return classes
 
 
 # a pre-training config: these sections (each an options dataclass, but `method`, whose keys are the method's) and
 # plain keys; unknown top-level keys are refused, and `pretrieve pretrain --help` lists both from here
-SECTIONS = ("model", "method", "data", "train", "checkpoint", "tracking")
-PLAIN_KEYS = ("seed", "run_dir", "resume", "resume_changes", "init_checkpoint")
-_TOP_LEVEL = set(SECTIONS) | set(PLAIN_KEYS)
+RUN_SECTIONS = ("train", "checkpoint", "tracking")  # of every experiment (RunExperiment)
+RUN_KEYS = ("seed", "run_dir", "resume", "resume_changes")
+SECTIONS = ("model", "method", "data", *RUN_SECTIONS)
+PLAIN_KEYS = (*RUN_KEYS, "init_checkpoint")
 
 
 def section_keys(name: str) -> list[str]:
     """The keys of section `name`: its options' fields; for `method`, name and the registered methods."""
-    from pretrieve.engine.tracking import TrackingOptions
     from pretrieve.models.heads.registry import METHODS, get_method
 
     if name == "method":
@@ -226,17 +187,18 @@ def section_keys(name: str) -> list[str]:
     return [f.name for f in fields(classes[name])]
 
 
-def _section(config: DictConfig, name: str, cls):
+def section(config: DictConfig, name: str, cls):
+    """Section `name` of `config` as options `cls` (an absent section: all defaults)."""
     return options_of(cls, OmegaConf.to_container(config.get(name) or OmegaConf.create({}), resolve=True), name)
 
 
 def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     """The validated experiment; every error names its key, and all of them are reported at once."""
     problems = Problems()
-    problems.parse(unknown_top_level, config, _TOP_LEVEL)
+    problems.parse(unknown_top_level, config, {*SECTIONS, *PLAIN_KEYS})
     model = problems.parse(model_options, config)
     method, options = problems.parse(method_options, config) or (None, None)
-    data = problems.parse(_section, config, "data", DataOptions)
+    data = problems.parse(section, config, "data", DataOptions)
     sections = problems.parse(run_sections, config, world_size)
     resume = problems.parse(resume_of, config)
     init_checkpoint = problems.parse(init_checkpoint_of, config)
@@ -245,9 +207,10 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     if model is not None:
         _check_model(model, options, data, problems)
     problems.raise_any()
-    run_dir = Path(config.get("run_dir") or f"runs/{method.name}")
-    return Experiment(int(config.get("seed", 42)), run_dir, resume, model, method, options, data, *sections, config,
-                      init_checkpoint)
+    train, checkpoint, tracking = sections
+    return Experiment(seed=int(config.get("seed", 42)), run_dir=Path(config.get("run_dir") or f"runs/{method.name}"),
+                      resume=resume, train=train, checkpoint=checkpoint, tracking=tracking, raw=config,
+                      init_checkpoint=init_checkpoint, model=model, method=method, options=options, data=data)
 
 
 def unknown_top_level(config: DictConfig, known: set[str]) -> None:
@@ -306,12 +269,10 @@ def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, pr
 
 def run_sections(config: DictConfig, world_size: int) -> tuple[TrainOptions, CheckpointOptions, Any]:
     """The validated `train:`, `checkpoint:` and `tracking:` sections, shared by pre-training and fine-tuning."""
-    from pretrieve.engine.tracking import TrackingOptions
-
     problems = Problems()
-    train = problems.parse(_section, config, "train", TrainOptions)
-    checkpoint = problems.parse(_section, config, "checkpoint", CheckpointOptions)
-    tracking = problems.parse(_section, config, "tracking", TrackingOptions)
+    train = problems.parse(section, config, "train", TrainOptions)
+    checkpoint = problems.parse(section, config, "checkpoint", CheckpointOptions)
+    tracking = problems.parse(section, config, "tracking", TrackingOptions)
     if train is not None:
         _check_train(train, world_size, problems)
     if checkpoint is not None and (checkpoint.every < 1 or checkpoint.keep < 1):
@@ -321,8 +282,6 @@ def run_sections(config: DictConfig, world_size: int) -> tuple[TrainOptions, Che
 
 
 def _check_train(train: TrainOptions, world_size: int, problems: Problems) -> None:
-    from pretrieve.engine.lr_schedule import LR_SCHEDULES
-
     for key in ("micro_batch_size", "grad_accum", "max_steps", "log_every", "stop_at", "eval_every"):
         if getattr(train, key) is not None and getattr(train, key) < 1:
             problems.add(f"train.{key}: must be >= 1, got {getattr(train, key)}")
@@ -365,8 +324,6 @@ def resume_of(config: DictConfig) -> str | None:
 
 def init_checkpoint_of(config: DictConfig) -> tuple[Path, str] | None:
     """`init_checkpoint: RUN_DIR[:TAG]` (TAG: the run's `latest` when omitted) as (checkpoints dir, tag)."""
-    from pretrieve.engine.run_dir import latest_checkpoint
-
     value = config.get("init_checkpoint")
     if value is None:
         return None

@@ -1,6 +1,11 @@
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 # Triton kernels run under the interpreter on machines without a GPU; it must be chosen before triton loads.
@@ -157,3 +162,42 @@ def beir_subset(out: Path, queries: int, other_docs: int) -> Path:
     judged = {d for q in query_ids for d in data.qrels[q]}
     doc_ids = [d for d in data.corpus if d in judged] + [d for d in data.corpus if d not in judged][:other_docs]
     return write_beir(out, data, query_ids, doc_ids)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real `mlflow server` on 127.0.0.1 over a sqlite store: (its URL, its process, the store's path)."""
+    store, port = tmp_path / "mlflow.db", free_port()
+    mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent))
+    if mlflow is None:
+        pytest.skip("the mlflow command is not installed beside this interpreter")
+    with open(tmp_path / "server.log", "w") as log:  # its own process group: uvicorn and the job runner go with it
+        server = subprocess.Popen([mlflow, "server", "--backend-store-uri", f"sqlite:///{store}",
+                                   "--default-artifact-root", str(tmp_path / "artifacts"), "--host", "127.0.0.1",
+                                   "--port", port, "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as health:
+                    if health.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(0.2)
+        yield url, server, store
+    finally:
+        stop_server(server)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """Kill the server's process group, also when it is frozen."""
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            pass
+    server.wait()

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from conftest import free_port
-from pretrieve.engine.run_dir import TAG_CONFIG
+from pretrieve.utils.run_dir import TAG_CONFIG
 from test_launchers import BIN, CONFIG, PRETRAIN_SH, _env, _losses, _overrides, _weights
 
 INJECT = Path(__file__).resolve().parent / "inject_fault.py"

@@ -48,19 +48,20 @@ def _act() -> None:
 def _install(at: str, step: int) -> None:
     import torch
 
-    from pretrieve.engine import train
+    from pretrieve.engine import checkpoint
+    from pretrieve.engine.metrics import MetricsWindow
 
     tag = f"step{step:08d}"
     if at == "step":
-        real_log = train._log
+        real_log = MetricsWindow.log
 
-        def log(metrics, tracker, step_now, *args, **kwargs):
-            record = real_log(metrics, tracker, step_now, *args, **kwargs)
+        def log(window, step_now, *args, **kwargs):
+            record = real_log(window, step_now, *args, **kwargs)
             if step_now == step:
                 _act()
             return record
 
-        train._log = log
+        MetricsWindow.log = log
     elif at == "save":
         real_save = torch.save
 
@@ -77,23 +78,23 @@ def _install(at: str, step: int) -> None:
 
         torch.save = save
     elif at == "tag":
-        real_write = train.write_atomic
+        real_write = checkpoint.write_atomic
 
         def write_atomic(path, text):
-            if Path(path).name == train.LATEST and text == tag:
+            if Path(path).name == checkpoint.LATEST and text == tag:
                 _act()
             return real_write(path, text)
 
-        train.write_atomic = write_atomic
+        checkpoint.write_atomic = write_atomic
     elif at == "prune":
-        real_prune = train.prune_tags
+        real_prune = checkpoint.prune_tags
 
         def prune_tags(ckpt_dir, latest, keep):
             if latest == tag:
                 _act()
             return real_prune(ckpt_dir, latest, keep)
 
-        train.prune_tags = prune_tags
+        checkpoint.prune_tags = prune_tags
     else:
         raise SystemExit(f"inject_fault.py: FAULT_AT={at!r}: expected step, save, tag or prune")
 

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from pretrieve.config import experiment, load_config
-from pretrieve.engine.train import train
 from pretrieve.finetune.run import finetune, finetune_experiment
+from pretrieve.pretrain import train
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs" / "pretrain"

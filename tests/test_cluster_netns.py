@@ -15,7 +15,7 @@ import netns
 from conftest import free_port
 from fault_runs import TAG, assert_same_run, complete, overrides, reference
 from inject_fault import python_with_fault
-from pretrieve.engine.run_dir import latest_checkpoint
+from pretrieve.utils.run_dir import latest_checkpoint
 from test_launchers import BIN, CONFIG, PRETRAIN_SH, _env
 
 pytestmark = pytest.mark.cluster

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import free_port, pretrain_env, result_line
-from pretrieve.config import DS_CONFIG_DIR, ConfigError, deepspeed_config, experiment, load_config
-from pretrieve.engine.lr_schedule import LR_SCHEDULES, LRSchedule
+from pretrieve.config import DS_CONFIG_DIR, LR_SCHEDULES, ConfigError, deepspeed_config, experiment, load_config
+from pretrieve.engine.lr_schedule import LRSchedule
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 

@@ -115,7 +115,7 @@ def test_costa_defaults_are_the_paper_settings():
 @pytest.mark.parametrize("per_level", [5, 3])
 def test_costa_span_count_per_level(wiki_samples, vocab, per_level):
     """§3.2: T spans for each of the 4 levels, 4T per text (T = 3 is §5.3's ablation), all present where the text
-    has at least the level's minimum length; a stream pad sample gets none (it carries no target, DESIGN.md)."""
+    has at least the level's minimum length; a stream pad sample gets none (it carries no target, docs/design.md)."""
     collate = COSTACollator(vocab, max_len=512, spans_per_level=per_level)
     samples = [dict(s, ids=s["ids"][:n]) for s, n in zip(wiki_samples, [3, 10, 20, 70, 510, 510])]
     batch = collate(samples + [dict(wiki_samples[6], pad=True)])

@@ -2,7 +2,7 @@
 eqs. 6-8) written out in plain torch from the heads' weights, in float64, against the heads' losses.
 
 Nothing here calls pretrieve's attention, masks, decoder layer or loss code: the mask is unpacked from the
-batch by its DESIGN.md definition, the layer is BERT's written out, and both official conventions for the
+batch by its docs/design.md definition, the layer is BERT's written out, and both official conventions for the
 query stream H1 are spelled out (RetroMAE: h + p_i; DupMAE: the embedding module's LayerNorm over h + p_i + t_0).
 """
 
@@ -23,7 +23,7 @@ def build(method: str, wiki_samples, vocab, **overrides):
 
 
 def visibility(batch) -> torch.Tensor:
-    """M of eq. 5 as a bool [B, L, L]: the pool row of query i, never i itself, never padding (DESIGN.md)."""
+    """M of eq. 5 as a bool [B, L, L]: the pool row of query i, never i itself, never padding (docs/design.md)."""
     width = batch["dec_row"].shape[1]
     pool = np.unpackbits(batch["dec_pool"].numpy(), axis=-1, bitorder="little")[..., :width].astype(bool)
     lengths = batch["attention_mask"].sum(dim=1)

@@ -19,6 +19,63 @@ from pretrieve.eval.search import bm25_search, dense_search, index_recall
 SCIFACT = SAMPLES / "beir" / "scifact-sample"
 
 
+def _encode_owners():
+    from pretrieve.eval.options import EncodeOptions
+    from pretrieve.eval.vectors import encode_corpus_shards
+
+    return EncodeOptions, encode_corpus_shards
+
+
+def _mine_owners():
+    from pretrieve.finetune.mine import MineOptions
+
+    return (MineOptions,)
+
+
+def _teacher_owners():
+    from pretrieve.finetune.mine import TeacherOptions
+
+    return (TeacherOptions,)
+
+
+def _prepare_owners():
+    from pretrieve.data.prepare import PrepareOptions
+
+    return (PrepareOptions,)
+
+
+@pytest.mark.parametrize("argv,owners,resolved_later", [
+    (["eval", "--beir", "B", "--out", "O"], lambda: (EvalOptions,), {"split"}),
+    (["encode", "--model", "M", "--beir", "B", "--out", "O"], _encode_owners, {"pooling", "normalize", "max_length"}),
+    (["mine", "--model", "M", "--data", "D", "--out", "O"], _mine_owners, set()),
+    (["teacher-scores", "--model", "M", "--data", "D", "--out", "O"], _teacher_owners, set()),
+    (["prepare", "--out", "O"], _prepare_owners, {"tokenizer", "workers"}),
+])
+def test_command_line_defaults_are_the_options_own(argv, owners, resolved_later, monkeypatch):
+    """A flag named after a field of the options its command builds (or a parameter of the function it calls)
+    defaults to that field's default, written once there. `resolved_later`: flags whose None means "not given"
+    (the model's own setting, all cores, the bundled tokenizer, the set's usual split), resolved when it runs."""
+    import inspect
+
+    import pretrieve.cli
+    from pretrieve.utils.options import default_of
+
+    parsed = {}
+    monkeypatch.setattr(pretrieve.cli, "_run_command", lambda args, own_process: parsed.update(vars(args)) or 0)
+    assert cli(argv) == 0
+    given = {arg[2:].replace("-", "_") for arg in argv if arg.startswith("--")}
+    compared = []
+    for owner in owners():
+        for name in inspect.signature(owner).parameters.keys() & parsed.keys() - resolved_later - given:
+            try:
+                default = default_of(owner, name)
+            except TypeError:  # a required field: the flag is required too
+                continue
+            assert parsed[name] == default, f"--{name}: {parsed[name]!r}, {owner.__name__}: {default!r}"
+            compared.append(name)
+    assert len(compared) >= 2, compared
+
+
 def test_metrics_hand_computed_with_ties_and_missing_queries():
     qrels = {"q1": {"a": 1, "b": 0, "c": 2}, "q2": {"x": 1}, "q3": {"z": 0}, "q4": {"w": 1}}
     run = {"q1": {"a": 0.5, "b": 0.5, "c": 0.1, "d": 0.9}, "q2": {"y": 1.0, "x": 1.0}, "q3": {"z": 3.0}}
@@ -194,7 +251,8 @@ def test_farm_runs_jobs_in_parallel_logs_mlflow_and_reruns_only_what_is_missing(
                                                                                 monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from pretrieve.engine.tracking import Tracker, TrackingOptions
+    from pretrieve.config import TrackingOptions
+    from pretrieve.engine.tracking import Tracker
     from pretrieve.eval.farm import run_farm
     from pretrieve.eval.report import write_report
 

@@ -9,17 +9,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import stop_server
 from fault_runs import TAG, assert_same_run, complete, one_rank, reference, tags, two_ranks, with_fault
 from inject_fault import python_with_fault
-from pretrieve.engine.run_dir import latest_checkpoint
+from pretrieve.utils.run_dir import latest_checkpoint
 from test_launchers import _env, _losses
 
 pytestmark = pytest.mark.cluster
@@ -120,45 +117,6 @@ def test_a_full_disk_fails_one_save_and_after_freeing_space_resume_is_exact(tmpf
     assert_same_run(run, uninterrupted)
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
-    """A real `mlflow server` on 127.0.0.1 over a sqlite store: (its URL, its process, the store's path)."""
-    store, port = tmp_path / "mlflow.db", free_port()
-    mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent))
-    if mlflow is None:
-        pytest.skip("the mlflow command is not installed beside this interpreter")
-    with open(tmp_path / "server.log", "w") as log:  # its own process group: uvicorn and the job runner go with it
-        server = subprocess.Popen([mlflow, "server", "--backend-store-uri", f"sqlite:///{store}",
-                                   "--default-artifact-root", str(tmp_path / "artifacts"), "--host", "127.0.0.1",
-                                   "--port", port, "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as health:
-                    if health.status == 200:
-                        break
-            except OSError:
-                pass
-            assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
-            time.sleep(0.2)
-        yield url, server, store
-    finally:
-        _stop(server)
-
-
-def _stop(server: subprocess.Popen) -> None:
-    """Kill the server's process group, also when it is frozen."""
-    for sig in (signal.SIGCONT, signal.SIGKILL):
-        try:
-            os.killpg(server.pid, sig)
-        except ProcessLookupError:
-            pass
-    server.wait()
-
-
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 def test_tracking_server_stopped_mid_run_is_one_warning(tmp_path, tmp_path_factory, wiki_shards, mlflow_server, how):
     """The server goes away after step 2 is logged to it: killed (connections refused) or frozen by SIGSTOP
@@ -182,7 +140,7 @@ def test_tracking_server_stopped_mid_run_is_one_warning(tmp_path, tmp_path_facto
         run_id = json.loads((run / "run.json").read_text())["run_id"]
         assert [m.step for m in MlflowClient(url).get_metric_history(run_id, "loss")] == [1, 2]
         if how == "killed":
-            _stop(server)
+            stop_server(server)
         else:
             os.killpg(server.pid, signal.SIGSTOP)
         stopped = time.time()
@@ -202,6 +160,6 @@ def test_tracking_server_stopped_mid_run_is_one_warning(tmp_path, tmp_path_facto
     assert latest_checkpoint(run) == TAG(6) and complete(run, TAG(6))
     assert_same_run(run, uninterrupted)  # every step in metrics.jsonl, as if tracking had never failed
 
-    _stop(server)
+    stop_server(server)
     stored = MlflowClient(f"sqlite:///{store}")  # what the server kept: the steps logged before it stopped
     assert [m.step for m in stored.get_metric_history(run_id, "loss")] == [1, 2]

@@ -226,13 +226,13 @@ def test_finetune_config_errors_name_the_key(tmp_path):
 def _epoch_losses(run_dir: Path) -> dict:
     """A fine-tuning run's loss over the batches of its first epoch (dropout off), with its initial weights and
     with its final checkpoint."""
-    from pretrieve.config import _section
-    from pretrieve.engine.export_checkpoint import load_checkpoint_weights
+    from pretrieve.config import section
+    from pretrieve.engine.checkpoint import load_checkpoint_weights
     from pretrieve.finetune.batches import PairLoader
     from pretrieve.finetune.run import FinetuneOptions, build_model, load_examples
 
     raw = OmegaConf.load(run_dir / "config.yaml")
-    o = _section(raw, "finetune", FinetuneOptions)
+    o = section(raw, "finetune", FinetuneOptions)
     loader = (GroupLoader if o.model == "dual" else PairLoader)(
         load_examples(o), AutoTokenizer.from_pretrained(o.init_from), raw.train.micro_batch_size, o.negatives,
         o.query_max_len, o.passage_max_len, raw.seed, teacher_scores=o.loss == "distill" and o.model == "dual")

@@ -88,24 +88,26 @@ def test_peak_flops_override(wiki_shards):
                                         "train.peak_flops=-1"]))
 
 
-# Counts host reads of tensor values (item, tolist, float, int, bool) by the function of train.py that makes
-# them; run in a fresh process (DeepSpeed's process-wide state stays out of the test process).
+# Counts host reads of tensor values (item, tolist, float, int, bool) by the function of the loop, its metrics
+# window or the recipe that makes them; run in a fresh process (DeepSpeed's process-wide state stays out of the
+# test process).
 _COUNT_READS = """
 import collections, json, sys, torch
+from pretrieve import pretrain
 from pretrieve.config import experiment, load_config
-from pretrieve.engine import train as engine
+from pretrieve.engine import metrics, train as loop
 reads = collections.Counter()
 def counting(name):
     original = getattr(torch.Tensor, name)
     def read(self, *args):
         caller = sys._getframe(1).f_code
-        if caller.co_filename == engine.__file__:
+        if caller.co_filename in (loop.__file__, metrics.__file__, pretrain.__file__):
             reads[caller.co_name] += 1
         return original(self, *args)
     setattr(torch.Tensor, name, read)
 for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
     counting(name)
-engine.train(experiment(load_config(sys.argv[1], json.loads(sys.argv[2]))))
+pretrain.train(experiment(load_config(sys.argv[1], json.loads(sys.argv[2]))))
 print(json.dumps(reads))
 """
 
@@ -123,8 +125,9 @@ def test_micro_steps_read_nothing_back_from_the_device(tmp_path, wiki_shards):
                           env=pretrain_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     reads = json_lines(done.stdout)[-1]
-    assert "_run_training" not in reads, reads  # the loop body: the old code read every loss part, every micro-step
-    assert reads["_log"] == 1  # one tolist of the stacked sums
+    assert "_train_steps" not in reads, reads  # the loop body: the old code read every loss part, every micro-step
+    assert "add" not in reads, reads  # the metrics window sums on the device
+    assert reads["log"] == 1  # one tolist of the stacked sums
     assert reads["<lambda>"] == 8  # the job's count: int() of the host batch's mask, once per micro-batch
     [record] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert record["step"] == 4 and record["loss"] > 0

@@ -2,7 +2,8 @@
 
 import torch
 
-from pretrieve.models.representation import JointRepresentation, cls_pooling, joint_scores, mean_pooling
+from pretrieve.models.poolings import DENSE_POOLINGS
+from pretrieve.models.representation import POOLINGS, JointRepresentation, cls_pooling, joint_scores, mean_pooling
 
 
 def _inputs(seed=0, batch=3, width=9, hidden=16, vocab=50):
@@ -48,3 +49,8 @@ def test_dense_poolings():
     assert torch.equal(cls_pooling(states, mask), states[:, 0])
     for b in range(3):
         assert torch.allclose(mean_pooling(states, mask)[b], states[b, :int(lengths[b])].mean(dim=0))
+
+
+def test_the_dense_poolings_are_those_named():
+    """The command line offers models.poolings' names without importing torch: each is implemented here."""
+    assert tuple(POOLINGS) == DENSE_POOLINGS

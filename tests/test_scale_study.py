@@ -212,3 +212,37 @@ def test_plan_prices_a_device_and_warns_when_a_micro_batch_will_not_fit(tmp_path
     assert "or set train.batch_size: 32 with train.grad_accum=2 (the same tokens per step" in printed.err
     assert cli(["scale", "plan", str(path), "--device", "h200"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_an_interrupted_scale_run_saves_its_point_and_starts_no_other(tmp_path, wiki_shards, sigint_at_default):
+    """Ctrl-C to the study's process group, as a terminal sends it, while its first point trains: the point (in
+    a session of its own) gets SIGINT once, from the study, saves a checkpoint at the step it came and says so in
+    its log; the second point does not start; the study says so in one line and ends by SIGINT."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = write_study(tmp_path, wiki_shards, methods=["mlm"], budgets={"tokens": [65536, 131072]},
+                       sizes={"h32": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 128}},
+                       run={"out": str(tmp_path / "study"), "workers": 1})
+    proc = subprocess.Popen([sys.executable, "-m", "pretrieve", "scale", "run", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    points = tmp_path / "study" / "points"
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and not any(
+            p.stat().st_size for p in points.glob("*/metrics.jsonl")):  # a point has logged a step: it trains
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGINT, err[-3000:]
+    assert [line for line in err.splitlines() if "interrupt" in line.lower()] == [
+        "pretrieve scale: interrupted: 2 of 2 points not pre-trained yet (the next run resumes each from its latest "
+        "checkpoint); run the same command again to continue"] and "Traceback" not in err, err[-3000:]
+    [started] = [p for p in points.iterdir() if (p / "pretrain.log").exists()]
+    said = (started / "pretrain.log").read_text().splitlines()[-1]
+    latest = (started / "checkpoints" / "latest").read_text()
+    assert said == f"pretrieve pretrain: interrupted: saved step {int(latest[4:])} to {started / 'checkpoints' / latest}"\
+        "; resume with resume=auto", said
+    assert 0 < int(latest[4:]) < 256  # at the step the signal came, not the end: 65,536 tokens are 256 steps

@@ -127,6 +127,22 @@ def test_mixture_weights_and_down_weighted_corpus_cycles(wiki_shards, books_shar
     assert stream.epoch == 3
 
 
+def test_stream_command_counts_each_epoch(manifests, capsys):
+    """`pretrieve stream` (data.stream_counts): one line per epoch, numbered as the stream numbers it, counting
+    every sample of the mixture once, its tokens and its source, in the loader's batches."""
+    from pretrieve.cli import main
+
+    assert main(["stream", *map(str, manifests), "--epochs", "2", "--batch-size", "8", "--workers", "2"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    tokens = sum(json.loads(Path(m).read_text())["num_tokens"] for m in manifests)
+    batches = StreamLoader(ShardStream(manifests), batch_size=8, num_workers=2).batches_per_epoch()
+    assert [line["epoch"] for line in lines] == [0, 1]
+    for line in lines:
+        assert (line["batches"], line["samples"], line["tokens"]) == (batches, 717, tokens)
+        assert line["sources"] == {"wikipedia": 648, "books": 69}
+        assert line["seconds"] >= 0 and line["samples_per_s"] > 0
+
+
 def test_plain_iteration_state(wiki_shards):
     stream = make([wiki_shards])
     it = iter(stream)

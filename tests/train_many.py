@@ -7,7 +7,7 @@ import json
 import sys
 
 from pretrieve.config import experiment, load_config
-from pretrieve.engine.train import train
+from pretrieve.pretrain import train
 
 if __name__ == "__main__":
     config, runs = sys.argv[1], json.loads(sys.argv[2])

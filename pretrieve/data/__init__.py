@@ -1,1 +1,1 @@
-"""Raw corpora -> shards -> streams -> batches (see DESIGN.md "Data flow")."""
+"""Raw corpora -> shards -> streams -> batches (docs/design.md, "Data flow")."""

@@ -1,4 +1,4 @@
-"""Batch builders, one per method, registered by method name (DESIGN.md "Batch").
+"""Batch builders of the built-in methods; each method's registry entry names its own (docs/design.md, "Batch").
 
 A collator turns stream samples (dicts with `ids`, the block's token ids without special tokens, plus the
 stream's `epoch`, `shard`, `index`, `pad`) into a dict of batch-first tensors. Its random choices come from
@@ -19,16 +19,6 @@ from pretrieve.data.masking import (Vocabulary, corrupt, decoder_mask_pool, ordi
 from pretrieve.data.neighbours import NeighbourBlocks
 from pretrieve.data.spans import sample_spans, word_candidates
 
-COLLATORS: dict[str, type] = {}
-
-
-def register_collator(name: str):
-    def add(cls):
-        COLLATORS[name] = cls
-        return cls
-    return add
-
-
 @dataclass
 class Padded:
     ids: np.ndarray  # int64 [B, L]: [CLS] tokens [SEP] [PAD]...
@@ -37,7 +27,6 @@ class Padded:
     samples: list[dict]  # the stream samples, for collators that need more than the ids
 
 
-@register_collator("mlm")
 @dataclass
 class MLMCollator:
     """BERT MLM batches: `input_ids`, `attention_mask`, `mlm_labels` (whole-word masking, 80/10/10)."""
@@ -93,7 +82,6 @@ class MLMCollator:
         return np.random.default_rng(key)
 
 
-@register_collator("retromae")
 @dataclass
 class RetroMAECollator(MLMCollator):
     """RetroMAE batches: MLM keys plus the decoder's `dec_input_ids` (the unmasked ids), `dec_labels` (every
@@ -114,7 +102,6 @@ class RetroMAECollator(MLMCollator):
         out["dec_row"] = torch.from_numpy(rows)
 
 
-@register_collator("dupmae")
 @dataclass
 class DupMAECollator(RetroMAECollator):
     """DupMAE batches: RetroMAE keys plus `bow_targets` [B, U], the unique ordinary token ids of each input
@@ -139,7 +126,6 @@ def next_token_labels(ids: np.ndarray, lengths: np.ndarray, pad: np.ndarray) -> 
     return labels
 
 
-@register_collator("seed")
 @dataclass
 class SEEDCollator(MLMCollator):
     """SEED-Encoder batches: MLM keys plus `dec_input_ids` (the unmasked ids) and `dec_labels` (next ordinary
@@ -150,7 +136,6 @@ class SEEDCollator(MLMCollator):
         out["dec_labels"] = torch.from_numpy(next_token_labels(batch.ids, batch.lengths, batch.pad))
 
 
-@register_collator("cotmae")
 @dataclass
 class CoTMAECollator(MLMCollator):
     """CoT-MAE batches: MLM keys for the anchor block plus its contextual span for the causal decoder:
@@ -192,7 +177,6 @@ class CoTMAECollator(MLMCollator):
         return (None if picked is None else picked[0]), False
 
 
-@register_collator("cotmote")
 @dataclass
 class CoTMoTECollator(CoTMAECollator):
     """CoT-MoTE batches: CoT-MAE keys plus `text_type` [B] (1 = query, 0 = passage): samples whose corpus
@@ -205,7 +189,6 @@ class CoTMoTECollator(CoTMAECollator):
         out["text_type"] = torch.tensor([int(s.get("source") in self.query_sources) for s in batch.samples])
 
 
-@register_collator("costa")
 @dataclass
 class COSTACollator(MLMCollator):
     """COSTA batches: MLM keys plus `span_bounds` [B, 4 levels x spans_per_level, 2], (start, end) token positions

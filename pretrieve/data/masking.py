@@ -1,4 +1,4 @@
-"""Masking for the pre-training collators, vectorised over the batch (DESIGN.md "Batch", "Compact decoder mask").
+"""Masking for the pre-training collators, vectorised over the batch (docs/design.md, "Batch", "Compact decoder mask").
 
 All functions take a padded batch `ids` [B, L] laid out as [CLS] tokens [SEP] [PAD]... with `lengths` [B]
 (special tokens included). Only the ordinary tokens, positions 1 .. length-2, are ever masked or hidden;

@@ -48,11 +48,11 @@ import numpy as np
 
 from pretrieve import __version__
 from pretrieve.data import corpora, remote
-from pretrieve.engine.run_lock import DirectoryLock
 from pretrieve.data.corpora import BadRecord, CorpusError, Cursor, Document, ReaderOptions
 from pretrieve.data.packing import pack_sentences, sentence_starts, sentence_token_bounds
 from pretrieve.data.shards import MANIFEST_FORMAT, ShardStats, ShardWriter, token_extension
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, describe, load_backend
+from pretrieve.utils.run_lock import DirectoryLock
 
 MANIFEST = "manifest.json"
 STATE = ".prepare-state.json"

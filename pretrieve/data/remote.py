@@ -1,4 +1,4 @@
-"""Shard and manifest locations (DESIGN.md "Shard locations"): open them, read them whole with their sha256,
+"""Shard and manifest locations (docs/design.md, "Shard locations"): open them, read them whole with their sha256,
 retry what a network breaks, and upload files to them.
 
 What opens what:
@@ -106,7 +106,7 @@ def is_remote(location: str | os.PathLike) -> bool:
 
 def resolve(base: str, name: str) -> str:
     """The location of `name`, an entry of the file at `base`: URLs and absolute paths as they are, relative
-    names against the folder of `base`, local or remote (DESIGN.md: shard names resolve against the manifest)."""
+    names against the folder of `base`, local or remote (docs/design.md: shard names resolve against the manifest)."""
     if scheme(name) or os.path.isabs(name):
         return name
     kind = scheme(base)

@@ -1,4 +1,4 @@
-"""The shard sample format (DESIGN.md "Shard sample"): write and read webdataset tar shards.
+"""The shard sample format (docs/design.md, "Shard sample"): write and read webdataset tar shards.
 
 A sample is two tar members sharing a key: `<key>.ids.u16` (token ids, little-endian uint16; `.ids.i32`
 when the vocabulary has 65,536 ids or more) and `<key>.json` (`doc`, `block`, `source`). Shards are plain

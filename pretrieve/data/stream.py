@@ -52,7 +52,7 @@ from pretrieve.data.epoch_plan import EpochPlan, Segment, drop, total
 from pretrieve.data.prefetch import prefetched
 from pretrieve.data.remote import NotFound, ReadError, ReadOptions, fetch, local_path, resolve, scheme
 from pretrieve.data.shards import MANIFEST_FORMAT, ShardError, load_shard, parse_shard
-from pretrieve.engine.preemption import STOP_SIGNALS
+from pretrieve.utils.stop_signals import STOP_SIGNALS
 
 STATE_FORMAT = "pretrieve-stream/1"
 

@@ -1,1 +1,1 @@
-"""Training engine: the DeepSpeed loop, checkpoints and resume (train.py)."""
+"""The training loop and its components, shared by every recipe (docs/design.md, "Layers")."""

@@ -75,14 +75,15 @@ class ChildProcesses:
         finally:
             self.forget(child)
 
-    def run_job(self, args: list[str], log: Path, append: bool = False) -> int | str:
-        """Run `args` to its end, its output to `log`: its exit status, or STOPPED where a stop signal kept it from
-        starting or cut it off (one that failed as the signal came counts as cut off)."""
+    def run_job(self, args: list[str], log: Path, append: bool = False, env: dict | None = None) -> int | str:
+        """Run `args` to its end, its output to `log`, in environment `env` (None: this process's): its exit status,
+        or STOPPED where a stop signal kept it from starting or cut it off (one that failed as the signal came
+        counts as cut off)."""
         if self.stopped:
             return STOPPED
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "a" if append else "w") as stream:
-            code = self.run(args=args, stdout=stream, stderr=subprocess.STDOUT)
+            code = self.run(args=args, stdout=stream, stderr=subprocess.STDOUT, env=env)
         return STOPPED if code is None or (self.stopped and code != 0) else code
 
     def forget(self, child: subprocess.Popen) -> None:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-LR_SCHEDULES = ("linear", "cosine", "constant", "wsd")
 
 
 @dataclass(frozen=True)

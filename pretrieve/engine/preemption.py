@@ -28,15 +28,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, NoReturn
 
+from pretrieve.utils.stop_signals import (INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, RETRY_EXIT_CODE,
+                                          STOP_SIGNALS)
+
 if TYPE_CHECKING:
     from pathlib import Path
 
     import torch
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-PREEMPTED_EXIT_CODE = 85  # the SLURM launcher requeues on this code
-INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # 130: what a shell reports for a process that SIGINT ended
-RETRY_EXIT_CODE = 86  # start-up failed for a reason that may pass: the launcher requeues, a bounded number of times
 
 # A repeat this soon after the first signal is the same request delivered twice (under PreemptMode=REQUEUE a task
 # gets SIGTERM from slurmstepd and again from srun, which forwards its own); a later one is someone insisting.

@@ -15,11 +15,12 @@ import json
 import time
 from dataclasses import MISSING, fields
 from pathlib import Path
+from typing import Callable
 
 from omegaconf import OmegaConf
 
-from pretrieve.config import ConfigError
-from pretrieve.engine.run_dir import TAG_CONFIG
+from pretrieve.utils.options import ConfigError
+from pretrieve.utils.run_dir import TAG_CONFIG
 
 # dotted keys, or prefixes ending in "."
 MAY_CHANGE = ("run_dir", "resume", "resume_changes", "init_checkpoint", "train.max_steps", "train.stop_at",
@@ -56,35 +57,23 @@ def _defaults(cls) -> dict:
             f.default_factory() if f.default_factory is not MISSING else None for f in fields(cls)}
 
 
-def with_defaults(config: dict) -> dict:
-    """`config` with every option it leaves out at its default, so that leaving a key out and giving its
-    default value compare equal."""
-    from pretrieve.config import CheckpointOptions, DataOptions, TrainOptions
-    from pretrieve.models.encoder import ModelOptions
-
-    sections = {"train": TrainOptions, "checkpoint": CheckpointOptions}
-    if "finetune" in config:
-        from pretrieve.finetune.run import FinetuneOptions
-
-        sections["finetune"] = FinetuneOptions
-    else:
-        sections.update(data=DataOptions, model=ModelOptions)
-        name = (config.get("method") or {}).get("name")
-        if name:
-            from pretrieve.models.heads import get_method
-
-            sections["method"] = get_method(name).options
+def with_defaults(config: dict, classes: dict[str, type]) -> dict:
+    """`config` with every option it leaves out at its default (the options class of each section: `classes`),
+    so that leaving a key out and giving its default value compare equal."""
     out = {"seed": 42, **config}
-    for section, cls in sections.items():
+    for section, cls in classes.items():
         out[section] = {**_defaults(cls), **(config.get(section) or {})}
     return out
 
 
-def check_resume(saved: dict, saved_from: Path, config: dict, universal: bool = False) -> dict[str, list]:
+def check_resume(saved: dict, saved_from: Path, config: dict, section_classes: Callable[[dict], dict[str, type]],
+                 universal: bool = False) -> dict[str, list]:
     """{key: [checkpoint's value, this run's]} of every difference; ConfigError when one is not in MAY_CHANGE
     (with a universal checkpoint, which resumes at another world size, also UNIVERSAL_MAY_CHANGE) and
-    `resume_changes` is not "allow"."""
-    before, after = _flat(with_defaults(saved)), _flat(with_defaults(config))
+    `resume_changes` is not "allow". `section_classes(config)`: the options class of each of its sections (the
+    experiment's, RunExperiment.section_classes)."""
+    before = _flat(with_defaults(saved, section_classes(saved)))
+    after = _flat(with_defaults(config, section_classes(config)))
     changes = {key: [before.get(key), after.get(key)] for key in sorted(set(before) | set(after))
                if before.get(key) != after.get(key)}
     refused = [key for key in changes if not _may_change(key) and not (universal and key in UNIVERSAL_MAY_CHANGE)]

@@ -13,22 +13,16 @@ import logging
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pretrieve.engine.run_dir import write_atomic
+from pretrieve.utils.metric_names import metric_name
+from pretrieve.utils.run_dir import write_atomic
+
+if TYPE_CHECKING:
+    from pretrieve.config import TrackingOptions
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrackingOptions:
-    enabled: bool = True
-    uri: str | None = None  # default: sqlite:///<run_dir parent>/mlflow.db
-    experiment: str = "pretrieve"
-    system_metrics_every: float | None = 10.0  # seconds between CPU/GPU/memory samples (None: off)
-    parent_run_id: str | None = None  # nest the run under this one (a scaling study's parent run)
-    tags: dict | None = None  # extra run tags (a study point's N, D, C, size, seed)
 
 
 def flatten(tree, prefix: str = "") -> dict[str, str]:
@@ -54,14 +48,22 @@ def store_location(uri: str) -> str:
     return uri.rstrip("/")
 
 
-def metric_name(name: str) -> str:
-    return name.replace("@", "_at_")  # MLflow rejects "@" (ndcg@10 -> ndcg_at_10)
-
-
 def experiment_id_of(client, name: str, artifact_location: str | None = None) -> str:
-    """The id of MLflow experiment `name`, created (with `artifact_location`) when missing."""
+    """The id of MLflow experiment `name`, created (with `artifact_location`) when missing. Writers started
+    together (farm processes, array tasks on one tracking server) may all find it missing: the one whose
+    create loses the race takes the winner's."""
+    from mlflow.exceptions import MlflowException
+
     found = client.get_experiment_by_name(name)
-    return found.experiment_id if found else client.create_experiment(name, artifact_location=artifact_location)
+    if found:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except MlflowException:
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
 
 
 def _git_commit() -> str:

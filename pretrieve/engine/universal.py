@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrieve.engine.run_dir import LATEST, locate, write_atomic
+from pretrieve.utils.run_dir import LATEST, locate, write_atomic
 
 UNIVERSAL_SUFFIX = "-universal"
 

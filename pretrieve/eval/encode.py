@@ -14,7 +14,6 @@ query experts and documents through its passage experts (cot-mote.txt §3.3).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -22,22 +21,9 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from pretrieve.eval.options import EncodeOptions
+from pretrieve.models.poolings import VOCAB_POOLINGS
 from pretrieve.models.representation import POOLINGS
-
-WINDOW_BATCHES = 64  # batches per window when EncodeOptions.window is not given
-
-
-@dataclass
-class EncodeOptions:
-    pooling: str = "cls"
-    max_length: int = 256
-    batch_size: int = 64
-    normalize: bool = False
-    window: int | None = None  # texts tokenized and length-sorted together; None: WINDOW_BATCHES batches
-
-    def window_size(self) -> int:
-        return self.window or self.batch_size * WINDOW_BATCHES
-
 
 def length_sorted_batches(tokenizer, texts: Iterable[str], options: EncodeOptions, device: torch.device,
                           desc: str, progress: bool, total: int | None = None):
@@ -127,9 +113,6 @@ def has_query_experts(model_dir: str | Path) -> bool:
         return False
     with safe_open(str(path), framework="pt") as f:
         return any(k.startswith("encoder.query_experts.") for k in f.keys())
-
-
-VOCAB_POOLINGS = ("dupmae", "sparse", "hybrid")
 
 
 class VocabEncoder:

@@ -1,10 +1,10 @@
 """`pretrieve eval`: score one encoder (or BM25) on one retrieval set and write the evaluation outputs.
 
 OUT/metrics.json (the metrics of eval.metrics plus what was run), OUT/run.trec (top `depth` per query, in
-trec_eval's order) and OUT/per_query.jsonl (DESIGN.md "Evaluation output"), each written through a temporary
+trec_eval's order) and OUT/per_query.jsonl (docs/design.md, "Evaluation output"), each written through a temporary
 file and a rename. `--bm25` with a model also writes the BM25 baseline to OUT/bm25/ (baseline_table puts the
 two side by side). With `contrastive_entropy` (K), metrics.json and per_query.jsonl add the model's contrastive
-entropy against K fixed sampled negatives (eval.contrastive, Fang et al. 2024; DESIGN.md "Validation and study
+entropy against K fixed sampled negatives (eval.contrastive, Fang et al. 2024; docs/design.md, "Validation and study
 metrics"), computed on the vectors the search used.
 
 Dense retrieval never holds the corpus's texts: the set is read with its document ids alone, and the corpus is
@@ -24,44 +24,19 @@ from pathlib import Path
 import numpy as np
 
 from pretrieve.data.retrieval import RetrievalSet, load_retrieval_set, stream_corpus
-from pretrieve.engine.run_dir import write_atomic
 from pretrieve.eval.contrastive import ContrastiveEntropy, check_options, contrastive_entropy
-from pretrieve.eval.encode import VOCAB_POOLINGS, DenseEncoder, EncodeOptions, VocabEncoder
+from pretrieve.eval.encode import DenseEncoder, EncodeOptions, VocabEncoder
 from pretrieve.eval.metrics import evaluate, trec_run_lines
 from pretrieve.eval.model_config import resolve_encoding
+from pretrieve.eval.options import EvalOptions
 from pretrieve.eval.search import (IndexOptions, bm25_search, dense_search, hybrid_search, index_recall, pair_scorer,
                                    sparse_search)
 from pretrieve.eval.vectors import check_same_documents, encode_corpus, open_corpus_vectors
+from pretrieve.models.poolings import DENSE_POOLINGS, VOCAB_POOLINGS
+from pretrieve.utils.run_dir import write_atomic
 
 EXACT_HYBRID_DOCS = 100_000  # up to here hybrid / DupMAE scores are exact over the corpus; beyond, candidates
 RECALL_QUERIES = 1_000  # queries an approximate index's recall against flat is measured on
-
-
-@dataclass
-class EvalOptions:
-    out: str
-    model: str | None = None
-    beir: str | None = None
-    msmarco: str | None = None
-    split: str = "test"
-    pooling: str | None = None  # None: what the model says (eval.model_config), else cls
-    max_length: int | None = None  # None: what the model says, else 256
-    normalize: bool | None = None  # None: what the model says, else off
-    batch_size: int = 64
-    index: str = "flat"
-    nprobe: int = 32  # ivf / ivfpq: lists searched
-    ef_search: int | None = None  # hnsw: search breadth (None: max(128, depth))
-    depth: int = 1000
-    bm25: bool = False
-    on_missing: str = "fail"
-    vocab_top_k: int | None = None  # dupmae / sparse / hybrid: entries a document keeps (VocabEncoder's default)
-    sparse_weight: float = 1.0  # hybrid: weight of the sparse score
-    candidates: int | None = None  # hybrid / dupmae: candidates per query (None: exact up to EXACT_HYBRID_DOCS)
-    embeddings: str | None = None  # dense: the corpus vectors `pretrieve encode` wrote there
-    contrastive_entropy: int | None = None  # K negatives per judged pair (eval.contrastive); None: not computed
-    ce_temperature: float = 1.0  # contrastive entropy: scores / tau (1.0: the raw inner product, as Fang et al.)
-    ce_seed: int = 0  # contrastive entropy: the negatives' seed (the same for every model compared)
-    progress: bool = True
 
 
 def run_eval(opts: EvalOptions) -> dict:
@@ -99,7 +74,7 @@ def run_eval(opts: EvalOptions) -> dict:
         if opts.contrastive_entropy is not None:
             contrastive = contrastive_entropy(data.qrels, doc_ids, query_ids, score, opts.contrastive_entropy,
                                               opts.ce_temperature, opts.ce_seed)
-        retriever = "dense" if opts.pooling in ("cls", "mean") else opts.pooling
+        retriever = "dense" if opts.pooling in DENSE_POOLINGS else opts.pooling
         result = _write(out, data, run, {**_describe(opts, data), "retriever": retriever, **info,
                                          "encoding_from": encoding.source,
                                          "seconds": round(time.perf_counter() - started, 1)}, contrastive)

@@ -2,7 +2,8 @@
 on this machine or handed to SLURM, each logged as an MLflow run.
 
     out: farm-out                      # job outputs: <out>/<checkpoint>/<dataset>/<stage>/
-    workers: 2                         # jobs at once on this machine
+    workers: 2                         # jobs at once on a machine without GPUs
+    gpus: [0, 1, 2, 3]                 # or a count (4); default: every GPU torch sees; 0 or []: none
     tracking: {uri: sqlite:///runs/mlflow.db, experiment: pretrieve-eval}
     eval: {max_length: 256, depth: 1000, index: flat, batch_size: 64}  # also contrastive_entropy: K, ce_*,
                                        # and nprobe / ef_search for index ivf / ivfpq / hnsw
@@ -22,7 +23,11 @@ on this machine or handed to SLURM, each logged as an MLflow run.
       nproc: 8                         # ranks per fine-tuning run, on this node (default 1)
       overrides: [train.max_steps=20000]
 
-Each job is a separate process, so a failing job (reported with its log) stops nothing else. A job is done
+Each job is a separate process, so a failing job (reported with its log) stops nothing else. On GPUs, each job
+gets one device of `gpus:` to itself (CUDA_VISIBLE_DEVICES in its environment; ids count the devices this process
+sees, engine.devices) and as many jobs run at once as there are devices; a fine-tuning chain takes `nproc`
+devices at once; a job's devices are free again when it ends, failed or not. Without GPUs (none seen, or `gpus:
+0`, which hides them from the jobs), `workers` jobs run at once. A job is done
 when its metrics.json exists (written last, atomically); re-running the farm skips done jobs and logs to
 MLflow the done jobs not yet logged (OUT/.../mlflow.json records the run). `--slurm JOBS` writes the pending
 jobs as a job list for launchers/slurm/eval_farm.sbatch instead of running them; re-run the farm after the
@@ -31,7 +36,7 @@ checkpoint names its `run_dir` and that run is in the same MLflow store. Stages:
 it is) and `stage1` / `stage2` / `stage3`, the checkpoint fine-tuned (pretrieve/finetune/stages.py) with the
 checkpoint's pooling and normalisation (left out: what the model's own config says, eval.model_config). After
 logging, the model card of an evaluated run export (RUN/export/README.md) is written again with the farm's
-evaluations (models.model_card). A checkpoint's fine-tuning chain runs first, once for all its stages,
+evaluations (eval.model_card). A checkpoint's fine-tuning chain runs first, once for all its stages,
 as one process (log: <out>/<checkpoint>/finetune/finetune.log, its runs in the farm's MLflow experiment); with
 `--slurm`, pending chains are listed first and their evaluation jobs on the next `--slurm` call.
 """
@@ -42,16 +47,18 @@ import json
 import shlex
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 from pretrieve.engine.child_processes import STOPPED, ChildProcesses
+from pretrieve.engine.devices import DevicePool, node_devices, visible_env
 from pretrieve.engine.preemption import stop_exit
-from pretrieve.engine.run_dir import write_atomic
 from pretrieve.engine.tracking import experiment_id_of, store_location
 from pretrieve.eval.track import STAGES, log_eval_run
 from pretrieve.finetune.stages import done as finetuned
 from pretrieve.progress import Progress
+from pretrieve.utils.run_dir import write_atomic
 
 EVAL_KEYS = ("max_length", "depth", "index", "nprobe", "ef_search", "batch_size", "contrastive_entropy",
              "ce_temperature", "ce_seed")
@@ -112,7 +119,7 @@ def load_farm(path: str | Path) -> dict:
     from omegaconf import OmegaConf
 
     farm = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    known = {"out", "workers", "tracking", "eval", "checkpoints", "datasets", "stages", "finetune"}
+    known = {"out", "workers", "gpus", "tracking", "eval", "checkpoints", "datasets", "stages", "finetune"}
     for key in farm:
         if key not in known:
             raise ValueError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(known))})")
@@ -145,6 +152,8 @@ def load_farm(path: str | Path) -> dict:
                              "(configs/finetune/*.yaml)")
         if sum(key in finetune for key in ("data", "msmarco", "beir")) != 1:
             raise ValueError(f"{path}: finetune: give one of data:, msmarco: or beir: (the training data)")
+    if farm.get("gpus") is not None:  # checked here too, so a `--slurm` listing refuses it as well
+        node_devices(farm["gpus"], f"{path}: gpus")
     farm.setdefault("out", "farm-out")
     farm.setdefault("workers", 1)
     farm.setdefault("tracking", {})
@@ -215,7 +224,8 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
         logged = _log_done(jobs, farm, progress)
         return {"jobs": len(jobs), "ran": 0, "failed": failed, "pending_for_slurm": len(lines),
                 "pending_chains": len(chains), "logged": logged}
-    workers = max(1, int(farm["workers"]))
+    ranks = int(farm.get("finetune", {}).get("nproc", 1))  # a fine-tuning chain's devices
+    devices, at_once = _placement(farm, path, ranks if chains else 1)
     bar = Progress(len(chains) + len(pending), "farm", unit="job", enabled=progress)
     stopped: list[str] = []  # cut off by a stop signal, or not started after it: not done
 
@@ -229,10 +239,10 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
             bar.note(f"farm: {name} {'failed: ' + error if error else 'done'}")
         bar.update()
 
-    with bar, ChildProcesses() as children, ThreadPoolExecutor(max_workers=workers) as pool:
+    with bar, ChildProcesses() as children, ThreadPoolExecutor(max_workers=at_once) as pool:
         names = list(chains)
         logs = [finetune_dir(Path(farm["out"]), {"name": n}) / "finetune.log" for n in names]
-        for name, error in zip(names, pool.map(lambda a: _run(children, a[0], a[1], None),
+        for name, error in zip(names, pool.map(lambda a: _run(children, a[0], a[1], None, devices, ranks),
                                                zip(chains.values(), logs))):
             report(f"{name}/finetune", error)
         runnable = [job for job in pending if job.stage == "zero-shot" or finetuned(job.model)]
@@ -241,7 +251,7 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
                 report(job.name, STOPPED if children.stopped else
                        f"no fine-tuned model at {job.model} (its fine-tuning chain failed)")
         for job, error in zip(runnable, pool.map(lambda j: _run(children, j.eval_args(farm["eval"]),
-                                                                j.out / "eval.log", j), runnable)):
+                                                                j.out / "eval.log", j, devices), runnable)):
             report(job.name, error)
     if children.stopped:  # what finished is done (and logged by the next run); the rest is not
         raise stop_exit(children.stopped, f"{len(stopped)} of {len(chains) + len(pending)} jobs stopped or not "
@@ -252,10 +262,24 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
             "pending_for_slurm": 0, "logged": logged}
 
 
-def _run(children: ChildProcesses, args: list[str], log: Path, job: Job | None) -> str | None:
-    """Run `pretrieve ARGS` in its own process, output to `log`; None on success, STOPPED, or where to read why
-    it failed."""
-    code = children.run_job([sys.executable, "-m", "pretrieve", *args], log)
+def _placement(farm: dict, path: str | Path, ranks: int) -> tuple[DevicePool | None, int]:
+    """The devices the jobs share (None: no GPU seen and none named; the jobs' environment is left as it is) and
+    how many jobs run at once: one per device, else `workers`. `ranks`: the most devices one job takes."""
+    devices = node_devices(farm.get("gpus"), f"{path}: gpus")
+    if not devices:
+        return (None if devices is None else DevicePool([])), max(1, int(farm["workers"]))
+    if ranks > len(devices):
+        raise ValueError(f"{path}: finetune.nproc: a fine-tuning chain of {ranks} ranks needs {ranks} devices at "
+                         f"once; gpus gives {len(devices)} ({','.join(devices)})")
+    return DevicePool(devices), len(devices)
+
+
+def _run(children: ChildProcesses, args: list[str], log: Path, job: Job | None, devices: DevicePool | None,
+         needs: int = 1) -> str | None:
+    """Run `pretrieve ARGS` in its own process on `needs` devices of `devices` (waiting for them to be free),
+    output to `log`; None on success, STOPPED, or where to read why it failed."""
+    with nullcontext() if devices is None else devices.held(needs) as held:
+        code = children.run_job([sys.executable, "-m", "pretrieve", *args], log, env=visible_env(held))
     if code is STOPPED:
         return STOPPED
     if code != 0 or (job is not None and not job.done()):
@@ -266,8 +290,8 @@ def _run(children: ChildProcesses, args: list[str], log: Path, job: Job | None) 
 
 def _log_done(jobs: list[Job], farm: dict, progress: bool) -> list[str]:
     """Log the done jobs not logged yet; then write again the model cards of the run exports they evaluated
-    (models.model_card), now with these evaluations. Returns the names of the jobs logged."""
-    from pretrieve.models.model_card import has_generated_card, write_model_card
+    (eval.model_card), now with these evaluations. Returns the names of the jobs logged."""
+    from pretrieve.eval.model_card import has_generated_card, write_model_card
 
     logged = [job for job in jobs if job.done() and _log_job(job, farm)]
     for model in sorted({job.model for job in logged if job.model is not None}):

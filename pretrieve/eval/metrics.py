@@ -1,6 +1,6 @@
 """Retrieval metrics with trec_eval's semantics, through pytrec_eval (the trec_eval C code).
 
-Keys (DESIGN.md "Evaluation output"): `ndcg@10` (trec_eval ndcg_cut.10), `mrr@10` and `mrr@100` (recip_rank of
+Keys (docs/design.md, "Evaluation output"): `ndcg@10` (trec_eval ndcg_cut.10), `mrr@10` and `mrr@100` (recip_rank of
 the run cut to its top 10 / 100), `recall@100`, `recall@1000`, `map`. As trec_eval orders a run, ties in
 score are broken by document id, descending; the cut for MRR@k uses the same order, so it cuts exactly what
 trec_eval would rank first. Every judged query counts (trec_eval -c): a query missing from the run scores

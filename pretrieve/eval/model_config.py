@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrieve.models.encoder import FINETUNE_META, finetune_meta
+from pretrieve.models.poolings import DENSE_POOLINGS
 from pretrieve.models.st_config import read_st_config
 
-DENSE_POOLINGS = ("cls", "mean")  # those a model's config can name; dupmae / sparse / hybrid are pretrieve's own
 NO_CONFIG = "default: the model directory says nothing"  # the source when the model says nothing
 
 

@@ -18,10 +18,10 @@ import io
 import json
 from pathlib import Path
 
-from pretrieve.engine.run_dir import write_atomic
-from pretrieve.engine.tracking import metric_name
 from pretrieve.eval.report_html import cell_text, write_html
 from pretrieve.optional import MATPLOTLIB, available
+from pretrieve.utils.metric_names import metric_name
+from pretrieve.utils.run_dir import write_atomic
 
 DEFAULT_METRICS = ("ndcg@10", "mrr@10", "recall@100")
 

@@ -11,7 +11,7 @@ import html
 import time
 from pathlib import Path
 
-from pretrieve.engine.run_dir import write_atomic
+from pretrieve.utils.run_dir import write_atomic
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}
 table{border-collapse:collapse;margin:0.5em 0 1em}th,td{border:1px solid #ccc;padding:4px 10px}

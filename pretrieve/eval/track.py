@@ -1,7 +1,7 @@
 """`pretrieve track EVAL_DIR ...`: log finished `pretrieve eval` output folders as MLflow evaluation runs, the
 way the farm logs its jobs, so `pretrieve report` compares them with farm runs without evaluating again.
 
-A folder holds metrics.json, run.trec and per_query.jsonl (DESIGN.md "Evaluation output"); metrics.json also
+A folder holds metrics.json, run.trec and per_query.jsonl (docs/design.md, "Evaluation output"); metrics.json also
 records what was run (model, pooling, split, depth, ...). Each folder becomes one run with the farm's tags
 (`pretrieve.farm: eval`, checkpoint, dataset, stage; `model_dir`, the model evaluated), the float values of
 metrics.json as metrics under their MLflow names (ndcg@10 -> ndcg_at_10), the other values as params, the
@@ -19,7 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrieve.engine.tracking import experiment_id_of, metric_name
+from pretrieve.engine.tracking import experiment_id_of
+from pretrieve.utils.metric_names import metric_name
 
 EVAL_FILES = ("metrics.json", "run.trec", "per_query.jsonl")
 STAGES = ("zero-shot", "stage1", "stage2", "stage3")  # what an evaluation comes after (the farm's `stages`)

@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from pretrieve.engine.run_dir import record_settings, write_atomic
+from pretrieve.utils.run_dir import record_settings, write_atomic
 
 DEFAULT_SHARD_SIZE = 100_000
 DTYPES = ("float32", "float16")

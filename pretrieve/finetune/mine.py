@@ -90,7 +90,7 @@ def mine(opts: MineOptions) -> dict:
                 "max_length": encoding.max_length, "progress": None, "worker": None, "queries": len(source.queries)}
     part = _part(opts) if opts.workers > 1 else Path(opts.out)
     if opts.workers > 1:
-        from pretrieve.engine.run_dir import record_settings
+        from pretrieve.utils.run_dir import record_settings
 
         record_settings(_beside(opts.out, "settings.json"), settings, "mined parts")
     lo, hi = len(source.queries) * opts.worker // opts.workers, len(source.queries) * (opts.worker + 1) // opts.workers

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrieve.models.heads.costa import gather_across_ranks
+from pretrieve.models.poolings import DUAL_POOLINGS
 from pretrieve.models.representation import POOLINGS, JointRepresentation
 
 LOSSES = ("contrastive", "triplet", "distill")
-DUAL_POOLINGS = (*POOLINGS, "dupmae")
 
 
 class DualEncoder(nn.Module):

@@ -21,7 +21,7 @@ At the end run_dir/export holds the fine-tuned model: for `dual`, a HF BertModel
 sentence-transformers model (models.st_config: its pooling and normalisation, texts cut at passage_max_len;
 for pooling `dupmae` the dense part of eq. 12, [CLS] through W^cls); for `cross`, a
 BertForSequenceClassification directory that `pretrieve teacher-scores` reads. Both get a model card
-(models.model_card). The stages are chained by files: `pretrieve mine` writes stage 2's hard negatives,
+(eval.model_card). The stages are chained by files: `pretrieve mine` writes stage 2's hard negatives,
 `pretrieve teacher-scores` stage 3's soft labels.
 """
 
@@ -30,16 +30,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig
 
-from pretrieve.config import Problems, _section, resume_of, run_sections, unknown_top_level
+from pretrieve.config import (RUN_KEYS, RUN_SECTIONS, CheckpointOptions, Problems, RunExperiment, TrainOptions,
+                              resume_of, run_sections, section, unknown_top_level)
 from pretrieve.models.encoder import FINETUNE_META
 
 MODEL_CONFIG = "model_config.json"  # in the run directory: the architecture, for the export
 TOKENIZER = "tokenizer"  # in the run directory
-_TOP_LEVEL = {"seed", "run_dir", "resume", "resume_changes", "finetune", "train", "checkpoint", "tracking"}
 
 
 @dataclass
@@ -67,23 +66,21 @@ class FinetuneOptions:
     on_missing: str = "fail"  # msmarco / beir qrels naming absent ids: fail | skip
 
 
-@dataclass
-class FinetuneExperiment:
-    seed: int
-    run_dir: Path
-    resume: str | None
+@dataclass(kw_only=True)
+class FinetuneExperiment(RunExperiment):
+    """A fine-tuning experiment: the run settings and the `finetune:` section."""
+
     options: FinetuneOptions
-    train: Any
-    checkpoint: Any
-    tracking: Any
-    raw: DictConfig
+
+    def section_classes(self, config: dict) -> dict[str, type]:
+        return {"train": TrainOptions, "checkpoint": CheckpointOptions, "finetune": FinetuneOptions}
 
 
 def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExperiment:
     """The validated fine-tuning experiment; every error names its key, and all of them are reported at once."""
     problems = Problems()
-    problems.parse(unknown_top_level, config, _TOP_LEVEL)
-    options = problems.parse(_section, config, "finetune", FinetuneOptions)
+    problems.parse(unknown_top_level, config, {*RUN_KEYS, *RUN_SECTIONS, "finetune"})
+    options = problems.parse(section, config, "finetune", FinetuneOptions)
     sections = problems.parse(run_sections, config, world_size)
     resume = problems.parse(resume_of, config)
     if options is not None:
@@ -92,8 +89,10 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
             options, config = _with_model_encoding(options, config)  # reads init_from
             _check_encoding(options, problems)
     problems.raise_any()
-    run_dir = Path(config.get("run_dir") or f"runs/finetune-{options.model}")
-    return FinetuneExperiment(int(config.get("seed", 42)), run_dir, resume, options, *sections, config)
+    train, checkpoint, tracking = sections
+    return FinetuneExperiment(seed=int(config.get("seed", 42)), run_dir=Path(config.get("run_dir") or
+                              f"runs/finetune-{options.model}"), resume=resume, train=train, checkpoint=checkpoint,
+                              tracking=tracking, raw=config, options=options)
 
 
 def _check_options(options: FinetuneOptions, problems: Problems) -> None:
@@ -175,11 +174,11 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
 
     from transformers import AutoTokenizer
 
-    from pretrieve.engine.flops import layer_flops, vocab_flops
-    from pretrieve.engine.run_dir import write_atomic
     from pretrieve.engine.tracking import run_tags
     from pretrieve.engine.train import TrainingJob
     from pretrieve.finetune.batches import GroupLoader, PairLoader
+    from pretrieve.models.flops import layer_flops, vocab_flops
+    from pretrieve.utils.run_dir import write_atomic
 
     o = exp.options
     tokenizer = AutoTokenizer.from_pretrained(o.init_from)
@@ -274,17 +273,17 @@ def export_finetuned(run_dir: str | Path, out: str | Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from pretrieve.engine.export_checkpoint import load_checkpoint_weights
-    from pretrieve.engine.run_dir import locate
+    from pretrieve.engine.checkpoint import load_checkpoint_weights
+    from pretrieve.eval.model_card import write_model_card
     from pretrieve.finetune.mine import PASSAGE_MAX_LENGTH
     from pretrieve.models.encoder import HEAD_WEIGHTS
     from pretrieve.models.export import replace_directory
-    from pretrieve.models.model_card import write_model_card
     from pretrieve.models.st_config import write_st_config
+    from pretrieve.utils.run_dir import locate
 
     run_dir, ckpt_dir, tag = locate(Path(run_dir))
     meta = json.loads((run_dir / FINETUNE_META).read_text())
-    options = _section(OmegaConf.load(run_dir / "config.yaml"), "finetune", FinetuneOptions)
+    options = section(OmegaConf.load(run_dir / "config.yaml"), "finetune", FinetuneOptions)
     # config.yaml of a run started before it recorded them: what the run trained with, and the old default length
     options = replace(options, pooling=options.pooling or meta["pooling"],
                       normalize=meta["normalize"] if options.normalize is None else options.normalize,

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from pretrieve.engine.preemption import (Interrupted, Preempted, Stop, Stopped, interruptible, requested,
                                         stop_of_status)
-from pretrieve.engine.run_dir import latest_checkpoint
 from pretrieve.finetune.run import FINETUNE_META
+from pretrieve.utils.run_dir import latest_checkpoint
 
 STAGES = ("stage1", "stage2", "stage3")
 

@@ -1,7 +1,7 @@
 """Fused two-stream masked attention in Triton, FlashAttention-style (RetroMAE eqs. 3 and 5).
 
 softmax(Q K^T / sqrt(d) + M) V for queries from one stream and keys/values from another, with M read on the
-fly from the compact decoder mask (DESIGN.md): visible(i, j) = bit j of pool row dec_row[i], j != i,
+fly from the compact decoder mask (docs/design.md): visible(i, j) = bit j of pool row dec_row[i], j != i,
 j < length. Online softmax over key blocks keeps memory at O(B H L D); the backward recomputes the
 probabilities from the saved log-sum-exp (FlashAttention-2: one kernel for dK/dV over query blocks, one for
 dQ over key blocks, no atomics). Inputs fp32, fp16 or bf16 with fp32 accumulation; head dim 16-128 (a power

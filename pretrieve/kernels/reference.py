@@ -1,4 +1,4 @@
-"""Executable definition of the compact decoder mask and the attention that consumes it (DESIGN.md
+"""Executable definition of the compact decoder mask and the attention that consumes it (docs/design.md
 "Compact decoder mask"; RetroMAE eqs. 3 and 5). Fused kernels are tested against these functions.
 """
 

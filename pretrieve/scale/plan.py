@@ -243,7 +243,7 @@ def _cost(study: dict, points: list[Point], where: str) -> None:
 
 
 def write_plan(study: dict, points: list[Point]) -> Path:
-    from pretrieve.engine.run_dir import write_atomic
+    from pretrieve.utils.run_dir import write_atomic
 
     out = study_out(study)
     out.mkdir(parents=True, exist_ok=True)

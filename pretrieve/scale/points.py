@@ -3,7 +3,7 @@
 CSV: a header with `N`, `D`, `loss` and optionally `C` (training FLOPs; default 6 N D), `method` (default: one
 method named `all`) and `metric` (a downstream metric such as NDCG@10; empty cells allowed).
 
-MLflow (DESIGN.md, "Validation and study metrics"): a point is a child run of the study's parent run, tagged
+MLflow (docs/design.md, "Validation and study metrics"): a point is a child run of the study's parent run, tagged
 `N` (non-embedding parameters), `N_total`, `D` (training tokens seen), `C` (training FLOPs), `method`, `seed`,
 `size`, with the final `val_loss` as a metric. The downstream metric (MLflow name, e.g. `ndcg_at_10`: MLflow
 rejects '@', tracking.metric_name) is the point run's own metric when it has one, else the mean over the
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrieve.engine.tracking import metric_name
+from pretrieve.utils.metric_names import metric_name
 
 DEFAULT_METHOD = "all"
 FLOPS_PER_PARAMETER_TOKEN = 6.0  # C = 6 N D (Kaplan et al. 2020, sec. 2.1) when a point has no C

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrieve.engine.run_dir import write_atomic
 from pretrieve.optional import MATPLOTLIB, available
 from pretrieve.scale.fit import MetricFit, MethodFit, fit_method
 from pretrieve.scale.plots import write_plots
 from pretrieve.scale.points import read_points_csv, read_points_mlflow
 from pretrieve.scale.study import load_study, parent_run_id
+from pretrieve.utils.run_dir import write_atomic
 
 ARTIFACT_FOLDER = "scale_fit"
 

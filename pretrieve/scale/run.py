@@ -31,10 +31,10 @@ from pathlib import Path
 
 from pretrieve.engine.child_processes import STOPPED, ChildProcesses
 from pretrieve.engine.preemption import stop_exit
-from pretrieve.engine.run_dir import write_atomic
 from pretrieve.progress import Progress
 from pretrieve.scale.plan import Point, base_config, plan, study_out, study_workers, write_plan
 from pretrieve.scale.study import KIND_TAG, STUDY_TAG
+from pretrieve.utils.run_dir import write_atomic
 
 
 def point_done(point: Point, out: Path) -> bool:

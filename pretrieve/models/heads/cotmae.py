@@ -4,22 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from pretrieve.data.collators import CoTMAECollator
 from pretrieve.models.heads.base import PretrainingHead
-from pretrieve.models.heads.registry import register_method
-from pretrieve.models.heads.seed import CausalDecoder
+from pretrieve.models.heads.registry import MethodOptions, option, register_method
+from pretrieve.models.heads.seed import CausalDecoder, causal_decoder_flops
 
 
 @dataclass
-class CoTMAEOptions:
-    max_len: int = 512
-    mlm_ratio: float = 0.30  # encoder masking (CoT-MAE: 30%)
-    decoder_layers: int = 1  # §3.2: a single-layer shallow decoder
-    context: str = "auto"  # the decoder's target: a pseudo-query when the corpus has them, else a neighbour block
-
-    def __post_init__(self):
-        if self.context not in ("auto", "neighbour", "query"):
-            raise ValueError(f"method.context: {self.context!r} is not one of auto, neighbour, query")
+class CoTMAEOptions(MethodOptions):
+    max_len: int = option(512, at_least=3, why="[CLS], a token, [SEP]")
+    mlm_ratio: float = option(0.30, above=0, at_most=1)  # encoder masking (CoT-MAE: 30%)
+    decoder_layers: int = option(1, at_least=1)  # §3.2: a single-layer shallow decoder
+    # the decoder's target: a pseudo-query when the corpus has them, else a neighbour block
+    context: str = option("auto", choices=("auto", "neighbour", "query"))
 
 
 class CoTMAEHead(PretrainingHead):
@@ -40,4 +39,9 @@ class CoTMAEHead(PretrainingHead):
         return {"loss": mlm + dec, "mlm": mlm.detach(), "dec": dec.detach()}
 
 
-register_method("cotmae", CoTMAEHead, CoTMAECollator, CoTMAEOptions)
+def cotmae_flops(options: CoTMAEOptions, config, batch: dict[str, torch.Tensor]) -> int:
+    """The causal decoder over the contextual span (its own width, not the anchor block's)."""
+    return causal_decoder_flops(options.decoder_layers, config, batch["ctx_input_ids"], batch["ctx_labels"])
+
+
+register_method("cotmae", CoTMAEHead, CoTMAECollator, CoTMAEOptions, flops=cotmae_flops)

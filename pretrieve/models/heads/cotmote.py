@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pretrieve.data.collators import CoTMoTECollator
-from pretrieve.models.heads.cotmae import CoTMAEHead, CoTMAEOptions
+from pretrieve.models.heads.cotmae import CoTMAEHead, CoTMAEOptions, cotmae_flops
 from pretrieve.models.heads.registry import register_method
 
 
@@ -28,4 +28,5 @@ class CoTMoTEHead(CoTMAEHead):
         super().__init__(encoder, options)
 
 
-register_method("cotmote", CoTMoTEHead, CoTMoTECollator, CoTMoTEOptions)
+# the experts route each text through one FFN of the same shape: the FLOPs of CoT-MAE
+register_method("cotmote", CoTMoTEHead, CoTMoTECollator, CoTMoTEOptions, flops=cotmae_flops)

@@ -10,8 +10,9 @@ from torch import nn
 
 from pretrieve.data.collators import DupMAECollator
 from pretrieve.models.encoder import ordinary_positions
-from pretrieve.models.heads.registry import register_method
-from pretrieve.models.heads.retromae import RetroMAEHead, RetroMAEOptions
+from pretrieve.models.flops import vocab_flops
+from pretrieve.models.heads.registry import option, register_method
+from pretrieve.models.heads.retromae import QUERY_STREAM_CHOICES, RetroMAEHead, RetroMAEOptions, retromae_flops
 from pretrieve.models.vocab_projection import max_pooled_linear
 
 LPU_CHOICES = ("mlm_head", "linear")
@@ -21,19 +22,16 @@ BOW_NORMALIZE_CHOICES = ("length", "none")
 
 @dataclass
 class DupMAEOptions(RetroMAEOptions):
-    bow_weight: float = 1.0  # eq. (9) adds the three losses with weight 1
-    lpu: str = "mlm_head"  # W^O of eq. (6): the tied MLM head (official code) or a separate linear d x |V|
-    ot_positions: str = "unmasked"  # "unmasked": ordinary tokens, masked ones excluded (paper §3.3);
-    # "all": every token after [CLS], masked ones and the final [SEP] included (official code)
-    bow_normalize: str = "length"  # "length": each unique token weighs 1/len(X) (official); "none": eq. (8) sum
-    query_stream: str = "embeddings"  # H1 through the embedding module, as the official DupMAE code
-
-    def __post_init__(self):
-        super().__post_init__()
-        for name, choices in (("lpu", LPU_CHOICES), ("ot_positions", OT_POSITION_CHOICES),
-                              ("bow_normalize", BOW_NORMALIZE_CHOICES)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"method.{name}: {getattr(self, name)!r} is not one of {', '.join(choices)}")
+    bow_weight: float = option(1.0, at_least=0)  # eq. (9) adds the three losses with weight 1
+    # W^O of eq. (6): the tied MLM head (official code) or a separate linear d x |V|
+    lpu: str = option("mlm_head", choices=LPU_CHOICES)
+    # "unmasked": ordinary tokens, masked ones excluded (paper §3.3); "all": every token after [CLS], masked ones
+    # and the final [SEP] included (official code)
+    ot_positions: str = option("unmasked", choices=OT_POSITION_CHOICES)
+    # "length": each unique token weighs 1/len(X) (official); "none": eq. (8) sum
+    bow_normalize: str = option("length", choices=BOW_NORMALIZE_CHOICES)
+    # H1 through the embedding module, as the official DupMAE code
+    query_stream: str = option("embeddings", choices=QUERY_STREAM_CHOICES)
 
 
 class DupMAEHead(RetroMAEHead):
@@ -108,4 +106,24 @@ def bag_of_words_loss(mu: torch.Tensor, targets: torch.Tensor, lengths: torch.Te
     return per_text[texts].sum() / texts.sum().clamp(min=1)
 
 
-register_method("dupmae", DupMAEHead, DupMAECollator, DupMAEOptions)
+def dupmae_flops(options: DupMAEOptions, config, batch: dict[str, torch.Tensor]) -> int:
+    """RetroMAE's decoder, plus the OT projection of every position to the vocabulary (eq. 6): the MLM head's
+    transform and decoder for `lpu: mlm_head`, a d x |V| linear map for `lpu: linear`."""
+    positions = batch["input_ids"].numel()
+    ot = vocab_flops(config, positions) if options.lpu == "mlm_head" else ot_projection_flops(config, positions)
+    return retromae_flops(options, config, batch) + ot
+
+
+def ot_projection_flops(config, positions: int) -> int:
+    """The d x |V| projection of eq. (6) at `positions`."""
+    return 2 * positions * config.hidden_size * config.vocab_size
+
+
+def dupmae_no_backward_flops(options: DupMAEOptions, config, batch: dict[str, torch.Tensor]) -> int:
+    """The OT projection to the vocabulary: its backward is a gather of each entry's winning position
+    (models.vocab_projection), no matmul."""
+    return ot_projection_flops(config, batch["input_ids"].numel())
+
+
+register_method("dupmae", DupMAEHead, DupMAECollator, DupMAEOptions, flops=dupmae_flops,
+                no_backward_flops=dupmae_no_backward_flops)

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 from pretrieve.data.collators import MLMCollator
 from pretrieve.models.heads.base import PretrainingHead
-from pretrieve.models.heads.registry import register_method
+from pretrieve.models.heads.registry import MethodOptions, no_flops, option, register_method
 
 
 @dataclass
-class MLMOptions:
-    max_len: int = 512
-    mlm_ratio: float = 0.15  # BERT
+class MLMOptions(MethodOptions):
+    max_len: int = option(512, at_least=3, why="[CLS], a token, [SEP]")
+    mlm_ratio: float = option(0.15, above=0, at_most=1)  # BERT
 
 
 class MLMHead(PretrainingHead):
@@ -24,4 +24,4 @@ class MLMHead(PretrainingHead):
         return {"loss": loss, "mlm": loss.detach()}
 
 
-register_method("mlm", MLMHead, MLMCollator, MLMOptions)
+register_method("mlm", MLMHead, MLMCollator, MLMOptions, flops=no_flops)  # the encoder alone

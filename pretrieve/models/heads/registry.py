@@ -1,15 +1,21 @@
-"""Method registry: a method name selects its head, collator and options (fairseq-style: a method is a file).
+"""Method registry: a method name selects everything about it, registered by its head file (fairseq-style: a
+method is a file; docs/methods.md, "Add a method"):
 
     method = get_method("dupmae")
     options = method.options_from({"bow_weight": 0.5})   # paper defaults for everything not given
     head = method.build(options, ModelOptions(...))
     collate = method.collator.from_options(options, vocab, seed)
+    method.flops(options, bert_config, batch)             # the head's forward FLOPs beyond the encoder's
+
+An options dataclass declares each option's valid values beside it, with `option(default, at_least=...,
+choices=...)`: ranges are checked when the config is read (every violation named at once), choices when the
+options are made.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable
 
 import torch
@@ -17,49 +23,96 @@ import torch
 from pretrieve.models.encoder import Encoder, ModelOptions
 
 
-# The valid values of every numeric method option, checked when the config is read: outside them a run trains
-# to rc 0 on nonsense (a masking ratio of 1.5) or crashes steps later. tests/test_method_option_ranges.py checks
-# that every numeric option of every registered method is listed.
-OPTION_RANGES: dict[str, tuple[str, Callable[[float], bool]]] = {
-    "max_len": (">= 3 ([CLS], a token, [SEP])", lambda v: v >= 3),
-    "mlm_ratio": ("in (0, 1]", lambda v: 0 < v <= 1),
-    "decoder_hide_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),
-    "decoder_pool_size": (">= 1", lambda v: v >= 1),
-    "decoder_attention_dropout": ("in [0, 1)", lambda v: 0 <= v < 1),
-    "decoder_layers": (">= 1", lambda v: v >= 1),
-    "decoder_window": (">= 1", lambda v: v >= 1),
-    "bow_weight": (">= 0", lambda v: v >= 0),
-    "mlm_weight": (">= 0", lambda v: v >= 0),
-    "spans_per_level": (">= 1", lambda v: v >= 1),
-    "span_alpha": ("> 0", lambda v: v > 0),
-    "span_beta": ("> 0", lambda v: v > 0),
-    "temperature": ("> 0", lambda v: v > 0),
-}
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric option, from `low` to `high` (None: unbounded), each end open or closed.
+    Outside them a run trains to rc 0 on nonsense (a masking ratio of 1.5) or crashes steps later."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    why: str = ""  # said after the rule: what the bound leaves room for
+
+    def __contains__(self, value: float) -> bool:
+        return (math.isfinite(value)
+                and (self.low is None or (value > self.low if self.low_open else value >= self.low))
+                and (self.high is None or (value < self.high if self.high_open else value <= self.high)))
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            rule = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        elif self.low is not None:
+            rule = f"{'>' if self.low_open else '>='} {self.low:g}"
+        else:
+            rule = f"{'<' if self.high_open else '<='} {self.high:g}"
+        return f"{rule} ({self.why})" if self.why else rule
+
+
+def option(default: Any = MISSING, *, at_least: float | None = None, above: float | None = None,
+           at_most: float | None = None, below: float | None = None, why: str = "",
+           choices: tuple[str, ...] | None = None, **field_kwargs) -> Any:
+    """A field of a method's options with its valid values beside it: a range (`at_least` / `above` for the low
+    end, `at_most` / `below` for the high one) for a number, `choices` for a string."""
+    metadata = {}
+    if (at_least, above, at_most, below) != (None,) * 4:
+        if at_least is not None and above is not None or at_most is not None and below is not None:
+            raise TypeError("option: give at most one of at_least / above and one of at_most / below")
+        metadata["range"] = Range(above if at_least is None else at_least, below if at_most is None else at_most,
+                                  low_open=above is not None, high_open=below is not None, why=why)
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    return field(default=default, metadata=metadata, **field_kwargs)
+
+
+def option_range(f) -> Range | None:
+    """The range a field of an options dataclass declares (None: not a ranged option)."""
+    return f.metadata.get("range")
+
+
+@dataclass
+class MethodOptions:
+    """Base of every method's options: a value outside its field's `choices` is refused when the options are
+    made, by name (a typo in a config or a test fails here, not steps into a run)."""
+
+    def __post_init__(self):
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise ValueError(f"method.{f.name}: {getattr(self, f.name)!r} is not one of {', '.join(choices)}")
 
 
 def option_range_problems(options: Any, where: str) -> list[str]:
     """One message per option outside its range."""
     problems = []
     for f in fields(options):
-        value = getattr(options, f.name)
-        if f.name in OPTION_RANGES and value is not None:
-            rule, ok = OPTION_RANGES[f.name]
-            if not (math.isfinite(value) and ok(value)):
-                problems.append(f"{where}.{f.name}: must be {rule}, got {value!r}")
+        value, valid = getattr(options, f.name), option_range(f)
+        if valid is not None and value is not None and value not in valid:
+            problems.append(f"{where}.{f.name}: must be {valid}, got {value!r}")
     return problems
+
+
+def no_flops(options: Any, config, batch: dict[str, torch.Tensor]) -> int:
+    return 0
+
+
+# flops(options, bert_config, batch) -> int: FLOPs on one micro-batch
+Flops = Callable[[Any, Any, dict], int]
 
 
 @dataclass(frozen=True)
 class Method:
     name: str
     head: type  # a PretrainingHead subclass
-    collator: type  # from pretrieve.data.collators
-    options: type  # dataclass; its defaults are the paper's settings
+    collator: type  # an MLMCollator subclass (pretrieve.data.collators)
+    options: type  # a MethodOptions dataclass; its defaults are the paper's settings
+    flops: Flops  # forward FLOPs of the head beyond the encoder's (decoders, projections; engine/flops.py)
+    no_backward_flops: Flops = no_flops  # the part of `flops` whose backward does no matmul (a gather instead)
 
     def options_from(self, values: dict[str, Any] | None = None, where: str = "method") -> Any:
         """Options with `values` over the defaults; an unknown key or a value out of range is a ConfigError
         naming it (each of them, when there are several)."""
-        from pretrieve.config import Problems, options_of
+        from pretrieve.utils.options import Problems, options_of
 
         values = dict(values or {})
         values.pop("name", None)
@@ -82,16 +135,23 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
-def register_method(name: str, head: type, collator: type, options: type) -> None:
+def register_method(name: str, head: type, collator: type, options: type, *, flops: Flops,
+                    no_backward_flops: Flops = no_flops) -> Method:
+    """Make method `name` known to configs, training, FLOPs counting and export; its head file calls this."""
     if name in METHODS:
         raise ValueError(f"method {name!r} registered twice")
-    METHODS[name] = Method(name, head, collator, options)
+    METHODS[name] = Method(name, head, collator, options, flops, no_backward_flops)
+    return METHODS[name]
+
+
+def unregister_method(name: str) -> None:
+    """Forget method `name` (a method registered for a while, such as a test's)."""
+    del METHODS[name]
 
 
 def get_method(name: str) -> Method:
-    import pretrieve.models.heads  # noqa: F401  (registers the built-in methods)
-
+    """The method registered as `name`. The built-in ones are registered by the time this module can be used:
+    importing it runs the package's __init__.py first, which imports every method's file."""
     if name not in METHODS:
         raise KeyError(f"method {name!r} is not registered (known: {', '.join(sorted(METHODS))})")
     return METHODS[name]
-

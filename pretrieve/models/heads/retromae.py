@@ -7,29 +7,29 @@ from dataclasses import dataclass
 import torch
 
 from pretrieve.data.collators import RetroMAECollator
-from pretrieve.models.heads.base import PretrainingHead
-from pretrieve.models.heads.registry import register_method
 from pretrieve.kernels import CompactMask, resolve, two_stream_attention
+from pretrieve.models.flops import labelled, layer_flops, vocab_flops
+from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.decoder import DecoderLayer
+from pretrieve.models.heads.registry import MethodOptions, option, register_method
 
 QUERY_STREAM_CHOICES = ("position", "embeddings")
 
 
 @dataclass
-class RetroMAEOptions:
-    max_len: int = 512
-    mlm_ratio: float = 0.30  # encoder masking, whole words, 80/10/10 (§3.1: 15-30%; 30% in DupMAE §3.1)
-    decoder_hide_ratio: float = 0.50  # share of words each decoder mask row hides (eq. 5's sample s(X))
-    decoder_pool_size: int = 256  # sampled mask rows per text: min(L, 256), as the official collator
+class RetroMAEOptions(MethodOptions):
+    max_len: int = option(512, at_least=3, why="[CLS], a token, [SEP]")
+    # encoder masking, whole words, 80/10/10 (§3.1: 15-30%; 30% in DupMAE §3.1)
+    mlm_ratio: float = option(0.30, above=0, at_most=1)
+    # share of words each decoder mask row hides (eq. 5's sample s(X))
+    decoder_hide_ratio: float = option(0.50, at_least=0, at_most=1)
+    decoder_pool_size: int = option(256, at_least=1)  # mask rows sampled per text: min(L, 256), official collator
     attention_impl: str = "auto"  # decoder attention: fused (Triton) | sdpa | eager | auto (see pretrieve.kernels)
-    decoder_attention_dropout: float | None = None  # None: the encoder's; the fused kernel needs 0
-    query_stream: str = "position"  # H1 of eq. (2): "position" = h + p_i (paper, official RetroMAE code);
-    # "embeddings" = h through the embedding module (+ token type 0, LayerNorm, dropout: official DupMAE code)
-
-    def __post_init__(self):
-        if self.query_stream not in QUERY_STREAM_CHOICES:
-            raise ValueError(f"method.query_stream: {self.query_stream!r} is not one of "
-                             f"{', '.join(QUERY_STREAM_CHOICES)}")
+    # None: the encoder's; the fused kernel needs 0
+    decoder_attention_dropout: float | None = option(None, at_least=0, below=1)
+    # H1 of eq. (2): "position" = h + p_i (paper, official RetroMAE code); "embeddings" = h through the embedding
+    # module (+ token type 0, LayerNorm, dropout: official DupMAE code)
+    query_stream: str = option("position", choices=QUERY_STREAM_CHOICES)
 
 
 class RetroMAEHead(PretrainingHead):
@@ -79,4 +79,10 @@ class RetroMAEHead(PretrainingHead):
         return embeddings(inputs_embeds=h_cls[:, None].expand(-1, width, -1))
 
 
-register_method("retromae", RetroMAEHead, RetroMAECollator, RetroMAEOptions)
+def retromae_flops(options: RetroMAEOptions, config, batch: dict[str, torch.Tensor]) -> int:
+    """The decoder layer over the whole text, layer(B, L, L), and the MLM head at its targets."""
+    b, length = batch["input_ids"].shape
+    return layer_flops(config, b, length, length) + vocab_flops(config, labelled(batch["dec_labels"]))
+
+
+register_method("retromae", RetroMAEHead, RetroMAECollator, RetroMAEOptions, flops=retromae_flops)

@@ -8,17 +8,18 @@ import torch
 from torch import nn
 
 from pretrieve.data.collators import SEEDCollator
+from pretrieve.models.flops import labelled, layer_flops, vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.decoder import DecoderLayer, masked_attention
-from pretrieve.models.heads.registry import register_method
+from pretrieve.models.heads.registry import MethodOptions, option, register_method
 
 
 @dataclass
-class SEEDOptions:
-    max_len: int = 512
-    mlm_ratio: float = 0.15  # §4.1: BERT-base setup, 15% masks, no NSP
-    decoder_layers: int = 3  # §4.1: a three-layer Transformer decoder
-    decoder_window: int = 2  # §4.1: attention span k = 2
+class SEEDOptions(MethodOptions):
+    max_len: int = option(512, at_least=3, why="[CLS], a token, [SEP]")
+    mlm_ratio: float = option(0.15, above=0, at_most=1)  # §4.1: BERT-base setup, 15% masks, no NSP
+    decoder_layers: int = option(3, at_least=1)  # §4.1: a three-layer Transformer decoder
+    decoder_window: int = option(2, at_least=1)  # §4.1: attention span k = 2
 
 
 def window_mask(lengths: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
@@ -75,4 +76,15 @@ class SEEDHead(PretrainingHead):
         return {"loss": mlm + dec, "mlm": mlm.detach(), "dec": dec.detach()}
 
 
-register_method("seed", SEEDHead, SEEDCollator, SEEDOptions)
+def causal_decoder_flops(layers: int, config, input_ids: torch.Tensor, labels: torch.Tensor) -> int:
+    """`layers` decoder layers over the decoder's text `input_ids` (dense masks: every score is computed) and
+    the MLM head at its targets."""
+    b, width = input_ids.shape
+    return layers * layer_flops(config, b, width, width) + vocab_flops(config, labelled(labels))
+
+
+def seed_flops(options: SEEDOptions, config, batch: dict[str, torch.Tensor]) -> int:
+    return causal_decoder_flops(options.decoder_layers, config, batch["dec_input_ids"], batch["dec_labels"])
+
+
+register_method("seed", SEEDHead, SEEDCollator, SEEDOptions, flops=seed_flops)

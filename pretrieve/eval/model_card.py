@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pretrieve.engine.run_dir import latest_checkpoint, write_atomic
-from pretrieve.engine.tracking import metric_name
 from pretrieve.models.encoder import FINETUNE_META, HEAD_WEIGHTS
 from pretrieve.models.st_config import read_st_config
+from pretrieve.utils.metric_names import metric_name
+from pretrieve.utils.run_dir import latest_checkpoint, write_atomic
 
 CARD = "README.md"
 GENERATED = "<!-- written by pretrieve from the run directory; `pretrieve card RUN_DIR` writes it again -->"
@@ -154,9 +154,9 @@ def _usage(model_dir: Path, files: Path, st) -> list[str]:
 
 
 def _training_rows(run_dir: Path, model_dir: Path, config, tag: str | None, facts: dict) -> list[tuple]:
-    from pretrieve.config import TrainOptions, _section
+    from pretrieve.config import TrainOptions, section
 
-    train = _section(config, "train", TrainOptions)
+    train = section(config, "train", TrainOptions)
     encoder = _read_json(model_dir / "config.json")
     counters, world = _checkpoint_counters(run_dir, tag)
     final, validation = _last_losses(run_dir / "metrics.jsonl")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -58,14 +57,6 @@ def latest_checkpoint(run_dir: Path) -> str | None:
         raise FileNotFoundError(f"{latest}: {named}, and no complete checkpoint is there to fall back to")
     print(f"pretrieve: {latest} {named}; using the newest complete one, {complete[-1]}", file=sys.stderr)
     return complete[-1]
-
-
-def prune_tags(ckpt_dir: Path, latest: str, keep: int) -> None:
-    """Keep `latest` and the `keep` - 1 tags before it; tags after it (a save that did not finish) stay until
-    their step is saved again."""
-    older = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step") and p.name < latest)
-    for old in older[:max(0, len(older) - (keep - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def locate(path: Path) -> tuple[Path, Path, str]:

@@ -1,0 +1,48 @@
+"""The options of `pretrieve eval` and `pretrieve encode`, light (no torch): the command line takes its flags'
+defaults from these classes while it builds its parser (utils.options.default_of), so each default is written
+once, here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WINDOW_BATCHES = 64  # batches per window when EncodeOptions.window is not given
+
+
+@dataclass
+class EvalOptions:
+    out: str
+    model: str | None = None
+    beir: str | None = None
+    msmarco: str | None = None
+    split: str = "test"
+    pooling: str | None = None  # None: what the model says (eval.model_config), else cls
+    max_length: int | None = None  # None: what the model says, else 256
+    normalize: bool | None = None  # None: what the model says, else off
+    batch_size: int = 64
+    index: str = "flat"
+    nprobe: int = 32  # ivf / ivfpq: lists searched
+    ef_search: int | None = None  # hnsw: search breadth (None: max(128, depth))
+    depth: int = 1000
+    bm25: bool = False
+    on_missing: str = "fail"
+    vocab_top_k: int | None = None  # dupmae / sparse / hybrid: entries a document keeps (VocabEncoder's default)
+    sparse_weight: float = 1.0  # hybrid: weight of the sparse score
+    candidates: int | None = None  # hybrid / dupmae: per query (None: exact up to evaluate.EXACT_HYBRID_DOCS)
+    embeddings: str | None = None  # dense: the corpus vectors `pretrieve encode` wrote there
+    contrastive_entropy: int | None = None  # K negatives per judged pair (eval.contrastive); None: not computed
+    ce_temperature: float = 1.0  # contrastive entropy: scores / tau (1.0: the raw inner product, as Fang et al.)
+    ce_seed: int = 0  # contrastive entropy: the negatives' seed (the same for every model compared)
+    progress: bool = True
+
+
+@dataclass
+class EncodeOptions:
+    pooling: str = "cls"
+    max_length: int = 256
+    batch_size: int = 64
+    normalize: bool = False
+    window: int | None = None  # texts tokenized and length-sorted together; None: WINDOW_BATCHES batches
+
+    def window_size(self) -> int:
+        return self.window or self.batch_size * WINDOW_BATCHES

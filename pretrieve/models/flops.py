@@ -1,0 +1,41 @@
+"""Analytic FLOPs of the model's parts: the building blocks each method's `flops` adds up (engine/flops.py sums
+the encoder's and the registered method's).
+
+Counted: the matrix multiplications, 2 FLOPs per multiply-accumulate, on the shapes the hardware computes
+(padded batch x length, dense attention scores, masked entries included). Not counted: embeddings lookups,
+LayerNorm, softmax, activations, losses (a few % at BERT sizes). With h = hidden, f = FFN width, V = vocab:
+
+    layer(B, q, k)  = 2 B (q (2 h^2 + 2 h f) + k 2 h^2 + 2 q k h)   Q, O and FFN on q query positions,
+                                                                    K and V on k key positions, QK^T and PV
+    encoder         = n_layers x layer(B, L, L) + pooler 2 B h^2 + vocab(masked positions)
+    vocab(P)        = 2 P (h^2 + h V)                                  BERT's MLM transform + tied decoder
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def layer_flops(config, batch: int, queries: int, keys: int) -> int:
+    """One BERT layer (config: a BertConfig) over `batch` texts, `queries` query and `keys` key positions."""
+    h, f = config.hidden_size, config.intermediate_size
+    return 2 * batch * (queries * (2 * h * h + 2 * h * f) + keys * 2 * h * h + 2 * queries * keys * h)
+
+
+def vocab_flops(config, positions: int) -> int:
+    """BERT's MLM head (transform + tied decoder to the vocabulary) at `positions` positions."""
+    h = config.hidden_size
+    return 2 * positions * (h * h + h * config.vocab_size)
+
+
+def labelled(labels: torch.Tensor) -> int:
+    """The positions a token loss reads: labels != -100."""
+    return int((labels != -100).sum())
+
+
+def encoder_flops(config, batch: dict[str, torch.Tensor]) -> int:
+    """The shared encoder on `input_ids`, its pooler and the MLM head at the `mlm_labels` targets."""
+    b, length = batch["input_ids"].shape
+    h = config.hidden_size
+    return (config.num_hidden_layers * layer_flops(config, b, length, length) + 2 * b * h * h
+            + vocab_flops(config, labelled(batch["mlm_labels"])))

@@ -1,0 +1,81 @@
+"""`pretrieve pretrain` and `pretrieve export`: the pre-training recipe, beside fine-tuning's (finetune/run.py).
+
+A recipe hands the training loop (engine/train.py) a TrainingJob: the method's head on a new encoder (the
+registry), the shard stream and its loader with the method's collator, the counts and FLOPs of a batch, the
+held-out validation batches, and the export of the final checkpoint. The loop owns everything else: DeepSpeed,
+checkpoints, resume, logging, stop signals (docs/design.md, "Layers" and "Data flow").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pretrieve.config import Experiment
+from pretrieve.engine.checkpoint import load_checkpoint_weights
+from pretrieve.engine.flops import train_flops
+from pretrieve.engine.tracking import run_tags
+from pretrieve.engine.train import TrainingJob, run_training
+from pretrieve.engine.validation import VALIDATION_SEED, Validation
+from pretrieve.utils.run_dir import locate
+
+ENCODER_CONFIG = "encoder_config.json"  # in the run directory: the encoder's architecture, for the export
+
+
+def train(exp: Experiment) -> dict:
+    """Pre-train exp.method on exp.data."""
+    return run_training(exp, pretraining_job)
+
+
+def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
+    from pretrieve.data.masking import Vocabulary
+    from pretrieve.data.remote import ReadOptions
+    from pretrieve.data.stream import ShardStream, StreamLoader
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
+
+    head = exp.method.build(exp.options, exp.model, seed=exp.seed)
+    if rank == 0:  # the architecture, also when it came from model.init_from: `pretrieve export` rebuilds from it
+        head.encoder.config.to_json_file(exp.run_dir / ENCODER_CONFIG)
+    if exp.train.activation_checkpointing:
+        head.encoder.enable_activation_checkpointing()
+    collate = exp.method.collator.from_options(exp.options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)),
+                                               seed=exp.seed)
+    read = ReadOptions.from_options(exp.data)  # URLs: retries, timeout, prefetch, storage options
+    stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
+                         shuffle_buffer=exp.data.shuffle_buffer, read=read)
+    # The loader's own generator: starting an iteration must not draw from the global RNG (dropout), or a
+    # resumed run, which starts its iteration at another step, would drift from an uninterrupted one.
+    loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, num_workers=exp.data.num_workers,
+                          collate_fn=collate, generator=torch.Generator().manual_seed(exp.seed),
+                          pin_memory=torch.cuda.is_available())  # page-locked batches: asynchronous copies
+    validation = None
+    if exp.data.validation:
+        validation = Validation.build(exp.data.validation, exp.method.collator.from_options(
+            exp.options, collate.vocab, seed=VALIDATION_SEED), exp.train.micro_batch_size, exp.data.validation_batches,
+            read)
+    return TrainingJob(
+        name=f"pretrain {exp.method.name}", module=head, loader=loader, position=stream,
+        count=lambda batch: (len(batch["input_ids"]), int(batch["attention_mask"].sum())),
+        flops=lambda batch: train_flops(exp.method.name, exp.options, head.encoder.config, batch),
+        # from the final checkpoint: ZeRO partitions consolidated, fp32 master weights under bf16/fp16
+        export=lambda run_dir: export_checkpoint(run_dir, run_dir / "export"),
+        tags=run_tags(exp.method.name, exp.data.corpora, head.encoder.config), validation=validation)
+
+
+def export_checkpoint(path: str | Path, out: str | Path) -> Path:
+    """`pretrieve export CHECKPOINT OUT`: a pre-training checkpoint as an HF directory plus the head's weights and
+    a model card. CHECKPOINT is a run directory (its latest checkpoint), its checkpoints/ directory, or one tag
+    directory. The head is rebuilt from the run's config.yaml and encoder_config.json."""
+    from transformers import BertConfig
+
+    from pretrieve.config import load_config, method_options
+    from pretrieve.eval.model_card import write_model_card
+    from pretrieve.models.encoder import Encoder
+    from pretrieve.models.export import export
+
+    run_dir, ckpt_dir, tag = locate(Path(path))
+    method, options = method_options(load_config(run_dir / "config.yaml"))
+    head = method.head(Encoder(BertConfig.from_json_file(run_dir / ENCODER_CONFIG)), options)
+    load_checkpoint_weights(head, ckpt_dir, tag)
+    return export(head, out, before_rename=lambda tmp: write_model_card(out, run_dir, tag, card_dir=tmp))

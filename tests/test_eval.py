@@ -336,9 +336,10 @@ def test_an_interrupted_farm_leaves_its_jobs_not_done_and_the_next_run_does_them
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
     def first_job_running() -> bool:
-        """Its process is loading torch: inside its command, well before its end."""
+        """Its process is loading torch: inside its command, well before its end. Its own command line, not the
+        farm's: between fork and exec a child still maps what the farm has loaded (torch, to count the GPUs)."""
         try:
-            return any("libtorch" in Path(f"/proc/{job.pid}/maps").read_text()
+            return any("eval" in job.cmdline() and "libtorch" in Path(f"/proc/{job.pid}/maps").read_text()
                        for job in psutil.Process(proc.pid).children())
         except (OSError, psutil.NoSuchProcess):
             return False

@@ -155,8 +155,11 @@ def test_slurm_job_preempted_by_usr1_is_requeued_and_resumes(tmp_path, wiki_shar
                             str(LAUNCHERS / "slurm" / "pretrain.sbatch"), str(CONFIG),
                             *_overrides(wiki_shards / "manifest.json", f"tracking.uri={uri}")],
                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           # a free port, not the one pretrain.sbatch derives from the job id: every fake SLURM
+                           # starts at job 1000, so two of these tests at once (two suites on one machine) would
+                           # otherwise meet on port 21000 and pair one job's rank 0 with the other's rank 1
                            env=_env(FAKE_SLURM_STATE=str(state), PRETRIEVE_HOME=str(ROOT), RUN_DIR=str(run_dir),
-                                    LOG_DIR=str(logs)))
+                                    LOG_DIR=str(logs), MASTER_PORT=free_port()))
     deadline = time.time() + 600
     while time.time() < deadline and job.poll() is None and not (
             (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text()):

@@ -72,6 +72,21 @@ def sigint_at_default():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def ctrl_c_when(proc: subprocess.Popen, ready, timeout: float = 300) -> str:
+    """Ctrl-C as a terminal sends it, SIGINT to the process group of `proc` (started in a session of its own),
+    once `ready()`; then the end, which must be by SIGINT and without a traceback. Returns the one line of
+    stderr that says the command was interrupted."""
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline and not ready():
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == -signal.SIGINT, err[-3000:]
+    said = [line for line in err.splitlines() if "interrupt" in line.lower()]
+    assert len(said) == 1 and "Traceback" not in err, err[-3000:]
+    return said[0]
+
+
 def free_port() -> str:
     """A free TCP port on loopback for a torchrun rendezvous (`--master_port 0` hangs with gloo here)."""
     from pretrieve.engine.world import free_loopback_port

@@ -316,14 +316,12 @@ def test_an_interrupted_farm_leaves_its_jobs_not_done_and_the_next_run_does_them
     """Ctrl-C to the farm's process group, as a terminal sends it, while its first job runs: the farm passes it
     on to the job (in a session of its own), which ends saying so in its log and writes no metrics.json; the
     second job does not start; the farm says so in one line and ends by SIGINT. The next run does both."""
-    import os
-    import signal
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     import psutil
+    from conftest import ctrl_c_when
 
     from pretrieve.eval.farm import run_farm
 
@@ -344,15 +342,9 @@ def test_an_interrupted_farm_leaves_its_jobs_not_done_and_the_next_run_does_them
         except (OSError, psutil.NoSuchProcess):
             return False
 
-    deadline = time.time() + 300
-    while proc.poll() is None and time.time() < deadline and not first_job_running():
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGINT, err[-3000:]
-    assert [line for line in err.splitlines() if "interrupt" in line.lower()] == [
+    assert ctrl_c_when(proc, first_job_running) == (
         "pretrieve farm: interrupted: 2 of 2 jobs stopped or not started (none of them is done); run the same "
-        "command again to finish them"] and "Traceback" not in err, err[-3000:]
+        "command again to finish them")
     first, second = out / "a" / "scifact" / "zero-shot", out / "b" / "scifact" / "zero-shot"
     log = (first / "eval.log").read_text()
     assert log.splitlines()[-1] == "pretrieve eval: interrupted" and "Traceback" not in log, log[-3000:]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import os
 import shutil
@@ -27,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pretrieve.utils.run_dir import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 WIKIPEDIA = Path("pretrain") / "enwiki-sample" / "enwiki_2015_wikiextractor_100shards.jsonl.gz"
@@ -41,32 +44,27 @@ def articles(path: Path):
             yield json.loads(line)["text"].split()
 
 
+def windows(wikipedia: Path):
+    """Passages of PASSAGE_WORDS words, pass after pass over the articles, each pass starting further in."""
+    for shift in itertools.count():
+        for words in articles(wikipedia):
+            for start in range(shift * 7 % PASSAGE_WORDS, len(words) - PASSAGE_WORDS + 1, PASSAGE_WORDS):
+                yield words[start:start + PASSAGE_WORDS]
+
+
 def write_collection(wikipedia: Path, folder: Path, size: int, queries: int) -> None:
     """FOLDER/collection.tsv of `size` passages and two judged query sets of `queries` each (dev: the first
-    passages of each stride, train: the middle ones), written whole or not at all."""
+    passage of each stride, train: the middle one), written whole or not at all."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    stride = size // queries
+    stride, middle = size // queries, PASSAGE_WORDS // 2
     judged = {"dev": {}, "train": {}}  # pid -> query text
-    written = 0
     with open(tmp / "collection.tsv", "w") as out:
-        for shift in range(PASSAGE_WORDS):  # each pass starts its windows further into every article
-            for words in articles(wikipedia):
-                for start in range(shift * 7 % PASSAGE_WORDS, len(words) - PASSAGE_WORDS + 1, PASSAGE_WORDS):
-                    window = words[start:start + PASSAGE_WORDS]
-                    out.write(f"{written}\t{' '.join(window)}\n")
-                    if written % stride in (0, stride // 2) and written // stride < queries:
-                        middle = PASSAGE_WORDS // 2
-                        split = "dev" if written % stride == 0 else "train"
-                        judged[split][written] = " ".join(window[middle:middle + QUERY_WORDS])
-                    written += 1
-                    if written == size:
-                        break
-                if written == size:
-                    break
-            if written == size:
-                break
+        for pid, window in enumerate(itertools.islice(windows(wikipedia), size)):
+            out.write(f"{pid}\t{' '.join(window)}\n")
+            if pid % stride in (0, stride // 2) and pid // stride < queries:
+                judged["dev" if pid % stride == 0 else "train"][pid] = " ".join(window[middle:middle + QUERY_WORDS])
     for split, pairs in judged.items():
         (tmp / f"queries.{split}.tsv").write_text("".join(f"{pid}\t{text}\n" for pid, text in pairs.items()))
         (tmp / f"qrels.{split}.tsv").write_text("".join(f"{pid}\t0\t{pid}\t1\n" for pid in pairs))
@@ -127,12 +125,6 @@ def stages(model: Path, marco: Path, work: Path) -> dict[str, list[list[str]]]:
     }
 
 
-def write_results(path: Path, results: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(results, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[100_000, 300_000, 1_000_000])
@@ -171,13 +163,13 @@ def main(argv: list[str] | None = None) -> None:
             entry[name] = run_processes(commands, logs)
             if name in ("eval", "bm25"):  # a check that the stage searched: a random encoder is near 0, BM25 is not
                 entry[name]["ndcg@10"] = json.loads((size_work / name / "metrics.json").read_text())["ndcg@10"]
-            write_results(out, results)
+            write_atomic(out, json.dumps(results, indent=1) + "\n")
             print(f"[eval_scale] {size:,}: {name}: {entry[name]}", file=sys.stderr, flush=True)
     encode = [results["sizes"][str(s)]["encode"]["peak_rss_mib"] for s in args.sizes if "encode" in
               results["sizes"].get(str(s), {})]
     if len(encode) > 1:  # the target: encode's memory flat in corpus size, within 20 % from the smallest to the largest
         results["encode_rss_growth"] = round(encode[-1] / encode[0] - 1, 3)
-    write_results(out, results)
+    write_atomic(out, json.dumps(results, indent=1) + "\n")
     print(json.dumps({k: v for k, v in results.items() if k != "settings"}, indent=1))
 
 

@@ -180,8 +180,8 @@ def flops_per_step(config: str, overrides: list[str], batches: int) -> float:
     from pretrieve.config import experiment, load_config
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.stream import ShardStream, StreamLoader
-    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
     from pretrieve.engine.flops import train_flops
+    from pretrieve.pretrain import training_tokenizer
 
     exp = experiment(load_config(config, overrides))
     if exp.model.init_from:
@@ -190,7 +190,7 @@ def flops_per_step(config: str, overrides: list[str], batches: int) -> float:
         bert = BertConfig.from_pretrained(exp.model.init_from)
     else:
         bert = exp.model.bert_config()
-    collate = exp.method.collator.from_options(exp.options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)))
+    collate = exp.method.collator.from_options(exp.options, Vocabulary.of_tokenizer(training_tokenizer(exp)))
     stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
                          shuffle_buffer=exp.data.shuffle_buffer)
     loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, collate_fn=collate)

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="pretrieve", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"pretrieve {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_tokenizer(commands)
     _add_prepare(commands)
     _add_stream(commands)
     _add_pretrain(commands)
@@ -731,6 +732,59 @@ def _add_prepare(commands) -> None:
                    help="write --out's manifest over the shards of these --part outputs (one corpus, as one job) "
                         "(default: none: prepare from --input)")
     p.set_defaults(run=_run_prepare)
+
+
+def _add_tokenizer(commands) -> None:
+    from functools import partial
+
+    from pretrieve.data.corpora import SOURCES, ReaderOptions
+    from pretrieve.data.tokenizer_train import KINDS, TokenizerTrainOptions
+
+    p = commands.add_parser("tokenizer", help="train a WordPiece, BPE or Unigram tokenizer on raw corpora")
+    actions = p.add_subparsers(dest="tokenizer_command", metavar="ACTION", required=True)
+    train = actions.add_parser(
+        "train", help="raw corpus -> a HF tokenizer directory for `prepare --tokenizer` and `data.tokenizer`",
+        description="Train a tokenizer (HF tokenizers) on a raw corpus, read as `prepare` reads it, and write a "
+                    "HF tokenizer directory with the conventions of its backbone family: wordpiece (BERT), bpe "
+                    "(RoBERTa, byte-level), unigram (XLM-R, SentencePiece).")
+    option = partial(_option, train, TokenizerTrainOptions, shown="%(default)s")
+    train.add_argument("--source", choices=SOURCES, required=True, help="the corpus format")
+    train.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or directories")
+    train.add_argument("--out", required=True, metavar="DIR", help="the tokenizer directory to write")
+    option("--kind", "wordpiece: BERT's; bpe: RoBERTa's byte-level BPE; unigram: XLM-R's SentencePiece unigram",
+           choices=KINDS)
+    option("--vocab-size", "tokens in the vocabulary, special tokens included (a small corpus may give fewer)",
+           type=at_least(300))
+    option("--min-frequency", "wordpiece / bpe: occurrences a merge needs", type=at_least(1))
+    train.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=None,
+                       help="lower-case the text (default: yes for wordpiece, as bert-base-uncased; no otherwise)")
+    option("--max-documents", "train on the first N documents only", shown="all", type=at_least(1), metavar="N")
+    option("--model-max-length", "the longest input the tokenizer config declares", type=at_least(1))
+    option("--on-error", "bad records: stop with file:line (fail) or skip and count them", choices=("fail", "skip"))
+    train.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: off)")
+    reader = partial(_option, train, ReaderOptions, shown="%(default)s")
+    reader("--text-field", "jsonl / parquet: field holding the text")
+    reader("--id-field", "jsonl / parquet: field holding the document id")
+    reader("--title-field", "jsonl / parquet: optional title field, prepended to the text; '' for none")
+    reader("--books-format", "books: paragraphs separated by blank lines (file) or one sentence per line (lines)",
+           choices=("file", "lines"))
+    train.set_defaults(run=_run_tokenizer_train)
+
+
+def _run_tokenizer_train(args) -> int:
+    from pretrieve.data.corpora import ReaderOptions
+    from pretrieve.data.tokenizer_train import TokenizerTrainOptions, train_tokenizer
+
+    record = train_tokenizer(TokenizerTrainOptions(
+        source=args.source, inputs=args.input, out=args.out, kind=args.kind, vocab_size=args.vocab_size,
+        min_frequency=args.min_frequency, lowercase=args.lowercase, max_documents=args.max_documents,
+        model_max_length=args.model_max_length, on_error=args.on_error, overwrite=args.overwrite,
+        reader=ReaderOptions(text_field=args.text_field, id_field=args.id_field,
+                             title_field=args.title_field or None, books_format=args.books_format)))
+    print(f"{args.out}: {record['kind']} tokenizer of {record['vocab_size']:,} tokens from "
+          f"{record['documents']:,} documents ({record['characters']:,} characters); skipped "
+          f"{record['skipped'] or 'none'}; {record['fingerprint'][:19]}...")
+    return 0
 
 
 def _option(p, options, flag: str, help: str | None = None, shown: str | None = None, **kwargs) -> None:

@@ -71,6 +71,9 @@ LR_SCHEDULES = ("linear", "cosine", "constant", "wsd")  # engine/lr_schedule.py
 @dataclass
 class DataOptions:
     manifests: list[str] = field(default_factory=list)  # manifest.json files written by `pretrieve prepare`
+    # the tokenizer directory the manifests were prepared with (default: the bundled bert-base-uncased WordPiece);
+    # masking takes its special tokens and word boundaries from it, and the export ships it
+    tokenizer: str | None = None
     weights: list[float] | None = None  # mixture weights, one per manifest (default: by size)
     shuffle_buffer: int = 1000
     num_workers: int = 0
@@ -228,6 +231,9 @@ def _local_manifests(paths: list[str]) -> list[tuple[int, str]]:
 def _check_data(data: DataOptions, train: TrainOptions | None, problems: Problems) -> None:
     if not data.manifests:
         problems.add("data.manifests: empty; list the manifest.json files written by `pretrieve prepare`")
+    if data.tokenizer is not None and not Path(data.tokenizer).is_dir():
+        problems.add(f"data.tokenizer: {data.tokenizer} is not a directory (the tokenizer the shards were prepared "
+                     "with, e.g. one written by `pretrieve tokenizer train`)")
     for key in ("manifests", "validation"):
         for i, path in _local_manifests(getattr(data, key)):
             if not Path(local_path(path)).is_file():

@@ -32,18 +32,20 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.remote import ReadOptions
     from pretrieve.data.stream import ShardStream, StreamLoader
-    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
+    from pretrieve.data.tokenizer import describe
 
     head = exp.method.build(exp.options, exp.model, seed=exp.seed)
     if rank == 0:  # the architecture, also when it came from model.init_from: `pretrieve export` rebuilds from it
         head.encoder.config.to_json_file(exp.run_dir / ENCODER_CONFIG)
     if exp.train.activation_checkpointing:
         head.encoder.enable_activation_checkpointing()
-    collate = exp.method.collator.from_options(exp.options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)),
-                                               seed=exp.seed)
+    # masking's special tokens and word boundaries are the tokenizer's; the shards must have been prepared with it
+    tokenizer = training_tokenizer(exp)
+    collate = exp.method.collator.from_options(exp.options, Vocabulary.of_tokenizer(tokenizer), seed=exp.seed)
+    fingerprint = describe(tokenizer).fingerprint
     read = ReadOptions.from_options(exp.data)  # URLs: retries, timeout, prefetch, storage options
     stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
-                         shuffle_buffer=exp.data.shuffle_buffer, read=read)
+                         shuffle_buffer=exp.data.shuffle_buffer, read=read, tokenizer=fingerprint)
     # The loader's own generator: starting an iteration must not draw from the global RNG (dropout), or a
     # resumed run, which starts its iteration at another step, would drift from an uninterrupted one.
     loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, num_workers=exp.data.num_workers,
@@ -53,7 +55,7 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     if exp.data.validation:
         validation = Validation.build(exp.data.validation, exp.method.collator.from_options(
             exp.options, collate.vocab, seed=VALIDATION_SEED), exp.train.micro_batch_size, exp.data.validation_batches,
-            read)
+            read, tokenizer=fingerprint)
     return TrainingJob(
         name=f"pretrain {exp.method.name}", module=head, loader=loader, position=stream,
         count=lambda batch: (len(batch["input_ids"]), int(batch["attention_mask"].sum())),
@@ -63,19 +65,30 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
         tags=run_tags(exp.method.name, exp.data.corpora, head.encoder.config), validation=validation)
 
 
+def training_tokenizer(exp: Experiment) -> str:
+    """The tokenizer directory of a run: data.tokenizer, else the bundled bert-base-uncased vocabulary."""
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
+
+    return exp.data.tokenizer or DEFAULT_TOKENIZER
+
+
 def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     """`pretrieve export CHECKPOINT OUT`: a pre-training checkpoint as an HF directory plus the head's weights and
     a model card. CHECKPOINT is a run directory (its latest checkpoint), its checkpoints/ directory, or one tag
     directory. The head is rebuilt from the run's config.yaml and encoder_config.json."""
+    from omegaconf import OmegaConf
     from transformers import BertConfig
 
     from pretrieve.config import load_config, method_options
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
     from pretrieve.eval.model_card import write_model_card
     from pretrieve.models.encoder import Encoder
     from pretrieve.models.export import export
 
     run_dir, ckpt_dir, tag = locate(Path(path))
-    method, options = method_options(load_config(run_dir / "config.yaml"))
+    config = load_config(run_dir / "config.yaml")
+    method, options = method_options(config)
     head = method.head(Encoder(BertConfig.from_json_file(run_dir / ENCODER_CONFIG)), options)
     load_checkpoint_weights(head, ckpt_dir, tag)
-    return export(head, out, before_rename=lambda tmp: write_model_card(out, run_dir, tag, card_dir=tmp))
+    return export(head, out, tokenizer=OmegaConf.select(config, "data.tokenizer") or DEFAULT_TOKENIZER,
+                  before_rename=lambda tmp: write_model_card(out, run_dir, tag, card_dir=tmp))

@@ -49,6 +49,7 @@ def _config(wiki_shards, *overrides):
     ("data.weights=[0]", r"data.weights: \[0\]: each must be finite and >= 0, and one > 0"),
     ("model.vocab_size=1000", r"model.vocab_size: 1000, but data.manifests\[0\] .* vocabulary of 30522"),
     ("resume_changes=always", "resume_changes: 'always': the only value is allow"),
+    ("data.tokenizer=/nope", "data.tokenizer: /nope is not a directory"),
 ])
 def test_config_errors_name_the_key(wiki_shards, override, message):
     with pytest.raises(ConfigError, match=message):

@@ -200,7 +200,7 @@ class COSTACollator(MLMCollator):
     span_beta: float = 2.0
 
     def __post_init__(self):
-        self._candidates = word_candidates(self.vocab.tokens)  # one-token words the word level may take
+        self._candidates = word_candidates(self.vocab)  # one-token words the word level may take
 
     def extend(self, out, batch, words, num_words, rng):
         bounds = sample_spans(batch.ids, batch.lengths, words, self.vocab, self._candidates, rng,

@@ -4,11 +4,13 @@ All functions take a padded batch `ids` [B, L] laid out as [CLS] tokens [SEP] [P
 (special tokens included). Only the ordinary tokens, positions 1 .. length-2, are ever masked or hidden;
 [CLS] and the final [SEP] never are, as in BERT and the official RetroMAE collator.
 
-A word is a token that does not start with "##" plus the "##" pieces after it (WordPiece whole words).
+A word is a token that starts one plus the pieces that continue it: "##" pieces for WordPiece (BERT's whole
+words), pieces without "Ġ" / "▁" for byte-level BPE and SentencePiece (`word_starts`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,21 +25,62 @@ class Vocabulary:
     sep_id: int
     pad_id: int
     mask_id: int
-    continuation: np.ndarray  # bool [size]: the token is a "##" piece (continues the previous word)
-    tokens: tuple[str, ...] = ()  # the token strings in id order
+    continuation: np.ndarray  # bool [size]: the token continues the word of the token before it
+    tokens: tuple[str, ...] = ()  # the token strings in id order, without a word-start marker ("Ġ", "▁")
+    special: np.ndarray | None = None  # bool [size]: a special token ([CLS], <s>, ...)
 
     @classmethod
-    def from_backend(cls, backend) -> "Vocabulary":
-        vocab = backend.get_vocab(with_added_tokens=True)
-        continuation = np.zeros(len(vocab), dtype=bool)
-        for token, index in vocab.items():
-            continuation[index] = token.startswith("##")
-        ids = {name: vocab.get(name) for name in ("[CLS]", "[SEP]", "[PAD]", "[MASK]")}
-        missing = [name for name, index in ids.items() if index is None]
+    def of_tokenizer(cls, path) -> "Vocabulary":
+        """The vocabulary of a HF tokenizer directory, with the special tokens its config names (cls, sep, pad,
+        mask: [CLS] ... for BERT, <s> ... for RoBERTa and XLM-R)."""
+        from transformers import AutoTokenizer
+
+        from pretrieve.data.tokenizer import load_backend
+
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        roles = {role: getattr(tok, f"{role}_token", None) for role in ("cls", "sep", "pad", "mask")}
+        missing = [role for role, token in roles.items() if token is None]
         if missing:
-            raise ValueError(f"tokenizer has no {', '.join(missing)} token; masking needs BERT's special tokens")
-        tokens = tuple(token for token, _ in sorted(vocab.items(), key=lambda item: item[1]))
-        return cls(len(vocab), ids["[CLS]"], ids["[SEP]"], ids["[PAD]"], ids["[MASK]"], continuation, tokens)
+            raise ValueError(f"{path}: the tokenizer names no {', '.join(f'{r}_token' for r in missing)}; "
+                             "masking needs all four (tokenizer_config.json)")
+        return cls.from_backend(load_backend(path), {role: str(token) for role, token in roles.items()})
+
+    @classmethod
+    def from_backend(cls, backend, roles: dict[str, str] | None = None) -> "Vocabulary":
+        """`roles`: the cls, sep, pad and mask tokens (default BERT's). Word boundaries follow the tokenizer's
+        convention (`word_starts`)."""
+        roles = roles or {"cls": "[CLS]", "sep": "[SEP]", "pad": "[PAD]", "mask": "[MASK]"}
+        vocab = backend.get_vocab(with_added_tokens=True)
+        ids = {role: vocab.get(token) for role, token in roles.items()}
+        missing = [roles[role] for role, index in ids.items() if index is None]
+        if missing:
+            raise ValueError(f"tokenizer has no {', '.join(missing)} token; masking needs its cls, sep, pad and "
+                             "mask tokens")
+        by_id = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+        special = np.zeros(len(vocab), dtype=bool)
+        special[[index for index, token in backend.get_added_tokens_decoder().items() if token.special]] = True
+        special[list(ids.values())] = True
+        continuation, marker = word_starts(backend, by_id)
+        continuation &= ~special
+        tokens = tuple(t[len(marker):] if marker and t.startswith(marker) else t for t in by_id)
+        return cls(len(vocab), ids["cls"], ids["sep"], ids["pad"], ids["mask"], continuation, tokens, special)
+
+
+def word_starts(backend, tokens: list[str]) -> tuple[np.ndarray, str]:
+    """(bool [size]: the token continues a word, the word-start marker or ""), by the tokenizer's convention:
+    a continuation prefix ("##": WordPiece, and BPE trained with one), else a word-start marker ("Ġ": byte-level
+    BPE, RoBERTa; "▁": Metaspace, SentencePiece / XLM-R), whose absence marks a continuation. With neither,
+    every token is a word (token-level masking). Byte-level words run from space to space: "world," is one."""
+    spec = json.loads(backend.to_str())
+    prefix = spec["model"].get("continuing_subword_prefix")
+    if prefix:
+        return np.array([t.startswith(prefix) for t in tokens]), ""
+    pre = spec.get("pre_tokenizer") or {}
+    for step in pre.get("pretokenizers", [pre]):
+        marker = {"ByteLevel": "Ġ", "Metaspace": step.get("replacement", "▁")}.get(step.get("type"))
+        if marker:
+            return np.array([not t.startswith(marker) for t in tokens]), marker
+    return np.zeros(len(tokens), dtype=bool), ""
 
 
 def ordinary_positions(lengths: np.ndarray, width: int) -> np.ndarray:

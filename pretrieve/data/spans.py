@@ -31,10 +31,12 @@ shouldn't wasn wasn't weren weren't won won't wouldn wouldn't
 """.split())
 
 
-def word_candidates(vocab_tokens) -> np.ndarray:
-    """bool [vocab]: a one-token word with this token may be sampled at word level."""
-    return np.array([t not in STOPWORDS and any(c.isalnum() for c in t) and not (t.startswith("[") and t.endswith("]"))
-                     for t in vocab_tokens])
+def word_candidates(vocab: Vocabulary) -> np.ndarray:
+    """bool [vocab]: a one-token word with this token may be sampled at word level (tokens are compared without
+    their word-start marker, so RoBERTa's "Ġthe" is a stopword too)."""
+    ordinary = np.array([t.lower() not in STOPWORDS and any(c.isalnum() for c in t)
+                         and not (t.startswith("[") and t.endswith("]")) for t in vocab.tokens], dtype=bool)
+    return ordinary & ~vocab.special if vocab.special is not None else ordinary
 
 
 def sample_spans(ids: np.ndarray, lengths: np.ndarray, words: np.ndarray, vocab: Vocabulary,

@@ -23,12 +23,13 @@ class Validation:
         self.batches = batches
 
     @classmethod
-    def build(cls, manifests: list[str], collate, batch_size: int, num_batches: int, read=None) -> "Validation":
+    def build(cls, manifests: list[str], collate, batch_size: int, num_batches: int, read=None,
+              tokenizer: str | None = None) -> "Validation":
         """This rank's share of the first `num_batches` x world batches of the validation stream (`read`:
-        data.remote.ReadOptions for manifests at URLs)."""
+        data.remote.ReadOptions for manifests at URLs; `tokenizer`: the training tokenizer the shards must match)."""
         from pretrieve.data.stream import ShardStream, StreamLoader
 
-        stream = ShardStream(manifests, seed=VALIDATION_SEED, shuffle_buffer=1, read=read)
+        stream = ShardStream(manifests, seed=VALIDATION_SEED, shuffle_buffer=1, read=read, tokenizer=tokenizer)
         loader = StreamLoader(stream, batch_size=batch_size, collate_fn=collate,
                               generator=torch.Generator().manual_seed(VALIDATION_SEED))
         return cls(list(islice(loader, num_batches)))

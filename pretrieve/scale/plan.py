@@ -213,11 +213,11 @@ def _cost(study: dict, points: list[Point], where: str) -> None:
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.remote import ReadOptions
     from pretrieve.data.stream import ShardStream
-    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
     from pretrieve.engine.flops import train_flops
+    from pretrieve.pretrain import training_tokenizer
     from pretrieve.scale.memory import estimate
 
-    vocab = Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER))
+    vocab = None  # the study's points share their data, hence its tokenizer
     per_micro_batch: dict[tuple, tuple[float, dict]] = {}
     samples = None
     for point in points:
@@ -235,6 +235,7 @@ def _cost(study: dict, points: list[Point], where: str) -> None:
                 stream = ShardStream(exp.data.manifests, seed=0, shuffle_buffer=1, rank=0, world_size=1,
                                      read=ReadOptions.from_options(exp.data))
                 samples = list(islice(iter(stream), exp.train.micro_batch_size))
+                vocab = Vocabulary.of_tokenizer(training_tokenizer(exp))
             batch = exp.method.collator.from_options(exp.options, vocab, seed=0)(samples)
             per_micro_batch[key] = (float(train_flops(point.method, exp.options, config, batch)),
                                     estimate(exp, point.world_size, batch))

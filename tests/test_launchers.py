@@ -109,8 +109,9 @@ def test_pretrain_sh_maps_each_launchers_rank_variables(dump_python):
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory, wiki_shards) -> Path:
     """The uninterrupted reference: `deepspeed --num_accelerators 2 --no_python launchers/pretrain.sh`, ZeRO 2."""
-    run_dir = tmp_path_factory.mktemp("deepspeed") / "run"
-    done = subprocess.run([str(BIN / "deepspeed"), "--num_accelerators", "2", "--master_port", free_port(),
+    run_dir, port = tmp_path_factory.mktemp("deepspeed") / "run", free_port()
+    (run_dir.parent / "master_port").write_text(port)
+    done = subprocess.run([str(BIN / "deepspeed"), "--num_accelerators", "2", "--master_port", port,
                            "--no_python", str(PRETRAIN_SH), str(CONFIG), f"run_dir={run_dir}",
                            *_overrides(wiki_shards / "manifest.json", "tracking.enabled=false")],
                           env=_env(), capture_output=True, text=True, timeout=600)
@@ -123,6 +124,9 @@ def test_deepspeed_launcher_runs_two_cpu_ranks(two_rank_run):
     assert len(list(final.glob("*zero_pp_rank_*_optim_states.pt"))) == 2  # a ZeRO partition per rank
     assert [step for step, _ in _losses(two_rank_run)] == list(range(1, STEPS + 1))
     assert (two_rank_run / "export" / "model.safetensors").is_file()
+    # DeepSpeed's CPU all-reduce buffers (one per rank in /dev/shm, named after the port) are not left behind
+    port = (two_rank_run.parent / "master_port").read_text()
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 
 def test_two_nodes_on_loopback_form_one_job(tmp_path, wiki_shards, two_rank_run):

@@ -132,6 +132,39 @@ def test_corpus_streams_and_loads_without_texts(tmp_path):
             read()
 
 
+def test_ids_that_share_a_hash_are_told_apart(tmp_path, monkeypatch):
+    """The ids seen are kept as 64-bit hashes; ids whose hashes collide (here: every id has the same one) still
+    stream once each, a repeat is still dropped, and a repeat with other text is still an error."""
+    from pretrieve.data import retrieval
+
+    folder = tmp_path / "beir"
+    shutil.copytree(SCIFACT, folder)
+    corpus = folder / "corpus.jsonl"
+    lines = corpus.read_text().splitlines()[:40]
+    corpus.write_text("\n".join([*lines, lines[3]]) + "\n")
+    expected = list(stream_corpus(beir=folder))
+    assert len(expected) == 40
+    plain = retrieval._SeenIds.hash64
+    monkeypatch.setattr(retrieval._SeenIds, "hash64", staticmethod(lambda v: 7 if isinstance(v, str) else plain(v)))
+    assert list(stream_corpus(beir=folder)) == expected
+    record = json.loads(lines[3])
+    corpus.write_text("\n".join([*lines, json.dumps({**record, "text": "other"})]) + "\n")
+    with pytest.raises(RetrievalDataError, match=rf"corpus.jsonl:41: id '{record['_id']}' again, with other text "
+                                                 "than at line 4"):
+        list(stream_corpus(beir=folder))
+
+
+def test_the_ids_seen_grow_a_table_of_hashes():
+    from pretrieve.data.retrieval import _SeenIds
+
+    seen = _SeenIds(capacity=4)
+    for i in range(1000):  # grows 4 -> 2048 slots on the way
+        seen.add(f"doc{i}", _SeenIds.hash64(("", f"text {i}")))
+    assert len(seen.keys) == 2048 and seen.size == 1000 and not seen.exact
+    assert all(seen.digest_of(f"doc{i}") == _SeenIds.hash64(("", f"text {i}")) for i in range(1000))
+    assert seen.digest_of("doc1000") is None
+
+
 def exact_ranking(docs: np.ndarray, queries: np.ndarray, k: int):
     """Each query's top k rows of one matrix product, by score and then row."""
     scores = queries.astype(np.float64) @ docs.astype(np.float64).T

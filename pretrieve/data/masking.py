@@ -26,24 +26,22 @@ class Vocabulary:
     pad_id: int
     mask_id: int
     continuation: np.ndarray  # bool [size]: the token continues the word of the token before it
+    special: np.ndarray  # bool [size]: a special token ([CLS], <s>, ...)
     tokens: tuple[str, ...] = ()  # the token strings in id order, without a word-start marker ("Ġ", "▁")
-    special: np.ndarray | None = None  # bool [size]: a special token ([CLS], <s>, ...)
 
     @classmethod
     def of_tokenizer(cls, path) -> "Vocabulary":
         """The vocabulary of a HF tokenizer directory, with the special tokens its config names (cls, sep, pad,
         mask: [CLS] ... for BERT, <s> ... for RoBERTa and XLM-R)."""
-        from transformers import AutoTokenizer
+        from pretrieve.data.tokenizer import load_tokenizer
 
-        from pretrieve.data.tokenizer import load_backend
-
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok = load_tokenizer(path)  # one load: its roles and its backend
         roles = {role: getattr(tok, f"{role}_token", None) for role in ("cls", "sep", "pad", "mask")}
         missing = [role for role, token in roles.items() if token is None]
         if missing:
             raise ValueError(f"{path}: the tokenizer names no {', '.join(f'{r}_token' for r in missing)}; "
                              "masking needs all four (tokenizer_config.json)")
-        return cls.from_backend(load_backend(path), {role: str(token) for role, token in roles.items()})
+        return cls.from_backend(tok.backend_tokenizer, {role: str(token) for role, token in roles.items()})
 
     @classmethod
     def from_backend(cls, backend, roles: dict[str, str] | None = None) -> "Vocabulary":
@@ -63,7 +61,7 @@ class Vocabulary:
         continuation, marker = word_starts(backend, by_id)
         continuation &= ~special
         tokens = tuple(t[len(marker):] if marker and t.startswith(marker) else t for t in by_id)
-        return cls(len(vocab), ids["cls"], ids["sep"], ids["pad"], ids["mask"], continuation, tokens, special)
+        return cls(len(vocab), ids["cls"], ids["sep"], ids["pad"], ids["mask"], continuation, special, tokens)
 
 
 def word_starts(backend, tokens: list[str]) -> tuple[np.ndarray, str]:

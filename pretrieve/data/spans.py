@@ -36,7 +36,7 @@ def word_candidates(vocab: Vocabulary) -> np.ndarray:
     their word-start marker, so RoBERTa's "Ġthe" is a stopword too)."""
     ordinary = np.array([t.lower() not in STOPWORDS and any(c.isalnum() for c in t)
                          and not (t.startswith("[") and t.endswith("]")) for t in vocab.tokens], dtype=bool)
-    return ordinary & ~vocab.special if vocab.special is not None else ordinary
+    return ordinary & ~vocab.special
 
 
 def sample_spans(ids: np.ndarray, lengths: np.ndarray, words: np.ndarray, vocab: Vocabulary,

@@ -25,8 +25,8 @@ class TokenizerInfo:
         return {"name": self.name, "path": self.path, "vocab_size": self.vocab_size, "fingerprint": self.fingerprint}
 
 
-def load_backend(path: str | Path):
-    """The `tokenizers.Tokenizer` of a local HF tokenizer directory, without truncation or padding.
+def load_tokenizer(path: str | Path):
+    """The transformers tokenizer of a local HF tokenizer directory, which must be a fast one.
 
     Goes through `AutoTokenizer` so a directory with only `vocab.txt` works too (converted to fast).
     """
@@ -39,9 +39,14 @@ def load_backend(path: str | Path):
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad directory
         raise TokenizerError(f"{path}: cannot load a tokenizer ({e})") from e
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is None:
+    if getattr(tok, "backend_tokenizer", None) is None:
         raise TokenizerError(f"{path}: no fast tokenizer available; pretrieve needs a HF fast tokenizer")
+    return tok
+
+
+def load_backend(path: str | Path):
+    """The `tokenizers.Tokenizer` of a local HF tokenizer directory, without truncation or padding."""
+    backend = load_tokenizer(path).backend_tokenizer
     backend.no_truncation()
     backend.no_padding()
     return backend

@@ -1,0 +1,42 @@
+"""BERT's losses and gradients on a fixed batch, bit for bit as recorded before the backbone interface: every
+head on the tiny BERT configs, in training mode (dropout on), seed 0 for the weights and the masks.
+
+tests/data/bert_losses.json holds the values as float.hex. To record them anew (only after a change that is
+meant to alter BERT's numbers, said in its commit): PRETRIEVE_RECORD_BERT_LOSSES=1 pytest tests/test_bert_unchanged.py
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_heads import METHODS, tiny
+
+RECORD = Path(__file__).resolve().parent / "data" / "bert_losses.json"
+
+
+def losses_and_grad_norm(method: str, samples, vocab) -> dict[str, str]:
+    spec, options, model = tiny(method)
+    head = spec.build(options, model, seed=0)
+    batch = spec.collator.from_options(options, vocab, seed=0)(samples[:8])
+    if method == "cotmote":  # half the texts through the query experts
+        batch["text_type"] = torch.arange(8) % 2
+    torch.manual_seed(1)  # dropout
+    out = head(batch)
+    out["loss"].backward()
+    grads = torch.stack([p.grad.norm() for p in head.parameters() if p.grad is not None])
+    return {**{k: v.item().hex() for k, v in sorted(out.items())}, "grad_norm": grads.norm().item().hex()}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_bert_losses_and_gradients_are_unchanged(method, wiki_samples, vocab):
+    got = losses_and_grad_norm(method, wiki_samples, vocab)
+    if os.environ.get("PRETRIEVE_RECORD_BERT_LOSSES"):
+        record = json.loads(RECORD.read_text()) if RECORD.is_file() else {}
+        record[method] = got
+        RECORD.parent.mkdir(exist_ok=True)
+        RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    expected = json.loads(RECORD.read_text())[method]
+    assert got == expected, {k: (float.fromhex(got[k]), float.fromhex(v)) for k, v in expected.items()}

@@ -84,7 +84,7 @@ def time_official(size: dict, seq_len: int, batch_size: int, steps: int, warmup:
     collate = method.collator.from_options(options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)))
     samples = list(islice(iter(ShardStream([manifest], seed=0, shuffle_buffer=64)), steps * batch_size))
     torch.manual_seed(0)
-    model = OfficialRetroMAE(ModelOptions(**size).bert_config()).train()
+    model = OfficialRetroMAE(ModelOptions(**size).hf_config()).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     tokens, started = 0, None
     for step in range(steps):

@@ -185,16 +185,16 @@ def flops_per_step(config: str, overrides: list[str], batches: int) -> float:
 
     exp = experiment(load_config(config, overrides))
     if exp.model.init_from:
-        from transformers import BertConfig
+        from transformers import AutoConfig
 
-        bert = BertConfig.from_pretrained(exp.model.init_from)
+        model_config = AutoConfig.from_pretrained(exp.model.init_from)
     else:
-        bert = exp.model.bert_config()
+        model_config = exp.model.hf_config()
     collate = exp.method.collator.from_options(exp.options, Vocabulary.of_tokenizer(training_tokenizer(exp)))
     stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
                          shuffle_buffer=exp.data.shuffle_buffer)
     loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, collate_fn=collate)
-    counts = [train_flops(exp.method.name, exp.options, bert, batch) for batch in islice(iter(loader), batches)]
+    counts = [train_flops(exp.method.name, exp.options, model_config, batch) for batch in islice(iter(loader), batches)]
     return sum(counts) / len(counts) * exp.train.grad_accum
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pretrieve.data.remote import ReadOptions, is_remote, local_path
+from pretrieve.models.backbones import backbone_named
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.utils.options import ConfigError, Problems, options_of
 from pretrieve.utils.run_dir import latest_checkpoint
@@ -210,6 +211,8 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     if model is not None:
         _check_model(model, options, data, problems)
     problems.raise_any()
+    if model.pad_token_id is None and not model.init_from:  # the model pads as the shards do
+        model.pad_token_id = _pad_token_id(data.tokenizer)
     train, checkpoint, tracking = sections
     return Experiment(seed=int(config.get("seed", 42)), run_dir=Path(config.get("run_dir") or f"runs/{method.name}"),
                       resume=resume, train=train, checkpoint=checkpoint, tracking=tracking, raw=config,
@@ -255,11 +258,24 @@ def _check_data(data: DataOptions, train: TrainOptions | None, problems: Problem
         problems.add(f"data: {e}")
 
 
+def _pad_token_id(tokenizer: str | None) -> int:
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+
+    pad = load_tokenizer(tokenizer or DEFAULT_TOKENIZER).pad_token_id
+    if pad is None:
+        raise ConfigError(f"data.tokenizer: {tokenizer} has no pad token; set model.pad_token_id")
+    return pad
+
+
 def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, problems: Problems) -> None:
     if model.init_from and not Path(model.init_from).is_dir():
         problems.add(f"model.init_from: {model.init_from} is not a directory")
     if model.init_from:
         return
+    try:
+        backbone_named(model.backbone)
+    except ValueError as e:
+        problems.add(str(e))
     # an id past the embedding table fails steps later, deep in a CUDA or CPU kernel (remote manifests: not read)
     for i, path in _local_manifests(data.manifests if data is not None else []):
         if Path(local_path(path)).is_file():

@@ -77,7 +77,6 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     a model card. CHECKPOINT is a run directory (its latest checkpoint), its checkpoints/ directory, or one tag
     directory. The head is rebuilt from the run's config.yaml and encoder_config.json."""
     from omegaconf import OmegaConf
-    from transformers import BertConfig
 
     from pretrieve.config import load_config, method_options
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
@@ -88,7 +87,7 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     run_dir, ckpt_dir, tag = locate(Path(path))
     config = load_config(run_dir / "config.yaml")
     method, options = method_options(config)
-    head = method.head(Encoder(BertConfig.from_json_file(run_dir / ENCODER_CONFIG)), options)
+    head = method.head(Encoder.from_config_file(run_dir / ENCODER_CONFIG), options)
     load_checkpoint_weights(head, ckpt_dir, tag)
     return export(head, out, tokenizer=OmegaConf.select(config, "data.tokenizer") or DEFAULT_TOKENIZER,
                   before_rename=lambda tmp: write_model_card(out, run_dir, tag, card_dir=tmp))

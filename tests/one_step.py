@@ -49,7 +49,7 @@ def main(out: str, manifest: str, methods: str, stages: str, precision: str = "f
                     *common, f"data.manifests=[{manifest}]", "data.weights=null", "method.max_len=64"])
                 exp = experiment(config, world_size=world)
                 initial = {k: v.clone() for k, v in exp.method.build(exp.options, exp.model, seed=exp.seed)
-                           .encoder.bert.state_dict().items()}
+                           .encoder.model.state_dict().items()}
                 result = train(exp)
             if int(os.environ.get("RANK", 0)) != 0:
                 continue

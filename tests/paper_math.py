@@ -29,7 +29,7 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
 
 def embed(encoder, ids: torch.Tensor) -> torch.Tensor:
     """BERT's input embeddings: LN(word + position + token type 0)."""
-    emb = encoder.bert.embeddings
+    emb = encoder.model.embeddings
     x = emb.word_embeddings.weight[ids] + emb.position_embeddings.weight[: ids.shape[1]] \
         + emb.token_type_embeddings.weight[0]
     return layer_norm(x, emb.LayerNorm)
@@ -72,12 +72,6 @@ def hf_ffn_weights(intermediate, output) -> dict:
     return {"intermediate": intermediate.dense, "output": output.dense, "output_norm": output.LayerNorm}
 
 
-def decoder_layer_weights(layer) -> dict:
-    """The modules of pretrieve's `DecoderLayer` under `bert_layer`'s names (its attributes are those names)."""
-    return {name: getattr(layer, name) for name in ("query", "key", "value", "attention_output", "attention_norm",
-                                                    "intermediate", "output", "output_norm")}
-
-
 def key_padding(attention_mask: torch.Tensor) -> torch.Tensor:
     """The encoder's mask: every query position sees every key of its text, no padding."""
     width = attention_mask.shape[1]
@@ -87,7 +81,7 @@ def key_padding(attention_mask: torch.Tensor) -> torch.Tensor:
 def mlm_logits(encoder, hidden: torch.Tensor) -> torch.Tensor:
     """BERT's MLM head: LN(gelu(W_t h + b_t)) E^T + b, output weights tied to the word embeddings E."""
     t = layer_norm(gelu(linear(hidden, encoder.mlm_transform.dense)), encoder.mlm_transform.LayerNorm)
-    return t @ encoder.bert.embeddings.word_embeddings.weight.T + encoder.mlm_bias
+    return t @ encoder.model.embeddings.word_embeddings.weight.T + encoder.mlm_bias
 
 
 def mean_token_nll(encoder, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -101,6 +95,6 @@ def mean_token_nll(encoder, hidden: torch.Tensor, labels: torch.Tensor) -> torch
 def bert_states(encoder, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The encoder's last hidden states [B, L, hidden]: embeddings, then every layer over the unpadded keys."""
     h, visible = embed(encoder, ids), key_padding(attention_mask)
-    for layer in encoder.bert.encoder.layer:
+    for layer in encoder.model.encoder.layer:
         h = bert_layer(h, h, visible, encoder.config.num_attention_heads, hf_layer_weights(layer))
     return h

@@ -321,7 +321,7 @@ def test_activation_checkpointing_recomputes_encoder_layers():
                                                               intermediate_size=256))
     head.encoder.enable_activation_checkpointing()
     calls = []
-    head.encoder.bert.encoder.layer[0].intermediate.register_forward_hook(lambda *args: calls.append(1))
+    head.encoder.model.encoder.layer[0].intermediate.register_forward_hook(lambda *args: calls.append(1))
     ids = torch.randint(1000, 2000, (2, 16))
     labels = torch.full((2, 16), -100)
     labels[:, 3] = 5

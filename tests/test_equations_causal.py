@@ -9,7 +9,7 @@ pretrieve's window_mask, DecoderLayer, attention or token_loss.
 import pytest
 import torch
 
-from paper_math import (attention_block, bert_layer, bert_states, decoder_layer_weights, embed, ffn_block,
+from paper_math import (attention_block, bert_layer, bert_states, embed, ffn_block,
                         hf_ffn_weights, hf_layer_weights, key_padding, mean_token_nll)
 from test_heads import tiny
 
@@ -59,7 +59,7 @@ def decoder_loss_by_equations(head, h0: torch.Tensor, ids, attention_mask, visib
     tied MLM head; -log P(y_t | context, h_0) averaged over the batch's predicted tokens."""
     x = torch.cat([h0[:, None], embed(head.encoder, ids)[:, 1:]], dim=1)
     for layer in head.decoder.layers:
-        x = bert_layer(x, x, visible, head.encoder.config.num_attention_heads, decoder_layer_weights(layer))
+        x = bert_layer(x, x, visible, head.encoder.config.num_attention_heads, hf_layer_weights(layer))
     return mean_token_nll(head.encoder, x, next_token_targets(ids, attention_mask))
 
 
@@ -68,7 +68,7 @@ def mote_states(encoder, ids, attention_mask, text_type) -> torch.Tensor:
     queries (text_type 1), h_p = LN(h' + P-FFN(h')) for passages. The P-FFN is the BertModel's own block."""
     h, visible = embed(encoder, ids), key_padding(attention_mask)
     is_query = text_type.bool()[:, None, None]
-    for layer, expert in zip(encoder.bert.encoder.layer, encoder.query_experts):
+    for layer, expert in zip(encoder.model.encoder.layer, encoder.query_experts):
         shared = attention_block(h, h, visible, encoder.config.num_attention_heads, hf_layer_weights(layer))
         h_q = ffn_block(shared, hf_ffn_weights(expert["intermediate"], expert["output"]))
         h_p = ffn_block(shared, hf_ffn_weights(layer.intermediate, layer.output))

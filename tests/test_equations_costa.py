@@ -76,7 +76,7 @@ def mlm_loss(head, h, labels):
     t = affine(h[keep], encoder.mlm_transform.dense)
     t = F.layer_norm(F.gelu(t), t.shape[-1:], encoder.mlm_transform.LayerNorm.weight,
                      encoder.mlm_transform.LayerNorm.bias, encoder.mlm_transform.LayerNorm.eps)
-    logits = t @ encoder.bert.embeddings.word_embeddings.weight.T + encoder.mlm_bias
+    logits = t @ encoder.model.embeddings.word_embeddings.weight.T + encoder.mlm_bias
     return F.cross_entropy(logits, labels[keep])
 
 
@@ -87,7 +87,7 @@ def test_costa_loss_by_equations(wiki_samples, vocab, dtype, rel, overrides):
     head, options, batch = build(wiki_samples, vocab, dtype, **overrides)
     with torch.no_grad():
         out = head(batch)
-        h = head.encoder.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        h = head.encoder.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
         z = text_representations(head, h[:, 0])
         spans = span_representations(h, batch["span_bounds"])
         csp = group_wise_contrastive_loss(z, spans, options.temperature)

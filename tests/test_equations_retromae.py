@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from paper_math import bert_layer, bert_states, decoder_layer_weights, embed, layer_norm, mean_token_nll, mlm_logits
+from paper_math import bert_layer, bert_states, embed, hf_layer_weights, layer_norm, mean_token_nll, mlm_logits
 from test_heads import tiny
 
 
@@ -38,7 +38,7 @@ def visibility(batch) -> torch.Tensor:
 
 def decoder_loss_by_equations(head, h, batch, query_stream: str) -> torch.Tensor:
     """Eqs. 2-4 for the [CLS] states h [B, d]: streams, masked attention, the layer's FFN, the MLM head."""
-    emb, layer = head.encoder.bert.embeddings, head.decoder
+    emb, layer = head.encoder.model.embeddings, head.decoder.layers[0]
     ids = batch["dec_input_ids"]
     width = ids.shape[1]
     p = emb.position_embeddings.weight[:width]
@@ -48,7 +48,8 @@ def decoder_loss_by_equations(head, h, batch, query_stream: str) -> torch.Tensor
     else:  # DupMAE: h through the embedding module
         h1 = layer_norm(h[:, None] + p + t0, emb.LayerNorm)
     h2 = torch.cat([h[:, None], embed(head.encoder, ids)[:, 1:]], dim=1)  # H2 = [h, e_x1 + p_1, ..., e_xN + p_N]
-    x = bert_layer(h1, h2, visibility(batch), layer.num_heads, decoder_layer_weights(layer))  # eq. 3: + M
+    heads = head.encoder.config.num_attention_heads
+    x = bert_layer(h1, h2, visibility(batch), heads, hf_layer_weights(layer))  # eq. 3: + M
     return mean_token_nll(head.encoder, x, batch["dec_labels"])
 
 

@@ -40,7 +40,7 @@ def test_export_autmodel_identical_and_continue(tmp_path, wiki_samples, vocab, l
 
     auto = AutoModel.from_pretrained(out).eval()
     with torch.no_grad():
-        ours = head.encoder.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        ours = head.encoder.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         theirs = auto(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     assert torch.equal(ours.last_hidden_state, theirs.last_hidden_state)
     assert torch.equal(ours.pooler_output, theirs.pooler_output)

@@ -338,7 +338,7 @@ def test_dupmae_pooling_trains_on_the_joint_score_of_eq_12(tmp_path, tokenizer):
         assert joint.cls_proj.weight.grad.abs().sum() > 0 and lpu_weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="unnormalised inner product"):
         DualEncoder(encoder, pooling="dupmae", joint=joint, normalize=True)
-    _tiny_encoder().bert.save_pretrained(str(tmp_path / "bert"))
+    _tiny_encoder().model.save_pretrained(str(tmp_path / "bert"))
     with pytest.raises(ValueError, match="pooling dupmae needs a DupMAE export"):
         load_joint(tmp_path / "bert", _tiny_encoder())
     with pytest.raises(ValueError, match="pooling sparse needs the model's MLM head"):
@@ -433,7 +433,7 @@ def test_finetune_stages_runs_each_fine_tuning_over_nproc_ranks(tmp_path, tokeni
     from pretrieve.engine.preemption import Preempted
     from pretrieve.finetune.stages import StagesOptions, run_stages
 
-    _tiny_encoder().bert.save_pretrained(str(tmp_path / "bert"))
+    _tiny_encoder().model.save_pretrained(str(tmp_path / "bert"))
     tokenizer.save_pretrained(str(tmp_path / "bert"))
     run_dir = tmp_path / "chain" / "stage1"
     options = StagesOptions(model=str(tmp_path / "bert"), out=str(tmp_path / "chain"), up_to="stage1",
@@ -473,7 +473,7 @@ def test_finetune_stages_passes_ctrl_c_to_its_ranks_once_and_holds_signals_from_
 
     from conftest import pretrain_env, signal_in_mask
 
-    _tiny_encoder().bert.save_pretrained(str(tmp_path / "bert"))
+    _tiny_encoder().model.save_pretrained(str(tmp_path / "bert"))
     tokenizer.save_pretrained(str(tmp_path / "bert"))
 
     def chain(out: Path, **popen) -> subprocess.Popen:

@@ -34,3 +34,20 @@ def test_analytic_flops_match_the_deepspeed_profiler(name, vocab, wiki_samples):
 def test_measured_cpu_peak_is_plausible():
     torch.set_num_threads(1)
     assert 1e8 < measured_cpu_peak(size=512, repeats=2) < 1e13
+
+
+@pytest.mark.parametrize("name", ["mlm", "retromae", "seed"])
+def test_analytic_flops_count_modernbert_geglu_and_no_pooler(name, vocab, wiki_samples):
+    """ModernBERT's feed-forward block has three h x f matrices (GeGLU) and the model no pooler."""
+    from dataclasses import replace
+
+    from deepspeed.profiling.flops_profiler import get_model_profile
+
+    method = METHODS[name]
+    options = method.options_from({"max_len": 128})
+    head = method.build(options, replace(TINY, backbone="modernbert", pad_token_id=0, num_layers=3), seed=0).eval()
+    batch = method.collator.from_options(options, vocab, seed=0)(wiki_samples[:4])
+    with torch.no_grad():
+        _, macs, _ = get_model_profile(head, kwargs={"batch": batch}, print_profile=False, as_string=False,
+                                       warm_up=0)
+    assert forward_flops(name, options, head.encoder.config, batch) == pytest.approx(2 * macs, rel=1e-9)

@@ -202,10 +202,10 @@ def test_mote_experts_are_independent_and_start_equal(tmp_path, wiki_samples, vo
     m = encode(mixed)
     assert torch.equal(m[mixed == 1], q1[mixed == 1]) and torch.equal(m[mixed == 0], p1[mixed == 0])
     with torch.no_grad():
-        encoder.bert.encoder.layer[1].output.dense.weight.add_(0.5)  # the passage expert
+        encoder.model.encoder.layer[1].output.dense.weight.add_(0.5)  # the passage expert
     q2, p2 = encode(query), encode(passage)
     with torch.no_grad():
-        encoder.bert.encoder.layer[1].output.dense.weight.sub_(0.5)
+        encoder.model.encoder.layer[1].output.dense.weight.sub_(0.5)
     assert not torch.allclose(p2, p1) and torch.equal(q2, q1)
 
     from pretrieve.models.export import export, load_export

@@ -121,7 +121,7 @@ def test_the_toy_method_options_and_flops_are_its_registry_entry(first_token, wi
     options = first_token.options_from({"max_len": 64})
     batch = first_token.collator.from_options(options, vocab, seed=0)(wiki_samples[:4])
     assert (batch["first_token"] == batch["input_ids"].new_tensor([s["ids"][0] for s in wiki_samples[:4]])).all()
-    bert = ModelOptions(vocab_size=30522, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=256).bert_config()
+    bert = ModelOptions(vocab_size=30522, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=256).hf_config()
     own = 2 * 4 * 64 * 64 + 2 * 4 * (64 * 64 + 64 * 30522)  # projection + MLM head at 4 first tokens
     assert forward_flops("first_token", options, bert, batch) - forward_flops("mlm", options, bert, batch) == own
     assert train_flops("first_token", options, bert, batch) == 3 * forward_flops("first_token", options, bert, batch)

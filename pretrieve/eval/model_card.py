@@ -119,7 +119,7 @@ def _finetuning_facts(model_dir: Path, config: dict) -> dict:
         [Path(options[k]).name for k in ("beir", "msmarco") if options.get(k)]
     if meta.get("model") == "cross":
         summary = ("A BERT cross-encoder (one relevance logit per query-passage pair) fine-tuned by pretrieve as a "
-                   "distillation teacher; load it with `BertForSequenceClassification`.")
+                   "distillation teacher; load it with `AutoModelForSequenceClassification`.")
     else:
         pooling = meta.get("pooling", options.get("pooling"))
         norm = "normalised (cosine)" if meta.get("normalize") else "not normalised (inner product)"
@@ -136,8 +136,8 @@ def _finetuning_facts(model_dir: Path, config: dict) -> dict:
 
 def _usage(model_dir: Path, files: Path, st) -> list[str]:
     if st is None:
-        return ["```python", "from transformers import BertForSequenceClassification", "",
-                f'model = BertForSequenceClassification.from_pretrained("{model_dir}")  # one logit per pair', "```"]
+        return ["```python", "from transformers import AutoModelForSequenceClassification", "",
+                f'model = AutoModelForSequenceClassification.from_pretrained("{model_dir}")  # one logit per pair', "```"]
     from pretrieve.eval.encode import has_query_experts
 
     lines = ["```python", "from sentence_transformers import SentenceTransformer", "",

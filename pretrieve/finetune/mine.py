@@ -230,7 +230,7 @@ class TeacherOptions:
 def teacher_scores(opts: TeacherOptions) -> dict:
     """Score every (query, passage) pair of the data with the cross-encoder; write them as pos/neg_scores."""
     import torch
-    from transformers import AutoTokenizer, BertForSequenceClassification
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from pretrieve.finetune.examples import read_all
     from pretrieve.progress import track
@@ -239,7 +239,7 @@ def teacher_scores(opts: TeacherOptions) -> dict:
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(opts.model)
-    model = BertForSequenceClassification.from_pretrained(opts.model, local_files_only=True).to(device).eval()
+    model = AutoModelForSequenceClassification.from_pretrained(opts.model, local_files_only=True).to(device).eval()
     if model.config.num_labels != 1:
         raise ValueError(f"{opts.model}: a cross-encoder export has one output label, this model has "
                          f"{model.config.num_labels}")

@@ -15,7 +15,7 @@ same) and a `finetune:` section (FinetuneOptions) in place of `model:` / `method
 sentence-transformers config, else its pretrieve_finetune.json: eval.model_config), else cls, not normalised,
 144 tokens; config.yaml in the run directory records the values used.
 
-At the end run_dir/export holds the fine-tuned model: for `dual`, a HF BertModel directory that
+At the end run_dir/export holds the fine-tuned model: for `dual`, a HF model directory (its backbone's) that
 `pretrieve eval` / `AutoModel` load (plus query experts for a CoT-MoTE encoder, W^cls and the LPU for pooling
 `dupmae`, and `pretrieve_finetune.json` with the pooling it was trained with), which is also a
 sentence-transformers model (models.st_config: its pooling and normalisation, texts cut at passage_max_len;
@@ -189,7 +189,7 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
         write_atomic(exp.run_dir / FINETUNE_META, json.dumps(_meta(module, o), indent=1) + "\n")
         tokenizer.save_pretrained(str(exp.run_dir / TOKENIZER))  # the export's, even if init_from moves
     if exp.train.activation_checkpointing:
-        (module.encoder.bert if o.model == "dual" else module.model).gradient_checkpointing_enable(
+        (module.encoder.model if o.model == "dual" else module.model).gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
     loader_class = GroupLoader if o.model == "dual" else PairLoader
     loader = loader_class(load_examples(o), tokenizer, exp.train.micro_batch_size, o.negatives, o.query_max_len,
@@ -220,7 +220,7 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
 def build_model(o: FinetuneOptions, config_file: Path | None = None):
     """The module fine-tuning trains: from `o.init_from`'s weights, or (for the export) the architecture in
     `config_file` with fresh weights that the checkpoint then overwrites."""
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from pretrieve.finetune.models import CrossEncoder, DualEncoder
     from pretrieve.models.encoder import Encoder, load_encoder
@@ -228,13 +228,14 @@ def build_model(o: FinetuneOptions, config_file: Path | None = None):
 
     if o.model == "cross":
         if config_file is not None:
-            model = BertForSequenceClassification(BertConfig.from_json_file(config_file))
+            model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(str(config_file)))
         else:
-            model = BertForSequenceClassification.from_pretrained(o.init_from, num_labels=1, local_files_only=True)
+            model = AutoModelForSequenceClassification.from_pretrained(o.init_from, num_labels=1,
+                                                                       local_files_only=True)
         return CrossEncoder(model, group_size=1 + o.negatives)
     joint = None
     if config_file is not None:
-        encoder = Encoder(BertConfig.from_json_file(config_file))
+        encoder = Encoder.from_config_file(config_file)
         meta = json.loads((config_file.parent / FINETUNE_META).read_text())
         if meta.get("query_experts"):
             encoder.add_query_experts()
@@ -277,6 +278,7 @@ def export_finetuned(run_dir: str | Path, out: str | Path) -> Path:
     from pretrieve.eval.model_card import write_model_card
     from pretrieve.finetune.mine import PASSAGE_MAX_LENGTH
     from pretrieve.models.encoder import HEAD_WEIGHTS
+    from pretrieve.models.heads.base import ENCODER_MODEL
     from pretrieve.models.export import replace_directory
     from pretrieve.models.st_config import write_st_config
     from pretrieve.utils.run_dir import locate
@@ -296,10 +298,10 @@ def export_finetuned(run_dir: str | Path, out: str | Path) -> Path:
     if options.model == "cross":
         module.model.save_pretrained(str(tmp))
     else:
-        module.encoder.bert.save_pretrained(str(tmp))
+        module.encoder.model.save_pretrained(str(tmp))
         # MLM head, query experts (`load_encoder` reads them back), W^cls and LPU (`load_joint`)
         extra = {k: v.detach().contiguous() for k, v in module.state_dict().items()
-                 if not k.startswith("encoder.bert.")}
+                 if not k.startswith(ENCODER_MODEL)}
         save_file(extra, str(tmp / HEAD_WEIGHTS))
         dupmae = options.pooling == "dupmae"  # sentence-transformers gets eq. 12's dense part: [CLS] through W^cls
         write_st_config(tmp, "cls" if dupmae else options.pooling, options.normalize, options.passage_max_len,

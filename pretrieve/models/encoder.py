@@ -1,4 +1,5 @@
-"""The shared BERT encoder every head trains: HF transformers `BertModel` plus BERT's MLM head.
+"""The shared encoder every head trains: a HF transformers base model of one backbone family (BERT, RoBERTa,
+XLM-R, ModernBERT: models/backbones) plus the family's MLM head.
 
 The MLM head (transform + output bias, output weights tied to the word embeddings, as in BERT) lives here
 because several methods use it beyond MLM (RetroMAE's decoder predictions, DupMAE's OT projection).
@@ -16,72 +17,91 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import BertConfig, BertModel
-from transformers.models.bert.modeling_bert import BertPredictionHeadTransform
+
+from pretrieve.models.backbones import backbone_named, backbone_of
 from pretrieve.models.vocab_projection import linear_cross_entropy
 
 log = logging.getLogger(__name__)
 
 HEAD_WEIGHTS = "pretrieve_head.safetensors"  # a head's extra weights beside an exported encoder
 FINETUNE_META = "pretrieve_finetune.json"  # beside a fine-tuned export: what it is and how it pools
-# Where BERT's MLM head sits in HF checkpoints (BertForMaskedLM / BertForPreTraining) and in ours.
-_HF_MLM_KEYS = {"cls.predictions.transform.": "mlm_transform.", "cls.predictions.bias": "mlm_bias"}
+MODEL_PREFIX = "model."  # the exported base model's keys in an Encoder's state dict
+_OLD_MODEL_PREFIX = "bert."  # ... in checkpoints written before backbones other than BERT
 
 
 @dataclass
 class ModelOptions:
-    """The `model:` section of a config. With `init_from`, the architecture is the checkpoint's."""
+    """The `model:` section of a config. With `init_from`, the architecture (backbone included) is the
+    checkpoint's."""
 
-    init_from: str | None = None  # local HF directory: a BERT checkpoint or a pretrieve export
+    init_from: str | None = None  # local HF directory: a checkpoint of one of the backbones, or a pretrieve export
+    backbone: str = "bert"  # bert | roberta | xlm-roberta | modernbert
     vocab_size: int = 30522
     hidden_size: int = 768
     num_layers: int = 12
     num_heads: int = 12
     intermediate_size: int = 3072
-    max_position_embeddings: int = 512
+    max_position_embeddings: int = 512  # positions of a text (RoBERTa's table gets pad + 1 rows more)
     dropout: float = 0.1
+    pad_token_id: int | None = None  # None: the training tokenizer's (set by the experiment), else the backbone's
 
-    def bert_config(self) -> BertConfig:
-        return BertConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                          num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
-                          intermediate_size=self.intermediate_size,
-                          max_position_embeddings=self.max_position_embeddings,
-                          hidden_dropout_prob=self.dropout, attention_probs_dropout_prob=self.dropout)
+    def hf_config(self):
+        """The HF config of a new model of this backbone."""
+        backbone = backbone_named(self.backbone)
+        pad = backbone.default_pad_token_id if self.pad_token_id is None else self.pad_token_id
+        return backbone.config(self, pad)
 
 
 class Encoder(nn.Module):
-    def __init__(self, config: BertConfig, bert: BertModel | None = None):
+    def __init__(self, config, model: nn.Module | None = None):
         super().__init__()
         self.config = config
-        self.bert = bert if bert is not None else BertModel(config, add_pooling_layer=True)
-        # The pooler is kept so an export is a complete BertModel, but pre-training never uses it.
-        self.bert.pooler.requires_grad_(False)
-        self.mlm_transform = BertPredictionHeadTransform(config)
+        self.backbone = backbone_of(config)
+        self.model = model if model is not None else self.backbone.model_class(config, **self.backbone.model_kwargs)
+        if getattr(self.model, "pooler", None) is not None:
+            # BERT's pooler is kept so an export is a complete BertModel, but pre-training never uses it
+            self.model.pooler.requires_grad_(False)
+        self.mlm_transform = self.backbone.mlm_transform(config)
         self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.init_new(self.mlm_transform)
         self.load_report: list[str] = []  # what init_from did not provide (and was initialised)
         self.query_experts: nn.ModuleList | None = None  # MoTE (cot-mote.txt §3.1): see add_query_experts
         self._text_type: torch.Tensor | None = None
+        self.register_load_state_dict_pre_hook(_rename_old_keys)
 
     @classmethod
     def build(cls, options: ModelOptions) -> "Encoder":
         if options.init_from:
             return cls.from_pretrained(options.init_from)
-        return cls(options.bert_config())
+        return cls(options.hf_config())
+
+    @classmethod
+    def from_config_file(cls, path: str | Path) -> "Encoder":
+        """A new encoder of the architecture a config.json describes (its model_type names the backbone)."""
+        from transformers import AutoConfig
+
+        return cls(AutoConfig.from_pretrained(str(path), local_files_only=True))
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "Encoder":
+        from transformers import AutoConfig
+
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"init_from: {path} is not a HF model directory (no config.json)")
-        bert, info = BertModel.from_pretrained(str(path), add_pooling_layer=True, output_loading_info=True,
-                                               local_files_only=True)
-        encoder = cls(bert.config, bert=bert)
+        try:
+            backbone = backbone_of(AutoConfig.from_pretrained(str(path), local_files_only=True))
+        except ValueError as e:
+            raise ValueError(f"init_from: {path}: {e}") from None
+        model, info = backbone.model_class.from_pretrained(str(path), output_loading_info=True, local_files_only=True,
+                                                           **backbone.model_kwargs)
+        encoder = cls(model.config, model=model)
         report = [f"{key}: not in {path}, initialised" for key in info["missing_keys"]]
         # only the MLM head's tensors: from_pretrained above has read the rest already
-        hf_head = read_weights(path, prefixes=tuple(_HF_MLM_KEYS))
+        hf_keys = backbone.hf_mlm_keys
+        hf_head = read_weights(path, prefixes=tuple(hf_keys))
         head = {new + key[len(old):]: value for key, value in hf_head.items()
-                for old, new in _HF_MLM_KEYS.items() if key.startswith(old)}
+                for old, new in hf_keys.items() if key.startswith(old)}
         head.update({key[len("encoder."):]: value
                      for key, value in read_weights(path, HEAD_WEIGHTS, prefixes=("encoder.mlm_",)).items()})
         missing = [k for k in ("mlm_bias", *(f"mlm_transform.{n}" for n, _ in encoder.mlm_transform.named_parameters()))
@@ -95,57 +115,43 @@ class Encoder(nn.Module):
         return encoder
 
     def init_new(self, module: nn.Module) -> None:
-        """BERT's initialisation (normal(0, initializer_range), LayerNorm 1/0) for a module added to the encoder."""
-        for m in module.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=self.config.initializer_range)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        """The backbone's initialisation (BERT's: normal(0, initializer_range), LayerNorm 1/0) for a module added
+        to the encoder."""
+        self.backbone.init_new(self.model, module)
 
     def enable_activation_checkpointing(self) -> None:
         """Recompute each encoder layer in backward instead of keeping its activations (HF checkpointing; the
         dropout RNG is replayed, so the numbers do not change)."""
-        self.bert.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def add_query_experts(self) -> None:
         """Mixture-of-Textual-Experts (cot-mote.txt §3.1, eqs. 7-9): every layer keeps its one self-attention
         and gets a second feed-forward block, the query expert (Q-FFN), initialised as a copy of the layer's
-        FFN, which stays the passage expert (P-FFN). An expert is the whole block, its LayerNorm included (as
+        FFN, which stays the passage expert (P-FFN). An expert is the whole block, its norm included (as
         VLMo's experts). Each sequence goes through the expert of its text type.
 
-        The passage experts stay in the BertModel, so an export loads in `AutoModel` as the passage encoder;
+        The passage experts stay in the base model, so an export loads in `AutoModel` as the passage encoder;
         the query experts are head weights (`encoder.query_experts.*` in pretrieve_head.safetensors).
         """
-        import copy
-
         if self.query_experts is not None:
             return
-        layers = self.bert.encoder.layer
-        self.query_experts = nn.ModuleList(
-            nn.ModuleDict({"intermediate": copy.deepcopy(layer.intermediate), "output": copy.deepcopy(layer.output)})
-            for layer in layers)
+        layers = self.backbone.layers(self.model)
+        self.query_experts = nn.ModuleList(self.backbone.query_expert(layer) for layer in layers)
         for layer, expert in zip(layers, self.query_experts):
-            layer.feed_forward_chunk = self._routed_feed_forward(layer, expert)
-
-    def _routed_feed_forward(self, layer, expert):
-        def feed_forward(x: torch.Tensor) -> torch.Tensor:
-            is_query = self._text_type
-            if is_query is None or not is_query.any():
-                return layer.output(layer.intermediate(x), x)
-            if is_query.all():
-                return expert["output"](expert["intermediate"](x), x)
-            out = torch.empty_like(x)
-            out[~is_query] = layer.output(layer.intermediate(x[~is_query]), x[~is_query])
-            out[is_query] = expert["output"](expert["intermediate"](x[is_query]), x[is_query])
-            return out
-        return feed_forward
+            self.backbone.route_feed_forward(layer, expert, lambda: self._text_type)
 
     @property
-    def embeddings(self):
-        return self.bert.embeddings
+    def embeddings(self) -> nn.Module:
+        """The embedding module: (input_ids= or inputs_embeds=) -> the first layer's input."""
+        return self.model.embeddings
+
+    @property
+    def word_embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def position_vectors(self, width: int, device: torch.device) -> torch.Tensor | None:
+        """p_0 .. p_{width-1} [width, hidden] as the embedding module adds them; None for rotary positions."""
+        return self.backbone.position_vectors(self.model, width, device)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 text_type: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,13 +161,13 @@ class Encoder(nn.Module):
             raise ValueError("text_type asks for query experts, but this encoder has none (add_query_experts)")
         self._text_type = None if text_type is None else text_type.bool()
         try:
-            return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         finally:
             self._text_type = None
 
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., vocab] logits of BERT's MLM head for hidden states [..., hidden]."""
-        return F.linear(self.mlm_transform(hidden), self.embeddings.word_embeddings.weight, self.mlm_bias)
+        return F.linear(self.mlm_transform(hidden), self.word_embeddings.weight, self.mlm_bias)
 
     def token_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the MLM head over the positions whose label is not -100 (only those are projected)."""
@@ -169,13 +175,20 @@ class Encoder(nn.Module):
         if not selected.any():
             return hidden.sum() * 0.0  # a batch of pad samples: zero loss, graph kept
         # == F.cross_entropy(self.mlm_logits(hidden[selected]), ...), without the [positions, vocab] logits
-        return linear_cross_entropy(self.mlm_transform(hidden[selected]), self.embeddings.word_embeddings.weight,
+        return linear_cross_entropy(self.mlm_transform(hidden[selected]), self.word_embeddings.weight,
                                     self.mlm_bias, labels[selected])
 
 
+def _rename_old_keys(module, state_dict, prefix, *args) -> None:
+    """Checkpoints written before other backbones than BERT keep the base model under `bert.`."""
+    for key in [k for k in state_dict if k.startswith(prefix + _OLD_MODEL_PREFIX)]:
+        state_dict[prefix + MODEL_PREFIX + key[len(prefix + _OLD_MODEL_PREFIX):]] = state_dict.pop(key)
+
+
 def load_encoder(path: str | Path) -> Encoder:
-    """The encoder of a HF BERT directory or a pretrieve export, with its query experts when the export has
-    them (a CoT-MoTE pre-training or fine-tuning run): what fine-tuning and encoding start from."""
+    """The encoder of a HF model directory (of one of the backbones) or a pretrieve export, with its query
+    experts when the export has them (a CoT-MoTE pre-training or fine-tuning run): what fine-tuning and encoding
+    start from."""
     encoder = Encoder.from_pretrained(path)
     experts = read_weights(Path(path), HEAD_WEIGHTS, prefixes=("encoder.query_experts.",))
     if experts:

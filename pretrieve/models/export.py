@@ -1,7 +1,7 @@
 """Export a pre-training head as a plain HF model directory, and load one back to continue pre-training.
 
 An export holds what `transformers.AutoModel.from_pretrained(OUT)` needs (config.json, model.safetensors
-with the BertModel, the tokenizer files) plus, beside it, the head's extra weights (`pretrieve_head.safetensors`:
+with the base model, the tokenizer files) plus, beside it, the head's extra weights (`pretrieve_head.safetensors`:
 MLM head, decoder, projections) and `pretrieve_head.json` (method name and options). It is also a
 sentence-transformers model (models.st_config): [CLS] pooling, not normalised, texts cut at the pre-training
 length, the representation every method here pre-trains (DupMAE's joint representation: its dense part). It is
@@ -45,7 +45,7 @@ def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAU
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    head.encoder.bert.save_pretrained(str(tmp))
+    head.encoder.model.save_pretrained(str(tmp))
     AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).save_pretrained(str(tmp))
     save_file(head.extra_state(), str(tmp / HEAD_WEIGHTS))
     meta = {"format": EXPORT_FORMAT, "method": method_name(head), "options": asdict(head.options),

@@ -5,9 +5,10 @@ Counted: the matrix multiplications, 2 FLOPs per multiply-accumulate, on the sha
 (padded batch x length, dense attention scores, masked entries included). Not counted: embeddings lookups,
 LayerNorm, softmax, activations, losses (a few % at BERT sizes). With h = hidden, f = FFN width, V = vocab:
 
-    layer(B, q, k)  = 2 B (q (2 h^2 + 2 h f) + k 2 h^2 + 2 q k h)   Q, O and FFN on q query positions,
-                                                                    K and V on k key positions, QK^T and PV
-    encoder         = n_layers x layer(B, L, L) + pooler 2 B h^2 + vocab(masked positions)
+    layer(B, q, k)  = 2 B (q (2 h^2 + m h f) + k 2 h^2 + 2 q k h)   Q, O and FFN on q query positions,
+                                                                    K and V on k key positions, QK^T and PV;
+                                                                    m = 2 FFN matrices (GeGLU: 3)
+    encoder         = n_layers x layer(B, L, L) + pooler 2 B h^2 (BERT family) + vocab(masked positions)
     vocab(P)        = 2 P (h^2 + h V)                                  BERT's MLM transform + tied decoder
 """
 
@@ -15,11 +16,14 @@ from __future__ import annotations
 
 import torch
 
+from pretrieve.models.backbones import backbone_of
+
 
 def layer_flops(config, batch: int, queries: int, keys: int) -> int:
-    """One BERT layer (config: a BertConfig) over `batch` texts, `queries` query and `keys` key positions."""
-    h, f = config.hidden_size, config.intermediate_size
-    return 2 * batch * (queries * (2 * h * h + 2 * h * f) + keys * 2 * h * h + 2 * queries * keys * h)
+    """One encoder layer (config: the model's HF config) over `batch` texts, `queries` query and `keys` key
+    positions."""
+    h, f, m = config.hidden_size, config.intermediate_size, backbone_of(config).ffn_matrices
+    return 2 * batch * (queries * (2 * h * h + m * h * f) + keys * 2 * h * h + 2 * queries * keys * h)
 
 
 def vocab_flops(config, positions: int) -> int:
@@ -37,5 +41,6 @@ def encoder_flops(config, batch: dict[str, torch.Tensor]) -> int:
     """The shared encoder on `input_ids`, its pooler and the MLM head at the `mlm_labels` targets."""
     b, length = batch["input_ids"].shape
     h = config.hidden_size
-    return (config.num_hidden_layers * layer_flops(config, b, length, length) + 2 * b * h * h
+    pooler = 2 * b * h * h if backbone_of(config).has_pooler else 0
+    return (config.num_hidden_layers * layer_flops(config, b, length, length) + pooler
             + vocab_flops(config, labelled(batch["mlm_labels"])))

@@ -85,7 +85,7 @@ def estimate(exp, world_size: int, batch: dict) -> dict:
     with torch.device("meta"):  # exact parameter counts of every head, nothing allocated
         head = exp.method.build(exp.options, exp.model)
     params = sum(p.numel() for p in head.parameters() if p.requires_grad)
-    t, config = exp.train, exp.model.bert_config()
+    t, config = exp.train, exp.model.hf_config()
     mixed = t.precision != "fp32"
     element = 2 if mixed else 4
     w, g, o = (2, 2, 12) if mixed else (4, 4, 8)

@@ -225,7 +225,7 @@ def _cost(study: dict, points: list[Point], where: str) -> None:
             exp = experiment(load_config(base_config(study, point.method), point.overrides), point.world_size)
         except ConfigError as e:
             raise StudyError(f"{where}: point {point.id}: {e}") from e
-        config = exp.model.bert_config()
+        config = exp.model.hf_config()
         point.N_total = point.N + embedding_parameters(config.hidden_size, config.vocab_size,
                                                       config.max_position_embeddings, config.type_vocab_size)
         point.precision = exp.train.precision

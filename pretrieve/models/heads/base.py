@@ -8,9 +8,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pretrieve.models.encoder import HEAD_WEIGHTS, Encoder, read_weights
+from pretrieve.models.encoder import HEAD_WEIGHTS, MODEL_PREFIX, Encoder, read_weights
 
 log = logging.getLogger(__name__)
+ENCODER_MODEL = "encoder." + MODEL_PREFIX  # the exported base model's keys in a head's state dict
 
 
 class PretrainingHead(nn.Module):
@@ -25,8 +26,8 @@ class PretrainingHead(nn.Module):
         raise NotImplementedError
 
     def extra_state(self) -> dict[str, torch.Tensor]:
-        """Every weight that is not the exported BertModel: MLM head, decoders, projections."""
-        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("encoder.bert.")}
+        """Every weight that is not the exported base model: MLM head, decoders, projections."""
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith(ENCODER_MODEL)}
 
     def load_extra_weights(self, path: str | Path) -> list[str]:
         """Load the head weights saved beside an export (continue pre-training); returns what was missing."""
@@ -37,7 +38,7 @@ class PretrainingHead(nn.Module):
                 log.warning("init_from %s: no %s, head weights initialised: %s", path, HEAD_WEIGHTS, ", ".join(missing))
             return missing
         result = self.load_state_dict(state, strict=False)
-        missing = [k for k in result.missing_keys if not k.startswith("encoder.bert.")]
+        missing = [k for k in result.missing_keys if not k.startswith(ENCODER_MODEL)]
         if missing or result.unexpected_keys:
             log.warning("init_from %s: head weights missing %s, unexpected %s", path, missing, result.unexpected_keys)
         return missing

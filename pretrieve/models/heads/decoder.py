@@ -1,53 +1,62 @@
-"""Decoder layers of the auto-encoding heads: a BERT layer with separate query and key/value streams.
+"""The decoder of the auto-encoding heads: layers of the encoder's own family, each with a query stream and a
+key/value stream (models/backbones: `decoder_layer`), then the family's final norm.
 
-RetroMAE's enhanced decoder (eqs. 2-3) uses it with two streams and the compact position-specific mask;
-the causal decoders (SEED-Encoder, CoT-MAE) use it as plain self-attention (h1 = h2) with a dense mask.
+RetroMAE's enhanced decoder (eqs. 2-3) runs one layer with two streams and the compact position-specific mask;
+the causal decoders (SEED-Encoder, CoT-MAE) run their layers as plain self-attention (h1 = h2) with a dense mask.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import BertConfig
+
+# A BERT decoder layer's weights as checkpoints written before the backbone interface name them (their own
+# layer class) -> as a BertLayer names them.
+_OLD_BERT_LAYER_KEYS = {
+    "query": "attention.self.query", "key": "attention.self.key", "value": "attention.self.value",
+    "attention_output": "attention.output.dense", "attention_norm": "attention.output.LayerNorm",
+    "intermediate": "intermediate.dense", "output": "output.dense", "output_norm": "output.LayerNorm"}
+_OLD_KEY = re.compile(r"(?:layers\.(\d+)\.)?(" + "|".join(_OLD_BERT_LAYER_KEYS) + r")\.(weight|bias)$")
 
 
+class Decoder(nn.Module):
+    """`num_layers` decoder layers of `encoder`'s backbone, initialised as the backbone initialises new modules."""
 
-class DecoderLayer(nn.Module):
-    """A BERT layer whose queries come from the query stream H1 and keys/values from the context stream H2.
-
-    Q = H1 W^Q, K = H2 W^K, V = H2 W^V; A = softmax(Q K^T / sqrt(d) + M) V (eq. 3); the attention output is
-    added to H1 (residual) and goes through BERT's feed-forward block, as in the official decoder layer.
-    """
-
-    def __init__(self, config: BertConfig):
+    def __init__(self, encoder, num_layers: int):
         super().__init__()
-        hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.query = nn.Linear(hidden, hidden)
-        self.key = nn.Linear(hidden, hidden)
-        self.value = nn.Linear(hidden, hidden)
-        self.attention_output = nn.Linear(hidden, hidden)
-        self.attention_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
-        self.intermediate = nn.Linear(hidden, config.intermediate_size)
-        self.output = nn.Linear(config.intermediate_size, hidden)
-        self.output_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.attention_dropout = config.attention_probs_dropout_prob
+        self.layers = nn.ModuleList(encoder.backbone.decoder_layer(encoder.config) for _ in range(num_layers))
+        self.norm = encoder.backbone.decoder_norm(encoder.config)
+        encoder.init_new(self)
+        self.register_load_state_dict_pre_hook(_rename_old_keys)
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:  # [B, L, hidden] -> [B, heads, L, d]
-        batch, width, hidden = x.shape
-        return x.view(batch, width, self.num_heads, hidden // self.num_heads).transpose(1, 2)
+    @property
+    def attention_dropout(self) -> float:
+        return self.layers[0].attention_dropout
 
-    def forward(self, h1: torch.Tensor, h2: torch.Tensor, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """`attend(q, k, v, dropout_p)` -> [B, heads, L, d] applies the layer's attention mask."""
-        q, k, v = self._heads(self.query(h1)), self._heads(self.key(h2)), self._heads(self.value(h2))
-        a = attend(q, k, v, self.attention_dropout if self.training else 0.0)
-        a = a.transpose(1, 2).reshape(h1.shape)
-        x = self.attention_norm(h1 + self.dropout(self.attention_output(a)))
-        return self.output_norm(x + self.dropout(self.output(F.gelu(self.intermediate(x)))))
+    @attention_dropout.setter
+    def attention_dropout(self, p: float) -> None:
+        for layer in self.layers:
+            layer.attention_dropout = p
+
+    def forward(self, h1: torch.Tensor, h2: torch.Tensor | None, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """h2 None: self-attention (each layer's keys and values are its own input)."""
+        for layer in self.layers:
+            h1 = layer(h1, h1 if h2 is None else h2, attend)
+        return self.norm(h1)
+
+
+def _rename_old_keys(module, state_dict, prefix, *args) -> None:
+    """RetroMAE's one layer was the decoder itself (`decoder.query.weight`), the causal decoders' layers were
+    `decoder.layers.i.query.weight`; both become `decoder.layers.i.attention.self.query.weight`."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        match = _OLD_KEY.fullmatch(key[len(prefix):])
+        if match:
+            index, name, kind = match.groups()
+            state_dict[f"{prefix}layers.{index or 0}.{_OLD_BERT_LAYER_KEYS[name]}.{kind}"] = state_dict.pop(key)
 
 
 def masked_attention(visible: torch.Tensor) -> Callable[..., torch.Tensor]:

@@ -5,7 +5,7 @@ method is a file; docs/methods.md, "Add a method"):
     options = method.options_from({"bow_weight": 0.5})   # paper defaults for everything not given
     head = method.build(options, ModelOptions(...))
     collate = method.collator.from_options(options, vocab, seed)
-    method.flops(options, bert_config, batch)             # the head's forward FLOPs beyond the encoder's
+    method.flops(options, hf_config, batch)               # the head's forward FLOPs beyond the encoder's
 
 An options dataclass declares each option's valid values beside it, with `option(default, at_least=...,
 choices=...)`: ranges are checked when the config is read (every violation named at once), choices when the
@@ -96,7 +96,7 @@ def no_flops(options: Any, config, batch: dict[str, torch.Tensor]) -> int:
     return 0
 
 
-# flops(options, bert_config, batch) -> int: FLOPs on one micro-batch
+# flops(options, hf_config, batch) -> int: FLOPs on one micro-batch
 Flops = Callable[[Any, Any, dict], int]
 
 

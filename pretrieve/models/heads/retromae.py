@@ -10,7 +10,7 @@ from pretrieve.data.collators import RetroMAECollator
 from pretrieve.kernels import CompactMask, resolve, two_stream_attention
 from pretrieve.models.flops import labelled, layer_flops, vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
-from pretrieve.models.heads.decoder import DecoderLayer
+from pretrieve.models.heads.decoder import Decoder
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
 
 QUERY_STREAM_CHOICES = ("position", "embeddings")
@@ -46,8 +46,7 @@ class RetroMAEHead(PretrainingHead):
 
     def __init__(self, encoder, options):
         super().__init__(encoder, options)
-        self.decoder = DecoderLayer(encoder.config)
-        encoder.init_new(self.decoder)
+        self.decoder = Decoder(encoder, num_layers=1)
         if options.decoder_attention_dropout is not None:
             self.decoder.attention_dropout = options.decoder_attention_dropout
         if options.attention_impl == "fused":  # refuse fused + attention dropout up front, not at the first step
@@ -71,12 +70,12 @@ class RetroMAEHead(PretrainingHead):
         return self.encoder.token_loss(out, batch["dec_labels"])
 
     def query_stream(self, h_cls: torch.Tensor, width: int) -> torch.Tensor:
-        """H1 [B, L, hidden] of eq. (2) from the [CLS] states h_cls [B, hidden]."""
-        embeddings = self.encoder.embeddings
+        """H1 [B, L, hidden] of eq. (2) from the [CLS] states h_cls [B, hidden]. With rotary positions
+        (ModernBERT) there is no p_i to add: the decoder rotates its queries by position instead."""
         if self.options.query_stream == "position":
-            positions = torch.arange(width, device=h_cls.device)
-            return h_cls[:, None] + embeddings.position_embeddings(positions)[None]
-        return embeddings(inputs_embeds=h_cls[:, None].expand(-1, width, -1))
+            positions = self.encoder.position_vectors(width, h_cls.device)
+            return h_cls[:, None].expand(-1, width, -1) if positions is None else h_cls[:, None] + positions[None]
+        return self.encoder.embeddings(inputs_embeds=h_cls[:, None].expand(-1, width, -1))
 
 
 def retromae_flops(options: RetroMAEOptions, config, batch: dict[str, torch.Tensor]) -> int:

@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from pretrieve.data.collators import SEEDCollator
 from pretrieve.models.flops import labelled, layer_flops, vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
-from pretrieve.models.heads.decoder import DecoderLayer, masked_attention
+from pretrieve.models.heads.decoder import Decoder, masked_attention
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
 
 
@@ -37,7 +36,7 @@ def window_mask(lengths: torch.Tensor, width: int, window: int | None) -> torch.
     return allowed[None] & (j[None] < lengths[:, None, None])
 
 
-class CausalDecoder(nn.Module):
+class CausalDecoder(Decoder):
     """Decoder layers over [h_cls, e_x1 + p_1, ...]; position t predicts token t + 1 with the tied MLM head.
 
     The encoder's [CLS] state enters as the decoder's first position, visible to every position in every
@@ -45,18 +44,14 @@ class CausalDecoder(nn.Module):
     """
 
     def __init__(self, encoder, layers: int, window: int | None):
-        super().__init__()
-        self.layers = nn.ModuleList(DecoderLayer(encoder.config) for _ in range(layers))
+        super().__init__(encoder, layers)
         self.window = window
-        encoder.init_new(self.layers)
 
     def loss(self, encoder, h_cls: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
              labels: torch.Tensor) -> torch.Tensor:
         x = torch.cat([h_cls[:, None], encoder.embeddings(input_ids=input_ids)[:, 1:]], dim=1)
         attend = masked_attention(window_mask(attention_mask.sum(dim=1), input_ids.shape[1], self.window))
-        for layer in self.layers:
-            x = layer(x, x, attend)
-        return encoder.token_loss(x, labels)
+        return encoder.token_loss(self(x, None, attend), labels)
 
 
 class SEEDHead(PretrainingHead):

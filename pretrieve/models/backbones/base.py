@@ -1,0 +1,91 @@
+"""What a pre-training head needs of an encoder family (a backbone), over HF transformers' own modules.
+
+A backbone names the HF model and config classes, and answers, for a model of that family:
+- the embedding module (`model.embeddings`: token ids or input vectors -> the first layer's input) and the
+  position vectors p_i that RetroMAE's query stream adds to h (eq. 2), or None where positions are rotary;
+- the stack of layers, and each layer's feed-forward block (CoT-MoTE's experts);
+- the MLM head's transform (its output weights are the tied word embeddings) and where HF checkpoints keep it;
+- the decoder layer of the auto-encoding heads: the family's own layer class, given a query stream and a
+  key/value stream (`TwoStreamLayer`), and the norm after the decoder stack (pre-norm families need one).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch import nn
+
+Attend = Callable[..., torch.Tensor]  # attend(q, k, v, dropout_p) -> [B, heads, L, d] under the layer's mask
+
+
+class Backbone:
+    name: str  # the value of model.backbone
+    model_type: str  # config.json's "model_type"
+    model_class: type
+    config_class: type
+    model_kwargs: dict = {}  # model_class(config, **model_kwargs)
+    default_pad_token_id: int
+    # prefixes of the MLM head in the family's HF MaskedLM checkpoints -> ours (Encoder.mlm_transform / mlm_bias)
+    hf_mlm_keys: dict[str, str]
+    # the feed-forward block's modules in a layer: a CoT-MoTE query expert is a copy of them
+    feed_forward_modules: tuple[str, ...]
+    ffn_matrices: int = 2  # h x f matrices in a feed-forward block: up and down (GLU blocks: 3, with the gate)
+    has_pooler: bool = False  # a [CLS] pooler in the base model (unused in pre-training, but computed)
+
+    @classmethod
+    def config(cls, options, pad_token_id: int):
+        """The HF config of a new model from the `model:` options."""
+        raise NotImplementedError
+
+    @staticmethod
+    def layers(model) -> nn.ModuleList:
+        raise NotImplementedError
+
+    @staticmethod
+    def position_vectors(model, width: int, device: torch.device) -> torch.Tensor | None:
+        """p_0 .. p_{width-1} [width, hidden] as the embedding module adds them; None for rotary positions."""
+        raise NotImplementedError
+
+    @staticmethod
+    def mlm_transform(config) -> nn.Module:
+        raise NotImplementedError
+
+    @staticmethod
+    def decoder_layer(config) -> nn.Module:
+        """A new `TwoStreamLayer` of this family."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decoder_norm(config) -> nn.Module:
+        """Applied to the decoder's output before the MLM head (the family's final norm; post-norm: none)."""
+        return nn.Identity()
+
+    @staticmethod
+    def init_new(model, module: nn.Module) -> None:
+        """The family's initialisation for a module added to the model (decoders, MLM head, projections)."""
+        raise NotImplementedError
+
+    @classmethod
+    def query_expert(cls, layer: nn.Module) -> nn.ModuleDict:
+        """A copy of the layer's feed-forward block (cot-mote.txt eq. 7: Q-FFN starts as the P-FFN)."""
+        return nn.ModuleDict({name: copy.deepcopy(getattr(layer, name)) for name in cls.feed_forward_modules})
+
+    @staticmethod
+    def route_feed_forward(layer: nn.Module, expert: nn.ModuleDict, is_query: Callable[[], torch.Tensor | None]):
+        """Make `layer` send each sequence through its own feed-forward block or through `expert`, by
+        `is_query()` (bool [B], or None: all passages)."""
+        raise NotImplementedError
+
+
+def route(is_query: torch.Tensor | None, passage: Callable, query: Callable, x: torch.Tensor) -> torch.Tensor:
+    """passage(x) for the passages of the batch and query(x) for its queries (`is_query` bool [B])."""
+    if is_query is None or not is_query.any():
+        return passage(x)
+    if is_query.all():
+        return query(x)
+    out = torch.empty_like(x)
+    out[~is_query] = passage(x[~is_query])
+    out[is_query] = query(x[is_query])
+    return out

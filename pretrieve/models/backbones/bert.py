@@ -1,0 +1,100 @@
+"""BERT (Devlin et al. 2019): post-norm layers, learnt absolute positions, the MLM head's transform before the
+tied decoder. RoBERTa and XLM-R (roberta.py) share all of it but their position offset."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import BertConfig, BertModel
+from transformers.models.bert.modeling_bert import BertLayer, BertPredictionHeadTransform
+
+from pretrieve.models.backbones.base import Attend, Backbone, route
+
+
+class BertFamilyStreams:
+    """A BERT-family layer (attention.self.{query,key,value}, attention.output, intermediate, output) with its
+    queries from the query stream H1 and its keys/values from the context stream H2: Q = H1 W^Q, K = H2 W^K,
+    V = H2 W^V; A = softmax(Q K^T / sqrt(d) + M) V (RetroMAE eq. 3), added to H1 and through the feed-forward
+    block, as the official RetroMAE decoder layer (a BertLayer) computes it. h1 = h2: plain self-attention."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.attention_dropout = config.attention_probs_dropout_prob
+
+    def forward(self, h1: torch.Tensor, h2: torch.Tensor, attend: Attend) -> torch.Tensor:
+        attention = self.attention.self
+        q, k, v = (heads(x, attention.num_attention_heads)
+                   for x in (attention.query(h1), attention.key(h2), attention.value(h2)))
+        a = attend(q, k, v, self.attention_dropout if self.training else 0.0)
+        x = self.attention.output(a.transpose(1, 2).reshape(h1.shape), h1)
+        return self.output(self.intermediate(x), x)
+
+
+def heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[B, L, hidden] -> [B, heads, L, d]."""
+    batch, width, hidden = x.shape
+    return x.view(batch, width, num_heads, hidden // num_heads).transpose(1, 2)
+
+
+class BertDecoderLayer(BertFamilyStreams, BertLayer):
+    pass
+
+
+class BertBackbone(Backbone):
+    name = model_type = "bert"
+    model_class, config_class = BertModel, BertConfig
+    model_kwargs = {"add_pooling_layer": True}  # kept, so that an export is a complete BertModel
+    default_pad_token_id = 0
+    hf_mlm_keys = {"cls.predictions.transform.": "mlm_transform.", "cls.predictions.bias": "mlm_bias"}
+    feed_forward_modules = ("intermediate", "output")
+    has_pooler = True
+    decoder_layer_class = BertDecoderLayer
+
+    @classmethod
+    def config(cls, options, pad_token_id: int):
+        return cls.config_class(
+            vocab_size=options.vocab_size, hidden_size=options.hidden_size, num_hidden_layers=options.num_layers,
+            num_attention_heads=options.num_heads, intermediate_size=options.intermediate_size,
+            max_position_embeddings=options.max_position_embeddings + cls.position_offset(pad_token_id),
+            hidden_dropout_prob=options.dropout, attention_probs_dropout_prob=options.dropout,
+            pad_token_id=pad_token_id)
+
+    @staticmethod
+    def position_offset(pad_token_id: int) -> int:
+        """Where position 0's vector sits in the position table."""
+        return 0
+
+    @staticmethod
+    def layers(model) -> nn.ModuleList:
+        return model.encoder.layer
+
+    @classmethod
+    def position_vectors(cls, model, width: int, device: torch.device) -> torch.Tensor:
+        positions = torch.arange(width, device=device) + cls.position_offset(model.config.pad_token_id)
+        return model.embeddings.position_embeddings(positions)
+
+    @staticmethod
+    def mlm_transform(config) -> nn.Module:
+        return BertPredictionHeadTransform(config)
+
+    @classmethod
+    def decoder_layer(cls, config) -> nn.Module:
+        return cls.decoder_layer_class(config)
+
+    @staticmethod
+    def init_new(model, module: nn.Module) -> None:
+        """BERT's initialisation: normal(0, initializer_range), zero biases, LayerNorm 1/0."""
+        for m in module.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=model.config.initializer_range)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    @staticmethod
+    def route_feed_forward(layer, expert, is_query):
+        layer.feed_forward_chunk = lambda x: route(
+            is_query(), lambda y: layer.output(layer.intermediate(y), y),
+            lambda y: expert["output"](expert["intermediate"](y), y), x)

@@ -1,0 +1,192 @@
+"""Every head on every backbone (BERT, RoBERTa, XLM-R, ModernBERT), each with a tokenizer trained by
+`pretrieve tokenizer train` on the bundled Wikipedia sample: training steps, the decoders built from the
+backbone's own layer class, positions in RetroMAE's query stream, exports that load in AutoModel and
+sentence-transformers, pre-training through the engine, and checkpoints written before the backbone interface."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer
+from transformers.models.bert.modeling_bert import BertLayer
+from transformers.models.modernbert.modeling_modernbert import ModernBertEncoderLayer
+from transformers.models.roberta.modeling_roberta import RobertaLayer
+from transformers.models.xlm_roberta.modeling_xlm_roberta import XLMRobertaLayer
+
+from conftest import SAMPLES, pretrain_env, result_line
+from pretrieve.cli import main
+from pretrieve.data.masking import Vocabulary
+from pretrieve.data.prepare import PrepareOptions, prepare
+from pretrieve.data.stream import ShardStream
+from pretrieve.models.encoder import Encoder, ModelOptions, load_encoder
+from pretrieve.models.export import export
+from pretrieve.models.heads import METHODS, get_method
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
+# each backbone with the tokenizer kind of its family, and its layer class
+BACKBONES = {"bert": ("wordpiece", BertLayer), "roberta": ("bpe", RobertaLayer),
+             "xlm-roberta": ("unigram", XLMRobertaLayer), "modernbert": ("bpe", ModernBertEncoderLayer)}
+MAX_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> dict:
+    """kind -> (tokenizer directory, manifest, 8 samples): a 1,000-token tokenizer of each kind and the bundled
+    Wikipedia sample prepared with it."""
+    out = tmp_path_factory.mktemp("backbones")
+    found = {}
+    for kind in ("wordpiece", "bpe", "unigram"):
+        assert main(["tokenizer", "train", "--source", "wikipedia", "--input", str(SAMPLES / "wikipedia"),
+                     "--out", str(out / kind), "--kind", kind, "--vocab-size", "1000"]) == 0
+        prepare(PrepareOptions(source="wikipedia", inputs=[str(SAMPLES / "wikipedia")], out=str(out / f"{kind}-shards"),
+                               tokenizer=str(out / kind), max_len=MAX_LEN, workers=0))
+        manifest = out / f"{kind}-shards" / "manifest.json"
+        stream = ShardStream([manifest], seed=0, shuffle_buffer=8, tokenizer=str(out / kind))
+        found[kind] = (out / kind, manifest, [sample for sample, _ in zip(stream, range(8))])
+    return found
+
+
+def tiny(backbone: str, tokenizer: Path, **extra) -> ModelOptions:
+    # three layers: ModernBERT's layer 0 attends globally, layers 1-2 locally
+    pad = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).pad_token_id
+    return ModelOptions(backbone=backbone, vocab_size=1000, hidden_size=32, num_layers=3, num_heads=2,
+                        intermediate_size=64, max_position_embeddings=MAX_LEN, pad_token_id=pad, **extra)
+
+
+def head_and_batch(backbone: str, method: str, corpora, seed: int = 0):
+    tokenizer, _, samples = corpora[BACKBONES[backbone][0]]
+    spec = get_method(method)
+    options = spec.options_from({"max_len": MAX_LEN})
+    batch = spec.collator.from_options(options, Vocabulary.of_tokenizer(tokenizer), seed=0)(samples)
+    if method == "cotmote":  # half the texts through the query experts
+        batch["text_type"] = torch.arange(len(samples)) % 2
+    return spec.build(options, tiny(backbone, tokenizer), seed=seed), batch
+
+
+@pytest.mark.parametrize("backbone", sorted(BACKBONES))
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_head_trains_on_every_backbone(backbone, method, corpora):
+    head, batch = head_and_batch(backbone, method, corpora)
+    assert head.encoder.model.config.model_type == backbone
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=2e-3)
+    losses = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss = head(batch)["loss"]
+        loss.backward()
+        if not losses:  # every weight the loss reaches gets a gradient (the frozen pooler aside)
+            missing = [n for n, p in head.named_parameters() if p.requires_grad and p.grad is None]
+            assert not missing, missing
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[1] < losses[0], losses
+
+
+@pytest.mark.parametrize("backbone", sorted(BACKBONES))
+def test_decoders_are_the_backbones_own_layers(backbone, corpora):
+    for method in ("retromae", "dupmae", "seed", "cotmae", "cotmote"):
+        head, _ = head_and_batch(backbone, method, corpora)
+        assert all(isinstance(layer, BACKBONES[backbone][1]) for layer in head.decoder.layers), method
+    head, _ = head_and_batch(backbone, "cotmote", corpora)  # the query experts copy the family's FFN block
+    names = {name.split(".")[1] for name, _ in head.encoder.query_experts.named_parameters()}
+    assert names == ({"mlp_norm", "mlp"} if backbone == "modernbert" else {"intermediate", "output"})
+
+
+def test_query_stream_positions_follow_the_backbone(corpora):
+    """Eq. 2's h + p_i: BERT's p_i is row i of the position table, RoBERTa's row pad + 1 + i; ModernBERT has no
+    table, and RoPE alone tells the decoder's identical query rows apart."""
+    bert, _ = head_and_batch("bert", "retromae", corpora)
+    table = bert.encoder.model.embeddings.position_embeddings.weight
+    assert torch.equal(bert.encoder.position_vectors(4, table.device), table[:4])
+    roberta, _ = head_and_batch("roberta", "retromae", corpora)
+    pad = roberta.encoder.config.pad_token_id
+    table = roberta.encoder.model.embeddings.position_embeddings.weight
+    assert pad == 1 and table.shape[0] == MAX_LEN + pad + 1
+    assert torch.equal(roberta.encoder.position_vectors(4, table.device), table[pad + 1:pad + 5])
+
+    modern, batch = head_and_batch("modernbert", "retromae", corpora)
+    modern.eval()
+    assert modern.encoder.position_vectors(4, torch.device("cpu")) is None
+    h = torch.randn(2, 32)
+    h1 = modern.query_stream(h, 6)
+    assert torch.equal(h1, h[:, None].expand(-1, 6, -1))
+    h2 = torch.randn(2, 6, 32)  # H2: distinct rows, as [h, e_x1, ...]
+    out = modern.decoder(h1, h2, lambda q, k, v, p: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    assert not torch.allclose(out[:, 1], out[:, 2])  # same input row, other position
+
+
+@pytest.mark.parametrize("backbone,method", [("roberta", "dupmae"), ("xlm-roberta", "cotmote"),
+                                             ("modernbert", "retromae")])
+def test_exports_load_in_automodel_and_sentence_transformers(backbone, method, corpora, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    tokenizer = corpora[BACKBONES[backbone][0]][0]
+    head, batch = head_and_batch(backbone, method, corpora)
+    head.eval()
+    out = export(head, tmp_path / "export", tokenizer=tokenizer)
+    assert json.loads((out / "config.json").read_text())["model_type"] == backbone
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        ours = head.encoder(ids, mask)
+        auto = AutoModel.from_pretrained(str(out)).eval()(input_ids=ids, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(auto, ours, rtol=1e-5, atol=1e-5)
+        st = SentenceTransformer(str(out), device="cpu")
+        texts = ["the anarchism movement", "a political philosophy of the nineteenth century"]
+        encoded = st.tokenizer(texts, padding=True, return_tensors="pt")
+        cls = head.encoder(encoded["input_ids"], encoded["attention_mask"])[:, 0]
+        torch.testing.assert_close(torch.as_tensor(st.encode(texts)), cls, rtol=1e-4, atol=1e-5)
+
+    again = load_encoder(out)  # eval / fine-tuning's reader: the backbone and the MLM head come back
+    assert again.backbone is head.encoder.backbone
+    assert torch.equal(again.mlm_bias, head.encoder.mlm_bias) and again.load_report == []
+    assert (again.query_experts is not None) == (method == "cotmote")
+    resumed = get_method(method).build(head.options, ModelOptions(init_from=str(out)))  # continue pre-training
+    for key, value in head.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key
+
+
+def test_pretraining_runs_each_backbone_from_its_config(corpora, tmp_path):
+    """`model.backbone` and `data.tokenizer` through the engine: two steps, then an export of that family."""
+    for backbone, method in (("modernbert", "dupmae"), ("xlm-roberta", "seed")):
+        tokenizer, manifest, _ = corpora[BACKBONES[backbone][0]]
+        run_dir = tmp_path / backbone
+        done = subprocess.run(
+            [sys.executable, "-m", "pretrieve", "pretrain", str(CONFIGS / f"tiny-{method}.yaml"), f"run_dir={run_dir}",
+             f"data.manifests=[{manifest}]", "data.weights=null", f"data.tokenizer={tokenizer}",
+             f"model.backbone={backbone}", "model.vocab_size=1000", f"model.max_position_embeddings={MAX_LEN}",
+             f"method.max_len={MAX_LEN}", "train.max_steps=2", "train.micro_batch_size=4", "checkpoint.every=2"],
+            env=pretrain_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert result_line(done.stdout)["step"] == 2
+        config = json.loads((run_dir / "export" / "config.json").read_text())
+        pad = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).pad_token_id
+        assert (config["model_type"], config["pad_token_id"]) == (backbone, pad)  # the model pads as the shards
+        assert isinstance(Encoder.from_pretrained(run_dir / "export").model, type(AutoModel.from_pretrained(
+            str(run_dir / "export"))))
+
+
+def test_checkpoints_from_before_the_backbone_interface_still_load(corpora):
+    """The base model was `encoder.bert.*`, RetroMAE's decoder layer `decoder.query.weight` and the causal
+    decoders' `decoder.layers.i.query.weight`: such state dicts load into today's heads unchanged."""
+    old_names = {"attention.self.query": "query", "attention.self.key": "key", "attention.self.value": "value",
+                 "attention.output.dense": "attention_output", "attention.output.LayerNorm": "attention_norm",
+                 "intermediate.dense": "intermediate", "output.dense": "output", "output.LayerNorm": "output_norm"}
+    for method in ("retromae", "seed"):
+        head, _ = head_and_batch("bert", method, corpora)
+        old = {}
+        for key, value in head.state_dict().items():
+            key = key.replace("encoder.model.", "encoder.bert.")
+            for new, name in old_names.items():
+                key = key.replace(f".{new}.", f".{name}.") if key.startswith("decoder.") else key
+            if method == "retromae":
+                key = key.replace("decoder.layers.0.", "decoder.")
+            old[key] = value
+        assert "encoder.bert.pooler.dense.weight" in old
+        assert ("decoder.query.weight" if method == "retromae" else "decoder.layers.0.query.weight") in old
+        fresh, _ = head_and_batch("bert", method, corpora, seed=1)
+        fresh.load_state_dict(old)  # strict
+        for key, value in head.state_dict().items():
+            assert torch.equal(fresh.state_dict()[key], value), key

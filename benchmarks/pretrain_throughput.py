@@ -40,11 +40,11 @@ class OfficialRetroMAE(torch.nn.Module):
     def __init__(self, config):
         from transformers import BertForMaskedLM
 
-        from pretrieve.models.heads.decoder import DecoderLayer
+        from pretrieve.models.backbones.bert import BertDecoderLayer
 
         super().__init__()
         self.lm = BertForMaskedLM(config)
-        self.c_head = DecoderLayer(config)
+        self.c_head = BertDecoderLayer(config)  # a BertLayer, as the official enhanced decoder
         self.c_head.apply(self.lm._init_weights)
 
     def forward(self, batch: dict) -> torch.Tensor:

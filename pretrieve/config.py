@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pretrieve.data.remote import ReadOptions, is_remote, local_path
-from pretrieve.models.backbones import backbone_named
+from pretrieve.models.backbones import BACKBONES, backbone_named
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.utils.options import ConfigError, Problems, options_of
 from pretrieve.utils.run_dir import latest_checkpoint
@@ -271,6 +271,7 @@ def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, pr
     if model.init_from and not Path(model.init_from).is_dir():
         problems.add(f"model.init_from: {model.init_from} is not a directory")
     if model.init_from:
+        _check_checkpoint_positions(model, getattr(options, "max_len", None), problems)
         return
     try:
         backbone_named(model.backbone)
@@ -287,6 +288,23 @@ def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, pr
     if max_len is not None and max_len > model.max_position_embeddings:
         problems.add(f"method.max_len: {max_len} positions, but model.max_position_embeddings is "
                      f"{model.max_position_embeddings}")
+
+
+def _check_checkpoint_positions(model: ModelOptions, max_len: int | None, problems: Problems) -> None:
+    """method.max_len against the learnt position table of the init_from checkpoint (grown by extend_positions):
+    past it, the first step fails deep in an embedding lookup."""
+    config_file = Path(model.init_from) / "config.json"
+    if max_len is None or not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text())
+    backbone = next((b for b in BACKBONES.values() if b.model_type == config.get("model_type")), None)
+    if backbone is None or not hasattr(backbone, "position_offset"):  # not ours, or rotary positions
+        return
+    positions = model.extend_positions or config["max_position_embeddings"] - backbone.position_offset(
+        config.get("pad_token_id", backbone.default_pad_token_id))
+    if max_len > positions:
+        problems.add(f"method.max_len: {max_len} positions, but model.init_from ({model.init_from}) has {positions}; "
+                     "grow it with model.extend_positions")
 
 
 def run_sections(config: DictConfig, world_size: int) -> tuple[TrainOptions, CheckpointOptions, Any]:

@@ -58,7 +58,8 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
             read, tokenizer=fingerprint)
     return TrainingJob(
         name=f"pretrain {exp.method.name}", module=head, loader=loader, position=stream,
-        count=lambda batch: (len(batch["input_ids"]), int(batch["attention_mask"].sum())),
+        count=lambda batch: (len(batch["input_ids"]), int(batch["attention_mask"].sum()),
+                             batch["attention_mask"].numel()),
         flops=lambda batch: train_flops(exp.method.name, exp.options, head.encoder.config, batch),
         # from the final checkpoint: ZeRO partitions consolidated, fp32 master weights under bf16/fp16
         export=lambda run_dir: export_checkpoint(run_dir, run_dir / "export"),

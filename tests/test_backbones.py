@@ -17,6 +17,7 @@ from transformers.models.roberta.modeling_roberta import RobertaLayer
 from transformers.models.xlm_roberta.modeling_xlm_roberta import XLMRobertaLayer
 
 from conftest import SAMPLES, pretrain_env, result_line
+from pretrieve.config import ConfigError, experiment, load_config
 from pretrieve.cli import main
 from pretrieve.data.masking import Vocabulary
 from pretrieve.data.prepare import PrepareOptions, prepare
@@ -164,6 +165,8 @@ def test_pretraining_runs_each_backbone_from_its_config(corpora, tmp_path):
         config = json.loads((run_dir / "export" / "config.json").read_text())
         pad = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).pad_token_id
         assert (config["model_type"], config["pad_token_id"]) == (backbone, pad)  # the model pads as the shards
+        family = {"modernbert": "ModernBERT", "xlm-roberta": "XLM-RoBERTa"}[backbone]
+        assert f"A {family} encoder pre-trained with **{method}**" in (run_dir / "export" / "README.md").read_text()
         assert isinstance(Encoder.from_pretrained(run_dir / "export").model, type(AutoModel.from_pretrained(
             str(run_dir / "export"))))
 
@@ -190,3 +193,53 @@ def test_checkpoints_from_before_the_backbone_interface_still_load(corpora):
         fresh.load_state_dict(old)  # strict
         for key, value in head.state_dict().items():
             assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_init_from_grows_the_learnt_position_table(corpora, tmp_path):
+    """XLM-R trained at MAX_LEN positions, continued at 3 x MAX_LEN (as BGE-M3 grew XLM-R to 8,192): the new
+    rows copy the trained ones in order, a text longer than before trains, and the export keeps the table."""
+    import numpy as np
+
+    tokenizer, _, samples = corpora["unigram"]
+    head, _ = head_and_batch("xlm-roberta", "retromae", corpora)
+    short = export(head, tmp_path / "short", tokenizer=tokenizer)
+    spec = get_method("retromae")
+    options = spec.options_from({"max_len": 3 * MAX_LEN})
+    grown = spec.build(options, ModelOptions(init_from=str(short), extend_positions=3 * MAX_LEN))
+    old = head.encoder.model.embeddings.position_embeddings.weight
+    table = grown.encoder.model.embeddings.position_embeddings.weight
+    offset = head.encoder.config.pad_token_id + 1
+    assert table.shape[0] == offset + 3 * MAX_LEN and torch.equal(table[:offset + MAX_LEN], old)
+    assert torch.equal(table[offset + 2 * MAX_LEN + 7], old[offset + 7])
+    with pytest.raises(ValueError, match="has 96 positions already"):
+        spec.build(options, ModelOptions(init_from=str(short), extend_positions=MAX_LEN))
+    overrides = [f"model.init_from={short}", f"data.manifests=[{corpora['unigram'][1]}]", "data.weights=null",
+                 f"data.tokenizer={tokenizer}", f"method.max_len={3 * MAX_LEN}"]
+    with pytest.raises(ConfigError, match="has 96; grow it with model.extend_positions"):
+        experiment(load_config(CONFIGS / "tiny-retromae.yaml", overrides))
+    experiment(load_config(CONFIGS / "tiny-retromae.yaml", [*overrides, f"model.extend_positions={3 * MAX_LEN}"]))
+
+    long = [dict(samples[i], ids=np.concatenate([samples[i]["ids"], samples[i + 1]["ids"]])) for i in range(4)]
+    batch = spec.collator.from_options(options, Vocabulary.of_tokenizer(tokenizer), seed=0)(long)
+    assert batch["input_ids"].shape[1] > MAX_LEN
+    loss = grown(batch)["loss"]
+    loss.backward()
+    assert torch.isfinite(loss) and table.grad[offset + MAX_LEN:].abs().sum() > 0  # the new rows learn
+    out = export(grown, tmp_path / "long", tokenizer=tokenizer)
+    assert AutoModel.from_pretrained(str(out)).config.max_position_embeddings == offset + 3 * MAX_LEN
+
+
+def test_scale_plan_counts_each_backbones_parameters():
+    """N (Kaplan's non-embedding parameters) per backbone: BERT's layers 4h^2 + 2hf + f + 9h each; ModernBERT's
+    4h^2 + 3hf (bias-free QKV, O and GeGLU) and its bias-free norms, layer 0 without one before attention, plus
+    the final norm. N_total adds the embeddings (ModernBERT: no position or token-type tables)."""
+    from pretrieve.scale.plan import parameter_counts
+
+    h, f, layers, vocab = 64, 256, 3, 1000
+    shape = dict(hidden_size=h, num_layers=layers, num_heads=2, intermediate_size=f, vocab_size=vocab,
+                 max_position_embeddings=128, pad_token_id=0)
+    assert parameter_counts(ModelOptions(backbone="bert", **shape).hf_config()) == (
+        layers * (4 * h * h + 2 * h * f + f + 9 * h), layers * (4 * h * h + 2 * h * f + f + 9 * h)
+        + (vocab + 128 + 2) * h + 2 * h)
+    n = layers * (4 * h * h + 3 * h * f) + (2 * layers - 1) * h + h
+    assert parameter_counts(ModelOptions(backbone="modernbert", **shape).hf_config()) == (n, n + vocab * h + h)

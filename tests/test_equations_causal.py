@@ -3,7 +3,7 @@ the heads' losses: SEED-Encoder's weak decoder (seed-encoder.txt eqs. 9-10), CoT
 (cot-mote.txt eqs. 10-12) and CoT-MoTE's textual experts (cot-mote.txt eqs. 7-9).
 
 Masks are built by loops from each paper's definition, targets from the token ids; nothing here calls
-pretrieve's window_mask, DecoderLayer, attention or token_loss.
+pretrieve's window_mask, decoder layers, attention or token_loss.
 """
 
 import pytest
@@ -65,7 +65,7 @@ def decoder_loss_by_equations(head, h0: torch.Tensor, ids, attention_mask, visib
 
 def mote_states(encoder, ids, attention_mask, text_type) -> torch.Tensor:
     """Eqs. 7-9 per layer: h' = LN(h + MHA(h)) with the one shared attention; h_q = LN(h' + Q-FFN(h')) for
-    queries (text_type 1), h_p = LN(h' + P-FFN(h')) for passages. The P-FFN is the BertModel's own block."""
+    queries (text_type 1), h_p = LN(h' + P-FFN(h')) for passages. The P-FFN is the base model's own block."""
     h, visible = embed(encoder, ids), key_padding(attention_mask)
     is_query = text_type.bool()[:, None, None]
     for layer, expert in zip(encoder.model.encoder.layer, encoder.query_experts):

@@ -94,6 +94,18 @@ def decoder_steps(samples, vocab, model, max_len: int, device: str = "cpu", auto
     return results
 
 
+def test_modernbert_decoder_step_fused_equals_eager(wiki_samples, vocab):
+    """The fused kernel takes ModernBERT's decoder queries and keys after their rotation (RoPE) unchanged."""
+    from pretrieve.models.encoder import ModelOptions
+
+    model = ModelOptions(backbone="modernbert", pad_token_id=0, hidden_size=32, num_layers=1, num_heads=2,
+                         intermediate_size=64, dropout=0.0)
+    results = decoder_steps(wiki_samples[:2], vocab, model, max_len=40)
+    assert results["fused"][0] == pytest.approx(results["eager"][0], rel=1e-5)
+    for name, grad in results["eager"][1].items():
+        torch.testing.assert_close(results["fused"][1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_decoder_step_fused_equals_eager(wiki_samples, vocab):
     """One RetroMAE decoder training step: the same loss and gradients with the fused kernel and eager."""
     from pretrieve.models.encoder import ModelOptions

@@ -35,11 +35,14 @@ def test_fused_matches_reference_on_real_shapes(width, head_dim, dtype):
         torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance, msg=name)
 
 
-def test_decoder_step_fused_equals_eager_on_gpu(wiki_samples, vocab):
-    """One RetroMAE training step at BERT-base width in bf16 autocast: loss and gradients of fused vs eager."""
+@pytest.mark.parametrize("backbone", ["bert", "modernbert"])
+def test_decoder_step_fused_equals_eager_on_gpu(wiki_samples, vocab, backbone):
+    """One RetroMAE training step at BERT-base width in bf16 autocast: loss and gradients of fused vs eager
+    (ModernBERT: queries and keys rotated before the kernel)."""
     from pretrieve.models.encoder import ModelOptions
 
-    model = ModelOptions(hidden_size=768, num_layers=2, num_heads=12, intermediate_size=3072, dropout=0.0)
+    model = ModelOptions(backbone=backbone, pad_token_id=0, hidden_size=768, num_layers=2, num_heads=12,
+                         intermediate_size=3072, dropout=0.0)
     results = decoder_steps(wiki_samples[:8], vocab, model, max_len=512, device="cuda",
                             autocast=torch.autocast("cuda", dtype=torch.bfloat16))
     assert results["fused"][0] == pytest.approx(results["eager"][0], rel=1e-2)

@@ -41,7 +41,8 @@ def test_mlflow_run_contents_and_resume(tmp_path, wiki_shards):
     history = client.get_metric_history(first["run_id"], "loss")
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sorted((m.step, m.value) for m in history) == [(r["step"], r["loss"]) for r in logged]
-    assert {"mlm", "lr", "tokens_per_s", "samples_per_s", "tflops_per_device", "mfu", "grad_norm"} <= set(run.data.metrics)
+    assert {"mlm", "lr", "tokens_per_s", "samples_per_s", "tflops_per_device", "mfu", "grad_norm",
+            "padding_fraction"} <= set(run.data.metrics)
     assert 0 < run.data.metrics["mfu"] < 1 and run.data.metrics["grad_norm"] > 0
     assert any(name.startswith("system/cpu_utilization") for name in run.data.metrics)  # MLflow's system metrics
 

@@ -3,7 +3,8 @@
 The loop adds each micro-batch's losses, counts and FLOPs to a MetricsWindow; the sums stay on the device, so a
 micro-step reads nothing back (on a GPU each read would wait for it). At a log step the window is reduced over
 ranks in one collective and read back once: losses averaged over ranks and micro-batches, throughput summed over
-ranks (tokens: non-padding), TFLOP/s and MFU per device (engine/flops.py), the gradient norm and the loss scale.
+ranks (tokens: non-padding), the share of the batches' positions that are padding, TFLOP/s and MFU per device
+(engine/flops.py), the gradient norm and the loss scale.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ class MetricsWindow:
 
     def _reset(self) -> None:
         self.loss, self.parts = 0.0, {}
-        self.micro = self.tokens = self.samples = self.flops = 0
+        self.micro = self.tokens = self.samples = self.flops = self.positions = 0
         self.started = time.perf_counter()
 
-    def add(self, out: dict, samples: int, tokens: int, flops: int) -> None:
-        """One micro-batch: its named losses (summed on the device), its host-side counts and FLOPs."""
+    def add(self, out: dict, samples: int, tokens: int, flops: int, positions: int = 0) -> None:
+        """One micro-batch: its named losses (summed on the device), its host-side counts (`positions`: its
+        padded shape's, padding included) and FLOPs."""
         self.micro += 1
+        self.positions += positions
         self.samples += samples
         self.tokens += tokens
         self.flops += flops
@@ -49,19 +52,21 @@ class MetricsWindow:
 
         names = sorted(self.parts)
         losses = torch.stack([self.loss, *(self.parts[n] for n in names)])  # on the device: one sync here
-        counts = torch.tensor([self.micro, self.tokens, self.samples, self.flops], dtype=torch.float64,
-                              device=losses.device)
+        counts = torch.tensor([self.micro, self.tokens, self.samples, self.flops, self.positions],
+                              dtype=torch.float64, device=losses.device)
         sums = torch.cat([losses, counts])
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
             dist.all_reduce(sums)
-        loss, *parts, micro, tokens, samples, flops = sums.tolist()
+        loss, *parts, micro, tokens, samples, flops, positions = sums.tolist()
         seconds = time.perf_counter() - self.started  # after the sync: the GPU has finished the window's work
         micro = max(micro, 1)
         device_flops = flops / world / seconds
         record = {"step": step, "loss": loss / micro, **{n: v / micro for n, v in zip(names, parts)},
                   "lr": lr, "tokens_per_s": tokens / seconds, "samples_per_s": samples / seconds,
                   "tflops_per_device": device_flops / 1e12}
+        if positions:
+            record["padding_fraction"] = 1 - tokens / positions
         if self.peak:
             record["mfu"] = device_flops / self.peak
         if grad_norm is None:

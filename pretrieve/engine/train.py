@@ -61,7 +61,7 @@ class TrainingJob:
     loader: Any  # re-iterable over batches (dicts of tensors)
     position: Any  # where the loader is: state_dict() / load_state_dict(), saved in every checkpoint, and
     #               describe_position() for the line a resumed run prints
-    count: Callable[[dict], tuple[int, int]]  # (samples, non-padding tokens) of a batch
+    count: Callable[[dict], tuple[int, int, int]]  # (samples, non-padding tokens, positions) of a batch
     flops: Callable[[dict], int]  # training FLOPs of a micro-batch (engine.flops)
     export: Callable[[Path], Any]  # rank 0, after the final checkpoint: run_dir -> run_dir/export
     tags: dict  # MLflow run tags
@@ -198,7 +198,7 @@ def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWi
         while engine.global_steps < last_step:
             for batch in job.loader:
                 # counted on the host before the copy: counting device tensors would wait for the GPU each step
-                samples, tokens = job.count(batch)
+                samples, tokens, positions = job.count(batch)
                 flops = job.flops(batch)
                 batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
                 out = engine(batch)
@@ -211,7 +211,7 @@ def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWi
                 engine.step()
                 counters["samples"] += samples
                 counters["tokens"] += tokens
-                window.add(out, samples, tokens, flops)  # summed on the device: read back at log steps only
+                window.add(out, samples, tokens, flops, positions)  # summed on the device: read at log steps
                 if not boundary:
                     continue
                 step = engine.global_steps

@@ -105,11 +105,21 @@ def _pretraining_facts(model_dir: Path, config: dict) -> dict:
              "this [CLS] vector: sentence-transformers gets the dense part only, `pretrieve eval --pooling "
              "dupmae` both.")
     return {"tag": method, "base_model": config.get("model", {}).get("init_from"), "datasets": datasets,
-            "summary": f"A BERT encoder pre-trained with **{method}** by pretrieve; its [CLS] vector is the text's "
+            "summary": f"A {_family(model_dir)} encoder pre-trained with **{method}** by pretrieve; its [CLS] vector "
+                       "is the text's "
                        f"representation, not normalised (inner product).{dense}",
             "method": f"pre-training, {method}", "options_title": f"Method options ({method})",
             "options": head.get("options") or config.get("method", {}), "data": _data_sources(data),
             "samples": "samples (token blocks)"}
+
+
+FAMILIES = {"bert": "BERT", "roberta": "RoBERTa", "xlm-roberta": "XLM-RoBERTa", "modernbert": "ModernBERT"}
+
+
+def _family(model_dir: Path) -> str:
+    """The exported base model's family, as its config.json names it."""
+    model_type = _read_json(model_dir / "config.json").get("model_type", "")
+    return FAMILIES.get(model_type, model_type or "transformer")
 
 
 def _finetuning_facts(model_dir: Path, config: dict) -> dict:
@@ -118,8 +128,8 @@ def _finetuning_facts(model_dir: Path, config: dict) -> dict:
     data = [Path(p).name for p in options.get("data") or []] + \
         [Path(options[k]).name for k in ("beir", "msmarco") if options.get(k)]
     if meta.get("model") == "cross":
-        summary = ("A BERT cross-encoder (one relevance logit per query-passage pair) fine-tuned by pretrieve as a "
-                   "distillation teacher; load it with `AutoModelForSequenceClassification`.")
+        summary = (f"A {_family(model_dir)} cross-encoder (one relevance logit per query-passage pair) fine-tuned by "
+                   "pretrieve as a distillation teacher; load it with `AutoModelForSequenceClassification`.")
     else:
         pooling = meta.get("pooling", options.get("pooling"))
         norm = "normalised (cosine)" if meta.get("normalize") else "not normalised (inner product)"
@@ -163,7 +173,8 @@ def _training_rows(run_dir: Path, model_dir: Path, config, tag: str | None, fact
     sizes = _parameter_counts(model_dir)
     run = _read_json(run_dir / "run.json")
     rows = [("method", facts["method"]),
-            ("architecture", f"BERT, {encoder.get('num_hidden_layers')} layer(s), hidden {encoder.get('hidden_size')}, "
+            ("architecture", f"{_family(model_dir)}, {encoder.get('num_hidden_layers')} layer(s), hidden "
+                             f"{encoder.get('hidden_size')}, "
                              f"{encoder.get('num_attention_heads')} heads, vocabulary {encoder.get('vocab_size')}"),
             ("parameters", f"{sizes['encoder']:,} in the encoder ({sizes['embeddings']:,} of them embeddings)"
                            + (f"; {sizes['head']:,} more beside it ({HEAD_WEIGHTS})" if sizes["head"] else "")),
@@ -252,7 +263,7 @@ def _step(tag: str | None, final: dict | None) -> int:
 
 
 def _parameter_counts(model_dir: Path) -> dict:
-    """Parameters of the exported BertModel (and of the embeddings among them), and of the weights beside it."""
+    """Parameters of the exported base model (and of the embeddings among them), and of the weights beside it."""
     from safetensors import safe_open
 
     counts = {"encoder": 0, "embeddings": 0, "head": 0}

@@ -196,10 +196,10 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
                           o.passage_max_len, exp.seed, rank, int(os.environ.get("WORLD_SIZE", 1)),
                           teacher_scores=o.model == "dual" and o.loss == "distill")
 
-    def count(batch: dict) -> tuple[int, int]:  # (queries, non-padding tokens)
+    def count(batch: dict) -> tuple[int, int, int]:  # (queries, non-padding tokens, positions)
         masks = [v for k, v in batch.items() if k.endswith("attention_mask")]
         queries = len(masks[0]) // (1 + o.negatives) if o.model == "cross" else len(masks[0])
-        return queries, int(sum(m.sum() for m in masks))
+        return queries, int(sum(m.sum() for m in masks)), sum(m.numel() for m in masks)
 
     def flops(batch: dict) -> int:  # 3x the forward (engine.flops) over every text of the batch
         total = 0

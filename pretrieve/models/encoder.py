@@ -44,6 +44,9 @@ class ModelOptions:
     max_position_embeddings: int = 512  # positions of a text (RoBERTa's table gets pad + 1 rows more)
     dropout: float = 0.1
     pad_token_id: int | None = None  # None: the training tokenizer's (set by the experiment), else the backbone's
+    # with init_from: the positions of a text after growing the checkpoint's learnt position table, its new rows
+    # copies of the old ones in order (Longformer's initialisation; BGE-M3 grew XLM-R's to 8,192 this way)
+    extend_positions: int | None = None
 
     def hf_config(self):
         """The HF config of a new model of this backbone."""
@@ -58,8 +61,7 @@ class Encoder(nn.Module):
         self.config = config
         self.backbone = backbone_of(config)
         self.model = model if model is not None else self.backbone.model_class(config, **self.backbone.model_kwargs)
-        if getattr(self.model, "pooler", None) is not None:
-            # BERT's pooler is kept so an export is a complete BertModel, but pre-training never uses it
+        if self.backbone.has_pooler:  # kept, so that an export is a complete BertModel; pre-training never uses it
             self.model.pooler.requires_grad_(False)
         self.mlm_transform = self.backbone.mlm_transform(config)
         self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
@@ -72,7 +74,10 @@ class Encoder(nn.Module):
     @classmethod
     def build(cls, options: ModelOptions) -> "Encoder":
         if options.init_from:
-            return cls.from_pretrained(options.init_from)
+            encoder = cls.from_pretrained(options.init_from)
+            if options.extend_positions:
+                encoder.backbone.extend_positions(encoder.model, options.extend_positions)
+            return encoder
         return cls(options.hf_config())
 
     @classmethod

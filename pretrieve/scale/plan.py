@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from itertools import islice, product
 from pathlib import Path
 
+from pretrieve.models.backbones import BACKBONES
+from pretrieve.models.encoder import ModelOptions
 from pretrieve.scale.memory import GB, needed
 from pretrieve.scale.study import load_study
 
@@ -74,14 +76,20 @@ class Point:
         return self.micro_batch_size * self.grad_accum * self.world_size * self.seq_len
 
 
-def non_embedding_parameters(hidden: int, layers: int, ffn: int) -> int:
-    """Per layer: Q, K, V, O (4 h^2 + 4 h), FFN (2 h f + f + h), two LayerNorms (4 h)."""
-    return layers * (4 * hidden * hidden + 2 * hidden * ffn + ffn + 9 * hidden)
+def parameter_counts(config) -> tuple[int, int]:
+    """(N, N_total) of the base model `config` describes, counted on the meta device (no memory, no init): N
+    without the embeddings and the pooler (BERT: per layer Q, K, V, O 4 h^2 + 4 h, FFN 2 h f + f + h, two
+    LayerNorms 4 h; ModernBERT: QKV and O 4 h^2, GeGLU 3 h f, the norms, the final norm), N_total with the
+    embeddings."""
+    import torch
 
+    from pretrieve.models.backbones import backbone_of
 
-def embedding_parameters(hidden: int, vocab: int, positions: int, token_types: int = 2) -> int:
-    """Word, position and token-type embeddings and their LayerNorm."""
-    return (vocab + positions + token_types) * hidden + 2 * hidden
+    backbone = backbone_of(config)
+    with torch.device("meta"):
+        model = backbone.model_class(config, **({"add_pooling_layer": False} if backbone.has_pooler else {}))
+    total = sum(p.numel() for p in model.parameters())
+    return total - sum(p.numel() for p in model.embeddings.parameters()), total
 
 
 def plan(path: str | Path) -> tuple[dict, list[Point]]:
@@ -106,10 +114,11 @@ def plan(path: str | Path) -> tuple[dict, list[Point]]:
     common = [f"method.max_len={seq_len}", f"train.micro_batch_size={batch}"]
     data_overrides = [f"data.manifests=[{','.join(map(str, manifests))}]", "data.weights=null",
                       *_validation_overrides(data)]
-    accumulation = {m: _grad_accum(study, m, [*common, *train.get("overrides", [])], where) for m in methods}
+    settings = {m: _method_settings(study, m, [*common, *train.get("overrides", [])], where) for m in methods}
+    accumulation = {m: grad_accum for m, (grad_accum, _) in settings.items()}
     points = []
     for method, (size, shape), (b, budget), seed in product(methods, sizes.items(), enumerate(values), seeds):
-        n = non_embedding_parameters(shape["hidden_size"], shape["num_layers"], shape["intermediate_size"])
+        n = parameter_counts(ModelOptions(backbone=settings[method][1], **shape).hf_config())[0]
         tokens = budget * n if kind == "tokens_per_parameter" else budget
         sequences = batch * accumulation[method] * world  # per optimizer step
         steps = round(tokens / (sequences * seq_len))
@@ -161,8 +170,9 @@ def _grid(study: dict, where: str) -> tuple[list, dict, list, tuple]:
     return methods, sizes, seeds, next(iter(budgets.items()))
 
 
-def _grad_accum(study: dict, method: str, overrides: list[str], where: str) -> int:
-    """train.grad_accum of `method`'s points: its base config with the study's overrides (checked in full later)."""
+def _method_settings(study: dict, method: str, overrides: list[str], where: str) -> tuple[int, str]:
+    """(train.grad_accum, model.backbone) of `method`'s points: its base config with the study's overrides
+    (checked in full later)."""
     from omegaconf import OmegaConf
 
     from pretrieve.config import ConfigError, TrainOptions, load_config
@@ -174,7 +184,10 @@ def _grad_accum(study: dict, method: str, overrides: list[str], where: str) -> i
     value = OmegaConf.select(config, "train.grad_accum", default=TrainOptions.grad_accum)
     if not isinstance(value, int) or value < 1:
         raise StudyError(f"{where}: {method}: train.grad_accum: must be an integer >= 1, got {value!r}")
-    return value
+    backbone = OmegaConf.select(config, "model.backbone", default=ModelOptions.backbone)
+    if backbone not in BACKBONES:
+        raise StudyError(f"{where}: {method}: model.backbone: {backbone!r} is not one of {', '.join(BACKBONES)}")
+    return value, backbone
 
 
 def _list(study: dict, key: str, where: str, default=None) -> list:
@@ -226,8 +239,7 @@ def _cost(study: dict, points: list[Point], where: str) -> None:
         except ConfigError as e:
             raise StudyError(f"{where}: point {point.id}: {e}") from e
         config = exp.model.hf_config()
-        point.N_total = point.N + embedding_parameters(config.hidden_size, config.vocab_size,
-                                                      config.max_position_embeddings, config.type_vocab_size)
+        point.N_total = parameter_counts(config)[1]
         point.precision = exp.train.precision
         key = (point.method, point.size)
         if key not in per_micro_batch:

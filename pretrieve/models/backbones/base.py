@@ -52,6 +52,11 @@ class Backbone:
     def mlm_transform(config) -> nn.Module:
         raise NotImplementedError
 
+    @classmethod
+    def extend_positions(cls, model, positions: int) -> None:
+        """Let `model` take texts of `positions` tokens (model.extend_positions)."""
+        raise NotImplementedError
+
     @staticmethod
     def decoder_layer(config) -> nn.Module:
         """A new `TwoStreamLayer` of this family."""

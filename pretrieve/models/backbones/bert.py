@@ -78,6 +78,27 @@ class BertBackbone(Backbone):
         return BertPredictionHeadTransform(config)
 
     @classmethod
+    def extend_positions(cls, model, positions: int) -> None:
+        """Grow the learnt position table to `positions` rows past the offset; row offset + i copies old row
+        offset + i mod (old positions), so every new block of positions starts as the trained one."""
+        embeddings = model.embeddings
+        offset = cls.position_offset(model.config.pad_token_id)
+        old = embeddings.position_embeddings
+        trained = old.num_embeddings - offset
+        if positions <= trained:
+            raise ValueError(f"model.extend_positions: {positions}, but the checkpoint has {trained} positions "
+                             "already")
+        table = nn.Embedding(offset + positions, old.embedding_dim, padding_idx=old.padding_idx)
+        with torch.no_grad():
+            table.weight[:offset] = old.weight[:offset]
+            table.weight[offset:] = old.weight[offset + torch.arange(positions) % trained]
+        embeddings.position_embeddings = table.to(old.weight.device)
+        rows = torch.arange(offset + positions, device=old.weight.device).expand((1, -1))
+        embeddings.position_ids = nn.Buffer(rows, persistent=False)
+        embeddings.token_type_ids = nn.Buffer(torch.zeros_like(rows), persistent=False)
+        model.config.max_position_embeddings = offset + positions
+
+    @classmethod
     def decoder_layer(cls, config) -> nn.Module:
         return cls.decoder_layer_class(config)
 

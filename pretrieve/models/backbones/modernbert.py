@@ -67,7 +67,9 @@ class ModernBertBackbone(Backbone):
             vocab_size=options.vocab_size, hidden_size=options.hidden_size, num_hidden_layers=options.num_layers,
             num_attention_heads=options.num_heads, intermediate_size=options.intermediate_size,
             max_position_embeddings=options.max_position_embeddings, embedding_dropout=options.dropout,
-            attention_dropout=options.dropout, mlp_dropout=options.dropout, pad_token_id=pad_token_id)
+            attention_dropout=options.dropout, mlp_dropout=options.dropout, pad_token_id=pad_token_id,
+            # the defaults are ids of ModernBERT's own vocabulary; masking reads the tokenizer's, not these
+            bos_token_id=None, eos_token_id=None, cls_token_id=None, sep_token_id=None)
 
     @staticmethod
     def layers(model) -> nn.ModuleList:
@@ -80,6 +82,11 @@ class ModernBertBackbone(Backbone):
     @staticmethod
     def mlm_transform(config) -> nn.Module:
         return ModernBertPredictionHead(config)
+
+    @classmethod
+    def extend_positions(cls, model, positions: int) -> None:
+        """Rotary positions have no table: the config's length is all there is to raise."""
+        model.config.max_position_embeddings = max(positions, model.config.max_position_embeddings)
 
     @staticmethod
     def decoder_layer(config) -> nn.Module:

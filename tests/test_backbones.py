@@ -31,6 +31,8 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 BACKBONES = {"bert": ("wordpiece", BertLayer), "roberta": ("bpe", RobertaLayer),
              "xlm-roberta": ("unigram", XLMRobertaLayer), "modernbert": ("bpe", ModernBertEncoderLayer)}
 MAX_LEN = 96
+SCIFACT = SAMPLES / "beir" / "scifact-sample"
+FLAG = SAMPLES / "finetune" / "embedder_retrieval_msmarco.jsonl"  # labelled pairs
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +152,8 @@ def test_exports_load_in_automodel_and_sentence_transformers(backbone, method, c
 
 
 def test_pretraining_runs_each_backbone_from_its_config(corpora, tmp_path):
-    """`model.backbone` and `data.tokenizer` through the engine: two steps, then an export of that family."""
+    """`model.backbone` and `data.tokenizer` through the engine: two steps, then an export of that family, which
+    `pretrieve finetune` and `pretrieve eval` take as they take BERT's."""
     for backbone, method in (("modernbert", "dupmae"), ("xlm-roberta", "seed")):
         tokenizer, manifest, _ = corpora[BACKBONES[backbone][0]]
         run_dir = tmp_path / backbone
@@ -169,6 +172,18 @@ def test_pretraining_runs_each_backbone_from_its_config(corpora, tmp_path):
         assert f"A {family} encoder pre-trained with **{method}**" in (run_dir / "export" / "README.md").read_text()
         assert isinstance(Encoder.from_pretrained(run_dir / "export").model, type(AutoModel.from_pretrained(
             str(run_dir / "export"))))
+    # downstream, no new flags: fine-tune the ModernBERT export, then evaluate it beside BM25
+    finetuned = tmp_path / "finetune"
+    subprocess.run([sys.executable, "-m", "pretrieve", "finetune", str(CONFIGS.parent / "finetune" / "tiny.yaml"),
+                    f"finetune.init_from={tmp_path / 'modernbert' / 'export'}", f"finetune.data=[{FLAG}]",
+                    "finetune.passage_max_len=64", "train.micro_batch_size=4", "train.max_steps=2",
+                    "checkpoint.every=2", f"run_dir={finetuned}"],
+                   check=True, env=pretrain_env(), capture_output=True)
+    assert json.loads((finetuned / "export" / "config.json").read_text())["model_type"] == "modernbert"
+    assert main(["eval", "--model", str(finetuned / "export"), "--beir", str(SCIFACT), "--max-length", "64",
+                 "--bm25", "--out", str(tmp_path / "eval")]) == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["queries"] == 100 and 0 <= metrics["ndcg@10"] <= 1
 
 
 def test_checkpoints_from_before_the_backbone_interface_still_load(corpora):

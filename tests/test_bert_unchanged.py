@@ -1,8 +1,11 @@
-"""BERT's losses and gradients on a fixed batch, bit for bit as recorded before the backbone interface: every
-head on the tiny BERT configs, in training mode (dropout on), seed 0 for the weights and the masks.
+"""BERT's losses and gradients on a fixed batch as recorded before the backbone interface: every head on the
+tiny BERT configs, in training mode (dropout on), seed 0 for the weights and the masks.
 
-tests/data/bert_losses.json holds the values as float.hex. To record them anew (only after a change that is
-meant to alter BERT's numbers, said in its commit): PRETRIEVE_RECORD_BERT_LOSSES=1 pytest tests/test_bert_unchanged.py
+tests/data/bert_losses.json holds the values as float.hex. On the machine that recorded them the backbone
+interface reproduced them bit for bit; the test allows a relative 1e-6, so that another CPU's kernels (other
+vector widths sum in another order) pass, while any change of the model, its initialisation order or the
+dropout draws, which moves these numbers by far more, fails. To record them anew (only after a change meant
+to alter BERT's numbers, said in its commit): PRETRIEVE_RECORD_BERT_LOSSES=1 pytest tests/test_bert_unchanged.py
 """
 
 import json
@@ -38,5 +41,5 @@ def test_bert_losses_and_gradients_are_unchanged(method, wiki_samples, vocab):
         record[method] = got
         RECORD.parent.mkdir(exist_ok=True)
         RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    expected = json.loads(RECORD.read_text())[method]
-    assert got == expected, {k: (float.fromhex(got[k]), float.fromhex(v)) for k, v in expected.items()}
+    expected = {k: float.fromhex(v) for k, v in json.loads(RECORD.read_text())[method].items()}
+    assert {k: float.fromhex(v) for k, v in got.items()} == pytest.approx(expected, rel=1e-6, abs=0)

@@ -258,3 +258,16 @@ def test_scale_plan_counts_each_backbones_parameters():
         + (vocab + 128 + 2) * h + 2 * h)
     n = layers * (4 * h * h + 3 * h * f) + (2 * layers - 1) * h + h
     assert parameter_counts(ModelOptions(backbone="modernbert", **shape).hf_config()) == (n, n + vocab * h + h)
+
+
+def test_a_padding_id_outside_the_vocabulary_is_named(corpora):
+    """ModernBERT's own pad id (50283) in a 30,522-token vocabulary: an error naming the key, not an index error
+    in the embedding table. Configs set it from the training tokenizer."""
+    with pytest.raises(ValueError, match="model.pad_token_id: 50283 is outside the vocabulary of 30522 tokens"):
+        ModelOptions(backbone="modernbert").hf_config()
+    tokenizer, manifest, _ = corpora["bpe"]
+    exp = experiment(load_config(CONFIGS / "tiny-mlm.yaml", [
+        "model.backbone=modernbert", "model.vocab_size=1000", f"data.manifests=[{manifest}]", "data.weights=null",
+        f"data.tokenizer={tokenizer}"]))
+    pad = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).pad_token_id
+    assert pad != 0 and exp.model.hf_config().pad_token_id == pad  # the trained tokenizer's <pad>

@@ -54,6 +54,23 @@ def test_plan_counts_parameters_and_flops_of_the_real_models(tmp_path, wiki_shar
     assert retromae.C > mlm.C and retromae.N == mlm.N  # the decoder costs compute, not retriever parameters
 
 
+def test_plan_counts_a_modernbert_study_on_its_own_model(tmp_path, wiki_shards):
+    """model.backbone in the study's overrides: N is ModernBERT's layers and final norm, N_total adds its
+    embeddings; FLOPs count its GeGLU blocks (engine/flops.py, checked against DeepSpeed in test_flops)."""
+    from pretrieve.models.encoder import Encoder
+
+    overrides = ["tracking.enabled=false", "model.backbone=modernbert"]
+    study, points = plan(write_study(tmp_path, wiki_shards, methods=["mlm"], budgets={"tokens": [2048]},
+                                     train={"batch_size": 4, "seq_len": 64, "overrides": overrides}))
+    for point in points:
+        exp = experiment(load_config(CONFIGS / "tiny-mlm.yaml", point.overrides))
+        model = Encoder(exp.model.hf_config()).model
+        assert model.config.model_type == "modernbert"
+        counted = {name: p.numel() for name, p in model.named_parameters()}
+        assert point.N == sum(n for name, n in counted.items() if not name.startswith("embeddings."))
+        assert point.N_total == sum(counted.values())
+
+
 def test_plan_command_prints_the_grid_and_writes_the_run_list(tmp_path, wiki_shards, capsys):
     assert cli(["scale", "plan", str(write_study(tmp_path, wiki_shards)), "--flops-per-second", "1e9"]) == 0
     printed = capsys.readouterr().out

@@ -106,8 +106,7 @@ def _pretraining_facts(model_dir: Path, config: dict) -> dict:
              "dupmae` both.")
     return {"tag": method, "base_model": config.get("model", {}).get("init_from"), "datasets": datasets,
             "summary": f"A {_family(model_dir)} encoder pre-trained with **{method}** by pretrieve; its [CLS] vector "
-                       "is the text's "
-                       f"representation, not normalised (inner product).{dense}",
+                       f"is the text's representation, not normalised (inner product).{dense}",
             "method": f"pre-training, {method}", "options_title": f"Method options ({method})",
             "options": head.get("options") or config.get("method", {}), "data": _data_sources(data),
             "samples": "samples (token blocks)"}

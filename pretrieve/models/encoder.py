@@ -52,6 +52,9 @@ class ModelOptions:
         """The HF config of a new model of this backbone."""
         backbone = backbone_named(self.backbone)
         pad = backbone.default_pad_token_id if self.pad_token_id is None else self.pad_token_id
+        if not 0 <= pad < self.vocab_size:
+            raise ValueError(f"model.pad_token_id: {pad} is outside the vocabulary of {self.vocab_size} tokens; "
+                             "give the id of the tokenizer's pad token")
         return backbone.config(self, pad)
 
 

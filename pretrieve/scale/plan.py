@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from itertools import islice, product
 from pathlib import Path
 
-from pretrieve.models.backbones import BACKBONES
+from pretrieve.models.backbones import BACKBONES, backbone_of
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.scale.memory import GB, needed
 from pretrieve.scale.study import load_study
@@ -83,8 +83,6 @@ def parameter_counts(config) -> tuple[int, int]:
     embeddings."""
     import torch
 
-    from pretrieve.models.backbones import backbone_of
-
     backbone = backbone_of(config)
     with torch.device("meta"):
         model = backbone.model_class(config, **({"add_pooling_layer": False} if backbone.has_pooler else {}))
@@ -118,7 +116,8 @@ def plan(path: str | Path) -> tuple[dict, list[Point]]:
     accumulation = {m: grad_accum for m, (grad_accum, _) in settings.items()}
     points = []
     for method, (size, shape), (b, budget), seed in product(methods, sizes.items(), enumerate(values), seeds):
-        n = parameter_counts(ModelOptions(backbone=settings[method][1], **shape).hf_config())[0]
+        # the padding id moves no parameter: 0 stands for the tokenizer's, read when the point's config is built
+        n = parameter_counts(ModelOptions(backbone=settings[method][1], pad_token_id=0, **shape).hf_config())[0]
         tokens = budget * n if kind == "tokens_per_parameter" else budget
         sequences = batch * accumulation[method] * world  # per optimizer step
         steps = round(tokens / (sequences * seq_len))

@@ -146,7 +146,8 @@ def _finetuning_facts(model_dir: Path, config: dict) -> dict:
 def _usage(model_dir: Path, files: Path, st) -> list[str]:
     if st is None:
         return ["```python", "from transformers import AutoModelForSequenceClassification", "",
-                f'model = AutoModelForSequenceClassification.from_pretrained("{model_dir}")  # one logit per pair', "```"]
+                f'model = AutoModelForSequenceClassification.from_pretrained("{model_dir}")  # one logit per pair',
+                "```"]
     from pretrieve.eval.encode import has_query_experts
 
     lines = ["```python", "from sentence_transformers import SentenceTransformer", "",

@@ -6,7 +6,8 @@ A backbone names the HF model and config classes, and answers, for a model of th
 - the stack of layers, and each layer's feed-forward block (CoT-MoTE's experts);
 - the MLM head's transform (its output weights are the tied word embeddings) and where HF checkpoints keep it;
 - the decoder layer of the auto-encoding heads: the family's own layer class, given a query stream and a
-  key/value stream (`TwoStreamLayer`), and the norm after the decoder stack (pre-norm families need one).
+  key/value stream (called as `layer(h1, h2, attend)`), and the norm after the decoder stack (pre-norm
+  families need one).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class Backbone:
 
     @staticmethod
     def decoder_layer(config) -> nn.Module:
-        """A new `TwoStreamLayer` of this family."""
+        """A new decoder layer of this family: `layer(h1, h2, attend)` -> the query stream's new states."""
         raise NotImplementedError
 
     @staticmethod

@@ -8,6 +8,7 @@ reports every error it finds in one ConfigError (a user fixes a config in one ro
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -17,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pretrieve.data.remote import ReadOptions, is_remote, local_path
-from pretrieve.models.backbones import BACKBONES, backbone_named
+from pretrieve.models.backbones import backbone_named, backbone_of
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.utils.options import ConfigError, Problems, options_of
 from pretrieve.utils.run_dir import latest_checkpoint
@@ -258,6 +259,7 @@ def _check_data(data: DataOptions, train: TrainOptions | None, problems: Problem
         problems.add(f"data: {e}")
 
 
+@functools.lru_cache(maxsize=8)  # `scale plan` builds a config per point, all with one tokenizer
 def _pad_token_id(tokenizer: str | None) -> int:
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 
@@ -274,9 +276,12 @@ def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, pr
         _check_checkpoint_positions(model, getattr(options, "max_len", None), problems)
         return
     try:
-        backbone_named(model.backbone)
+        backbone = backbone_named(model.backbone)
     except ValueError as e:
         problems.add(str(e))
+    else:
+        if model.unpad and not backbone.unpads:
+            problems.add(f"model.unpad: the {model.backbone} backbone has no unpadded path (modernbert has)")
     # an id past the embedding table fails steps later, deep in a CUDA or CPU kernel (remote manifests: not read)
     for i, path in _local_manifests(data.manifests if data is not None else []):
         if Path(local_path(path)).is_file():
@@ -293,15 +298,20 @@ def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, pr
 def _check_checkpoint_positions(model: ModelOptions, max_len: int | None, problems: Problems) -> None:
     """method.max_len against the learnt position table of the init_from checkpoint (grown by extend_positions):
     past it, the first step fails deep in an embedding lookup."""
-    config_file = Path(model.init_from) / "config.json"
-    if max_len is None or not config_file.is_file():
+    if max_len is None or not (Path(model.init_from) / "config.json").is_file():
         return
-    config = json.loads(config_file.read_text())
-    backbone = next((b for b in BACKBONES.values() if b.model_type == config.get("model_type")), None)
-    if backbone is None or not hasattr(backbone, "position_offset"):  # not ours, or rotary positions
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model.init_from, local_files_only=True)
+        backbone = backbone_of(config)
+    except ValueError as e:
+        problems.add(f"model.init_from: {model.init_from}: {e}")
         return
-    positions = model.extend_positions or config["max_position_embeddings"] - backbone.position_offset(
-        config.get("pad_token_id", backbone.default_pad_token_id))
+    offset = backbone.position_offset(config.pad_token_id)
+    if offset is None:  # rotary positions: no table to run past
+        return
+    positions = model.extend_positions or config.max_position_embeddings - offset
     if max_len > positions:
         problems.add(f"method.max_len: {max_len} positions, but model.init_from ({model.init_from}) has {positions}; "
                      "grow it with model.extend_positions")

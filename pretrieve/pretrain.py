@@ -32,7 +32,7 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.remote import ReadOptions
     from pretrieve.data.stream import ShardStream, StreamLoader
-    from pretrieve.data.tokenizer import describe
+    from pretrieve.data.tokenizer import describe, load_tokenizer
 
     head = exp.method.build(exp.options, exp.model, seed=exp.seed)
     if rank == 0:  # the architecture, also when it came from model.init_from: `pretrieve export` rebuilds from it
@@ -41,8 +41,9 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
         head.encoder.enable_activation_checkpointing()
     # masking's special tokens and word boundaries are the tokenizer's; the shards must have been prepared with it
     tokenizer = training_tokenizer(exp)
-    collate = exp.method.collator.from_options(exp.options, Vocabulary.of_tokenizer(tokenizer), seed=exp.seed)
-    fingerprint = describe(tokenizer).fingerprint
+    loaded = load_tokenizer(tokenizer)  # once, for the vocabulary's roles and the shards' fingerprint
+    collate = exp.method.collator.from_options(exp.options, Vocabulary.of_loaded(loaded, tokenizer), seed=exp.seed)
+    fingerprint = describe(tokenizer, loaded.backend_tokenizer).fingerprint
     read = ReadOptions.from_options(exp.data)  # URLs: retries, timeout, prefetch, storage options
     stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
                          shuffle_buffer=exp.data.shuffle_buffer, read=read, tokenizer=fingerprint)

@@ -260,6 +260,22 @@ def test_scale_plan_counts_each_backbones_parameters():
     assert parameter_counts(ModelOptions(backbone="modernbert", **shape).hf_config()) == (n, n + vocab * h + h)
 
 
+def test_scale_plan_memory_counts_the_backbones_feed_forward_activations(corpora):
+    """A layer keeps n f-wide tensors for backward: BERT's FFN 2 (the GELU's input and output), ModernBERT's
+    GeGLU 4 (W_i's input and gate, the GELU's output, the product W_o takes)."""
+    from pretrieve.scale.memory import estimate, layer_activations
+
+    tokenizer, manifest, samples = corpora["bpe"]
+    for backbone, ffn in (("bert", 2), ("modernbert", 4)):
+        exp = experiment(load_config(CONFIGS / "tiny-mlm.yaml", [
+            f"model.backbone={backbone}", "model.vocab_size=1000", f"data.manifests=[{manifest}]",
+            "data.weights=null", f"data.tokenizer={tokenizer}"]))
+        batch = exp.method.collator.from_options(exp.options, Vocabulary.of_tokenizer(tokenizer), seed=0)(samples)
+        m, s = exp.model, batch["input_ids"].shape[1]
+        assert estimate(exp, 1, batch)["per_sequence"] == m.num_layers * layer_activations(
+            1, s, m.hidden_size, m.intermediate_size, m.num_heads, 4, ffn), backbone
+
+
 def test_a_padding_id_outside_the_vocabulary_is_named(corpora):
     """ModernBERT's own pad id (50283) in a 30,522-token vocabulary: an error naming the key, not an index error
     in the embedding table. Configs set it from the training tokenizer."""

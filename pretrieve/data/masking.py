@@ -35,7 +35,11 @@ class Vocabulary:
         mask: [CLS] ... for BERT, <s> ... for RoBERTa and XLM-R)."""
         from pretrieve.data.tokenizer import load_tokenizer
 
-        tok = load_tokenizer(path)  # one load: its roles and its backend
+        return cls.of_loaded(load_tokenizer(path), path)
+
+    @classmethod
+    def of_loaded(cls, tok, path) -> "Vocabulary":
+        """`of_tokenizer` of a tokenizer loaded already (`load_tokenizer(path)`): its roles and its backend."""
         roles = {role: getattr(tok, f"{role}_token", None) for role in ("cls", "sep", "pad", "mask")}
         missing = [role for role, token in roles.items() if token is None]
         if missing:

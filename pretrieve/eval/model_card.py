@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pretrieve.models.backbones import BACKBONES
 from pretrieve.models.encoder import FINETUNE_META, HEAD_WEIGHTS
 from pretrieve.models.st_config import read_st_config
 from pretrieve.utils.metric_names import metric_name
@@ -112,13 +113,11 @@ def _pretraining_facts(model_dir: Path, config: dict) -> dict:
             "samples": "samples (token blocks)"}
 
 
-FAMILIES = {"bert": "BERT", "roberta": "RoBERTa", "xlm-roberta": "XLM-RoBERTa", "modernbert": "ModernBERT"}
-
-
 def _family(model_dir: Path) -> str:
     """The exported base model's family, as its config.json names it."""
     model_type = _read_json(model_dir / "config.json").get("model_type", "")
-    return FAMILIES.get(model_type, model_type or "transformer")
+    names = {backbone.model_type: backbone.display_name for backbone in BACKBONES.values()}
+    return names.get(model_type, model_type or "transformer")
 
 
 def _finetuning_facts(model_dir: Path, config: dict) -> dict:

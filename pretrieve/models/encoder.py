@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pretrieve.models import unpadding
 from pretrieve.models.backbones import backbone_named, backbone_of
 from pretrieve.models.vocab_projection import linear_cross_entropy
 
@@ -47,6 +48,8 @@ class ModelOptions:
     # with init_from: the positions of a text after growing the checkpoint's learnt position table, its new rows
     # copies of the old ones in order (Longformer's initialisation; BGE-M3 grew XLM-R's to 8,192 this way)
     extend_positions: int | None = None
+    # pack each batch's texts into one row, no compute on padding (backbones with a varlen path: ModernBERT)
+    unpad: bool = False
 
     def hf_config(self):
         """The HF config of a new model of this backbone."""
@@ -72,6 +75,7 @@ class Encoder(nn.Module):
         self.load_report: list[str] = []  # what init_from did not provide (and was initialised)
         self.query_experts: nn.ModuleList | None = None  # MoTE (cot-mote.txt §3.1): see add_query_experts
         self._text_type: torch.Tensor | None = None
+        self.unpad = False  # see enable_unpadding
         self.register_load_state_dict_pre_hook(_rename_old_keys)
 
     @classmethod
@@ -80,8 +84,11 @@ class Encoder(nn.Module):
             encoder = cls.from_pretrained(options.init_from)
             if options.extend_positions:
                 encoder.backbone.extend_positions(encoder.model, options.extend_positions)
-            return encoder
-        return cls(options.hf_config())
+        else:
+            encoder = cls(options.hf_config())
+        if options.unpad:
+            encoder.enable_unpadding()
+        return encoder
 
     @classmethod
     def from_config_file(cls, path: str | Path) -> "Encoder":
@@ -132,6 +139,15 @@ class Encoder(nn.Module):
         dropout RNG is replayed, so the numbers do not change)."""
         self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
+    def enable_unpadding(self) -> None:
+        """Run the stack on each batch's texts packed into one row (model.unpad; models/unpadding.py). The states
+        at real tokens equal the padded batch's; at padding they are zeros."""
+        if not self.backbone.unpads:
+            raise ValueError(f"model.unpad: the {self.backbone.display_name} backbone has no unpadded path "
+                             "(ModernBERT has)")
+        self.model.set_attn_implementation(unpadding.ATTENTION)
+        self.unpad = True
+
     def add_query_experts(self) -> None:
         """Mixture-of-Textual-Experts (cot-mote.txt §3.1, eqs. 7-9): every layer keeps its one self-attention
         and gets a second feed-forward block, the query expert (Q-FFN), initialised as a copy of the layer's
@@ -169,7 +185,13 @@ class Encoder(nn.Module):
             raise ValueError("text_type asks for query experts, but this encoder has none (add_query_experts)")
         self._text_type = None if text_type is None else text_type.bool()
         try:
-            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            if not self.unpad:
+                return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            packed = unpadding.Packed.of(attention_mask)
+            if self._text_type is not None:  # MoTE: each packed token goes through its text's expert
+                self._text_type = packed.pack(self._text_type[:, None].expand_as(packed.real))
+            hidden = self.backbone.packed_forward(self.model, packed.pack(input_ids), packed, attention_mask)
+            return packed.unpack(hidden)
         finally:
             self._text_type = None
 

@@ -7,12 +7,14 @@ Memory of one device while training a micro-batch of b sequences of length s (by
                                                      (fp32 master weights and Adam's moments: ZeRO, Rajbhandari et
                                                      al. 2020, sec. 3); Zk = world size where ZeRO stage >= k
                                                      partitions that part, else 1; o = 0 with offload_optimizer
-    layer(b, s)  = s b h (8e + 2) + 2e s b f + (2e + 1) a s^2 b
+    layer(b, s)  = s b h (8e + 2) + n e s b f + (2e + 1) a s^2 b
                                                      activations one transformer layer keeps for backward
                                                      (Korthikanti et al. 2022, eq. 2, for element size e = 2 in
                                                      bf16 / fp16, 4 in fp32, FFN width f, a heads; the dropout
-                                                     masks take 1 byte an element); an upper bound where the
-                                                     attention kernel keeps no score matrix (the a s^2 terms)
+                                                     masks take 1 byte an element); n = the f-wide tensors of the
+                                                     backbone's feed-forward block (BERT's 2, ModernBERT's GeGLU
+                                                     4); an upper bound where the attention kernel keeps no
+                                                     score matrix (the a s^2 terms)
     encoder      = L layer(b, s), or with activation checkpointing L e s b h + layer(b, s) (the layer inputs,
                    and one layer's activations while it is recomputed)
     decoders     = retromae, dupmae: layer(b, s); seed: decoder_layers x layer(b, s_dec); cotmae, cotmote:
@@ -72,8 +74,8 @@ def device_flops(name: str, precision: str) -> float:
     return next(peaks[precision] for _, known, peaks in GPU_PEAKS if known == part)
 
 
-def layer_activations(b: int, s: int, h: int, f: int, heads: int, element: int) -> int:
-    return s * b * h * (8 * element + 2) + 2 * element * s * b * f + (2 * element + 1) * heads * s * s * b
+def layer_activations(b: int, s: int, h: int, f: int, heads: int, element: int, ffn: int = 2) -> int:
+    return s * b * h * (8 * element + 2) + ffn * element * s * b * f + (2 * element + 1) * heads * s * s * b
 
 
 def estimate(exp, world_size: int, batch: dict) -> dict:
@@ -81,6 +83,8 @@ def estimate(exp, world_size: int, batch: dict) -> dict:
     {"states", "workspace", "per_sequence", "per_sequence_checkpointed"} in bytes, and the configured
     "activation_checkpointing"."""
     import torch
+
+    from pretrieve.models.backbones import backbone_of
 
     with torch.device("meta"):  # exact parameter counts of every head, nothing allocated
         head = exp.method.build(exp.options, exp.model)
@@ -94,8 +98,9 @@ def estimate(exp, world_size: int, batch: dict) -> dict:
     b, s = batch["input_ids"].shape
     h, f, heads, layers = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
                            config.num_hidden_layers)
-    layer = layer_activations(1, s, h, f, heads, element)
-    decoders = sum(n * layer_activations(1, length, h, f, heads, element)
+    ffn = backbone_of(config).ffn_activations
+    layer = layer_activations(1, s, h, f, heads, element, ffn)
+    decoders = sum(n * layer_activations(1, length, h, f, heads, element, ffn)
                    for n, length in decoder_layers(exp.method.name, exp.options, batch))
     projections = 1 + bool(decoder_layers(exp.method.name, exp.options, batch))
     return {"states": states, "workspace": projections * (4 * config.vocab_size * (h + 1) + LOGITS_CHUNK_BYTES),

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from itertools import islice, product
 from pathlib import Path
 
-from pretrieve.models.backbones import BACKBONES, backbone_of
+from pretrieve.models.backbones import backbone_named, backbone_of
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.scale.memory import GB, needed
 from pretrieve.scale.study import load_study
@@ -184,8 +184,10 @@ def _method_settings(study: dict, method: str, overrides: list[str], where: str)
     if not isinstance(value, int) or value < 1:
         raise StudyError(f"{where}: {method}: train.grad_accum: must be an integer >= 1, got {value!r}")
     backbone = OmegaConf.select(config, "model.backbone", default=ModelOptions.backbone)
-    if backbone not in BACKBONES:
-        raise StudyError(f"{where}: {method}: model.backbone: {backbone!r} is not one of {', '.join(BACKBONES)}")
+    try:
+        backbone_named(backbone)
+    except ValueError as e:
+        raise StudyError(f"{where}: {method}: {e}") from e
     return value, backbone
 
 

@@ -23,6 +23,7 @@ Attend = Callable[..., torch.Tensor]  # attend(q, k, v, dropout_p) -> [B, heads,
 
 class Backbone:
     name: str  # the value of model.backbone
+    display_name: str  # as papers and model cards write it
     model_type: str  # config.json's "model_type"
     model_class: type
     config_class: type
@@ -33,12 +34,19 @@ class Backbone:
     # the feed-forward block's modules in a layer: a CoT-MoTE query expert is a copy of them
     feed_forward_modules: tuple[str, ...]
     ffn_matrices: int = 2  # h x f matrices in a feed-forward block: up and down (GLU blocks: 3, with the gate)
+    ffn_activations: int = 2  # f-wide tensors a feed-forward block keeps for backward: the GELU's input and output
     has_pooler: bool = False  # a [CLS] pooler in the base model (unused in pre-training, but computed)
+    unpads: bool = False  # has a packed (varlen) forward: model.unpad (models/unpadding.py)
 
     @classmethod
     def config(cls, options, pad_token_id: int):
         """The HF config of a new model from the `model:` options."""
         raise NotImplementedError
+
+    @staticmethod
+    def position_offset(pad_token_id: int) -> int | None:
+        """Where position 0's vector sits in the learnt position table; None: positions are rotary (no table)."""
+        return None
 
     @staticmethod
     def layers(model) -> nn.ModuleList:
@@ -47,6 +55,12 @@ class Backbone:
     @staticmethod
     def position_vectors(model, width: int, device: torch.device) -> torch.Tensor | None:
         """p_0 .. p_{width-1} [width, hidden] as the embedding module adds them; None for rotary positions."""
+        raise NotImplementedError
+
+    @staticmethod
+    def packed_forward(model, input_ids: torch.Tensor, packed, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Last hidden states [1, T, hidden] of the texts `input_ids` [1, T], packed from the padded batch whose
+        `attention_mask` is [B, L] (`packed`: unpadding.Packed)."""
         raise NotImplementedError
 
     @staticmethod

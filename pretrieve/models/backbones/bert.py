@@ -45,6 +45,7 @@ class BertBackbone(Backbone):
     model_class, config_class = BertModel, BertConfig
     model_kwargs = {"add_pooling_layer": True}  # kept, so that an export is a complete BertModel
     default_pad_token_id = 0
+    display_name = "BERT"
     hf_mlm_keys = {"cls.predictions.transform.": "mlm_transform.", "cls.predictions.bias": "mlm_bias"}
     feed_forward_modules = ("intermediate", "output")
     has_pooler = True

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import ModernBertConfig, ModernBertModel
+from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
 from transformers.models.modernbert.modeling_modernbert import (
     ModernBertEncoderLayer,
     ModernBertPredictionHead,
@@ -28,6 +29,7 @@ from pretrieve.models.backbones.base import Attend, Backbone, route
 from pretrieve.models.backbones.bert import heads
 
 GLOBAL = "full_attention"  # the layer type of ModernBERT's global-attention layers (layer 0 is one)
+LOCAL = "sliding_attention"  # ... and of its local (sliding-window) ones
 
 
 class ModernBertDecoderLayer(ModernBertEncoderLayer):
@@ -54,12 +56,15 @@ class ModernBertDecoderLayer(ModernBertEncoderLayer):
 
 class ModernBertBackbone(Backbone):
     name = model_type = "modernbert"
+    display_name = "ModernBERT"
     model_class, config_class = ModernBertModel, ModernBertConfig
     default_pad_token_id = 50283
     # ModernBertForMaskedLM: head (dense, act, norm), then decoder (tied weight, own bias)
     hf_mlm_keys = {"head.": "mlm_transform.", "decoder.bias": "mlm_bias"}
     feed_forward_modules = ("mlp_norm", "mlp")
     ffn_matrices = 3  # GeGLU: W_i is h x 2f (input and gate), W_o f x h
+    ffn_activations = 4  # W_i's output (input and gate: 2f), GELU(input), and its product with the gate (W_o's input)
+    unpads = True
 
     @classmethod
     def config(cls, options, pad_token_id: int):
@@ -78,6 +83,17 @@ class ModernBertBackbone(Backbone):
     @staticmethod
     def position_vectors(model, width: int, device: torch.device) -> None:
         return None
+
+    @staticmethod
+    def packed_forward(model, input_ids, packed, attention_mask):
+        """ModernBERT's stack on one packed row, positions restarting at each text (RoPE). Attention runs by
+        cu_seqlens on the varlen kernel where it can, else padded under the padded batch's global and local
+        masks."""
+        shape = torch.empty(*attention_mask.shape, 0, dtype=model.dtype, device=attention_mask.device)
+        masks = {GLOBAL: create_bidirectional_mask(model.config, shape, attention_mask),
+                 LOCAL: create_bidirectional_sliding_window_mask(model.config, shape, attention_mask)}
+        return model(input_ids=input_ids, attention_mask=masks, position_ids=packed.position_ids,
+                     packed=packed).last_hidden_state
 
     @staticmethod
     def mlm_transform(config) -> nn.Module:

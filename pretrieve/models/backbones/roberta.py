@@ -23,6 +23,7 @@ class RobertaBackbone(BertBackbone):
     name = model_type = "roberta"
     model_class, config_class = RobertaModel, RobertaConfig
     default_pad_token_id = 1
+    display_name = "RoBERTa"
     # RobertaLMHead: dense, gelu, layer_norm, then the tied decoder with `bias` (BERT's transform, other names)
     hf_mlm_keys = {"lm_head.dense.": "mlm_transform.dense.", "lm_head.layer_norm.": "mlm_transform.LayerNorm.",
                    "lm_head.bias": "mlm_bias"}
@@ -41,5 +42,6 @@ class RobertaBackbone(BertBackbone):
 
 class XLMRobertaBackbone(RobertaBackbone):
     name = model_type = "xlm-roberta"
+    display_name = "XLM-RoBERTa"
     model_class, config_class = XLMRobertaModel, XLMRobertaConfig
     decoder_layer_class = XLMRobertaDecoderLayer

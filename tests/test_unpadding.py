@@ -1,0 +1,126 @@
+"""Unpadded batches (`model.unpad`, models/unpadding.py): ModernBERT's stack on each batch's texts packed into one
+row gives every head the padded batch's loss and gradients, with its local (sliding-window) layers' window
+shorter than the texts, so that both of its mask kinds are exercised."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, ModernBertConfig
+
+from conftest import SAMPLES, pretrain_env, result_line
+from pretrieve.cli import main
+from pretrieve.config import ConfigError, experiment, load_config
+from pretrieve.data.masking import Vocabulary
+from pretrieve.data.prepare import PrepareOptions, prepare
+from pretrieve.data.stream import ShardStream
+from pretrieve.models.encoder import Encoder, ModelOptions
+from pretrieve.models.heads import METHODS, get_method
+from pretrieve.models.unpadding import Packed
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
+MAX_LEN = 96
+WINDOW = 16  # ModernBERT's local_attention: 8 tokens each side, much less than the texts
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """(tokenizer, manifest, 8 samples, a ModernBERT checkpoint without dropout and with a 16-token local
+    window)."""
+    out = tmp_path_factory.mktemp("unpadding")
+    assert main(["tokenizer", "train", "--source", "wikipedia", "--input", str(SAMPLES / "wikipedia"),
+                 "--out", str(out / "bpe"), "--kind", "bpe", "--vocab-size", "1000"]) == 0
+    prepare(PrepareOptions(source="wikipedia", inputs=[str(SAMPLES / "wikipedia")], out=str(out / "shards"),
+                           tokenizer=str(out / "bpe"), max_len=MAX_LEN, workers=0))
+    manifest = out / "shards" / "manifest.json"
+    stream = ShardStream([manifest], seed=0, shuffle_buffer=8, tokenizer=str(out / "bpe"))
+    samples = [sample for sample, _ in zip(stream, range(8))]
+    pad = AutoTokenizer.from_pretrained(str(out / "bpe"), local_files_only=True).pad_token_id
+    config = ModelOptions(backbone="modernbert", vocab_size=1000, hidden_size=32, num_layers=3, num_heads=2,
+                          intermediate_size=64, max_position_embeddings=MAX_LEN, dropout=0.0,
+                          pad_token_id=pad).hf_config()
+    config.local_attention = WINDOW
+    torch.manual_seed(0)
+    Encoder(config).model.save_pretrained(out / "modernbert")
+    return out / "bpe", manifest, samples, out / "modernbert"
+
+
+def head_and_batch(method: str, corpus, unpad: bool, max_len: int = MAX_LEN):
+    tokenizer, _, samples, checkpoint = corpus
+    spec = get_method(method)
+    options = spec.options_from({"max_len": max_len})
+    batch = spec.collator.from_options(options, Vocabulary.of_tokenizer(tokenizer), seed=0)(samples)
+    if method == "cotmote":  # half the texts through the query experts
+        batch["text_type"] = torch.arange(len(samples)) % 2
+    return spec.build(options, ModelOptions(init_from=str(checkpoint), unpad=unpad), seed=0), batch
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_unpadded_loss_and_gradients_equal_the_padded(method, corpus):
+    """Issue: loss equal to the padded batch's within 1e-5."""
+    padded, batch = head_and_batch(method, corpus, unpad=False)
+    unpadded, _ = head_and_batch(method, corpus, unpad=True)
+    assert unpadded.encoder.unpad and unpadded.encoder.config.local_attention == WINDOW
+    for key, value in padded.state_dict().items():
+        assert torch.equal(unpadded.state_dict()[key], value), key
+    assert batch["attention_mask"].float().mean() < 1  # the batch holds padding to skip
+    losses = []
+    for head in (padded, unpadded):
+        loss = head(batch)["loss"]
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) <= 1e-5, losses
+    for (name, p), q in zip(padded.named_parameters(), unpadded.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_packed_states_are_the_padded_states_at_real_tokens(corpus):
+    padded, batch = head_and_batch("mlm", corpus, unpad=False)
+    unpadded, _ = head_and_batch("mlm", corpus, unpad=True)
+    mask = batch["attention_mask"].bool()
+    with torch.no_grad():
+        a = padded.encoder(batch["input_ids"], batch["attention_mask"])
+        b = unpadded.encoder(batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(b[mask], a[mask], rtol=1e-5, atol=1e-5)
+    assert torch.equal(b[~mask], torch.zeros_like(b[~mask]))
+
+
+def test_packing_of_a_batch():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    packed = Packed.of(mask)
+    assert packed.cu_seqlens.tolist() == [0, 3, 5, 9] and packed.max_len == 4
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    x = torch.arange(12.0).view(3, 4, 1)
+    assert packed.pack(x).flatten().tolist() == [0, 1, 2, 4, 5, 8, 9, 10, 11]
+    assert torch.equal(packed.unpack(packed.pack(x)), x * mask[..., None])
+
+
+def test_unpad_on_a_backbone_without_a_varlen_path_is_refused(corpus):
+    tokenizer, manifest, _, _ = corpus
+    with pytest.raises(ConfigError, match="model.unpad: the bert backbone has no unpadded path"):
+        experiment(load_config(CONFIGS / "tiny-mlm.yaml", [
+            "model.unpad=true", f"data.manifests=[{manifest}]", "data.weights=null"]))
+    bert = ModelOptions(vocab_size=1000, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    with pytest.raises(ValueError, match="the BERT backbone has no unpadded path"):
+        Encoder.build(ModelOptions(**{**bert.__dict__, "unpad": True}))
+
+
+def test_pretraining_with_unpadded_batches(corpus, tmp_path):
+    """`model.unpad=true` through the engine: two steps of CoT-MoTE (its experts routed per packed token); the
+    export is a plain ModernBERT that loads padded."""
+    tokenizer, manifest, _, _ = corpus
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "pretrieve", "pretrain", str(CONFIGS / "tiny-cotmote.yaml"),
+         f"run_dir={run_dir}", f"data.manifests=[{manifest}]", "data.weights=null", f"data.tokenizer={tokenizer}",
+         "model.backbone=modernbert", "model.unpad=true", "model.vocab_size=1000",
+         f"model.max_position_embeddings={MAX_LEN}", f"method.max_len={MAX_LEN}", "train.max_steps=2",
+         "train.micro_batch_size=4", "checkpoint.every=2"],
+        env=pretrain_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert result_line(done.stdout)["step"] == 2
+    export = Encoder.from_pretrained(run_dir / "export")
+    assert not export.unpad and isinstance(export.config, ModernBertConfig)

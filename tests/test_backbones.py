@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModel, AutoTokenizer
@@ -149,6 +150,28 @@ def test_exports_load_in_automodel_and_sentence_transformers(backbone, method, c
     resumed = get_method(method).build(head.options, ModelOptions(init_from=str(out)))  # continue pre-training
     for key, value in head.state_dict().items():
         assert torch.equal(resumed.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("backbone", ["roberta", "xlm-roberta", "modernbert"])
+def test_init_from_a_released_masked_lm_checkpoint_keeps_its_mlm_head(backbone, corpora, tmp_path):
+    """Continued pre-training from a released checkpoint, in the form the family's checkpoints are published:
+    the family's HF MaskedLM model saved by `save_pretrained`. init_from reads every weight, the MLM head
+    included, so the encoder's MLM logits are the checkpoint's own."""
+    from transformers import AutoModelForMaskedLM
+
+    tokenizer, _, samples = corpora[BACKBONES[backbone][0]]
+    torch.manual_seed(0)
+    released = AutoModelForMaskedLM.from_config(tiny(backbone, tokenizer).hf_config()).eval()
+    released.save_pretrained(tmp_path / backbone)
+    encoder = Encoder.from_pretrained(tmp_path / backbone).eval()
+    # all but the [CLS] pooler, which MaskedLM checkpoints leave out and pre-training does not use
+    assert all(line.startswith("pooler.") for line in encoder.load_report), encoder.load_report
+    assert encoder.backbone.name == backbone
+    ids = torch.as_tensor(np.stack([s["ids"][:24] for s in samples if len(s["ids"]) >= 24][:3]).astype(np.int64))
+    with torch.no_grad():
+        expected = released(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        logits = encoder.mlm_logits(encoder(ids, torch.ones_like(ids)))
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_pretraining_runs_each_backbone_from_its_config(corpora, tmp_path):

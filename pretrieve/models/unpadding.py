@@ -9,7 +9,8 @@ tokens, not B x L. Attention stays within each text:
 - elsewhere, and under attention dropout (which that kernel lacks), each text's queries, keys and values go
   back to its padded row for SDPA under the padded batch's own masks (HF's, the sliding window included), as
   HF's first ModernBERT did without FlashAttention: exact, and attention costs what it costs padded.
-Texts must be a prefix of their row (right padding), as every collator writes them.
+Texts must be a prefix of their row (right padding), as every collator writes them. Packing reads the
+batch's token count and longest text on the host: one wait for the device a forward, as in every varlen path.
 """
 
 from __future__ import annotations

@@ -77,6 +77,22 @@ def test_unpadded_loss_and_gradients_equal_the_padded(method, corpus):
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_unpadded_with_activation_checkpointing_equals_the_padded(corpus):
+    """The packing travels into the recomputed layers (HF checkpointing replays each layer's call)."""
+    padded, batch = head_and_batch("retromae", corpus, unpad=False)
+    unpadded, _ = head_and_batch("retromae", corpus, unpad=True)
+    unpadded.encoder.enable_activation_checkpointing()
+    losses = []
+    for head in (padded, unpadded):
+        loss = head(batch)["loss"]
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) <= 1e-5, losses
+    for (name, p), q in zip(padded.named_parameters(), unpadded.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_packed_states_are_the_padded_states_at_real_tokens(corpus):
     padded, batch = head_and_batch("mlm", corpus, unpad=False)
     unpadded, _ = head_and_batch("mlm", corpus, unpad=True)

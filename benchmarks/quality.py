@@ -1,8 +1,8 @@
 """What retrieval-oriented pre-training buys, measured as the papers measure it: pre-train, fine-tune the same
 way, then evaluate.
 
-    python benchmarks/quality.py --scale cpu|gpu [--smoke] [--beir DIR ...] [--part general|domain|all]
-        [--out DIR] [--results FILE] [--set key=value ...]
+    python benchmarks/quality.py --scale cpu|gpu|gpu-short [--smoke] [--beir DIR ...] [--part general|domain|all]
+        [--seeds 0-2] [--out DIR] [--results FILE] [--set key=value ...]
     python benchmarks/quality.py --tables [--results FILE]      # the markdown tables of a result file
     python benchmarks/quality.py --scale cpu|gpu --plan          # the settings a run would fix
 
@@ -28,6 +28,11 @@ exports, the farm's fine-tuned models and finished evaluations); an interrupted 
 run continues from its checkpoint. The settings are fixed at the first invocation (WORK/settings.json, and the
 results file before any evaluation); another invocation on the same --out with other settings is refused.
 WORK/stage_times.json adds up wall and CPU seconds per stage over invocations.
+
+Seeds across jobs: `--seeds 1-2` runs only those seeds of the general study (a short GPU allocation runs one,
+`make gpu-check`). Each job rebuilds the same base from the same seed; the per-query scores of the seeds a
+results file already holds, from a run with the same settings, are merged with the new ones, and `runs` records
+which job ran which seeds, where and when.
 """
 
 from __future__ import annotations
@@ -334,8 +339,11 @@ def base_model(plan: dict, work: Path, text: dict) -> tuple[Path, dict]:
     return run_dir / "export", record
 
 
-def general_study(plan: dict, work: Path, text: dict, base: Path, labelled: dict) -> dict:
-    """Seed-major (every arm's seed 0 first), so that an interrupted study has whole seeds."""
+def general_study(plan: dict, work: Path, text: dict, base: Path, labelled: dict, seeds: set[int] | None = None,
+                  previous: dict | None = None) -> dict:
+    """Seed-major (every arm's seed 0 first), so that an interrupted study has whole seeds. `seeds`: the ones this
+    job runs (None: all); `previous`: the general part of an earlier job's results, whose per-query scores of the
+    seeds not run here are kept."""
     study, prepared = work / "general", text["prepared"]
     manifests = [prepared["wiki-train"]["manifest"], prepared["books-train"]["manifest"]]
     arms, curve, spec = plan["general"]["arms"], plan["curve"], plan["pretrain"]
@@ -350,23 +358,33 @@ def general_study(plan: dict, work: Path, text: dict, base: Path, labelled: dict
 
     budgets = {arm: budget(work, f"general/{arm}", config_of(arm), overrides(arm, 0), spec["steps"], spec["batch"],
                            plan["max_len"], plan["smoke"]) for arm in arms if arm != "none"}
-    for seed in range(max(arms.values())):
+    run_seeds = [seed for seed in range(max(arms.values())) if seeds is None or seed in seeds]
+    for seed in run_seeds:
         jobs = [(config_of(arm), study / "runs" / f"{arm}-s{seed}", overrides(arm, seed))
-                for arm, seeds in arms.items() if arm != "none" and seed < seeds]
+                for arm, n in arms.items() if arm != "none" and seed < n]
         with timed(work, "general.pretrain"):
             pretrain_runs(jobs, plan)
         models = [checkpoint(f"none-s{seed}", base, pooling(plan, "none", "cls"), work / "base")] + [
             checkpoint(f"{arm}-s{seed}", study / "runs" / f"{arm}-s{seed}" / "export", pooling(plan, arm, "cls"),
                        study / "runs" / f"{arm}-s{seed}")
-            for arm, seeds in arms.items() if arm != "none" and seed < seeds]
+            for arm, n in arms.items() if arm != "none" and seed < n]
         with timed(work, "general.finetune+eval"):
             run_farm(study / f"farm-s{seed}.yaml", plan, work, study / "farm", models, datasets,
                      labelled["general"]["path"], plan["finetune"], seed)
-    scores = {arm: {name: [scores_of(study / "farm", f"{arm}-s{s}", name) for s in range(seeds)]
-                    for name in datasets} for arm, seeds in arms.items()}
-    with timed(work, "general.curve"):
-        points = steps_curve(plan, study, base, datasets, labelled["general"]["path"])
-    return {"budget": budgets, "scores": scores, "curve": points, "datasets": {n: str(p) for n, p in datasets.items()}}
+    per_query_scores = (previous or {}).get("per_query", {})
+    for arm, n in arms.items():
+        for name in datasets:
+            kept = per_query_scores.setdefault(arm, {}).setdefault(name, {})
+            kept.update({str(s): scores_of(study / "farm", f"{arm}-s{s}", name) for s in run_seeds if s < n})
+    # every seed a job has run, in order: the statistics take the mean over seeds per query
+    scores = {arm: {name: [runs[s] for s in sorted(runs, key=int)] for name, runs in per.items()}
+              for arm, per in per_query_scores.items()}
+    points = (previous or {}).get("curve")
+    if plan["curve"]["seed"] in run_seeds:
+        with timed(work, "general.curve"):
+            points = steps_curve(plan, study, base, datasets, labelled["general"]["path"])
+    return {"budget": budgets, "scores": scores, "per_query": per_query_scores, "curve": points,
+            "datasets": {n: str(p) for n, p in datasets.items()}}
 
 
 def steps_curve(plan: dict, study: Path, base: Path, datasets: dict[str, Path], labelled: str) -> list[dict]:
@@ -457,8 +475,20 @@ def summarized(plan: dict, scores: dict) -> dict:
     return summarize(scores, REFERENCES, boot["resamples"], boot["seed"])
 
 
+def relative_paths(value):
+    """`value` with every absolute path inside the repository's folder or beside it (the shared data) written
+    relative to the repository, so that a results file reads the same on every machine."""
+    if isinstance(value, dict):
+        return {key: relative_paths(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [relative_paths(item) for item in value]
+    if isinstance(value, str) and value.startswith(str(ROOT.parent) + os.sep):
+        return os.path.relpath(value, ROOT)
+    return value
+
+
 def write_results(path: Path, results: dict) -> None:
-    write_atomic(path, json.dumps(results, indent=1) + "\n")
+    write_atomic(path, json.dumps(relative_paths(results), indent=1) + "\n")
     log(f"wrote {path}")
 
 
@@ -472,7 +502,7 @@ def general_results(plan: dict, part: dict, results_path: Path) -> dict:
     scale = scale_name(plan)
     plot = plot_arms(summary, Path(f"{stem}-general.png"),
                      f"General pre-training, then the same fine-tuning: NDCG@10 ({scale})")
-    curve = plot_curve(part["curve"], Path(f"{stem}-steps.png"),
+    curve = part["curve"] and plot_curve(part["curve"], Path(f"{stem}-steps.png"),
                        f"{plan['curve']['arm']}: NDCG@10 after the same fine-tuning, by pre-training steps ({scale})")
     return {**part, "arms": summary, "plot": plot and str(plot), "curve_plot": curve and str(curve)}
 
@@ -497,12 +527,32 @@ def use_data(folder: Path, parser: argparse.ArgumentParser) -> None:
     SHARED = folder
 
 
+def parse_seeds(text: str | None) -> set[int] | None:
+    """`--seeds`: "1-2", "0,2" or "1"; None for all."""
+    if text is None:
+        return None
+    seeds = set()
+    for part in text.split(","):
+        low, sep, high = part.partition("-")
+        if not (low.isdigit() and (not sep or high.isdigit())):
+            raise ValueError(f"--seeds {text!r}: expected seeds like 0, 1-2 or 0,2")
+        seeds.update(range(int(low), int(high if sep else low) + 1))
+    return seeds
+
+
+def git_commit() -> str | None:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scale", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--scale", choices=("cpu", "gpu", "gpu-short"), default="cpu")
     p.add_argument("--smoke", action="store_true", help="bundled samples, a hidden-64 encoder, a few steps, one seed")
     p.add_argument("--beir", nargs="+", default=[], metavar="DIR", help="more BEIR folders to evaluate on (test split)")
     p.add_argument("--part", choices=("general", "domain", "all"), default="all")
+    p.add_argument("--seeds", default=None, metavar="A-B|A,B",
+                   help="only these seeds of the general study (default: all); merged with a results file's others")
     p.add_argument("--out", default=None, help="work directory (default bench-out/quality-<scale>[-smoke])")
     p.add_argument("--results", default=None, help="default benchmarks/results/quality.json (gpu: quality-gpu.json; "
                                                      "--smoke: quality.json in the work directory)")
@@ -515,6 +565,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if not (args.smoke or args.tables or args.plan):  # the smoke run reads the bundled samples
         use_data(Path(args.data), p)
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as e:
+        p.error(str(e))
     work = Path(args.out or ROOT / "bench-out" / f"quality-{args.scale}{'-smoke' if args.smoke else ''}")
     results_path = Path(args.results or (work / "quality.json" if args.smoke else ROOT / "benchmarks" / "results" /
                                          ("quality.json" if args.scale == "cpu" else "quality-gpu.json")))
@@ -544,8 +598,16 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():  # DeepSpeed on the CPU, here (the smoke run trains in this process) and below
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     previous = json.loads(results_path.read_text()) if results_path.is_file() else {}
-    same = previous.get("protocol") == PROTOCOL and previous.get("settings") == fixed
+    # the same settings, fixed by this job or an earlier one (a job on another machine fixes them anew)
+    same = (previous.get("protocol") == PROTOCOL
+            and (previous.get("settings") or {}).get("settings") == relative_paths(fixed["settings"]))
+    if same:
+        fixed = previous["settings"]
+    job = {"seeds": "all" if seeds is None else sorted(seeds), "part": args.part,
+           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_commit(),
+           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
     results = {"protocol": PROTOCOL, "scale": args.scale, "smoke": args.smoke, "settings": fixed,
+               "runs": (previous.get("runs", []) if same else []) + [job],
                "machine": f"{os.cpu_count()} cores" + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available()
                                                          else ""), "general": previous.get("general") if same else None,
                "domain": previous.get("domain") if same else None}
@@ -556,9 +618,10 @@ def main(argv: list[str] | None = None) -> None:
     results["data"] = {"pretraining_text": text, "labelled": labelled}
     base, results["base"] = base_model(plan, work, text)
     if args.part in ("general", "all"):
-        results["general"] = general_results(plan, general_study(plan, work, text, base, labelled), results_path)
+        results["general"] = general_results(plan, general_study(plan, work, text, base, labelled, seeds,
+                                                                 results["general"]), results_path)
         write_results(results_path, results)
-    if args.part in ("domain", "all"):
+    if args.part in ("domain", "all") and plan["domain"]["bases"]:
         results["domain"] = domain_results(plan, domain_study(plan, work, base, labelled), results_path)
     results["stage_times"] = json.loads((work / "stage_times.json").read_text())
     write_results(results_path, results)

@@ -34,6 +34,14 @@ POOLING = {"none": "base", "mlm": "base", "retromae": "cls", "dupmae": "dupmae",
            "cotmae": "cls"}  # "base": the base's own
 GENERAL_DATASETS = ("scifact", "cacm", "cranfield")
 
+def merge(base: dict, changes: dict) -> dict:
+    """`base` with `changes` merged in, recursively."""
+    out = copy.deepcopy(base)
+    for key, value in changes.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 # --- cpu: 2 cores, about 3 hours (docs/benchmarks.md has the measured cost of each stage) ---------------------
 # The encoder: BERT-tiny's shape (Turc et al. 2019: 2 layers, hidden 128, 2 heads; 4.4M parameters, 0.4M outside
 # the embeddings): fine-tuning and evaluating ~30 models on 2 cores allows no larger. Base: 2,000 MLM steps of
@@ -98,7 +106,27 @@ GPU = copy.deepcopy(CPU) | {
                          "minilm": {"targets": ["scifact", "cranfield"], "epochs": 1.0, "batch": 64,
                                     "lr": 5e-5, "max_steps": None, "finetune": {"lr": 2e-5}}}},
 }
-SCALES = {"cpu": CPU, "gpu": GPU}
+# --- gpu-short: what fits about 4 minutes of one H100, data work included (make gpu-check's quality stage) ------
+# Still above the cpu scale: 4 layers x 512 (13M parameters outside the embeddings) and 1,600 MLM steps of
+# 512 x 128 tokens = 105M tokens of base pre-training, ~15 passes over the Wikipedia subset an allocation can
+# carry (make gpu-bundle) and the books. The four main arms, each 300 steps of 256 x 128 tokens (9.8M encoder
+# tokens), side by side; the same fine-tuning, 200 steps of 64 queries; SciFact, CACM and Cranfield. One seed an
+# allocation (`--seeds 0`, then `--seeds 1-2` in later ones): each rebuilds the same base from the same seed,
+# and the per-query scores merge into the results file. No domain part. Estimates until an allocation has run it.
+GPU_SHORT = merge(GPU, {
+    "scale": "gpu-short",
+    "model": {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "intermediate_size": 2048},
+    "max_len": 128,
+    "parallel": 4,
+    "base": {"steps": 1600, "batch": 512, "lr": 1e-3, "warmup_ratio": 0.06},
+    "pretrain": {"steps": 300, "batch": 256, "lr": 5e-4, "warmup_ratio": 0.1},
+    "finetune": {"steps": 200, "batch": 64, "lr": 2e-4, "passage_max_len": 128},
+    "eval": {"max_length": 128, "batch_size": 512},
+    "curve": {"arm": "retromae", "seed": 0, "points": 2},
+})
+GPU_SHORT["general"]["arms"] = {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3}
+GPU_SHORT["domain"] = {"arms": {}, "bases": {}}
+SCALES = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}
 
 # --- smoke: the bundled samples, a hidden-64 encoder, 2 steps: the plumbing in a couple of minutes --------------
 SMOKE = {
@@ -114,14 +142,6 @@ SMOKE = {
     "curve": {"points": 2},
     "bootstrap": {"resamples": 1000},
 }
-
-
-def merge(base: dict, changes: dict) -> dict:
-    """`base` with `changes` merged in, recursively."""
-    out = copy.deepcopy(base)
-    for key, value in changes.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 def smoke_plan(plan: dict) -> dict:

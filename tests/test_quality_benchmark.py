@@ -91,3 +91,31 @@ def test_quality_gpu_scale_starts(tmp_path):
     out = json.loads((tmp_path / "quality.json").read_text())
     assert out["scale"] == "gpu" and out["settings"]["settings"]["scale"] == "gpu" and out["domain"] is None
     assert set(out["general"]["arms"]) == {"none", "retromae"} and _finetuned(tmp_path / "work", "retromae")
+
+
+@pytest.mark.integration
+def test_quality_seeds_of_separate_jobs_merge(tmp_path):
+    """`--seeds 0` then `--seeds 1`, each from a fresh work directory as separate GPU jobs run it: the second
+    rebuilds the same base, and its per-query scores merge with the first job's into one results file."""
+    arms = ["--part", "general", "--set", 'general.arms={"none": 2, "retromae": 2}']
+    first = _smoke(tmp_path, *arms, "--seeds", "0")
+    assert first.returncode == 0, first.stderr[-3000:]
+    one = json.loads((tmp_path / "quality.json").read_text())
+    assert len(one["general"]["arms"]["retromae"]["scifact-sample"]["ndcg@10"]) == 1
+    (tmp_path / "work").rename(tmp_path / "first-job")
+    second = _smoke(tmp_path, *arms, "--seeds", "1")
+    assert second.returncode == 0, second.stderr[-3000:]
+    both = json.loads((tmp_path / "quality.json").read_text())
+    assert [run["seeds"] for run in both["runs"]] == [[0], [1]]
+    assert both["settings"]["fixed_at"] == one["settings"]["fixed_at"]  # fixed once, by the first job
+    for arm in ("none", "retromae"):
+        runs = both["general"]["per_query"][arm]["scifact-sample"]
+        assert sorted(runs) == ["0", "1"] and runs["0"] == one["general"]["per_query"][arm]["scifact-sample"]
+        assert both["general"]["arms"][arm]["scifact-sample"]["ndcg@10"][0] == \
+            one["general"]["arms"][arm]["scifact-sample"]["ndcg@10"][0]
+        assert len(both["general"]["arms"][arm]["scifact-sample"]["ndcg@10"]) == 2
+    assert both["general"]["curve"] == one["general"]["curve"]  # seed 0's curve, kept
+    # the same base, rebuilt from the same seed by the second job
+    base_one = (tmp_path / "first-job" / "base" / "metrics.jsonl").read_text().splitlines()[-1]
+    assert json.loads(base_one)["loss"] == json.loads(
+        (tmp_path / "work" / "base" / "metrics.jsonl").read_text().splitlines()[-1])["loss"]

@@ -1,0 +1,148 @@
+"""`make gpu-check` (tools/gpu_check.py) on a CPU machine: the dry run's plan against the budget, and every stage's
+record written on success, failure, time-out, a spent budget and a job killed mid-stage."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import gpu_check  # noqa: E402
+from gpu_check import Command, Stage  # noqa: E402
+
+
+def _tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
+    done = _tool("--dry-run", "--bundle", str(tmp_path / "no-bundle"))
+    assert done.returncode == 0, done.stderr
+    for index, name in enumerate(("install", "correctness", "attention", "mfu", "quality"), start=1):
+        assert f"{index}. {name}" in done.stdout
+    total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0"))
+    assert total <= 540 and f"estimated total {total} s of 540 s: fits" in done.stdout
+    assert "make gpu-bundle" in done.stdout  # no bundle: said, since the install then needs network
+
+    over = _tool("--dry-run", "--budget", str(total - 1), "--bundle", str(tmp_path / "no-bundle"))
+    assert over.returncode == 1 and "OVER BUDGET" in over.stdout
+
+
+def test_dry_run_checks_what_a_job_carries(tmp_path):
+    bundle = tmp_path / "bundle"
+    (bundle / "wheelhouse").mkdir(parents=True)
+    (bundle / "data.tar.gz").write_bytes(os.urandom(2 << 20))
+    done = _tool("--dry-run", "--bundle", str(bundle))
+    assert done.returncode == 0 and "bundle/ 2.0 MiB" in done.stdout and "fits" in done.stdout
+    (bundle / "wheelhouse" / "big.whl").write_bytes(b"\0" * (64 << 20))
+    too_big = _tool("--dry-run", "--bundle", str(bundle))
+    assert too_big.returncode == 1 and "TOO LARGE" in too_big.stdout
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_each_stage_writes_its_record_whatever_its_end(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    results = work / "r.json"
+    stages = [
+        Stage("install", "sanity", 1, 30, [Command(_python(f"open({str(results)!r}, 'w').write('{{\"x\": 1}}')"),
+                                                   results=str(results))], needs_cuda=False),
+        Stage("fails", "exits 3 after a line", 1, 30, [Command(_python("print('broken here'); raise SystemExit(3)")),
+                                                       Command(_python("print('still runs')"))]),
+        Stage("slow", "over its box", 1, 2, [Command(_python("import time; time.sleep(60)"))]),
+        Stage("late", "no budget left", 1, 30, [Command(_python("pass"))]),
+    ]
+    summary = gpu_check.run(stages, out, work, budget=6, summary={"plan": []})  # < 5 s left after "slow"
+    records = {p.name: json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(records) == ["0-summary.json", "1-install.json", "2-fails.json", "3-slow.json", "4-late.json"]
+    assert records["1-install.json"]["status"] == "ok" and records["1-install.json"]["results"] == {"r.json": {"x": 1}}
+    failed = records["2-fails.json"]
+    assert failed["status"] == "failed" and failed["commands"][0]["rc"] == 3
+    assert "broken here" in failed["commands"][0]["log_tail"] and failed["commands"][1]["status"] == "ok"
+    slow = records["3-slow.json"]
+    assert slow["status"] == "timeout" and slow["seconds"] < 30
+    assert records["4-late.json"]["status"] == "skipped" and "budget" in records["4-late.json"]["why"]
+    assert summary["stages"]["slow"]["status"] == "timeout"
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = tar.getnames()
+        log = tar.extractfile("logs/2-fails.log").read().decode()
+    assert {"logs/1-install.log", "logs/2-fails.log", "logs/3-slow.log"} <= set(names)
+    assert "broken here" in log and "still runs" in log
+
+
+def test_stages_that_need_the_device_are_skipped_when_the_install_stage_fails(tmp_path):
+    stages = [Stage("install", "no device", 1, 30, [Command(_python("raise SystemExit(1)"))], needs_cuda=False),
+              Stage("kernels", "needs CUDA", 1, 30, [Command(_python("pass"))]),
+              Stage("host", "does not", 1, 30, [Command(_python("pass"))], needs_cuda=False)]
+    gpu_check.run(stages, tmp_path / "out", tmp_path / "work", budget=60, summary={})
+    status = {p.stem: json.loads(p.read_text()).get("status") for p in (tmp_path / "out").glob("[1-9]-*.json")}
+    assert status == {"1-install": "failed", "2-kernels": "skipped", "3-host": "ok"}
+
+
+def test_the_real_job_on_a_machine_without_cuda_records_every_stage(tmp_path):
+    out = tmp_path / "out"
+    done = _tool("--no-install", "--out", str(out), "--work", str(tmp_path / "work"), "--budget", "120",
+                 "--bundle", str(tmp_path / "no-bundle"))
+    assert done.returncode == 0, done.stderr
+    install = json.loads((out / "1-install.json").read_text())
+    assert install["status"] == "failed" and install["results"]["sanity.json"]["cuda_available"] is False
+    assert "no CUDA device" in install["commands"][-1]["log_tail"]
+    for name in ("2-correctness", "3-attention", "4-mfu", "5-quality"):
+        record = json.loads((out / f"{name}.json").read_text())
+        assert record["status"] == "skipped" and "no CUDA device" in record["why"], record
+    summary = json.loads((out / "0-summary.json").read_text())
+    assert summary["node"]["torch"] and set(summary["stages"]) == {"install", "correctness", "attention", "mfu",
+                                                                  "quality"}
+    assert (out / "logs.tar.gz").is_file() and len(list(out.iterdir())) <= 8  # what comes back from a job
+
+
+def test_a_job_killed_mid_stage_keeps_what_it_measured(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    script = (f"import sys; sys.path.insert(0, {str(ROOT / 'tools')!r}); import gpu_check as g\n"
+              f"g.run([g.Stage('first', '', 1, 30, [g.Command([sys.executable, '-c', 'print(1)'])], needs_cuda=False),"
+              f" g.Stage('second', '', 1, 300, [g.Command([sys.executable, '-c', 'import time; time.sleep(300)'])],"
+              f" needs_cuda=False)], g.Path({str(out)!r}), g.Path({str(work)!r}), 600, {{}})")
+    job = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        second = out / "2-second.json"
+        deadline = time.monotonic() + 120
+        while not (second.is_file() and json.loads(second.read_text())["status"] == "running"):
+            assert time.monotonic() < deadline and job.poll() is None, "the second stage never started"
+            time.sleep(0.2)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    assert json.loads((out / "1-first.json").read_text())["status"] == "ok"
+    assert json.loads(second.read_text())["status"] == "running"
+    assert tarfile.open(out / "logs.tar.gz").getnames() == ["logs/1-first.log"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no half-written file
+
+
+@pytest.mark.parametrize("text,seeds", [("0", {0}), ("1-2", {1, 2}), ("0,2", {0, 2}), (None, None)])
+def test_quality_seeds_option(text, seeds):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import quality
+
+    assert quality.parse_seeds(text) == seeds
+    with pytest.raises(ValueError, match="--seeds"):
+        quality.parse_seeds("a-b")
+
+
+def test_quality_results_name_paths_relative_to_the_repository():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import quality
+
+    inside, beside = str(ROOT / "bench-out" / "x"), str(ROOT.parent / "shared" / "data" / "beir")
+    assert quality.relative_paths({"a": [inside, {"b": beside}], "c": "/elsewhere/x", "d": 1}) == {
+        "a": ["bench-out/x", {"b": "../shared/data/beir"}], "c": "/elsewhere/x", "d": 1}

@@ -1,0 +1,346 @@
+"""`make gpu-check`: the whole job of one short GPU allocation (docs/offline.md, "A short GPU allocation").
+
+    python tools/gpu_check.py --out OUT [--budget 540] [--bundle gpu-bundle] [--dry-run]
+
+An allocation is one job of about 9 minutes on a node with no network, whose output folder is all that comes
+back. So the job runs its stages in priority order, each inside its own time box and all inside `--budget`
+seconds, and writes each stage's record to OUT as soon as the stage ends (a "running" record when it starts),
+so that a job killed at its limit still returns what it measured:
+
+    OUT/0-summary.json        the plan, the node (device, torch, CUDA), and each stage's status when it ended
+    OUT/<i>-<stage>.json      status (ok, failed, timeout, skipped), seconds, each command's exit status and the
+                              tail of its log, and the JSON results of the stage's benchmarks, embedded
+    OUT/logs.tar.gz           every command's full log, repacked after each stage
+
+A failing stage records its error and the job goes on with the next one; the stages after a failed CUDA check
+are skipped, since each needs the device. `--dry-run` prints the plan, each stage's estimate and time box, and
+the total against the budget, and checks that the bundle (`make gpu-bundle`: the wheelhouse and the quality
+study's data) and the repository fit what a job may carry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CARRY_LIMIT_MIB = 64  # what one job may take in, the repository included
+LOG_TAIL = 3000  # characters of a failed command's log kept in its stage record
+GRACE_S = 10  # between SIGTERM and SIGKILL when a time box runs out
+
+
+@dataclass
+class Command:
+    argv: list[str]
+    results: str | None = None  # a JSON file the command writes, embedded in the stage record
+
+
+@dataclass
+class Stage:
+    name: str
+    what: str
+    estimate_s: int  # the expected time; the plan's total is checked against the budget
+    box_s: int  # the most it may take, if the budget has that much left
+    commands: list[Command]
+    needs_cuda: bool = True
+    results: dict = field(default_factory=dict)
+
+
+def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: str) -> list[Stage]:
+    """The stages in priority order. `python` runs everything after the install (the job's venv)."""
+    wheelhouse = bundle / "wheelhouse"
+    # no extras (exact search needs no faiss), and no DeepSpeed CPU op: the node trains on its GPU
+    make_install = ["make", "install", f"PYTHON={sys.executable}", "EXTRAS=", "DS_CPU_OP=0"]
+    if wheelhouse.is_dir():
+        make_install.append(f"WHEELHOUSE={wheelhouse}")
+    unpack = [Command(["tar", "-xzf", str(bundle / "data.tar.gz"), "-C", str(bundle)])] \
+        if (bundle / "data.tar.gz").is_file() else []
+    # the seeds of earlier jobs, committed: this job's merge into them (benchmarks/quality.py --seeds)
+    committed = ROOT / "benchmarks" / "results" / "quality-gpu.json"
+    merge_into = [Command(["cp", str(committed), str(work / "quality-gpu.json")])] if committed.is_file() else []
+    pytest = [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+    throughput = [python, "benchmarks/pretrain_throughput.py", "--size", "base", "--seq-len", "512", "--batch", "32",
+                  "--steps", "12", "--warmup", "4", "--out", str(work / "pretrain_throughput_gpu.json")]
+    return [
+        Stage("install", "offline install from the bundle's wheelhouse, its data unpacked, then torch.cuda sanity", 60, 120,
+              ([Command(make_install)] if install else []) + unpack
+              + [Command([python, str(Path(__file__)), "--sanity", str(work / "sanity.json")],
+                         results=str(work / "sanity.json"))], needs_cuda=False),
+        # the fp16 variants repeat the bf16 ones' paths with loss scaling: left to `make test-gpu`
+        Stage("correctness", "kernel tests, unpadded varlen against padded, an engine bf16 step and a bit-exact "
+              "resume with CUDA RNG, the farm's device placement", 150, 210,
+              [Command(pytest + ["tests/test_kernels_gpu.py"]),
+               Command(pytest + ["tests/test_unpadding_gpu.py"]),
+               Command(pytest + ["tests/test_engine_gpu.py", "-k", "not fp16"]),
+               Command(pytest + ["tests/test_farm_gpu.py"])]),
+        Stage("attention", "fused two-stream attention at L512, forward and backward, against eager and SDPA", 20, 60,
+              [Command([python, "benchmarks/two_stream_attention.py", "--lengths", "512",
+                        "--out", str(work / "two_stream_attention.json")],
+                       results=str(work / "two_stream_attention.json"))]),
+        Stage("mfu", "BERT-base L512 bf16 throughput and MFU of mlm, retromae, dupmae; ModernBERT-base unpadded "
+              "against padded", 90, 150,
+              [Command(throughput + ["--method", m], results=str(work / "pretrain_throughput_gpu.json"))
+               for m in ("mlm", "retromae", "dupmae")]
+              + [Command([python, "benchmarks/unpadding.py", "--size", "base", "--out", str(work / "unpadding_gpu.json")],
+                         results=str(work / "unpadding_gpu.json"))]),
+        Stage("quality", "the quality study at --scale gpu-short: base -> arms -> the same fine-tuning -> eval", 210,
+              300, merge_into + [Command([python, "benchmarks/quality.py", "--scale", "gpu-short", "--seeds", quality_seeds,
+                             "--data", str(bundle / "data"), "--out", str(work / "quality"),
+                             "--results", str(work / "quality-gpu.json")],
+                            results=str(work / "quality-gpu.json"))]),
+    ]
+
+
+# --- the node ------------------------------------------------------------------------------------------------------
+
+def sanity(out: Path) -> int:
+    """torch.cuda sanity: the device, the versions, a bf16 matmul against fp32. Exit 1 without a CUDA device."""
+    import torch
+
+    record = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import triton
+        record["triton"] = triton.__version__
+    except ImportError:
+        record["triton"] = None
+    if record["cuda_available"]:
+        props = torch.cuda.get_device_properties(0)
+        a, b = torch.randn(2048, 2048, device="cuda"), torch.randn(2048, 2048, device="cuda")
+        exact = a @ b
+        bf16 = (a.bfloat16() @ b.bfloat16()).float()
+        record.update(device=props.name, capability=f"{props.major}.{props.minor}",
+                      memory_gib=round(props.total_memory / 2**30, 1), devices=torch.cuda.device_count(),
+                      bf16_supported=torch.cuda.is_bf16_supported(),
+                      nccl=torch.distributed.is_nccl_available(),
+                      bf16_matmul_rel_error=float((bf16 - exact).norm() / exact.norm()))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(record))
+    if not record["cuda_available"]:
+        print(f"no CUDA device: torch {torch.__version__} sees none", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --- running the stages --------------------------------------------------------------------------------------------
+
+def write_json(path: Path, record: dict) -> None:
+    """Whole or absent: the job may be killed at any moment."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def pack_logs(logs: Path, out: Path) -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for log in sorted(logs.glob("*.log")):
+            tar.add(log, arcname=f"logs/{log.name}")
+    tmp = out / ".logs.tar.gz.tmp"
+    tmp.write_bytes(buffer.getvalue())
+    os.replace(tmp, out / "logs.tar.gz")
+
+
+def run_command(argv: list[str], log: Path, timeout: float) -> tuple[str, int | None]:
+    """Runs `argv` in its own process group with its output to `log`; at the timeout the whole group gets
+    SIGTERM, then SIGKILL. Returns (status, exit code)."""
+    with open(log, "ab") as sink:
+        sink.write(f"$ {' '.join(argv)}\n".encode())
+        sink.flush()
+        try:
+            proc = subprocess.Popen(argv, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        except OSError as error:
+            sink.write(f"{error}\n".encode())
+            return "failed", None
+        try:
+            rc = proc.wait(timeout=max(timeout, 0.1))
+            return ("ok" if rc == 0 else "failed"), rc
+        except subprocess.TimeoutExpired:
+            for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, None)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            proc.wait()
+            sink.write(f"\n[time box of {timeout:.0f} s reached: stopped]\n".encode())
+            return "timeout", None
+
+
+def tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-LOG_TAIL:] if path.is_file() else ""
+
+
+def read_results(path: str | None):
+    if path is None or not Path(path).is_file():
+        return None
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        return {"unreadable": f"{path}: {error}"}
+
+
+def run_stage(index: int, stage: Stage, out: Path, logs: Path, deadline: float, skip_why: str | None) -> dict:
+    """Runs one stage inside min(its box, what the budget has left) and writes its record."""
+    path = out / f"{index}-{stage.name}.json"
+    record = {"stage": stage.name, "what": stage.what, "estimate_s": stage.estimate_s, "box_s": stage.box_s,
+              "commands": [], "results": {}}
+    left = deadline - time.monotonic()
+    if skip_why is None and left < 5:
+        skip_why = f"the budget is spent ({left:.0f} s left)"
+    if skip_why:
+        record.update(status="skipped", why=skip_why, seconds=0.0)
+        write_json(path, record)
+        return record
+    box_end = time.monotonic() + min(stage.box_s, left)
+    record.update(status="running", started=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    write_json(path, record)
+    start, status = time.monotonic(), "ok"
+    log = logs / f"{index}-{stage.name}.log"
+    for command in stage.commands:
+        remaining = box_end - time.monotonic()
+        if remaining < 1:
+            record["commands"].append({"argv": command.argv, "status": "skipped", "why": "time box spent"})
+            status = "timeout"
+            continue
+        begin = time.monotonic()
+        state, rc = run_command(command.argv, log, remaining)
+        entry = {"argv": command.argv, "status": state, "rc": rc, "seconds": round(time.monotonic() - begin, 1)}
+        if state != "ok":
+            entry["log_tail"] = tail(log)
+            status = state if status == "ok" else status
+        results = read_results(command.results)
+        if results is not None:
+            record["results"][Path(command.results).name] = results
+        record["commands"].append(entry)
+        write_json(path, {**record, "seconds": round(time.monotonic() - start, 1)})
+    record.update(status=status, seconds=round(time.monotonic() - start, 1))
+    write_json(path, record)
+    return record
+
+
+def run(stages: list[Stage], out: Path, work: Path, budget: float, summary: dict) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + budget
+    summary = {**summary, "budget_s": budget, "stages": {}}
+    write_json(out / "0-summary.json", summary)
+    no_cuda = None
+    for index, stage in enumerate(stages, start=1):
+        record = run_stage(index, stage, out, logs, deadline, no_cuda if stage.needs_cuda else None)
+        summary["stages"][stage.name] = {"status": record["status"], "seconds": record["seconds"]}
+        if stage.name == "install":
+            summary["node"] = record["results"].get("sanity.json")
+            if record["status"] != "ok":
+                no_cuda = "the install stage failed or found no CUDA device"
+        summary["elapsed_s"] = round(budget - (deadline - time.monotonic()), 1)
+        write_json(out / "0-summary.json", summary)
+        pack_logs(logs, out)
+    return summary
+
+
+# --- the plan -------------------------------------------------------------------------------------------------------
+
+def tree_mib(path: Path, skip: tuple[str, ...] = ()) -> float:
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = [d for d in dirnames if d not in skip]
+        total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in filenames
+                     if not os.path.islink(os.path.join(dirpath, f)))
+    return total / 2**20
+
+
+def repository_mib() -> float:
+    """The repository as a job carries it: the files git tracks (all but the usual untracked folders where
+    there is no git, as on the node)."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return tree_mib(ROOT, skip=(".git", ".venv", "gpu-bundle", "gpu-check-work", "wheelhouse", "bench-out"))
+    files = [ROOT / name.decode() for name in listed.split(b"\0") if name]
+    return sum(f.stat().st_size for f in files if f.is_file()) / 2**20
+
+
+def describe(stages: list[Stage], budget: float, bundle: Path) -> tuple[str, bool]:
+    """The dry run's text, and whether the plan fits the budget and the carry limit."""
+    lines = [f"make gpu-check: {len(stages)} stages in a budget of {budget:.0f} s", ""]
+    total = 0
+    for index, stage in enumerate(stages, start=1):
+        total += stage.estimate_s
+        lines.append(f"{index}. {stage.name:<12} ~{stage.estimate_s:>4} s (box {stage.box_s:>4} s, "
+                     f"by then ~{total:>4} s)  {stage.what}")
+        lines += [f"     $ {' '.join(c.argv)}" for c in stage.commands]
+    fits = total <= budget
+    lines += ["", f"estimated total {total} s of {budget:.0f} s: {'fits' if fits else 'OVER BUDGET'}"]
+    repo = repository_mib()
+    if bundle.is_dir():
+        size = tree_mib(bundle)
+        carried = repo + size
+        fits_carry = carried <= CARRY_LIMIT_MIB
+        lines.append(f"carried: repository {repo:.1f} MiB + {bundle.name}/ {size:.1f} MiB = {carried:.1f} MiB of "
+                     f"{CARRY_LIMIT_MIB}: {'fits' if fits_carry else 'TOO LARGE'}")
+        for part in ("wheelhouse", "data.tar.gz"):
+            if not (bundle / part).exists():
+                lines.append(f"note: {bundle / part} is missing (make gpu-bundle)")
+    else:
+        fits_carry = True
+        lines.append(f"carried: repository {repo:.1f} MiB; no {bundle}/ (make gpu-bundle makes the wheelhouse and the "
+                     "study's data): the install then needs network, and the quality stage fails")
+    return "\n".join(lines), fits and fits_carry
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-check-out"),
+                   help="where the records go (default $OUT, else gpu-check-out)")
+    p.add_argument("--budget", type=float, default=540.0, help="seconds for all stages together")
+    p.add_argument("--bundle", type=Path, default=ROOT / "gpu-bundle", help="make gpu-bundle's folder")
+    p.add_argument("--work", type=Path, default=ROOT / "gpu-check-work", help="logs and the stages' scratch files")
+    p.add_argument("--seeds", default="0", help="the quality study's seeds this job runs (a later job: 1-2)")
+    p.add_argument("--no-install", action="store_true", help="use this Python as it is instead of `make install`")
+    p.add_argument("--stages", default=None, help="comma-separated stage names to run (default: all)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan against the budget and exit")
+    p.add_argument("--sanity", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.sanity:
+        return sanity(args.sanity)
+    python = sys.executable if args.no_install else str(ROOT / ".venv" / "bin" / "python")
+    stages = plan(python, args.work.resolve(), args.bundle.resolve(), not args.no_install, args.seeds)
+    if args.stages:
+        wanted = args.stages.split(",")
+        unknown = sorted(set(wanted) - {s.name for s in stages})
+        if unknown:
+            p.error(f"--stages: unknown {', '.join(unknown)} (known: {', '.join(s.name for s in stages)})")
+        stages = [s for s in stages if s.name in wanted]
+    text, fits = describe(stages, args.budget, args.bundle)
+    if args.dry_run:
+        print(text)
+        return 0 if fits else 1
+    print(text, flush=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    summary = {"started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit or None,
+               "plan": [{"stage": s.name, "estimate_s": s.estimate_s, "box_s": s.box_s} for s in stages]}
+    summary = run(stages, args.out, args.work, args.budget, summary)
+    print(json.dumps({"stages": summary["stages"], "elapsed_s": summary["elapsed_s"], "out": str(args.out)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

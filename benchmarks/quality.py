@@ -228,7 +228,7 @@ def pretraining_text(plan: dict, work: Path) -> dict:
     books = sorted((SAMPLES / "books" if plan["smoke"] else SHARED / "pretrain" / "gutenberg").glob("*.txt"))
     split = split_pretrain(wikipedia(plan), books, work / "data" / "raw")
     data = {name: prepare("wikipedia" if name.startswith("wiki") else "books", inputs, work / "data" / name,
-                          plan["max_len"], skip_bad=name.startswith("books"))
+                          plan["max_len"], skip_bad=name.startswith("books"), workers=plan.get("data_workers", 0))
             for name, inputs in split.pop("parts").items()}
     return {"split": split, "prepared": data}
 

@@ -79,7 +79,7 @@ def split_pretrain(wiki: Path, books: list[Path], raw: Path) -> dict:
                       "books-train": [str(b) for b in books if b != book_out], "books-heldout": [str(book_out)]}}
 
 
-def prepare(source: str, inputs: list[str], out: Path, max_len: int, skip_bad: bool = False) -> dict:
+def prepare(source: str, inputs: list[str], out: Path, max_len: int, skip_bad: bool = False, workers: int = 0) -> dict:
     """`pretrieve prepare`'s library call (in this process: no interpreter start-up), skipped when the manifest
     exists; returns the manifest's totals."""
     manifest = out / "manifest.json"
@@ -87,7 +87,7 @@ def prepare(source: str, inputs: list[str], out: Path, max_len: int, skip_bad: b
         log(f"prepare {out.name} ({source})")
         from pretrieve.data.prepare import PrepareOptions, prepare as prepare_shards
 
-        prepare_shards(PrepareOptions(source=source, inputs=inputs, out=str(out), max_len=max_len, workers=0,
+        prepare_shards(PrepareOptions(source=source, inputs=inputs, out=str(out), max_len=max_len, workers=workers,
                                       on_error="skip" if skip_bad else "fail"))
     info = json.loads(manifest.read_text())
     return {"manifest": str(manifest), "num_samples": info["num_samples"], "num_tokens": info["num_tokens"]}

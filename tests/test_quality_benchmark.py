@@ -84,12 +84,13 @@ def test_quality_smoke_runs_the_protocol_and_resumes(tmp_path):
 
 
 @pytest.mark.integration
-def test_quality_gpu_scale_starts(tmp_path):
-    """The gpu plan, shrunk: its general study runs (on the CPU here) with the structure of the GPU run."""
-    done = _smoke(tmp_path, "--part", "general", "--set", 'general.arms={"none": 1, "retromae": 1}', scale="gpu")
+@pytest.mark.parametrize("scale", ["gpu", "gpu-short"])
+def test_quality_gpu_scale_starts(tmp_path, scale):
+    """The gpu plans, shrunk: the general study runs (on the CPU here) with the structure of the GPU run."""
+    done = _smoke(tmp_path, "--part", "general", "--set", 'general.arms={"none": 1, "retromae": 1}', scale=scale)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads((tmp_path / "quality.json").read_text())
-    assert out["scale"] == "gpu" and out["settings"]["settings"]["scale"] == "gpu" and out["domain"] is None
+    assert out["scale"] == scale and out["settings"]["settings"]["scale"] == scale and out["domain"] is None
     assert set(out["general"]["arms"]) == {"none", "retromae"} and _finetuned(tmp_path / "work", "retromae")
 
 

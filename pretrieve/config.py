@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pretrieve.data.remote import ReadOptions, is_remote, local_path
+from pretrieve.data.shard_check import CHECKS as SHARD_CHECKS
 from pretrieve.models.backbones import backbone_named, backbone_of
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.utils.options import ConfigError, Problems, options_of
@@ -87,6 +88,9 @@ class DataOptions:
     timeout: float = 60.0  # seconds one request (one 8 MiB block) may take before it counts as failed
     prefetch_shards: int = 1  # shards each reader loads ahead in the background
     storage_options: dict = field(default_factory=dict)  # per URL scheme, fsspec options: {s3: {anon: true}}
+    # before the run starts, each shard against its manifest: size (a stat or a request each), sha256 (reads every
+    # shard whole), or none (data/shard_check.py); the stream verifies each shard's sha256 as it reads it anyway
+    check_shards: str = "size"
 
 
 @dataclass
@@ -250,6 +254,8 @@ def _check_data(data: DataOptions, train: TrainOptions | None, problems: Problem
         problems.add(f"data.weights: {len(data.weights)} weights for {len(data.manifests)} manifests")
     if data.weights is not None and not (all(math.isfinite(w) and w >= 0 for w in data.weights) and sum(data.weights)):
         problems.add(f"data.weights: {data.weights}: each must be finite and >= 0, and one > 0")
+    if data.check_shards not in SHARD_CHECKS:
+        problems.add(f"data.check_shards: {data.check_shards!r} is not one of {', '.join(SHARD_CHECKS)}")
     if data.num_workers < 0 or data.shuffle_buffer < 1:
         problems.add(f"data.num_workers must be >= 0 and data.shuffle_buffer >= 1 (got {data.num_workers}, "
                      f"{data.shuffle_buffer})")

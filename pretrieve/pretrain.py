@@ -31,6 +31,7 @@ def train(exp: Experiment) -> dict:
 def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.remote import ReadOptions
+    from pretrieve.data.shard_check import check_shards
     from pretrieve.data.stream import ShardStream, StreamLoader
     from pretrieve.data.tokenizer import describe, load_tokenizer
 
@@ -45,6 +46,8 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     collate = exp.method.collator.from_options(exp.options, Vocabulary.of_loaded(loaded, tokenizer), seed=exp.seed)
     fingerprint = describe(tokenizer, loaded.backend_tokenizer).fingerprint
     read = ReadOptions.from_options(exp.data)  # URLs: retries, timeout, prefetch, storage options
+    # a truncated or replaced shard named now, not minutes into the run
+    check_shards([*exp.data.manifests, *exp.data.validation], read, exp.data.check_shards)
     stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
                          shuffle_buffer=exp.data.shuffle_buffer, read=read, tokenizer=fingerprint)
     # The loader's own generator: starting an iteration must not draw from the global RNG (dropout), or a

@@ -25,7 +25,7 @@ from pretrieve.utils.run_dir import TAG_CONFIG
 # dotted keys, or prefixes ending in "."
 MAY_CHANGE = ("run_dir", "resume", "resume_changes", "init_checkpoint", "train.max_steps", "train.stop_at",
               "train.log_every", "train.eval_every", "train.max_runtime", "train.startup_timeout", "train.peak_flops",
-              "checkpoint.every", "checkpoint.keep", "data.num_workers", "tracking.")
+              "checkpoint.every", "checkpoint.keep", "data.num_workers", "data.check_shards", "tracking.")
 # another world size keeps the global batch through another split of it
 UNIVERSAL_MAY_CHANGE = ("train.micro_batch_size", "train.grad_accum", "train.global_batch_size")
 CHANGES_FILE = "resume_changes.jsonl"

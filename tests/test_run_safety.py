@@ -135,8 +135,23 @@ def test_a_resume_with_another_config_is_refused_before_anything_is_written(stop
     [record] = [json.loads(line) for line in (run_dir / "resume_changes.jsonl").read_text().splitlines()]
     assert record["checkpoint"] == "step00000002"
     assert record["changes"].pop("run_dir") == [str(stopped_run), str(run_dir)]  # copied: allowed
-    assert record["changes"] == {"checkpoint.every": [2, 5], "resume": [None, "auto"], "train.max_steps": [4, 5],
-                                 "train.stop_at": [2, None]}
+    assert record["changes"] == {"checkpoint.every": [2, 5], "train.max_steps": [4, 5], "train.stop_at": [2, None]}
+
+
+def test_a_resume_compares_paths_as_files_and_resume_is_no_change(tmp_path, monkeypatch):
+    """The manifest written relative at the start and absolute at the resume is one file: no change; and
+    `resume=auto`, which every resume says, is not recorded as one."""
+    from pretrieve.config import DataOptions
+    from pretrieve.engine.resume_check import check_resume
+
+    monkeypatch.chdir(tmp_path)
+    classes = lambda config: {"data": DataOptions}  # noqa: E731
+    saved = {"run_dir": "run", "data": {"manifests": ["shards/manifest.json"]}}
+    now = {"run_dir": "run", "resume": "auto", "data": {"manifests": [str(tmp_path / "shards" / "manifest.json")]}}
+    assert check_resume(saved, tmp_path / "config.yaml", now, classes) == {}
+    moved = {**now, "data": {"manifests": [str(tmp_path / "other" / "manifest.json")]}}
+    with pytest.raises(ConfigError, match="data.manifests"):
+        check_resume(saved, tmp_path / "config.yaml", moved, classes)
 
 
 def test_resume_changes_allow_continues_and_is_recorded(stopped_run, wiki_shards, tmp_path):

@@ -185,7 +185,10 @@ def _run_training(exp: RunExperiment, build_job, rank: int, world: int, stop: St
 def _train(exp: RunExperiment, job: TrainingJob, engine, ds_config: dict, start: _Start, tracker: Tracker | None,
            rank: int, world: int, stop: StopFlag) -> dict:
     run_dir, ckpt_dir = exp.run_dir, exp.run_dir / "checkpoints"
-    checkpoints = Checkpointer(engine, ckpt_dir, job.position, exp.checkpoint.keep, rank, world, start.config_yaml)
+    window = MetricsWindow(run_dir / "metrics.jsonl" if rank == 0 else None, tracker, engine,
+                           device_peak(engine.device, exp.train.precision, exp.train.peak_flops) if rank == 0 else None)
+    checkpoints = Checkpointer(engine, ckpt_dir, job.position, exp.checkpoint.keep, rank, world, start.config_yaml,
+                               metrics=window)
     counters = {"samples": 0, "tokens": 0}
     if not start.fresh:
         # a branch takes everything of another run's checkpoint but its schedule, which starts at that step
@@ -193,8 +196,6 @@ def _train(exp: RunExperiment, job: TrainingJob, engine, ds_config: dict, start:
         counters = checkpoints.load(folder, tag, start.branch is not None, exp.seed)
         if rank == 0:
             truncate_metrics(run_dir / "metrics.jsonl", engine.global_steps)  # a crashed attempt's later steps rerun
-    window = MetricsWindow(run_dir / "metrics.jsonl" if rank == 0 else None, tracker, engine,
-                           device_peak(engine.device, exp.train.precision, exp.train.peak_flops) if rank == 0 else None)
     try:
         _train_steps(exp, job, engine, window, checkpoints, counters, stop, world)
     finally:
@@ -229,8 +230,9 @@ def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWi
                 out = engine(batch)
                 engine.backward(out["loss"])
                 boundary = engine.is_gradient_accumulation_boundary()  # asked before step(), which advances it
+                # the same steps wherever the run stops: a stop between them carries the window (checkpoint.py)
                 log_now = boundary and ((engine.global_steps + 1) % exp.train.log_every == 0
-                                        or engine.global_steps + 1 == last_step)
+                                        or engine.global_steps + 1 == exp.train.max_steps)
                 grad_norm = plain_grad_norm(engine) if log_now else None
                 lr = engine.get_lr()[0]  # the lr of this update: step() moves the schedule on
                 engine.step()

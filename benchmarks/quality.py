@@ -186,7 +186,6 @@ def flops_per_step(config: str, overrides: list[str], batches: int) -> float:
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.stream import ShardStream, StreamLoader
     from pretrieve.engine.flops import train_flops
-    from pretrieve.pretrain import training_tokenizer
 
     exp = experiment(load_config(config, overrides))
     if exp.model.init_from:
@@ -195,7 +194,7 @@ def flops_per_step(config: str, overrides: list[str], batches: int) -> float:
         model_config = AutoConfig.from_pretrained(exp.model.init_from)
     else:
         model_config = exp.model.hf_config()
-    collate = exp.method.collator.from_options(exp.options, Vocabulary.of_tokenizer(training_tokenizer(exp)))
+    collate = exp.method.collator.from_options(exp.options, Vocabulary.of_tokenizer(exp.data.tokenizer_dir()))
     stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
                          shuffle_buffer=exp.data.shuffle_buffer)
     loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, collate_fn=collate)

@@ -12,12 +12,14 @@ import functools
 import json
 import math
 from dataclasses import dataclass, field, fields
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from pretrieve.data.remote import ReadOptions, is_remote, local_path
+from pretrieve.data.shard_check import CHECKS as SHARD_CHECKS
+from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 from pretrieve.models.backbones import backbone_named, backbone_of
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.utils.options import ConfigError, Problems, options_of
@@ -45,8 +47,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None,
     return config
 
 
-def model_options(config: DictConfig) -> ModelOptions:
-    return options_of(ModelOptions, OmegaConf.to_container(config.model, resolve=True), "model")
+def model_options(config: DictConfig, problems: Problems | None = None) -> ModelOptions:
+    return options_of(ModelOptions, OmegaConf.to_container(config.model, resolve=True), "model", problems=problems)
 
 
 def method_options(config: DictConfig) -> tuple[Any, Any]:
@@ -73,13 +75,15 @@ LR_SCHEDULES = ("linear", "cosine", "constant", "wsd")  # engine/lr_schedule.py
 @dataclass
 class DataOptions:
     manifests: list[str] = field(default_factory=list)  # manifest.json files written by `pretrieve prepare`
-    # the tokenizer directory the manifests were prepared with (default: the bundled bert-base-uncased WordPiece);
-    # masking takes its special tokens and word boundaries from it, and the export ships it
+    # the tokenizer directory the manifests were prepared with (default: the bundled bert-base-uncased WordPiece,
+    # tokenizer_dir); masking takes its special tokens and word boundaries from it, and the export ships it
     tokenizer: str | None = None
     weights: list[float] | None = None  # mixture weights, one per manifest (default: by size)
     shuffle_buffer: int = 1000
     num_workers: int = 0
-    corpora: list[str] | None = None  # informational: the corpus names the manifests hold
+    # the corpus of each manifest, as the model card and MLflow's corpus_mix name them: by default each manifest's
+    # `source` (its folder's name for a manifest at a URL); names given here label them instead, one per manifest
+    corpora: list[str] | None = None
     validation: list[str] = field(default_factory=list)  # held-out manifests, never trained on (engine/validation.py)
     validation_batches: int = 8  # micro-batches per rank scored at each evaluation
     # manifests and shards at URLs (https://, s3://, gs://, file://, pipe:CMD; pretrieve/data/remote.py)
@@ -87,6 +91,14 @@ class DataOptions:
     timeout: float = 60.0  # seconds one request (one 8 MiB block) may take before it counts as failed
     prefetch_shards: int = 1  # shards each reader loads ahead in the background
     storage_options: dict = field(default_factory=dict)  # per URL scheme, fsspec options: {s3: {anon: true}}
+    # before the run starts, each shard against its manifest: size (a stat or a request each), sha256 (reads every
+    # shard whole), or none (data/shard_check.py); the stream verifies each shard's sha256 as it reads it anyway
+    check_shards: str = "size"
+
+    def tokenizer_dir(self) -> str:
+        """The run's tokenizer: data.tokenizer, else the bundled one (the one place that default is applied, for
+        the pad id, masking and the export alike)."""
+        return self.tokenizer or DEFAULT_TOKENIZER
 
 
 @dataclass
@@ -192,28 +204,34 @@ def section_keys(name: str) -> list[str]:
     return [f.name for f in fields(classes[name])]
 
 
-def section(config: DictConfig, name: str, cls):
-    """Section `name` of `config` as options `cls` (an absent section: all defaults)."""
-    return options_of(cls, OmegaConf.to_container(config.get(name) or OmegaConf.create({}), resolve=True), name)
+def section(config: DictConfig, name: str, cls, problems: Problems | None = None):
+    """Section `name` of `config` as options `cls` (an absent section: all defaults). With `problems`, its errors
+    are added there and the values that passed are kept, so that their checks still run (options_of)."""
+    return options_of(cls, OmegaConf.to_container(config.get(name) or OmegaConf.create({}), resolve=True), name,
+                      problems=problems)
 
 
 def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     """The validated experiment; every error names its key, and all of them are reported at once."""
     problems = Problems()
     problems.parse(unknown_top_level, config, {*SECTIONS, *PLAIN_KEYS})
-    model = problems.parse(model_options, config)
+    model = model_options(config, problems)
     method, options = problems.parse(method_options, config) or (None, None)
-    data = problems.parse(section, config, "data", DataOptions)
+    data = section(config, "data", DataOptions, problems)
     sections = problems.parse(run_sections, config, world_size)
     resume = problems.parse(resume_of, config)
     init_checkpoint = problems.parse(init_checkpoint_of, config)
+    manifests = None
     if data is not None:
         _check_data(data, sections[0] if sections else None, problems)
+        manifests = _read_manifests(data, problems)
+        data.corpora = _corpus_names(data, manifests, problems)
     if model is not None:
-        _check_model(model, options, data, problems)
+        _check_model(model, options, data, manifests, problems)
     problems.raise_any()
+    config = OmegaConf.merge(config, {"data": {"corpora": data.corpora}})  # config.yaml names them: the model card
     if model.pad_token_id is None and not model.init_from:  # the model pads as the shards do
-        model.pad_token_id = _pad_token_id(data.tokenizer)
+        model.pad_token_id = _pad_token_id(data.tokenizer_dir())
     train, checkpoint, tracking = sections
     return Experiment(seed=int(config.get("seed", 42)), run_dir=Path(config.get("run_dir") or f"runs/{method.name}"),
                       resume=resume, train=train, checkpoint=checkpoint, tracking=tracking, raw=config,
@@ -230,6 +248,37 @@ def unknown_top_level(config: DictConfig, known: set[str]) -> None:
 def _local_manifests(paths: list[str]) -> list[tuple[int, str]]:
     """(index, path) of the local manifests among `paths` (URLs are checked when opened)."""
     return [(i, path) for i, path in enumerate(paths) if not is_remote(path)]
+
+
+def _read_manifests(data: DataOptions, problems: Problems) -> dict[int, dict]:
+    """{index: content} of the local manifests of data.manifests that exist (a missing one is reported by
+    _check_data); one that is not JSON is an error naming it."""
+    read = {}
+    for i, path in _local_manifests(data.manifests):
+        file = Path(local_path(path))
+        if file.is_file():
+            try:
+                content = json.loads(file.read_text(encoding="utf-8"))
+            except (ValueError, OSError) as e:
+                problems.add(f"data.manifests[{i}]: {file}: not a readable manifest ({e}); re-run `pretrieve "
+                             "prepare`, or copy it again")
+                continue
+            read[i] = content if isinstance(content, dict) else {}
+    return read
+
+
+def _corpus_names(data: DataOptions, manifests: dict[int, dict], problems: Problems) -> list[str] | None:
+    """data.corpora, one name per manifest; by default each manifest's own `source`, so that the model card and
+    MLflow name the corpora the run reads, whatever the config file listed before its manifests were overridden."""
+    if data.corpora is not None:
+        if len(data.corpora) != len(data.manifests):
+            problems.add(f"data.corpora: {len(data.corpora)} names ({', '.join(data.corpora)}) for "
+                         f"{len(data.manifests)} manifests; name each manifest's corpus, or leave data.corpora out "
+                         "(each manifest records its source)")
+            return None
+        return data.corpora
+    return [str(manifests.get(i, {}).get("source") or PurePosixPath(str(path).rstrip("/")).parent.name
+                or str(path)) for i, path in enumerate(data.manifests)]
 
 
 def _check_data(data: DataOptions, train: TrainOptions | None, problems: Problems) -> None:
@@ -250,6 +299,8 @@ def _check_data(data: DataOptions, train: TrainOptions | None, problems: Problem
         problems.add(f"data.weights: {len(data.weights)} weights for {len(data.manifests)} manifests")
     if data.weights is not None and not (all(math.isfinite(w) and w >= 0 for w in data.weights) and sum(data.weights)):
         problems.add(f"data.weights: {data.weights}: each must be finite and >= 0, and one > 0")
+    if data.check_shards not in SHARD_CHECKS:
+        problems.add(f"data.check_shards: {data.check_shards!r} is not one of {', '.join(SHARD_CHECKS)}")
     if data.num_workers < 0 or data.shuffle_buffer < 1:
         problems.add(f"data.num_workers must be >= 0 and data.shuffle_buffer >= 1 (got {data.num_workers}, "
                      f"{data.shuffle_buffer})")
@@ -260,16 +311,17 @@ def _check_data(data: DataOptions, train: TrainOptions | None, problems: Problem
 
 
 @functools.lru_cache(maxsize=8)  # `scale plan` builds a config per point, all with one tokenizer
-def _pad_token_id(tokenizer: str | None) -> int:
-    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+def _pad_token_id(tokenizer: str) -> int:
+    from pretrieve.data.tokenizer import load_tokenizer
 
-    pad = load_tokenizer(tokenizer or DEFAULT_TOKENIZER).pad_token_id
+    pad = load_tokenizer(tokenizer).pad_token_id
     if pad is None:
         raise ConfigError(f"data.tokenizer: {tokenizer} has no pad token; set model.pad_token_id")
     return pad
 
 
-def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, problems: Problems) -> None:
+def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, manifests: dict[int, dict] | None,
+                 problems: Problems) -> None:
     if model.init_from and not Path(model.init_from).is_dir():
         problems.add(f"model.init_from: {model.init_from} is not a directory")
     if model.init_from:
@@ -283,12 +335,11 @@ def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, pr
         if model.unpad and not backbone.unpads:
             problems.add(f"model.unpad: the {model.backbone} backbone has no unpadded path (modernbert has)")
     # an id past the embedding table fails steps later, deep in a CUDA or CPU kernel (remote manifests: not read)
-    for i, path in _local_manifests(data.manifests if data is not None else []):
-        if Path(local_path(path)).is_file():
-            vocab = json.loads(Path(local_path(path)).read_text()).get("tokenizer", {}).get("vocab_size", 0)
-            if vocab > model.vocab_size:
-                problems.add(f"model.vocab_size: {model.vocab_size}, but data.manifests[{i}] ({path}) was "
-                             f"tokenized with a vocabulary of {vocab}")
+    for i, manifest in (manifests or {}).items():
+        vocab = (manifest.get("tokenizer") or {}).get("vocab_size", 0)
+        if vocab > model.vocab_size:
+            problems.add(f"model.vocab_size: {model.vocab_size}, but data.manifests[{i}] ({data.manifests[i]}) was "
+                         f"tokenized with a vocabulary of {vocab}")
     max_len = getattr(options, "max_len", None)
     if max_len is not None and max_len > model.max_position_embeddings:
         problems.add(f"method.max_len: {max_len} positions, but model.max_position_embeddings is "
@@ -320,9 +371,9 @@ def _check_checkpoint_positions(model: ModelOptions, max_len: int | None, proble
 def run_sections(config: DictConfig, world_size: int) -> tuple[TrainOptions, CheckpointOptions, Any]:
     """The validated `train:`, `checkpoint:` and `tracking:` sections, shared by pre-training and fine-tuning."""
     problems = Problems()
-    train = problems.parse(section, config, "train", TrainOptions)
-    checkpoint = problems.parse(section, config, "checkpoint", CheckpointOptions)
-    tracking = problems.parse(section, config, "tracking", TrackingOptions)
+    train = section(config, "train", TrainOptions, problems)
+    checkpoint = section(config, "checkpoint", CheckpointOptions, problems)
+    tracking = section(config, "tracking", TrackingOptions, problems)
     if train is not None:
         _check_train(train, world_size, problems)
     if checkpoint is not None and (checkpoint.every < 1 or checkpoint.keep < 1):

@@ -31,6 +31,7 @@ def train(exp: Experiment) -> dict:
 def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.remote import ReadOptions
+    from pretrieve.data.shard_check import check_shards
     from pretrieve.data.stream import ShardStream, StreamLoader
     from pretrieve.data.tokenizer import describe, load_tokenizer
 
@@ -40,11 +41,13 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     if exp.train.activation_checkpointing:
         head.encoder.enable_activation_checkpointing()
     # masking's special tokens and word boundaries are the tokenizer's; the shards must have been prepared with it
-    tokenizer = training_tokenizer(exp)
+    tokenizer = exp.data.tokenizer_dir()
     loaded = load_tokenizer(tokenizer)  # once, for the vocabulary's roles and the shards' fingerprint
     collate = exp.method.collator.from_options(exp.options, Vocabulary.of_loaded(loaded, tokenizer), seed=exp.seed)
     fingerprint = describe(tokenizer, loaded.backend_tokenizer).fingerprint
     read = ReadOptions.from_options(exp.data)  # URLs: retries, timeout, prefetch, storage options
+    # a truncated or replaced shard named now, not minutes into the run
+    check_shards([*exp.data.manifests, *exp.data.validation], read, exp.data.check_shards)
     stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
                          shuffle_buffer=exp.data.shuffle_buffer, read=read, tokenizer=fingerprint)
     # The loader's own generator: starting an iteration must not draw from the global RNG (dropout), or a
@@ -67,21 +70,11 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
         tags=run_tags(exp.method.name, exp.data.corpora, head.encoder.config), validation=validation)
 
 
-def training_tokenizer(exp: Experiment) -> str:
-    """The tokenizer directory of a run: data.tokenizer, else the bundled bert-base-uncased vocabulary."""
-    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
-
-    return exp.data.tokenizer or DEFAULT_TOKENIZER
-
-
 def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     """`pretrieve export CHECKPOINT OUT`: a pre-training checkpoint as an HF directory plus the head's weights and
     a model card. CHECKPOINT is a run directory (its latest checkpoint), its checkpoints/ directory, or one tag
     directory. The head is rebuilt from the run's config.yaml and encoder_config.json."""
-    from omegaconf import OmegaConf
-
-    from pretrieve.config import load_config, method_options
-    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
+    from pretrieve.config import DataOptions, load_config, method_options, section
     from pretrieve.eval.model_card import write_model_card
     from pretrieve.models.encoder import Encoder
     from pretrieve.models.export import export
@@ -91,5 +84,5 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     method, options = method_options(config)
     head = method.head(Encoder.from_config_file(run_dir / ENCODER_CONFIG), options)
     load_checkpoint_weights(head, ckpt_dir, tag)
-    return export(head, out, tokenizer=OmegaConf.select(config, "data.tokenizer") or DEFAULT_TOKENIZER,
+    return export(head, out, tokenizer=section(config, "data", DataOptions).tokenizer_dir(),
                   before_rename=lambda tmp: write_model_card(out, run_dir, tag, card_dir=tmp))

@@ -222,6 +222,21 @@ def test_readme_names_every_test_target():
     assert [t for t in targets if f"make {t}`" not in readme] == []
 
 
+def test_the_readme_example_leaves_git_status_clean():
+    """Run in a checkout, the end-to-end example's outputs (each named in it) are all ignored by git."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    example = (ROOT / "README.md").read_text().split("## End-to-end example")[1].split("\n## ")[0]
+    outputs = ["shards/wikipedia/manifest.json", "runs/tiny-dupmae/config.yaml", "exported/tiny-dupmae/config.json",
+               "evals/tiny-dupmae/metrics.json", "farm.yaml", "farm/bm25/scifact-sample/zero-shot/run.trec",
+               "report/report.html"]
+    for output in outputs:
+        assert output.split("/")[0] in example, output
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *outputs], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    assert [o for o in outputs if o not in ignored] == []
+
+
 @pytest.mark.parametrize("page", runnable("fast"), ids=rel)
 def test_runnable_blocks(page, tmp_path):
     run_blocks(page, ("fast",), tmp_path, FAST_TIMEOUT_S)

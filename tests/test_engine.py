@@ -72,6 +72,45 @@ def test_a_config_with_several_errors_reports_each(wiki_shards):
     assert str(raised.value).startswith("9 errors in the config:\n")
 
 
+def test_an_unknown_key_does_not_hide_the_errors_beside_it(wiki_shards):
+    """An unknown key in a section, and the same section's values out of range, all reported; a key whose value
+    was refused is reported once (no second message about the default that stood in for it)."""
+    overrides = ["train.micro_batch_size=0", "train.bogus=1", "method.bogus=1", "method.mlm_ratio=1.5",
+                 "data.bogus=1", "data.num_workers=-1", "data.manifests=/a/manifest.json", "checkpoint.bogus=1",
+                 "checkpoint.every=0"]
+    with pytest.raises(ConfigError) as raised:
+        experiment(_config(wiki_shards, *overrides))
+    problems = raised.value.problems
+    for start in ("train.micro_batch_size: must be >= 1, got 0", "train.bogus: unknown key", "method.bogus: unknown",
+                  "method.mlm_ratio: must be in (0, 1]", "data.bogus: unknown key", "data.num_workers must be >= 0",
+                  "data.manifests: expected list", "checkpoint.bogus: unknown key",
+                  "checkpoint.every and checkpoint.keep must be >= 1"):
+        assert [p for p in problems if p.startswith(start)], (start, problems)
+    assert len(problems) == 9, problems
+
+
+def test_the_corpus_names_are_those_of_the_manifests(wiki_shards, books_shards, tmp_path):
+    """The model card (from config.yaml) and MLflow's corpus_mix name what the manifests hold: each manifest's
+    `source`, or the names data.corpora gives, one per manifest; a count that does not match is refused."""
+    from omegaconf import OmegaConf
+
+    from pretrieve.engine.tracking import run_tags
+
+    exp = experiment(_config(wiki_shards))
+    assert exp.data.corpora == ["wikipedia"] and OmegaConf.select(exp.raw, "data.corpora") == ["wikipedia"]
+    assert run_tags(exp.method.name, exp.data.corpora, exp.model.hf_config())["corpus_mix"] == "wikipedia"
+    both = f"data.manifests=[{wiki_shards / 'manifest.json'},{books_shards / 'manifest.json'}]"
+    assert experiment(_config(wiki_shards, both)).data.corpora == ["wikipedia", "books"]
+    assert experiment(_config(wiki_shards, both, "data.corpora=[wiki,pg19]")).data.corpora == ["wiki", "pg19"]
+    with pytest.raises(ConfigError, match=r"data.corpora: 2 names \(wikipedia, books\) for 1 manifests"):
+        experiment(_config(wiki_shards, "data.corpora=[wikipedia,books]"))
+
+    damaged = tmp_path / "manifest.json"  # a copy cut short: an error naming the file, not a bare JSON error
+    damaged.write_text((wiki_shards / "manifest.json").read_text()[:100])
+    with pytest.raises(ConfigError, match=rf"data.manifests\[0\]: {damaged}: not a readable manifest \(.*\); re-run "):
+        experiment(_config(wiki_shards, f"data.manifests=[{damaged}]"))
+
+
 def test_pretrain_help_lists_the_config_sections_and_the_docs(capsys, monkeypatch, wiki_shards):
     """Each section with its keys, as the schema in config.py has them: every key listed is one a config may set."""
     from pretrieve.cli import main
@@ -146,16 +185,21 @@ def _pretrain(run_dir, wiki_shards, *overrides):
 
 STAGES = (0, 1, 2, 3)
 SCHEDULE = {0: "linear", 1: "cosine", 2: "constant", 3: "wsd"}  # one per stage: each resumes exactly
+MID_INTERVAL = ["train.zero_stage=0", "train.max_steps=4", "train.lr_schedule=linear", "train.warmup_ratio=0.25",
+                "train.decay_ratio=0.5", "tracking.enabled=false"]  # full0's settings
 
 
 @pytest.fixture(scope="module")
 def first_halves(tmp_path_factory, wiki_shards):
-    """Per ZeRO stage, in one process: an uninterrupted 4-step run and a 4-step run stopped after step 2."""
+    """Per ZeRO stage, in one process: an uninterrupted 4-step run and a 4-step run stopped after step 2; and
+    at ZeRO 0 a run logging every 3 steps stopped after step 2, in the middle of its first interval."""
     base = tmp_path_factory.mktemp("resume")
     runs = [[f"run_dir={base / name}{stage}", f"train.zero_stage={stage}", "train.max_steps=4", *stop,
              f"train.lr_schedule={SCHEDULE[stage]}", "train.warmup_ratio=0.25", "train.decay_ratio=0.5",
              "tracking.enabled=false", *_common(wiki_shards)]
             for stage in STAGES for name, stop in (("full", []), ("split", ["train.stop_at=2"]))]
+    runs.append([f"run_dir={base / 'midinterval'}", *MID_INTERVAL, "train.stop_at=2", *_common(wiki_shards),
+                 "train.log_every=3"])
     done = subprocess.run([sys.executable, str(Path(__file__).parent / "train_many.py"),
                            str(CONFIGS / "tiny-retromae.yaml"), json.dumps(runs)], env=pretrain_env(),
                           capture_output=True, text=True, timeout=900)
@@ -197,6 +241,25 @@ def test_resume_reproduces_the_uninterrupted_run(first_halves, wiki_shards, stag
     if stage == 0:  # a run directory with checkpoints is never overwritten by accident
         with pytest.raises(AssertionError, match="already holds checkpoints; pass resume=auto"):
             _pretrain(split_dir, wiki_shards, zero, "train.max_steps=6")
+
+
+def test_a_resume_in_the_middle_of_a_logging_interval_logs_the_uninterrupted_records(first_halves, wiki_shards):
+    """Logging every 3 steps, stopped after step 2 and resumed: the checkpoint carried the window's partial sums,
+    so the records of steps 3 and 4 are the uninterrupted run's (full0, which logged every step: step 3's window
+    is the mean of its steps 1-3, summed in the same order): the loss bit for bit. The `dec` part and the gradient
+    norm of step 3 have come out one float32 rounding off (3e-8) in this resumed process; step 4 is exact."""
+    run_dir = first_halves / "midinterval"
+    assert not (run_dir / "metrics.jsonl").exists()  # stop_at=2 is no log step: the window went into the checkpoint
+    resumed = _pretrain(run_dir, wiki_shards, *MID_INTERVAL, "resume=auto", "train.log_every=3")
+    every = [json.loads(line) for line in (first_halves / "full0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [3, 4]
+    means = {key: (every[0][key] + every[1][key] + every[2][key]) / 3 for key in ("loss", "mlm", "dec")}
+    assert (resumed[0]["loss"], resumed[0]["lr"]) == (means["loss"], every[2]["lr"])
+    assert resumed[0]["dec"] == pytest.approx(means["dec"], rel=1e-7) and resumed[0]["mlm"] == pytest.approx(
+        means["mlm"], rel=1e-7) and resumed[0]["grad_norm"] == pytest.approx(every[2]["grad_norm"], rel=1e-6)
+    timing = {"tokens_per_s", "samples_per_s", "tflops_per_device", "mfu"}
+    assert {k: v for k, v in resumed[1].items() if k not in timing} == {k: v for k, v in every[3].items()
+                                                                        if k not in timing}
 
 
 def test_validation_loss_changes_nothing_and_resumes(first_halves, tmp_path, wiki_shards, books_shards):

@@ -54,6 +54,9 @@ def test_sigterm_checkpoints_exits_85_and_resume_matches(tmp_path, wiki_shards, 
     assert proc.returncode == 85, err[-2000:]
     stopped_at = int((run / "checkpoints" / "latest").read_text().removeprefix("step"))
     assert 3 <= stopped_at < 12
+    # the step and where it went, as Ctrl-C's line says them
+    assert f"pretrieve pretrain: preempted: saved step {stopped_at} to {run / 'checkpoints'}/step{stopped_at:08d}; " \
+           "exit 85 (resume=auto continues)" in err, err[-2000:]
     assert not (run / "export").exists()
 
     done = subprocess.run(_command(run, wiki_shards, steps, "resume=auto"), env=pretrain_env(), capture_output=True,

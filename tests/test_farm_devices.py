@@ -116,6 +116,21 @@ def test_bad_gpus_values_name_the_key_and_the_farm_file(tmp_path, monkeypatch, g
     assert str(error.value) == f"{farm}: {message}"
 
 
+@pytest.mark.parametrize("checkpoint,dataset,message", [
+    ({"name": "bm25", "bm52": True}, {"name": "scifact", "beir": str(SCIFACT)},
+     "checkpoints[0].bm52: unknown (known: name, model, bm25, pooling, normalize, run_dir)"),
+    ({"name": "bm25", "bm25": True}, {"name": "scifact", "bier": str(SCIFACT)},
+     "datasets[0].bier: unknown (known: name, beir, msmarco, split)"),
+])
+def test_a_typo_in_a_farm_entry_is_named(tmp_path, checkpoint, dataset, message):
+    """Not "no 'model'" for a misspelt bm25: the unknown key itself."""
+    farm = tmp_path / "farm.yaml"
+    farm.write_text(json.dumps({"checkpoints": [checkpoint], "datasets": [dataset]}))
+    with pytest.raises(ValueError) as error:
+        load_farm(farm)
+    assert str(error.value) == f"{farm}: {message}"
+
+
 def test_device_ids_count_the_devices_this_process_sees(tmp_path, monkeypatch):
     """Under CUDA_VISIBLE_DEVICES=2,3 (a SLURM allocation, say) id 1 is GPU 3 and id 2 does not exist; a chain
     of more ranks than devices is refused before anything runs."""

@@ -6,6 +6,8 @@ taking its pooling, normalisation and length from the model it starts from."""
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,50 @@ def test_a_config_pretrieve_cannot_follow_is_refused_unless_a_pooling_is_given(t
     (model / "1_Pooling" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="1_Pooling/config.json: no pooling mode is on"):
         declared_encoding(model)
+
+
+def test_a_run_directory_or_a_folder_that_is_no_model_is_named_so(tmp_path, tiny_encoder):
+    """Not transformers' "install sentencepiece or tiktoken": what the folder is, and where a run's model is."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("seed: 42\n")
+    with pytest.raises(ValueError, match=rf"{run}: not a model directory \(no config.json\); it is a run directory "
+                                         rf"that has not exported its model yet: `pretrieve export {run} OUT`"):
+        resolve_encoding(run)
+    shutil.copytree(tiny_encoder, run / "export")
+    done = subprocess.run([sys.executable, "-m", "pretrieve", "eval", "--model", str(run), "--beir",
+                           str(SAMPLES / "beir" / "scifact-sample"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "sentencepiece" not in done.stderr
+    assert done.stderr.strip().endswith(f"pretrieve eval: error: {run}: not a model directory (no config.json); "
+                                        f"it is a run directory: its model is {run / 'export'}"), done.stderr
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(ValueError, match="notes: not a model directory .* give `pretrieve export`'s output"):
+        resolve_encoding(tmp_path / "notes")
+    weights_only = _bert_dir(tmp_path, tiny_encoder, "weights-only")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"):
+        (weights_only / name).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="weights-only: a model without a tokenizer"):
+        resolve_encoding(weights_only)
+
+
+def test_a_max_length_past_the_positions_is_refused_given_and_cut_otherwise(tmp_path, tiny_encoder, capsys):
+    """--max-length 4096 on a 512-position model is refused naming the limit, not a tensor size error; a
+    length from the default or the model's own config is cut to the limit, and that is said."""
+    with pytest.raises(ValueError, match=f"max length 4096: {tiny_encoder} has 512 positions"):
+        resolve_encoding(tiny_encoder, max_length=4096)
+    assert resolve_encoding(tiny_encoder, max_length=512).max_length == 512
+    short = _bert_dir(tmp_path, tiny_encoder, "short")
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
+    capsys.readouterr()
+    assert resolve_encoding(short).max_length == 128  # the default, 256, cut
+    assert "max length cut from 256 to the model's 128 positions" in capsys.readouterr().err
+    roberta = _bert_dir(tmp_path, tiny_encoder, "roberta")  # RoBERTa's table holds pad + 1 more rows
+    (roberta / "config.json").write_text(json.dumps({**config, "model_type": "roberta", "pad_token_id": 1,
+                                                     "max_position_embeddings": 514}))
+    with pytest.raises(ValueError, match="has 512 positions"):
+        resolve_encoding(roberta, max_length=513)
 
 
 def test_eval_of_minilm_without_flags_equals_explicit_mean_and_normalize(tmp_path):

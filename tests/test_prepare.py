@@ -90,11 +90,14 @@ def test_short_seq_prob_makes_short_blocks(tmp_path):
     assert m["num_samples"] > full["num_samples"] and m["num_tokens"] == full["num_tokens"]
 
 
-def test_rerun_is_a_no_op_and_other_arguments_are_refused(tmp_path):
+def test_rerun_is_a_no_op_and_other_arguments_are_refused(tmp_path, capsys):
     first = prepare_sample(tmp_path, "books", "books", shard_size=16)
     mtime = os.stat(tmp_path / "manifest.json").st_mtime_ns
+    assert "nothing was done" not in capsys.readouterr().err
     assert prepare_sample(tmp_path, "books", "books", shard_size=16) == first
     assert os.stat(tmp_path / "manifest.json").st_mtime_ns == mtime
+    assert f"pretrieve prepare: {tmp_path} is already complete with these arguments and inputs: nothing was done " \
+           "(--overwrite prepares it again)" in capsys.readouterr().err
     with pytest.raises(PrepareError, match="other arguments"):
         prepare_sample(tmp_path, "books", "books", shard_size=32)
     again = prepare_sample(tmp_path, "books", "books", shard_size=32, overwrite=True)

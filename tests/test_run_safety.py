@@ -5,6 +5,7 @@ unpruned, a full disk while saving, and method options out of range."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,8 +135,23 @@ def test_a_resume_with_another_config_is_refused_before_anything_is_written(stop
     [record] = [json.loads(line) for line in (run_dir / "resume_changes.jsonl").read_text().splitlines()]
     assert record["checkpoint"] == "step00000002"
     assert record["changes"].pop("run_dir") == [str(stopped_run), str(run_dir)]  # copied: allowed
-    assert record["changes"] == {"checkpoint.every": [2, 5], "resume": [None, "auto"], "train.max_steps": [4, 5],
-                                 "train.stop_at": [2, None]}
+    assert record["changes"] == {"checkpoint.every": [2, 5], "train.max_steps": [4, 5], "train.stop_at": [2, None]}
+
+
+def test_a_resume_compares_paths_as_files_and_resume_is_no_change(tmp_path, monkeypatch):
+    """The manifest written relative at the start and absolute at the resume is one file: no change; and
+    `resume=auto`, which every resume says, is not recorded as one."""
+    from pretrieve.config import DataOptions
+    from pretrieve.engine.resume_check import check_resume
+
+    monkeypatch.chdir(tmp_path)
+    classes = lambda config: {"data": DataOptions}  # noqa: E731
+    saved = {"run_dir": "run", "data": {"manifests": ["shards/manifest.json"]}}
+    now = {"run_dir": "run", "resume": "auto", "data": {"manifests": [str(tmp_path / "shards" / "manifest.json")]}}
+    assert check_resume(saved, tmp_path / "config.yaml", now, classes) == {}
+    moved = {**now, "data": {"manifests": [str(tmp_path / "other" / "manifest.json")]}}
+    with pytest.raises(ConfigError, match="data.manifests"):
+        check_resume(saved, tmp_path / "config.yaml", moved, classes)
 
 
 def test_resume_changes_allow_continues_and_is_recorded(stopped_run, wiki_shards, tmp_path):
@@ -243,3 +259,51 @@ def test_bad_command_line_values_are_refused_by_option(argv, message, capsys):
     with pytest.raises(SystemExit) as refused:
         main(argv)
     assert refused.value.code == 2 and message in capsys.readouterr().err
+
+
+def _damaged_copy(wiki_shards: Path, out: Path, shard: int = 3) -> Path:
+    """The Wikipedia shards with shard `shard` cut to half its size, as an interrupted copy leaves it."""
+    shutil.copytree(wiki_shards, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    damaged = out / manifest["shards"][shard]["file"]
+    damaged.write_bytes(damaged.read_bytes()[:damaged.stat().st_size // 2])
+    return damaged
+
+
+def test_a_damaged_shard_is_refused_before_start_up_and_a_failed_start_leaves_nothing(tmp_path, wiki_shards):
+    """A truncated shard is named before DeepSpeed starts, and the run directory it would have made is not left
+    behind. Unchecked (data.check_shards=none), the stream finds it after start-up, before the first step: the
+    directory goes too, and the MLflow run ends FAILED, not RUNNING."""
+    from mlflow.tracking import MlflowClient
+
+    damaged = _damaged_copy(wiki_shards, tmp_path / "shards")
+    runs = tmp_path / "runs"
+    done = _pretrain(runs / "checked", tmp_path / "shards", "train.max_steps=2", "tracking.enabled=true",
+                     check=False)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"1 of 11 shards fail the size check (data.check_shards): {damaged}: truncated: " in done.stderr
+    assert not (runs / "checked").exists() and not (runs / "mlflow.db").exists()  # refused before any of it
+
+    done = _pretrain(runs / "unchecked", tmp_path / "shards", "train.max_steps=2", "tracking.enabled=true",
+                     "data.check_shards=none", check=False)
+    assert done.returncode == 1 and f"{damaged}: " in done.stderr, done.stderr[-3000:]
+    assert not (runs / "unchecked").exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlflow.db'}")
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.run_name == "unchecked" and run.info.status == "FAILED"
+
+
+def test_the_shards_sha256_is_checked_when_asked(tmp_path, wiki_shards):
+    """A shard changed in place keeps its size: `sha256` finds it, `size` does not."""
+    from pretrieve.data.shard_check import check_shards
+    from pretrieve.data.stream import StreamError
+
+    shutil.copytree(wiki_shards, tmp_path / "shards")
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    changed = tmp_path / "shards" / manifest["shards"][5]["file"]
+    data = bytearray(changed.read_bytes())
+    data[-2000] ^= 1
+    changed.write_bytes(bytes(data))
+    assert check_shards([str(tmp_path / "shards" / "manifest.json")], how="size") == 11
+    with pytest.raises(StreamError, match=rf"1 of 11 shards fail the sha256 check .*{changed}: sha256 differs"):
+        check_shards([str(tmp_path / "shards" / "manifest.json")], how="sha256")

@@ -89,6 +89,11 @@ def test_plan_command_prints_the_grid_and_writes_the_run_list(tmp_path, wiki_sha
     ({"budgets": {"tokens": [100]}},
      r"budgets.tokens\[0\]: 100 gives 100 tokens, less than one step \(4 x grad_accum 1 x world 1 x 64 = 256"),
     ({"budgets": {"flops": [1e12]}}, "budgets: give one of tokens"),
+    ({"budgets": {"tokens": ["abc"]}}, r"budgets.tokens\[0\]: a positive number is needed, got 'abc'"),
+    ({"budgets": {"tokens": [2048, -1.0]}}, r"budgets.tokens\[1\]: a positive number is needed, got -1.0"),
+    ({"budgets": {"tokens_per_parameter": [float("inf")]}}, r"budgets.tokens_per_parameter\[0\]: a positive number"),
+    ({"budgets": {"tokens": []}}, r"budgets.tokens: a non-empty list of numbers is needed, got \[\]"),
+    ({"budgets": {"tokens": 2048}}, r"budgets.tokens: a non-empty list of numbers is needed, got 2048"),
     ({"train": {"batch_size": 4}}, "train.batch_size .>= 1. and train.seq_len"),
     ({"config": str(CONFIGS / "tiny-{method}.yaml"), "train": {"batch_size": 4, "seq_len": 64,
                                                              "overrides": ["train.lr_schedule=step"]}},
@@ -97,6 +102,16 @@ def test_plan_command_prints_the_grid_and_writes_the_run_list(tmp_path, wiki_sha
 def test_bad_studies_name_the_key(tmp_path, wiki_shards, change, message):
     with pytest.raises(StudyError, match=message):
         plan(write_study(tmp_path, wiki_shards, **change))
+
+
+def test_a_budget_past_any_corpus_is_planned_with_a_warning(tmp_path, wiki_shards, capsys):
+    path = write_study(tmp_path, wiki_shards, methods=["mlm"], budgets={"tokens": [2048, 1e30]})
+    _, points = plan(path)
+    assert len(points) == 4
+    assert f"pretrieve: warning: {path}: budgets.tokens[1]: 1e+30 is more than 1e+13, more tokens than the " \
+           "largest pre-training corpora hold; a typo?" in capsys.readouterr().err
+    plan(write_study(tmp_path, wiki_shards, methods=["mlm"], budgets={"tokens": [2048, 1e12]}))
+    assert "warning" not in capsys.readouterr().err
 
 
 @pytest.mark.integration

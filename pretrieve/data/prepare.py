@@ -151,6 +151,7 @@ def _prepare_local(opts: PrepareOptions, out: Path) -> dict:
 
     state = _load_previous(out, job_id, opts.overwrite)
     if state.get("complete"):
+        _nothing_to_do(out)
         return state["manifest"]
     out.mkdir(parents=True, exist_ok=True)
     token_ext = token_extension(info.vocab_size)
@@ -268,6 +269,7 @@ def _prepare_remote(opts: PrepareOptions) -> dict:
         if previous.get("job_id") != job_id:
             raise PrepareError(f"{target} holds a complete prepare with other arguments or inputs; "
                                "use another --out or pass --overwrite")
+        _nothing_to_do(target)
         return previous
     stage = Path(opts.stage or Path(tempfile.gettempdir()) /
                  f"pretrieve-stage-{hashlib.sha256((target + job_id).encode()).hexdigest()[:16]}")
@@ -284,6 +286,11 @@ def _prepare_remote(opts: PrepareOptions) -> dict:
     if opts.stage is None:
         shutil.rmtree(stage, ignore_errors=True)
     return manifest
+
+
+def _nothing_to_do(out) -> None:
+    print(f"pretrieve prepare: {out} is already complete with these arguments and inputs: nothing was done "
+          "(--overwrite prepares it again)", file=sys.stderr)
 
 
 def _remote_manifest(location: str) -> dict | None:

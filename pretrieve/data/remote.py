@@ -150,6 +150,25 @@ def fetch(location: str, size: int | None = None, options: ReadOptions | None = 
     return _read_ranges(location, size, options, attempts)
 
 
+def size_of(location: str, options: ReadOptions | None = None) -> int | None:
+    """The size in bytes of the file at `location` (one stat, or one request with retries); None for `pipe:`,
+    whose output has no size until it is read."""
+    options = options or ReadOptions()
+    path = local_path(location)
+    if path is not None:
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError as e:
+            raise NotFound(f"{location}: not found ({e})") from e
+        except OSError as e:
+            raise ReadError(f"{location}: cannot read ({e})") from e
+    if scheme(location) == "pipe":
+        return None
+    fs, fs_path = filesystem(location, options)
+    return Attempts(location, options, threading.Event()).call(
+        lambda: _call(fs, "size", fs_path, timeout=options.timeout), "reading its size")
+
+
 def _read_ranges(location: str, size: int | None, options: ReadOptions, attempts: "Attempts"):
     fs, path = filesystem(location, options)
     if size is None:

@@ -161,7 +161,8 @@ class ShardStream(IterableDataset):
         if wrong:
             raise StreamError(f"{', '.join(wrong)}: shards were tokenized with another vocabulary than the training "
                               f"tokenizer {tokenizer} ({fingerprints[wrong[0]][:19]}... != {expected[:19]}...); "
-                              "re-run `pretrieve prepare --tokenizer` with the training tokenizer")
+                              "set data.tokenizer to the tokenizer they were prepared with, or re-run "
+                              "`pretrieve prepare --tokenizer` with the training tokenizer")
 
     # --- positions and state --------------------------------------------------------------------------
     def _begin(self, slots: int) -> None:

@@ -1,7 +1,8 @@
 """Checkpoints of a training run: DeepSpeed tags under run_dir/checkpoints/, one component for the loop.
 
 A tag `step<N>` holds the engine's state (model, optimizer, scheduler) and, per rank, the client state a resume
-needs to continue bit-exactly: the stream position, the RNG states and the sample and token counters. Its copy
+needs to continue bit-exactly: the stream position, the RNG states, the sample and token counters and the
+metrics window's partial sums. Its copy
 of the run's config is written last, the mark of a complete tag; `latest` moves to it only after that, so a
 crash while saving leaves the previous checkpoint in charge (docs/design.md, "Run directory").
 
@@ -26,11 +27,13 @@ from pretrieve.utils.run_dir import LATEST, TAG_CONFIG, latest_checkpoint, write
 
 class Checkpointer:
     """Saves and loads the checkpoints of one run for one rank; `position` is the loader's position (the job's
-    `position`: state_dict, load_state_dict and describe_position)."""
+    `position`: state_dict, load_state_dict and describe_position), `metrics` the metrics window (state_dict,
+    load_state_dict, merged)."""
 
-    def __init__(self, engine, ckpt_dir: Path, position, keep: int, rank: int, world: int, config_yaml: str):
+    def __init__(self, engine, ckpt_dir: Path, position, keep: int, rank: int, world: int, config_yaml: str,
+                 metrics=None):
         self.engine, self.ckpt_dir, self.position, self.keep = engine, ckpt_dir, position, keep
-        self.rank, self.world, self.config_yaml = rank, world, config_yaml
+        self.rank, self.world, self.config_yaml, self.metrics = rank, world, config_yaml, metrics
 
     def save(self, step: int, counters: dict) -> str:
         """Save tag `step<N>` (its config last, the mark of a complete tag), then point `latest` at it, then drop
@@ -41,6 +44,8 @@ class Checkpointer:
         if self.rank == 0:  # what a crashed attempt left of this tag (never `latest`: that moves only after a save);
             shutil.rmtree(self.ckpt_dir / tag, ignore_errors=True)  # the all_gather below holds the others back
         mine = {"stream": self.position.state_dict(), "rng": rng_state(), "counters": dict(counters)}
+        if self.metrics is not None:
+            mine["metrics"] = self.metrics.state_dict()
         every = [mine] if self.world == 1 else [None] * self.world  # DeepSpeed saves client state from rank 0 only
         if self.world > 1:
             dist.all_gather_object(every, mine)
@@ -67,15 +72,22 @@ class Checkpointer:
             raise RuntimeError(f"{folder / tag}: DeepSpeed could not load this checkpoint (see its log above)")
         if branch:
             start_at(self.engine.lr_scheduler, self.engine.global_steps)
+        # the metrics window of an interval the checkpoint cut (checkpoints before it was kept have none); a
+        # branch is a run of its own, whose first window starts with it
+        windows = client.get("metrics") if self.metrics is not None and not branch else None
         if len(client["stream"]) == world:
             self.position.load_state_dict(client["stream"][rank])
             set_rng_state(client["rng"][rank], f"{folder / tag}")
             counters = client["counters"][rank]
+            if windows:
+                self.metrics.load_state_dict(windows[rank])
         else:  # another world size (universal checkpoint): ranks ran in lockstep, any rank's position is all's
             self.position.load_state_dict(client["stream"][0])
             seed_everything(seed + self.engine.global_steps + rank)
             counters = {key: sum(c[key] for c in client["counters"]) if rank == 0 else 0  # the run's totals so far
                         for key in ("samples", "tokens")}
+            if windows and rank == 0:  # the sums are over ranks: rank 0 holds them all
+                self.metrics.load_state_dict(self.metrics.merged(windows))
         if rank == 0:
             start = f"resuming from {tag}" if not branch else f"branching from {folder / tag}"
             print(f"pretrieve: {start} (data position: {self.position.describe_position()})", file=sys.stderr,

@@ -5,6 +5,10 @@ micro-step reads nothing back (on a GPU each read would wait for it). At a log s
 ranks in one collective and read back once: losses averaged over ranks and micro-batches, throughput summed over
 ranks (tokens: non-padding), the share of the batches' positions that are padding, TFLOP/s and MFU per device
 (engine/flops.py), the gradient norm and the loss scale.
+
+Log steps are every `train.log_every`-th step and the last of the schedule, wherever a run stops: a checkpoint
+carries the window's partial sums (`state_dict`), so a run stopped in the middle of an interval and resumed logs
+the uninterrupted run's records, bit for bit but the timings.
 """
 
 from __future__ import annotations
@@ -23,9 +27,35 @@ class MetricsWindow:
     the other ranks write nothing but take part in the reduction)."""
 
     def __init__(self, path: Path | None, tracker, engine, peak: float | None):
-        self.file = open(path, "a") if path is not None else None
+        self.path, self.file = path, None  # opened at the first record: a resume truncates it after its load
         self.tracker, self.engine, self.peak = tracker, engine, peak
         self._reset()
+
+    def state_dict(self) -> dict:
+        """The partial sums since the last log step (a checkpoint carries them), as plain numbers: float64 sums
+        come back exactly."""
+        return {"loss": float(self.loss), "parts": {n: float(v) for n, v in self.parts.items()},
+                "micro": self.micro, "tokens": self.tokens, "samples": self.samples, "flops": self.flops,
+                "positions": self.positions, "seconds": time.perf_counter() - self.started}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the window `state` describes: the next micro-batch's losses add to these float64 sums in the
+        order they would have (held as Python floats: nothing is allocated before the first step, whose CPU
+        kernels may round otherwise on memory laid out otherwise)."""
+        self.loss = state["loss"]
+        self.parts = dict(state["parts"])
+        for key in ("micro", "tokens", "samples", "flops", "positions"):
+            setattr(self, key, state[key])
+        self.started = time.perf_counter() - state["seconds"]
+
+    @staticmethod
+    def merged(states: list[dict]) -> dict:
+        """One window holding the sums of `states` (a resume at another world size: rank 0 takes them all)."""
+        names = {name for state in states for name in state["parts"]}
+        return {"loss": sum(s["loss"] for s in states),
+                "parts": {n: sum(s["parts"].get(n, 0.0) for s in states) for n in names},
+                **{key: sum(s[key] for s in states) for key in ("micro", "tokens", "samples", "flops", "positions")},
+                "seconds": max(s["seconds"] for s in states)}
 
     def _reset(self) -> None:
         self.loss, self.parts = 0.0, {}
@@ -81,6 +111,8 @@ class MetricsWindow:
 
     def write(self, record: dict) -> None:
         """One record (with its "step") to metrics.jsonl and MLflow, on rank 0."""
+        if self.path is not None and self.file is None:
+            self.file = open(self.path, "a")
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()

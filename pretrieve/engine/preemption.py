@@ -93,7 +93,10 @@ def training_stopped(why: Stop, checkpoint: Path | None, step: int | None) -> St
     """How a training run stopped by `why` ends: `checkpoint` saved at `step` now, or (step None) the run's
     position from before its start-up, when the signal came before the first step."""
     if why == Stop.PREEMPTED:
-        return Preempted(during_start_up=step is None)
+        if step is None:
+            return Preempted(during_start_up=True)
+        return Preempted(line=f"preempted: saved step {step} to {checkpoint}; exit {PREEMPTED_EXIT_CODE} "
+                              "(resume=auto continues)")
     if step is None:
         since = f"nothing trained since {checkpoint}" if checkpoint else "nothing trained yet"
         return Interrupted(f"interrupted during start-up, before the first step ({since}); rerun with resume=auto")

@@ -2,7 +2,8 @@
 wrote the checkpoint (a copy inside each tag, `config.yaml`; for tags written before that copy existed, the run
 directory's `config.yaml`) before anything in the run directory is written.
 
-Keys that only say how long, how often or where to report (MAY_CHANGE) may differ; the changes are recorded
+Paths compare as absolute paths (against the working directory), and `resume` itself is no change. Keys that
+only say how long, how often or where to report (MAY_CHANGE) may differ; the changes are recorded
 in `resume_changes.jsonl` and on the MLflow run. Any other difference (a batch size, a method option, the
 precision, the ZeRO stage, the data) would continue another experiment on this one's weights, or fail deep
 inside DeepSpeed: it is refused, naming every differing key, unless the config says `resume_changes: allow`,
@@ -12,6 +13,7 @@ which is recorded the same way.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -19,13 +21,19 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
+from pretrieve.data.remote import local_path
 from pretrieve.utils.options import ConfigError
 from pretrieve.utils.run_dir import TAG_CONFIG
 
 # dotted keys, or prefixes ending in "."
 MAY_CHANGE = ("run_dir", "resume", "resume_changes", "init_checkpoint", "train.max_steps", "train.stop_at",
               "train.log_every", "train.eval_every", "train.max_runtime", "train.startup_timeout", "train.peak_flops",
-              "checkpoint.every", "checkpoint.keep", "data.num_workers", "tracking.")
+              "checkpoint.every", "checkpoint.keep", "data.num_workers", "data.check_shards",
+              "data.corpora", "tracking.")
+# how this invocation starts, not what it continues: never a change
+NOT_COMPARED = ("resume",)
+# file locations: a relative and an absolute path to one file are the same setting
+PATH_KEYS = ("data.manifests", "data.validation", "data.tokenizer", "model.init_from", "train.ds_config")
 # another world size keeps the global batch through another split of it
 UNIVERSAL_MAY_CHANGE = ("train.micro_batch_size", "train.grad_accum", "train.global_batch_size")
 CHANGES_FILE = "resume_changes.jsonl"
@@ -38,6 +46,22 @@ def _flat(tree, prefix: str = "") -> dict:
     for key, value in tree.items():
         out.update(_flat(value, f"{prefix}{key}."))
     return {key.rstrip("."): value for key, value in out.items()}
+
+
+def _absolute(value):
+    """A local path (or each of a list) made absolute, against the working directory; URLs as they are."""
+    if isinstance(value, list):
+        return [_absolute(v) for v in value]
+    if isinstance(value, str) and local_path(value) is not None:
+        return os.path.abspath(local_path(value))
+    return value
+
+
+def _compared(config: dict, section_classes) -> dict:
+    """`config` flat, with its defaults filled in, its paths absolute and NOT_COMPARED left out."""
+    flat = _flat(with_defaults(config, section_classes(config)))
+    return {key: _absolute(value) if key in PATH_KEYS else value for key, value in flat.items()
+            if key not in NOT_COMPARED}
 
 
 def _may_change(key: str) -> bool:
@@ -72,8 +96,7 @@ def check_resume(saved: dict, saved_from: Path, config: dict, section_classes: C
     (with a universal checkpoint, which resumes at another world size, also UNIVERSAL_MAY_CHANGE) and
     `resume_changes` is not "allow". `section_classes(config)`: the options class of each of its sections (the
     experiment's, RunExperiment.section_classes)."""
-    before = _flat(with_defaults(saved, section_classes(saved)))
-    after = _flat(with_defaults(config, section_classes(config)))
+    before, after = _compared(saved, section_classes), _compared(config, section_classes)
     changes = {key: [before.get(key), after.get(key)] for key in sorted(set(before) | set(after))
                if before.get(key) != after.get(key)}
     refused = [key for key in changes if not _may_change(key) and not (universal and key in UNIVERSAL_MAY_CHANGE)]

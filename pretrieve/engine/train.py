@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -26,7 +27,7 @@ from pretrieve.engine.determinism import deterministic
 from pretrieve.engine.flops import device_peak
 from pretrieve.engine.lr_schedule import LRSchedule
 from pretrieve.engine.metrics import MetricsWindow, plain_grad_norm, truncate_metrics
-from pretrieve.engine.preemption import StopFlag, prebuild_ops, retryable_startup, shield_children
+from pretrieve.engine.preemption import StopFlag, Stopped, prebuild_ops, retryable_startup, shield_children
 from pretrieve.engine.resume_check import check_resume, record_changes, saved_config
 from pretrieve.engine.rng import seed_everything
 from pretrieve.engine.tracking import Tracker, run_params
@@ -80,11 +81,24 @@ def run_training(exp: RunExperiment, build_job: Callable[[Any, int], TrainingJob
     stop = StopFlag(exp.train.max_runtime)
     # rank 0 holds the run directory for the run's life: a second trainer there is refused, naming this one
     lock = DirectoryLock(exp.run_dir, "trainer") if rank == 0 else contextlib.nullcontext()
+    created = rank == 0 and not exp.run_dir.exists()
     try:
         with lock, deterministic(exp.train.deterministic):
             return _run_training(exp, build_job, rank, world, stop)
+    except BaseException:
+        if created:  # a run that ended before its first step leaves no skeleton to mistake for a run
+            _remove_untrained(exp.run_dir)
+        raise
     finally:
         stop.restore()
+
+
+def _remove_untrained(run_dir: Path) -> None:
+    """Remove `run_dir`, made by this attempt, when no step of it remains: no checkpoint, nothing logged."""
+    ckpt_dir, metrics = run_dir / "checkpoints", run_dir / "metrics.jsonl"
+    if (ckpt_dir.is_dir() and any(ckpt_dir.iterdir())) or (metrics.is_file() and metrics.stat().st_size):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @dataclass
@@ -160,7 +174,21 @@ def _run_training(exp: RunExperiment, build_job, rank: int, world: int, stop: St
     if rank == 0:
         tracker = Tracker(exp.tracking, run_dir, run_params(start.config, ds_config), job.tags, fresh=start.fresh)
         record_changes(run_dir, start.tag, start.changes, tracker)
-    checkpoints = Checkpointer(engine, ckpt_dir, job.position, exp.checkpoint.keep, rank, world, start.config_yaml)
+    try:
+        return _train(exp, job, engine, ds_config, start, tracker, rank, world, stop)
+    except BaseException as e:  # a stop has ended its MLflow run as KILLED already
+        if tracker is not None and not isinstance(e, Stopped):
+            tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        raise
+
+
+def _train(exp: RunExperiment, job: TrainingJob, engine, ds_config: dict, start: _Start, tracker: Tracker | None,
+           rank: int, world: int, stop: StopFlag) -> dict:
+    run_dir, ckpt_dir = exp.run_dir, exp.run_dir / "checkpoints"
+    window = MetricsWindow(run_dir / "metrics.jsonl" if rank == 0 else None, tracker, engine,
+                           device_peak(engine.device, exp.train.precision, exp.train.peak_flops) if rank == 0 else None)
+    checkpoints = Checkpointer(engine, ckpt_dir, job.position, exp.checkpoint.keep, rank, world, start.config_yaml,
+                               metrics=window)
     counters = {"samples": 0, "tokens": 0}
     if not start.fresh:
         # a branch takes everything of another run's checkpoint but its schedule, which starts at that step
@@ -168,8 +196,6 @@ def _run_training(exp: RunExperiment, build_job, rank: int, world: int, stop: St
         counters = checkpoints.load(folder, tag, start.branch is not None, exp.seed)
         if rank == 0:
             truncate_metrics(run_dir / "metrics.jsonl", engine.global_steps)  # a crashed attempt's later steps rerun
-    window = MetricsWindow(run_dir / "metrics.jsonl" if rank == 0 else None, tracker, engine,
-                           device_peak(engine.device, exp.train.precision, exp.train.peak_flops) if rank == 0 else None)
     try:
         _train_steps(exp, job, engine, window, checkpoints, counters, stop, world)
     finally:
@@ -204,8 +230,9 @@ def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWi
                 out = engine(batch)
                 engine.backward(out["loss"])
                 boundary = engine.is_gradient_accumulation_boundary()  # asked before step(), which advances it
+                # the same steps wherever the run stops: a stop between them carries the window (checkpoint.py)
                 log_now = boundary and ((engine.global_steps + 1) % exp.train.log_every == 0
-                                        or engine.global_steps + 1 == last_step)
+                                        or engine.global_steps + 1 == exp.train.max_steps)
                 grad_norm = plain_grad_norm(engine) if log_now else None
                 lr = engine.get_lr()[0]  # the lr of this update: step() moves the schedule on
                 engine.step()

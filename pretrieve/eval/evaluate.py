@@ -95,7 +95,8 @@ def _dense(opts: EvalOptions, doc_ids: list[str], query_ids: list[str], query_te
     if opts.embeddings:
         docs = open_corpus_vectors(opts.embeddings, encoder.settings(), doc_ids)
     else:
-        docs = encode_corpus(encoder, stream_corpus(opts.beir, opts.msmarco), progress=opts.progress)
+        docs = encode_corpus(encoder, stream_corpus(opts.beir, opts.msmarco), progress=opts.progress,
+                             total=len(doc_ids))
         check_same_documents(opts.beir or opts.msmarco, docs.ids, doc_ids)  # the files did not change meanwhile
     queries = encoder.encode(query_texts, desc="encode queries", progress=opts.progress, queries=True)
     index = IndexOptions(opts.index, opts.nprobe, opts.ef_search)

@@ -62,6 +62,8 @@ from pretrieve.utils.run_dir import write_atomic
 
 EVAL_KEYS = ("max_length", "depth", "index", "nprobe", "ef_search", "batch_size", "contrastive_entropy",
              "ce_temperature", "ce_seed")
+ENTRY_KEYS = {"checkpoints": ("name", "model", "bm25", "pooling", "normalize", "run_dir"),
+              "datasets": ("name", "beir", "msmarco", "split")}
 FINETUNE_KEYS = ("config", "data", "msmarco", "beir", "split", "negatives", "depth", "teacher_init", "nproc",
                  "overrides")
 
@@ -128,6 +130,12 @@ def load_farm(path: str | Path) -> dict:
             raise ValueError(f"{path}: {section}: list at least one")
         names = set()
         for i, entry in enumerate(farm[section]):
+            if not isinstance(entry, dict):
+                raise ValueError(f"{path}: {section}[{i}]: expected a mapping ({{name: ..., ...}}), got {entry!r}")
+            for key in entry:  # a typo (bm52: true) named as such, not as the key it left missing
+                if key not in ENTRY_KEYS[section]:
+                    raise ValueError(f"{path}: {section}[{i}].{key}: unknown (known: "
+                                     f"{', '.join(ENTRY_KEYS[section])})")
             for key in required:
                 if key not in entry and not (key == "model" and entry.get("bm25")):
                     raise ValueError(f"{path}: {section}[{i}]: no {key!r}")

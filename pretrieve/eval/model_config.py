@@ -9,15 +9,22 @@ NDCG@10 0.6067 with mean pooling alone, 0.6451 as its config says), so the choic
 and a flag that contradicts the model's own config is used but warned about. A model fine-tuned with pooling
 dupmae scores with eq. (12), which sentence-transformers cannot express (its files hold the dense part only):
 for it, pretrieve_finetune.json is read first.
+
+A folder that is not a model directory (a run directory, whose model is RUN/export) is refused saying so, and a
+maximum length past the model's learnt positions is refused when given, or cut to them (and said) when it came
+from the model's config or the default.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
+from pretrieve.models.backbones import backbone_of
 from pretrieve.models.encoder import FINETUNE_META, finetune_meta
 from pretrieve.models.poolings import DENSE_POOLINGS
 from pretrieve.models.st_config import read_st_config
@@ -52,6 +59,47 @@ class DeclaredEncoding:
     problems: tuple[str, ...] = ()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                   "sentencepiece.bpe.model")  # any one: transformers can load a tokenizer from the folder
+
+
+def check_model_dir(model_dir: str | Path) -> None:
+    """`model_dir` is a model directory (a HF config and a tokenizer), or a ValueError says what it is instead;
+    a run directory points at its export."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"{path}: not found; give a model directory (`pretrieve export`'s output, RUN/export, or "
+                         "a HF model folder)")
+    if (path / "config.json").is_file():
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(f"{path}: a model without a tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
+                             "tokenizer it was trained with into it")
+        return
+    if (path / "export" / "config.json").is_file():
+        hint = f"; it is a run directory: its model is {path / 'export'}"
+    elif (path / "checkpoints").is_dir() or (path / "config.yaml").is_file():
+        hint = (f"; it is a run directory that has not exported its model yet: `pretrieve export {path} OUT` "
+                "writes one from its latest checkpoint")
+    else:
+        hint = "; give `pretrieve export`'s output (RUN/export) or a HF model folder"
+    raise ValueError(f"{path}: not a model directory (no config.json){hint}")
+
+
+def position_limit(model_dir: str | Path) -> int | None:
+    """The most tokens a text of the model may have: its learnt position table less the positions a backbone
+    keeps for itself (RoBERTa's padding offset); None for rotary positions or a config that does not say."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    positions = config.get("max_position_embeddings")
+    if not isinstance(positions, int):
+        return None
+    try:
+        offset = backbone_of(SimpleNamespace(model_type=config.get("model_type"))).position_offset(
+            config.get("pad_token_id") or 0)
+    except ValueError:  # a model type pretrieve has no backbone for: its table as it is
+        offset = 0
+    return None if offset is None else positions - offset
+
+
 def declared_encoding(model_dir: str | Path) -> DeclaredEncoding:
     """What `model_dir` says about its own encoding (see the module docstring), without any flag."""
     model_dir = Path(model_dir)
@@ -78,18 +126,27 @@ def resolve_encoding(model_dir: str | Path, pooling: str | None = None, normaliz
     Printed to stderr once (rank 0) when `announce`; a dense pooling or a normalisation that contradicts the
     model's config is a warning. A config pretrieve cannot follow (a Dense layer, max pooling, ...) is an
     error unless --pooling is given."""
+    check_model_dir(model_dir)
     declared = declared_encoding(model_dir)
+    limit = position_limit(model_dir)
+    if max_length is not None and limit is not None and max_length > limit:
+        raise ValueError(f"max length {max_length}: {model_dir} has {limit} positions (its config.json's "
+                         f"max_position_embeddings); give at most {limit}")
     if declared.problems and pooling is None:
         raise ValueError(f"{declared.source}: pretrieve's encoders do not apply {', '.join(declared.problems)}, so "
                          "their vectors would not be this model's; give a pooling (--pooling, and --normalize or "
                          "--no-normalize) to encode with pretrieve's pooling anyway")
     given = tuple(name for name, value in (("pooling", pooling), ("normalize", normalize),
                                            ("max_length", max_length)) if value is not None)
+    length = max_length or declared.max_length or default_max_length
+    cut = limit is not None and length > limit  # the model's config or the default asks for more than it has
     encoding = Encoding(pooling or declared.pooling, declared.normalize if normalize is None else normalize,
-                        max_length or declared.max_length or default_max_length, declared.source, given)
+                        min(length, limit) if cut else length, declared.source, given)
     if not announce or os.environ.get("RANK", "0") != "0":
         return encoding
     print(f"pretrieve: {model_dir}: {encoding.describe()}", file=sys.stderr)
+    if cut:
+        print(f"pretrieve: note: max length cut from {length} to the model's {limit} positions", file=sys.stderr)
     if declared.source != NO_CONFIG:
         for warning in _contradictions(encoding, declared, pooling, normalize):
             print(f"pretrieve: warning: {warning}", file=sys.stderr)

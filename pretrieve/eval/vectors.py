@@ -64,10 +64,11 @@ class ShardedVectors:
 
 
 def encode_shards(encoder, documents: Iterable[tuple[str, str]], shard_size: int,
-                  wanted: Callable[[int], bool] = lambda number: True,
-                  progress: bool = True) -> Iterator[tuple[int, list[str], np.ndarray | None]]:
+                  wanted: Callable[[int], bool] = lambda number: True, progress: bool = True,
+                  total: int | None = None) -> Iterator[tuple[int, list[str], np.ndarray | None]]:
     """(shard number, ids, float32 vectors) of each shard of the (id, text) stream, read once; vectors None for
-    a shard `wanted(number)` says not to encode (its texts are read past, not tokenized)."""
+    a shard `wanted(number)` says not to encode (its texts are read past, not tokenized). `total`: the corpus's
+    documents where known, for each shard's progress line (unknown, it counts without a total)."""
     if shard_size < 1:
         raise ValueError(f"shard_size: must be >= 1, got {shard_size}")
     stream = iter(documents)
@@ -83,8 +84,9 @@ def encode_shards(encoder, documents: Iterable[tuple[str, str]], shard_size: int
             yield number, ids, None
             continue
         vectors = np.empty((shard_size, encoder.dim), dtype=np.float32)  # pages past the last document stay unused
+        in_shard = None if total is None else max(0, min(shard_size, total - number * shard_size))
         for rows, block in encoder.vectors(texts, desc=f"encode shard {number}", progress=progress,
-                                           total=shard_size):
+                                           total=in_shard):
             vectors[rows] = block
         yield number, ids, vectors[:len(ids)]
 
@@ -95,10 +97,13 @@ def _texts_noting_ids(documents: Iterable[tuple[str, str]], ids: list[str]) -> I
         yield text
 
 
-def encode_corpus(encoder, documents: Iterable[tuple[str, str]], progress: bool = True) -> ShardedVectors:
-    """The corpus's vectors in memory, encoded as `pretrieve encode` does at the default shard size."""
+def encode_corpus(encoder, documents: Iterable[tuple[str, str]], progress: bool = True,
+                  total: int | None = None) -> ShardedVectors:
+    """The corpus's vectors in memory, encoded as `pretrieve encode` does at the default shard size (`total`: the
+    number of documents, when known, for the progress line)."""
     parts, ids = [], []
-    for _, shard_ids, vectors in encode_shards(encoder, documents, DEFAULT_SHARD_SIZE, progress=progress):
+    for _, shard_ids, vectors in encode_shards(encoder, documents, DEFAULT_SHARD_SIZE, progress=progress,
+                                               total=total):
         parts.append(vectors)
         ids.extend(shard_ids)
     return ShardedVectors(parts, ids)

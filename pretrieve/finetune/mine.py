@@ -149,7 +149,7 @@ def _dense_ranking(opts: MineOptions, encoding, source: MiningData, lo: int, hi:
     if opts.embeddings:
         docs = open_corpus_vectors(opts.embeddings, encoder.settings(), source.doc_ids)
     else:
-        docs = encode_corpus(encoder, source.documents(), progress=opts.progress)
+        docs = encode_corpus(encoder, source.documents(), progress=opts.progress, total=len(source.doc_ids))
         check_same_documents(opts.beir or opts.msmarco or "the training data", docs.ids, source.doc_ids)
     encoder.options = EncodeOptions(encoding.pooling, opts.query_max_length, opts.batch_size, encoding.normalize)
     queries = encoder.encode(source.queries, desc="encode queries", progress=opts.progress, queries=True)

@@ -80,7 +80,7 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
     """The validated fine-tuning experiment; every error names its key, and all of them are reported at once."""
     problems = Problems()
     problems.parse(unknown_top_level, config, {*RUN_KEYS, *RUN_SECTIONS, "finetune"})
-    options = problems.parse(section, config, "finetune", FinetuneOptions)
+    options = section(config, "finetune", FinetuneOptions, problems)
     sections = problems.parse(run_sections, config, world_size)
     resume = problems.parse(resume_of, config)
     if options is not None:

@@ -34,6 +34,8 @@ overrides that make it; `scale run` reads it.
 from __future__ import annotations
 
 import json
+import math
+import sys
 from dataclasses import asdict, dataclass, field
 from itertools import islice, product
 from pathlib import Path
@@ -45,6 +47,10 @@ from pretrieve.scale.study import load_study
 
 LR_RULES = ("inverse_width", "constant")
 SIZE_KEYS = ("hidden_size", "num_layers", "num_heads", "intermediate_size")
+# budgets past these are planned, with a warning: they are more likely a typo than a study
+BUDGET_BOUNDS = {"tokens": 1e13, "tokens_per_parameter": 1e4}
+BUDGET_WHY = {"tokens": "more tokens than the largest pre-training corpora hold",
+              "tokens_per_parameter": "500 times Chinchilla's 20 tokens per parameter"}
 
 
 class StudyError(ValueError):
@@ -164,9 +170,18 @@ def _grid(study: dict, where: str) -> tuple[list, dict, list, tuple]:
                              f"{shape['hidden_size']}")
     seeds = _list(study, "seeds", where, default=[0])
     budgets = study.get("budgets") or {}
-    if len(budgets) != 1 or next(iter(budgets)) not in ("tokens", "tokens_per_parameter"):
+    if not isinstance(budgets, dict) or len(budgets) != 1 or next(iter(budgets)) not in BUDGET_BOUNDS:
         raise StudyError(f"{where}: budgets: give one of tokens: [...] or tokens_per_parameter: [...]")
-    return methods, sizes, seeds, next(iter(budgets.items()))
+    kind, values = next(iter(budgets.items()))
+    if not isinstance(values, list) or not values:
+        raise StudyError(f"{where}: budgets.{kind}: a non-empty list of numbers is needed, got {values!r}")
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise StudyError(f"{where}: budgets.{kind}[{i}]: a positive number is needed, got {value!r}")
+        if value > BUDGET_BOUNDS[kind]:
+            print(f"pretrieve: warning: {where}: budgets.{kind}[{i}]: {value:g} is more than "
+                  f"{BUDGET_BOUNDS[kind]:g}, {BUDGET_WHY[kind]}; a typo?", file=sys.stderr)
+    return methods, sizes, seeds, (kind, values)
 
 
 def _method_settings(study: dict, method: str, overrides: list[str], where: str) -> tuple[int, str]:
@@ -228,7 +243,6 @@ def _cost(study: dict, points: list[Point], where: str) -> None:
     from pretrieve.data.remote import ReadOptions
     from pretrieve.data.stream import ShardStream
     from pretrieve.engine.flops import train_flops
-    from pretrieve.pretrain import training_tokenizer
     from pretrieve.scale.memory import estimate
 
     vocab = None  # the study's points share their data, hence its tokenizer
@@ -248,7 +262,7 @@ def _cost(study: dict, points: list[Point], where: str) -> None:
                 stream = ShardStream(exp.data.manifests, seed=0, shuffle_buffer=1, rank=0, world_size=1,
                                      read=ReadOptions.from_options(exp.data))
                 samples = list(islice(iter(stream), exp.train.micro_batch_size))
-                vocab = Vocabulary.of_tokenizer(training_tokenizer(exp))
+                vocab = Vocabulary.of_tokenizer(exp.data.tokenizer_dir())
             batch = exp.method.collator.from_options(exp.options, vocab, seed=0)(samples)
             per_micro_batch[key] = (float(train_flops(point.method, exp.options, config, batch)),
                                     estimate(exp, point.world_size, batch))

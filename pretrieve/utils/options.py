@@ -26,9 +26,11 @@ class Problems:
 
     def __init__(self):
         self.messages: list[str] = []
+        self.bad_keys: set[str] = set()  # keys whose value was refused: a later check of their stand-in says nothing
 
     def add(self, message: str) -> None:
-        self.messages.append(message)
+        if message.split(":", 1)[0] not in self.bad_keys:
+            self.messages.append(message)
 
     def parse(self, fn, *args):
         try:
@@ -45,22 +47,34 @@ class Problems:
                 f"  {message}" for message in self.messages), list(self.messages))
 
 
-def options_of(cls, values: dict[str, Any], where: str, noun: str = "key"):
+def options_of(cls, values: dict[str, Any], where: str, noun: str = "key", problems: Problems | None = None):
     """`cls(**values)` for an options dataclass, after checking every key is a field and every value has the
-    field's type (the error names `where.key`): a YAML or override typo fails here, not steps into a run."""
+    field's type (the error names `where.key`): a YAML or override typo fails here, not steps into a run.
+
+    With `problems`, the errors go there instead and the options are built from the values that passed (the
+    others at their defaults), so that the checks of their ranges still run: a typo beside a value out of range
+    reports both. None when not even that can be built."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in fields(cls)}
-    problems = Problems()
+    found = Problems()
     for key in sorted(set(values) - known):
-        problems.add(f"{where}.{key}: unknown {noun} (known: {', '.join(sorted(known))})")
+        found.add(f"{where}.{key}: unknown {noun} (known: {', '.join(sorted(known))})")
     for key, value in values.items():
         if key in known and not _has_type(value, hints[key]):
-            problems.add(f"{where}.{key}: expected {_type_name(hints[key])}, got {value!r}")
-    problems.raise_any()
+            found.add(f"{where}.{key}: expected {_type_name(hints[key])}, got {value!r}")
+    good = {key: value for key, value in values.items() if key in known and _has_type(value, hints[key])}
+    if problems is None:
+        found.raise_any()
+    else:
+        problems.messages += found.messages
+        problems.bad_keys |= {f"{where}.{key}" for key in set(values) - set(good)}
     try:
-        return cls(**values)
+        return cls(**good)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: {e}") from e
+        if problems is None:
+            raise ConfigError(f"{where}: {e}") from e
+        problems.add(f"{where}: {e}")
+        return None
 
 
 def default_of(owner, name: str) -> Any:

@@ -116,9 +116,9 @@ class Method:
 
         values = dict(values or {})
         values.pop("name", None)
-        options = options_of(self.options, values, where, noun=f"option of method {self.name!r}")
-        problems = Problems()
-        for message in option_range_problems(options, where):
+        problems = Problems()  # an unknown key does not hide a value out of range: each is reported
+        options = options_of(self.options, values, where, noun=f"option of method {self.name!r}", problems=problems)
+        for message in option_range_problems(options, where) if options is not None else ():
             problems.add(message)
         problems.raise_any()
         return options

@@ -136,6 +136,7 @@ SMOKE = {
     "precision": "fp32",
     "parallel": 2,
     "threads": 1,
+    "data_workers": 0,
     "base": {"steps": 4, "batch": 4},
     "pretrain": {"steps": 4, "batch": 4},
     "finetune": {"steps": 2, "batch": 4, "query_max_len": 16, "passage_max_len": 64},

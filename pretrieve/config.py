@@ -79,6 +79,8 @@ class DataOptions:
     weights: list[float] | None = None  # mixture weights, one per manifest (default: by size)
     shuffle_buffer: int = 1000
     num_workers: int = 0
+    # each micro-batch from one manifest (pair sources: in-batch negatives not off-topic by source alone)
+    one_source_batches: bool = False
     corpora: list[str] | None = None  # informational: the corpus names the manifests hold
     validation: list[str] = field(default_factory=list)  # held-out manifests, never trained on (engine/validation.py)
     validation_batches: int = 8  # micro-batches per rank scored at each evaluation
@@ -211,6 +213,8 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
         _check_data(data, sections[0] if sections else None, problems)
     if model is not None:
         _check_model(model, options, data, problems)
+    if method is not None and data is not None:
+        _check_data_kind(method, data, problems)
     problems.raise_any()
     if model.pad_token_id is None and not model.init_from:  # the model pads as the shards do
         model.pad_token_id = _pad_token_id(data.tokenizer)
@@ -257,6 +261,22 @@ def _check_data(data: DataOptions, train: TrainOptions | None, problems: Problem
         ReadOptions.from_options(data)
     except ValueError as e:
         problems.add(f"data: {e}")
+
+
+def _check_data_kind(method, data: DataOptions, problems: Problems) -> None:
+    """The manifests hold what the method trains on: blocks of text (`kind` text, the default) or pairs."""
+    wants = getattr(method.collator, "data_kind", "text")
+    for key in ("manifests", "validation"):
+        for i, path in _local_manifests(getattr(data, key)):
+            if not Path(local_path(path)).is_file():
+                continue
+            try:
+                kind = json.loads(Path(local_path(path)).read_text()).get("kind", "text")
+            except (OSError, ValueError, AttributeError):
+                continue  # read and reported when the stream opens it
+            if kind != wants:
+                problems.add(f"data.{key}[{i}]: {path} holds {kind} shards, but method {method.name} trains on "
+                             f"{wants}; give manifests of {wants} (`pretrieve prepare` writes both kinds)")
 
 
 @functools.lru_cache(maxsize=8)  # `scale plan` builds a config per point, all with one tokenizer

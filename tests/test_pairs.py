@@ -224,7 +224,9 @@ def one_source(pair_dirs, rank=0, world=1, batch=8, **kw):
 def test_one_source_batches_and_weights(pair_dirs, workers):
     weights, epoch_samples = [0.5, 0.3, 0.2], 500
     streams = [one_source(pair_dirs, rank, 2, weights=weights, epoch_samples=epoch_samples) for rank in (0, 1)]
-    epochs = [[keys(StreamLoader(s, batch_size=8, num_workers=workers)) for _ in range(2)] for s in streams]
+    loaders = [StreamLoader(s, batch_size=8, num_workers=workers) for s in streams]
+    assert [loader.batches_per_epoch() for loader in loaders] == [33, 33]
+    epochs = [[keys(loader) for _ in range(2)] for loader in loaders]
     for rank_epochs in epochs:
         for batches in rank_epochs:
             assert all(len(b) == 8 and len({s[0] for s in b}) == 1 for b in batches)

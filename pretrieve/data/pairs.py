@@ -39,6 +39,7 @@ import numpy as np
 from pretrieve.data import corpora
 from pretrieve.data.corpora import BadRecord, CorpusError, Cursor, Document, ReaderOptions
 from pretrieve.data.packing import pack_sentences
+from pretrieve.data.retrieval import load_retrieval_set
 
 PAIR_SOURCES = ("wikipedia", "books", "msmarco", "beir", "jsonl")
 PAIR_METHODS = {"wikipedia": ("sections", "spans"), "books": ("spans",), "msmarco": ("qrels",),
@@ -87,7 +88,7 @@ def input_files(source: str, inputs: list[str], split: str) -> tuple[list[Path],
     return [corpus], extra
 
 
-def read_pair_records(source: str, method: str, files: list[Path], extra_files: list[Path], reader: ReaderOptions,
+def read_pair_records(source: str, method: str, files: list[Path], split: str, reader: ReaderOptions,
                       start: Cursor, wanted: Callable[[int], bool] | None, on_error: str,
                       skipped: dict) -> Iterator[tuple[int, Cursor, PairRecord | BadRecord | None]]:
     """(index, cursor, record) as corpora.read_records numbers them; a record that gives no pair comes as None.
@@ -96,7 +97,7 @@ def read_pair_records(source: str, method: str, files: list[Path], extra_files: 
     if method == "records":
         return corpora.read_line_records(files, _jsonl_pair, start, wanted)
     if method == "qrels":
-        return _qrels_pairs(source, files, extra_files, start, wanted, on_error, skipped)
+        return _qrels_pairs(source, files, split, start, wanted, on_error, skipped)
     text_source = {"wikipedia": "wikipedia", "books": "books", "jsonl": "jsonl"}[source]
     documents = corpora.read_records(text_source, files, reader, start, wanted)
     if method == "spans":
@@ -155,13 +156,11 @@ def _wikipedia_pairs(doc: Document) -> PairRecord | None:
     return PairRecord(doc.doc_id, doc.where, tuple(pairs)) if pairs else None
 
 
-def _qrels_pairs(source: str, files: list[Path], extra_files: list[Path], start: Cursor, wanted, on_error: str,
+def _qrels_pairs(source: str, files: list[Path], split: str, start: Cursor, wanted, on_error: str,
                  skipped: dict) -> Iterator[tuple]:
-    """The corpus in file order; each passage judged relevant to queries is a record of (query, passage) pairs."""
-    from pretrieve.data.retrieval import load_retrieval_set
-
+    """The corpus in file order; each passage judged relevant to queries is a record of (query, passage) pairs.
+    The judgements are checked first against the corpus's ids (retrieval.py, which reads the corpus once)."""
     folder = files[0].parent
-    split = extra_files[1].name.split(".")[-2] if source == "msmarco" else extra_files[1].stem
     judged = load_retrieval_set(**{source: folder}, split=split, on_missing=on_error, texts=False)
     skipped.update(judged.skipped)
     by_doc: dict[str, list[str]] = {}

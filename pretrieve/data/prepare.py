@@ -193,7 +193,7 @@ def prepare(opts: PrepareOptions) -> dict:
 
 
 def _prepare_local(opts: PrepareOptions, out: Path) -> dict:
-    files, backend, info, inputs, job_id, extra_files = _job(opts)
+    files, backend, info, inputs, job_id, _ = _job(opts)
 
     state = _load_previous(out, job_id, opts.overwrite)
     if state.get("complete"):
@@ -207,7 +207,7 @@ def _prepare_local(opts: PrepareOptions, out: Path) -> dict:
                            queries_field=opts.queries_field, books_format=opts.books_format)
     if opts.pairs:
         qrels_skipped: dict = {}  # qrels lines naming a missing query or document (--on-error skip)
-        read = pairs.read_pair_records(opts.source, opts.resolved_pair_method(), files, extra_files, reader, cursor,
+        read = pairs.read_pair_records(opts.source, opts.resolved_pair_method(), files, opts.qrels_split, reader, cursor,
                                        opts.wanted(), opts.on_error, qrels_skipped)
     else:
         read = corpora.read_records(opts.source, files, reader, cursor, opts.wanted())

@@ -416,7 +416,11 @@ class StreamLoader(DataLoader):
 
     def batches_per_epoch(self) -> int:
         """Batches every rank yields in a full epoch (the same on all ranks)."""
-        n, slots = self.dataset.samples_per_epoch(), max(1, self.num_workers)
+        stream, slots = self.dataset, max(1, self.num_workers)
+        if stream.one_source_batches:  # slots hold whole batches of each manifest
+            return sum(math.ceil(sum(map(total, slot)) / self.batch_size)
+                       for slot in stream._source_slots(stream.world_size, slots))
+        n = stream.samples_per_epoch()
         return sum(math.ceil((n // slots + (w < n % slots)) / self.batch_size) for w in range(slots))
 
 

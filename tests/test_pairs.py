@@ -187,6 +187,9 @@ def test_pair_arguments_are_checked(tmp_path):
     assert cli(["prepare", "--pairs", "--source", "books", "--input", str(SAMPLES / "books"), "--out",
                 str(tmp_path / "cli"), "--workers", "0", "--span-method", "ict"]) == 0
     assert json.loads((tmp_path / "cli/manifest.json").read_text())["pair_kinds"].keys() == {"ict"}
+    texts = write_jsonl(tmp_path / "texts.jsonl", [{"id": "a", "text": "One sentence here. And another one there."}])
+    spans = prepare_pairs(tmp_path / "spans", "jsonl", [texts], pair_method="spans", span_method="ict")
+    assert spans["pair_kinds"] == {"ict": 1} and next(pair_samples(tmp_path / "spans"))[3]["doc"] == "a"
 
 
 # --- the stream ---------------------------------------------------------------------------------------------------

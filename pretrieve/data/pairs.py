@@ -239,8 +239,10 @@ def pair_sample(query: np.ndarray, pos: np.ndarray, negs: list[np.ndarray], kind
 
 def split_pair(ids: np.ndarray, parts: list[int]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     """(query, positive, negatives) of a pair sample's ids."""
-    bounds = np.cumsum([0, *parts]).tolist()
-    texts = [ids[bounds[i]:bounds[i + 1]] for i in range(len(parts))]
+    texts, start = [], 0
+    for length in parts:  # in Python: np.cumsum of a short list costs more than the stream's whole sample
+        texts.append(ids[start:start + length])
+        start += length
     return texts[0], texts[1], texts[2:]
 
 

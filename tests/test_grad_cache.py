@@ -135,7 +135,7 @@ def test_interrupted_grad_cache_fine_tuning_resumes_exactly(tmp_path, tiny_bert)
     def run(run_dir, *extra):
         done = subprocess.run([sys.executable, "-m", "pretrieve", "finetune", str(config), *common,
                                f"run_dir={run_dir}", *extra], env=pretrain_env(), capture_output=True, text=True,
-                              timeout=600)
+                              timeout=1500)
         assert done.returncode == 0, done.stderr[-3000:]
 
     run(tmp_path / "full")
@@ -156,8 +156,8 @@ def test_interrupted_grad_cache_fine_tuning_resumes_exactly(tmp_path, tiny_bert)
 
 def test_pretrain_contrastive_with_grad_cache_resumes_exactly(tmp_path):
     """`pretrieve pretrain configs/pretrain/tiny-contrastive.yaml` on pair shards (the bundled SciFact sample's
-    qrels), the pairs' own negatives and GradCache, dropout on: 4 steps in one go, and 2 steps, stopped, then
-    resumed to 4, log the same losses and export the same weights."""
+    qrels), symmetric, with GradCache, dropout on: 4 steps in one go, and 2 steps, stopped, then resumed to 4,
+    log the same losses and export the same weights."""
     from safetensors.torch import load_file
 
     from conftest import SAMPLES
@@ -173,7 +173,7 @@ def test_pretrain_contrastive_with_grad_cache_resumes_exactly(tmp_path):
     def run(run_dir, *extra):
         done = subprocess.run([sys.executable, "-m", "pretrieve", "pretrain", str(config), *common,
                                f"run_dir={run_dir}", *extra], env=pretrain_env(), capture_output=True, text=True,
-                              timeout=600)
+                              timeout=1500)
         assert done.returncode == 0, done.stderr[-3000:]
 
     run(tmp_path / "full", "train.log_every=1")
@@ -188,3 +188,29 @@ def test_pretrain_contrastive_with_grad_cache_resumes_exactly(tmp_path):
     full, split = (load_file(str(tmp_path / d / "export" / "model.safetensors")) for d in ("full", "split"))
     for key in full:
         assert torch.equal(full[key], split[key]), key
+
+
+def test_fine_tuning_dual_encoder_with_grad_cache_equals_the_batch():
+    """finetune.grad_cache: the dual encoder's contrastive loss and gradients with queries and groups encoded 3
+    texts at a time equal the whole batch's (dropout off)."""
+    from transformers import BertConfig
+
+    from pretrieve.finetune.models import DualEncoder
+    from pretrieve.models.encoder import Encoder
+
+    torch.manual_seed(0)
+    encoder = Encoder(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    q, p = torch.randint(2000, 9000, (4, 8)), torch.randint(2000, 9000, (8, 10))
+    batch = {"query_input_ids": q, "query_attention_mask": torch.ones_like(q), "passage_input_ids": p,
+             "passage_attention_mask": torch.ones_like(p)}
+    runs = []
+    for chunk in (None, 3):
+        encoder.zero_grad()
+        out = DualEncoder(encoder, grad_cache=chunk)(batch)
+        out["loss"].backward()
+        runs.append((out["loss"], {n: t.grad.clone() for n, t in encoder.named_parameters() if t.grad is not None}))
+    torch.testing.assert_close(runs[0][0], runs[1][0])
+    assert runs[0][1].keys() == runs[1][1].keys() and len(runs[0][1]) > 30
+    for name in runs[0][1]:
+        torch.testing.assert_close(runs[1][1][name], runs[0][1][name], rtol=1e-4, atol=1e-5, msg=name)

@@ -690,6 +690,7 @@ def _add_prepare(commands) -> None:
     from functools import partial
 
     from pretrieve.data.corpora import SOURCES
+    from pretrieve.data.pairs import PAIR_SOURCES
     from pretrieve.data.prepare import PrepareOptions
 
     p = commands.add_parser("prepare", help="raw corpus -> tokenized, packed webdataset shards + manifest.json",
@@ -697,7 +698,8 @@ def _add_prepare(commands) -> None:
                                         "webdataset shards and manifest.json. Re-running resumes. Split over "
                                         "jobs: --part I --parts N in each (own --out), then --combine.")
     option = partial(_option, p, PrepareOptions, shown="%(default)s")
-    p.add_argument("--source", choices=SOURCES, help="the corpus format (needed unless --combine)")
+    p.add_argument("--source", choices=sorted(set(SOURCES) | set(PAIR_SOURCES)),
+                   help="the corpus format (needed unless --combine; msmarco with --pairs only)")
     p.add_argument("--input", nargs="+", metavar="PATH", help="files or directories (needed unless --combine)")
     p.add_argument("--out", required=True, metavar="DIR", help="a folder, or a URL (s3://, gs://, file://)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="local HF tokenizer directory "
@@ -728,6 +730,17 @@ def _add_prepare(commands) -> None:
     option("--parts", "jobs the input is split over", type=at_least(1), metavar="N")
     option("--group-records", "consecutive records per group, the unit of --part; no shard spans two groups",
            type=at_least(1), metavar="R")
+    p.add_argument("--pairs", action="store_true", help="write (query, positive, negatives) pair shards; --source "
+                   "wikipedia, books, msmarco, beir or jsonl (default: off, text blocks)")
+    option("--pair-method", "--pairs: sections (wikipedia), spans (books, wikipedia, jsonl), qrels (msmarco, beir), "
+           "records (jsonl {query, pos, neg})", shown="the source's first", choices=("sections", "spans", "qrels",
+                                                                                    "records"))
+    option("--span-method", "spans: crop (two independent crops, Contriever) or ict (a sentence -> its context)",
+           choices=("crop", "ict"))
+    option("--crop-ratio-min", "crop: the smallest share of its block a crop takes", type=float)
+    option("--crop-ratio-max", "crop: the largest share of its block a crop takes", type=float)
+    option("--ict-keep-prob", "ict: how often the sentence stays in its context", type=float)
+    option("--qrels-split", "msmarco / beir pairs: the qrels split the positives come from")
     p.add_argument("--combine", nargs="+", default=None, metavar="PART",
                    help="write --out's manifest over the shards of these --part outputs (one corpus, as one job) "
                         "(default: none: prepare from --input)")
@@ -809,6 +822,9 @@ def _run_prepare(args) -> int:
         title_field=args.title_field or None, queries_field=args.queries_field or None,
         books_format=args.books_format, overwrite=args.overwrite, holdout=args.holdout, split=args.split,
         part=args.part, parts=args.parts, group_records=args.group_records,
+        pairs=args.pairs, pair_method=args.pair_method, span_method=args.span_method,
+        crop_ratio_min=args.crop_ratio_min, crop_ratio_max=args.crop_ratio_max, ict_keep_prob=args.ict_keep_prob,
+        qrels_split=args.qrels_split,
     )
     if args.workers is not None:
         opts.workers = args.workers
@@ -826,6 +842,11 @@ def _run_prepare_combine(args) -> int:
 
 
 def _print_prepared(out: str, m: dict) -> None:
+    if m.get("kind") == "pairs":
+        print(f"{out}: {m['num_samples']:,} pairs {m['pair_kinds']} from {m['num_documents']:,} records, "
+              f"{m['num_tokens']:,} tokens in {len(m['shards'])} shards; duplicates dropped {m['duplicate_pairs']}; "
+              f"skipped {m['skipped'] or 'none'}; texts truncated {m['truncated_texts']}")
+        return
     print(f"{out}: {m['num_documents']:,} documents -> {m['num_samples']:,} samples, {m['num_tokens']:,} tokens "
           f"in {len(m['shards'])} shards; skipped {m['skipped'] or 'none'}; truncated {m['truncated_documents']}")
 

@@ -81,6 +81,8 @@ class DataOptions:
     weights: list[float] | None = None  # mixture weights, one per manifest (default: by size)
     shuffle_buffer: int = 1000
     num_workers: int = 0
+    # each micro-batch from one manifest (pair sources: in-batch negatives not off-topic by source alone)
+    one_source_batches: bool = False
     # the corpus of each manifest, as the model card and MLflow's corpus_mix name them: by default each manifest's
     # `source` (its folder's name for a manifest at a URL); names given here label them instead, one per manifest
     corpora: list[str] | None = None
@@ -228,6 +230,8 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
         data.corpora = _corpus_names(data, manifests, problems)
     if model is not None:
         _check_model(model, options, data, manifests, problems)
+    if method is not None and data is not None:
+        _check_data_kind(method, data, problems)
     problems.raise_any()
     config = OmegaConf.merge(config, {"data": {"corpora": data.corpora}})  # config.yaml names them: the model card
     if model.pad_token_id is None and not model.init_from:  # the model pads as the shards do
@@ -308,6 +312,22 @@ def _check_data(data: DataOptions, train: TrainOptions | None, problems: Problem
         ReadOptions.from_options(data)
     except ValueError as e:
         problems.add(f"data: {e}")
+
+
+def _check_data_kind(method, data: DataOptions, problems: Problems) -> None:
+    """The manifests hold what the method trains on: blocks of text (`kind` text, the default) or pairs."""
+    wants = getattr(method.collator, "data_kind", "text")
+    for key in ("manifests", "validation"):
+        for i, path in _local_manifests(getattr(data, key)):
+            if not Path(local_path(path)).is_file():
+                continue
+            try:
+                kind = json.loads(Path(local_path(path)).read_text()).get("kind", "text")
+            except (OSError, ValueError, AttributeError):
+                continue  # read and reported when the stream opens it
+            if kind != wants:
+                problems.add(f"data.{key}[{i}]: {path} holds {kind} shards, but method {method.name} trains on "
+                             f"{wants}; give manifests of {wants} (`pretrieve prepare` writes both kinds)")
 
 
 @functools.lru_cache(maxsize=8)  # `scale plan` builds a config per point, all with one tokenizer

@@ -49,7 +49,8 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     # a truncated or replaced shard named now, not minutes into the run
     check_shards([*exp.data.manifests, *exp.data.validation], read, exp.data.check_shards)
     stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
-                         shuffle_buffer=exp.data.shuffle_buffer, read=read, tokenizer=fingerprint)
+                         shuffle_buffer=exp.data.shuffle_buffer, read=read, tokenizer=fingerprint,
+                         one_source_batches=exp.data.one_source_batches, batch_size=exp.train.micro_batch_size)
     # The loader's own generator: starting an iteration must not draw from the global RNG (dropout), or a
     # resumed run, which starts its iteration at another step, would drift from an uninterrupted one.
     loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, num_workers=exp.data.num_workers,
@@ -62,12 +63,17 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
             read, tokenizer=fingerprint)
     return TrainingJob(
         name=f"pretrain {exp.method.name}", module=head, loader=loader, position=stream,
-        count=lambda batch: (len(batch["input_ids"]), int(batch["attention_mask"].sum()),
-                             batch["attention_mask"].numel()),
+        count=getattr(collate, "count", count_texts),
         flops=lambda batch: train_flops(exp.method.name, exp.options, head.encoder.config, batch),
         # from the final checkpoint: ZeRO partitions consolidated, fp32 master weights under bf16/fp16
         export=lambda run_dir: export_checkpoint(run_dir, run_dir / "export"),
         tags=run_tags(exp.method.name, exp.data.corpora, head.encoder.config), validation=validation)
+
+
+def count_texts(batch: dict) -> tuple[int, int, int]:
+    """(texts, non-padding tokens, positions) of a batch of the encoder's texts; a collator of other batches
+    (pairs) has its own `count`."""
+    return len(batch["input_ids"]), int(batch["attention_mask"].sum()), batch["attention_mask"].numel()
 
 
 def export_checkpoint(path: str | Path, out: str | Path) -> Path:

@@ -87,6 +87,12 @@ def ctrl_c_when(proc: subprocess.Popen, ready, timeout: float = 300) -> str:
     return said[0]
 
 
+def text_methods(methods) -> list[str]:
+    """The names of `methods` (registered ones) that train on blocks of text, sorted: the contrastive method's
+    batches are pairs (tests/test_contrastive.py, tests/test_grad_cache.py)."""
+    return sorted(name for name, method in methods.items() if method.collator.data_kind == "text")
+
+
 def free_port() -> str:
     """A free TCP port on loopback for a torchrun rendezvous (`--master_port 0` hangs with gloo here)."""
     from pretrieve.engine.world import free_loopback_port

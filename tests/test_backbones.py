@@ -17,7 +17,7 @@ from transformers.models.modernbert.modeling_modernbert import ModernBertEncoder
 from transformers.models.roberta.modeling_roberta import RobertaLayer
 from transformers.models.xlm_roberta.modeling_xlm_roberta import XLMRobertaLayer
 
-from conftest import SAMPLES, pretrain_env, result_line
+from conftest import SAMPLES, pretrain_env, result_line, text_methods
 from pretrieve.config import ConfigError, experiment, load_config
 from pretrieve.cli import main
 from pretrieve.data.masking import Vocabulary
@@ -71,7 +71,7 @@ def head_and_batch(backbone: str, method: str, corpora, seed: int = 0):
 
 
 @pytest.mark.parametrize("backbone", sorted(BACKBONES))
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", text_methods(METHODS))
 def test_every_head_trains_on_every_backbone(backbone, method, corpora):
     head, batch = head_and_batch(backbone, method, corpora)
     assert head.encoder.model.config.model_type == backbone

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, json_lines, pretrain_env
+from conftest import free_port, json_lines, pretrain_env, text_methods
 from pretrieve.models.heads import METHODS
 
 SCRIPT = Path(__file__).resolve().parent / "one_step.py"
-ALL = (*sorted(METHODS), "finetune")
+ALL = (*text_methods(METHODS), "finetune")
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,7 @@ def _gather_worker(rank, world, port, texts, spans, valid, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from pretrieve.models.heads.costa import gather_across_ranks
+        from pretrieve.models.infonce import gather_across_ranks
 
         part = slice(rank * 2, rank * 2 + 2)
         local_texts = texts[part].clone().requires_grad_(True)

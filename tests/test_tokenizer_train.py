@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import SAMPLES, pretrain_env, result_line
+from conftest import SAMPLES, pretrain_env, result_line, text_methods
 from pretrieve.cli import main
 from pretrieve.data.masking import Vocabulary, word_ids
 from pretrieve.data.prepare import PrepareOptions, prepare
@@ -104,7 +104,7 @@ def test_bad_records_stop_with_their_line_or_are_skipped_and_counted(tmp_path, c
     assert "--overwrite" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", text_methods(METHODS))
 def test_every_head_trains_on_a_byte_level_bpe_vocabulary(trained, tmp_path_factory, method):
     """Shards prepared with a trained RoBERTa-style tokenizer: each method's collator takes its <s> / </s> /
     <mask> and its word starts, and the head's loss goes down a step (a 1,000-token embedding table)."""

@@ -9,7 +9,9 @@ padded to an equal batch count, see stream.py) are collated but carry no target.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -18,6 +20,7 @@ from pretrieve.data.masking import (Vocabulary, corrupt, decoder_mask_pool, ordi
                                     word_ids)
 from pretrieve.data.neighbours import NeighbourBlocks
 from pretrieve.data.spans import sample_spans, word_candidates
+
 
 @dataclass
 class Padded:
@@ -36,12 +39,12 @@ class MLMCollator:
     mlm_ratio: float = 0.15
     seed: int = 0
     pad_to_multiple_of: int = 8
+    data_kind: ClassVar[str] = "text"  # the manifests' `kind` it collates: blocks of text
 
     @classmethod
     def from_options(cls, options, vocab: Vocabulary, seed: int = 0):
         """The collator configured by the same-named fields of a method's options."""
-        names = {f.name for f in fields(cls) if f.init} - {"vocab", "seed", "neighbours"}
-        return cls(vocab=vocab, seed=seed, **{n: getattr(options, n) for n in names if hasattr(options, n)})
+        return _from_options(cls, options, vocab, seed)
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         rng = self._rng(samples)
@@ -207,3 +210,87 @@ class COSTACollator(MLMCollator):
                               self.spans_per_level, self.span_alpha, self.span_beta)
         bounds[batch.pad] = -1  # a pad sample carries no target: without spans it is no anchor of eq. (8)
         out["span_bounds"] = torch.from_numpy(bounds)
+
+
+def _from_options(cls, options, vocab: Vocabulary, seed: int):
+    names = {f.name for f in fields(cls) if f.init} - {"vocab", "seed", "neighbours"}
+    return cls(vocab=vocab, seed=seed, **{n: getattr(options, n) for n in names if hasattr(options, n)})
+
+
+def text_hash(ids: np.ndarray) -> int:
+    """A 63-bit fingerprint of a text's token ids: equal texts, equal hashes (false-negative masking)."""
+    digest = hashlib.blake2b(np.asarray(ids, dtype="<i8").tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def pad_texts(texts: list[np.ndarray], max_len: int, vocab: Vocabulary, multiple: int) -> tuple[np.ndarray, np.ndarray]:
+    """([B, L] ids: [CLS] text [SEP] [PAD]..., each text cut to max_len - 2 tokens; [B, L] attention mask)."""
+    lengths = np.array([min(len(t), max_len - 2) + 2 for t in texts], dtype=np.int64)
+    width = min(-(-int(lengths.max()) // multiple) * multiple, max(max_len, int(lengths.max())))
+    ids = np.full((len(texts), width), vocab.pad_id, dtype=np.int64)
+    ids[:, 0] = vocab.cls_id
+    for row, (text, n) in enumerate(zip(texts, lengths)):
+        ids[row, 1:n - 1] = text[:n - 2]
+        ids[row, n - 1] = vocab.sep_id
+    return ids, (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
+
+
+@dataclass
+class ContrastiveCollator:
+    """Batches of (query, passage) pairs for contrastive pre-training, from a pair stream's samples (`query`,
+    `pos`, `negs`: token ids without special tokens; `source`, `doc`):
+
+    - `q_input_ids` / `q_attention_mask` [B, Lq] and `p_input_ids` / `p_attention_mask` [B, Lp]: [CLS] text [SEP];
+    - with `negatives` N > 0, the pair's own negatives `n_input_ids` / `n_attention_mask` [B x N, Ln] (row i's
+      at i x N ...), N of them drawn when it has more, and `n_valid` [B x N] False where it has fewer;
+    - for false-negative masking: `q_hash`, `p_hash` [B] and `n_hash` [B x N] (the texts' fingerprints, uncut),
+      `doc_hash` [B] (the pair's source and document);
+    - `pad` [B]: stream pad samples, which are neither anchors nor candidates.
+    """
+
+    vocab: Vocabulary
+    max_len: int = 128
+    query_max_len: int = 128
+    negatives: int = 0
+    seed: int = 0
+    pad_to_multiple_of: int = 8
+    data_kind: ClassVar[str] = "pairs"
+
+    @classmethod
+    def from_options(cls, options, vocab: Vocabulary, seed: int = 0):
+        return _from_options(cls, options, vocab, seed)
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        if not samples:
+            raise ValueError("cannot collate an empty batch")
+        queries = [np.asarray(s["query"], dtype=np.int64) for s in samples]
+        passages = [np.asarray(s["pos"], dtype=np.int64) for s in samples]
+        out = {}
+        for prefix, texts, max_len in (("q", queries, self.query_max_len), ("p", passages, self.max_len)):
+            ids, mask = pad_texts(texts, max_len, self.vocab, self.pad_to_multiple_of)
+            out[f"{prefix}_input_ids"], out[f"{prefix}_attention_mask"] = torch.from_numpy(ids), torch.from_numpy(mask)
+            out[f"{prefix}_hash"] = torch.tensor([text_hash(t) for t in texts], dtype=torch.int64)
+        out["doc_hash"] = torch.tensor([text_hash(np.frombuffer(f"{s.get('source', '')}\0{s.get('doc', '')}".encode(),
+                                                                dtype=np.uint8)) for s in samples], dtype=torch.int64)
+        out["pad"] = torch.tensor([bool(s.get("pad", False)) for s in samples])
+        if self.negatives:
+            rng = np.random.default_rng([self.seed, samples[0].get("epoch", 0), samples[0].get("shard", 0),
+                                         samples[0].get("index", 0), len(samples)])
+            negatives, valid = [], []
+            for s in samples:
+                own = [np.asarray(n, dtype=np.int64) for n in (s.get("negs") or [])]
+                if len(own) > self.negatives:
+                    own = [own[i] for i in sorted(rng.choice(len(own), self.negatives, replace=False))]
+                valid += [True] * len(own) + [False] * (self.negatives - len(own))
+                negatives += own + [np.empty(0, dtype=np.int64)] * (self.negatives - len(own))
+            ids, mask = pad_texts(negatives, self.max_len, self.vocab, self.pad_to_multiple_of)
+            out["n_input_ids"], out["n_attention_mask"] = torch.from_numpy(ids), torch.from_numpy(mask)
+            out["n_valid"] = torch.tensor(valid)
+            out["n_hash"] = torch.tensor([text_hash(t) for t in negatives], dtype=torch.int64)
+        return out
+
+    @staticmethod
+    def count(batch: dict) -> tuple[int, int, int]:
+        """(pairs, non-padding tokens, positions) of a batch: every text, queries, passages and negatives."""
+        masks = [v for k, v in batch.items() if k.endswith("attention_mask")]
+        return len(batch["q_attention_mask"]), int(sum(m.sum() for m in masks)), sum(m.numel() for m in masks)

@@ -87,6 +87,16 @@ def read_records(source: str, files: list[Path], options: ReaderOptions = Reader
         next_index = yield from _file_records(source, path, cursor, wanted, options)
 
 
+def read_line_records(files: list[Path], parse: Callable[[str, str], object], start: Cursor = Cursor(),
+                      wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[int, Cursor, object]]:
+    """`read_records` for a line format of the caller's: `parse(line, "file:line")` makes each record."""
+    wanted = wanted or _every_record
+    next_index = start.record
+    for k, path in enumerate(files[start.file:], start.file):
+        cursor = start if k == start.file else Cursor(k, 0, 0, next_index)
+        next_index = yield from _line_records(path, cursor, wanted, parse)
+
+
 def _every_record(index: int) -> bool:
     return True
 

@@ -17,6 +17,13 @@ Epoch e:
 4. Inside a rank, workers get contiguous shares differing by at most one sample.
 5. Each (rank, worker) slot reads its share in order and emits it shuffled in windows of `shuffle_buffer`
    samples, each window in an order drawn from (seed, epoch, stage, rank, slot, window).
+
+One-source batches (`unit` = the batch size B > 1): each quota is rounded up to a multiple of B (the manifest's
+endless sequence of passes supplies the few extra samples), each manifest's pieces are permuted alone, from
+(seed, epoch, manifest), and split over ranks and workers in whole units of B (ranks topped up with whole units
+from the start, flagged `pad`). A slot thus holds a multiple of B samples of each manifest; it shuffles each
+manifest's share in its own windows, drawn from (seed, epoch, rank, slot, manifest, window), and emits batches
+in an order of manifests drawn from (seed, epoch, rank, slot) (`batch_sources`).
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ def drop(segments: Sequence[Segment], count: int) -> list[Segment]:
 
 class EpochPlan:
     def __init__(self, manifest_shards: list[list[int]], shard_sizes: list[int], weights: list[float] | None,
-                 seed: int, epoch_samples: int | None = None, shuffle_buffer: int = 1000):
+                 seed: int, epoch_samples: int | None = None, shuffle_buffer: int = 1000, unit: int = 1):
         self.manifest_shards = manifest_shards
         self.shard_sizes = shard_sizes
         self.seed = seed
@@ -84,8 +91,11 @@ class EpochPlan:
                 raise ValueError(f"mixture weights must be >= 0 with a positive sum, got {weights}")
             epoch_total = epoch_samples if epoch_samples is not None else sum(sizes)
             self.quotas = [round(epoch_total * w / sum(weights)) for w in weights]
-        self.fingerprint = hashlib.sha256(json.dumps(
-            [manifest_shards, shard_sizes, weights, seed, epoch_samples, self.window]).encode()).hexdigest()[:16]
+        self.unit = unit
+        if unit > 1:
+            self.quotas = [math.ceil(q / unit) * unit for q in self.quotas]
+        settings = [manifest_shards, shard_sizes, weights, seed, epoch_samples, self.window] + ([unit] if unit > 1 else [])
+        self.fingerprint = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
 
     # --- epoch contents -------------------------------------------------------------------------------
     def epoch_sequence(self, epoch: int) -> list[Segment]:
@@ -94,6 +104,23 @@ class EpochPlan:
             pieces.extend(self._manifest_slice(m, epoch * quota, quota))
         order = np.random.default_rng([self.seed, 2, epoch]).permutation(len(pieces))
         return [pieces[i] for i in order]
+
+    def manifest_sequence(self, epoch: int, m: int) -> list[Segment]:
+        """Manifest m's samples of `epoch`, its pieces permuted alone (one-source batches)."""
+        pieces = self._manifest_slice(m, epoch * self.quotas[m], self.quotas[m])
+        order = np.random.default_rng([self.seed, 4, epoch, m]).permutation(len(pieces))
+        return [pieces[i] for i in order]
+
+    def batch_sources(self, epoch: int, rank: int, slot: int, batches: list[int]) -> np.ndarray:
+        """The manifest of each batch of a slot that holds batches[m] batches of manifest m."""
+        labels = np.repeat(np.arange(len(batches)), batches)
+        return labels[np.random.default_rng([self.seed, 5, epoch, rank, slot]).permutation(len(labels))]
+
+    def source_window_order(self, epoch: int, rank: int, slot: int, m: int, window: int, size: int) -> np.ndarray:
+        """The order in which a slot emits one shuffle window of its share of manifest m (one-source batches)."""
+        if self.window == 1:
+            return np.arange(size)
+        return np.random.default_rng([self.seed, 6, epoch, rank, slot, m, window]).permutation(size)
 
     def _manifest_slice(self, m: int, begin: int, count: int) -> list[Segment]:
         shards = self.manifest_shards[m]
@@ -122,10 +149,11 @@ class EpochPlan:
         return [cls.rank_slots(sequence, world, workers, r) for r in range(world)]
 
     @staticmethod
-    def rank_slots(sequence: list[Segment], world: int, workers: int, rank: int) -> list[list[Segment]]:
-        """One rank's row of `layout`, without computing the others."""
+    def rank_slots(sequence: list[Segment], world: int, workers: int, rank: int, unit: int = 1) -> list[list[Segment]]:
+        """One rank's row of `layout`, without computing the others; `unit`: shares in whole units of that many
+        samples (the sequence holds a multiple of it)."""
         n = total(sequence)
-        per_rank = math.ceil(n / world) if n else 0
+        per_rank = math.ceil(n / unit / world) * unit if n else 0
         begin, end = rank * per_rank, (rank + 1) * per_rank
         rank_seq = take(sequence, begin, min(end, n))
         pos = max(begin, n)  # past the end: wrap around, flagged pad (more than one lap only for tiny data)
@@ -133,7 +161,8 @@ class EpochPlan:
             piece = take(sequence, (pos - n) % n, min((pos - n) % n + end - pos, n), pad=True)
             rank_seq.extend(piece)
             pos += total(piece)
-        sizes = [per_rank // workers + (w < per_rank % workers) for w in range(workers)]
+        units = per_rank // unit
+        sizes = [(units // workers + (w < units % workers)) * unit for w in range(workers)]
         bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         return [take(rank_seq, bounds[w], bounds[w + 1]) for w in range(workers)]
 

@@ -27,6 +27,11 @@ before all of them are up, so the remote folder is complete when its manifest ex
 Held-out splits (`--holdout FRACTION --split train|validation`): a document is on the validation side when
 the hash of its id falls below FRACTION (`holdout_side`), so the two invocations, one per side, split the
 corpus by document, disjointly and the same way on every machine; records of the other side are not tokenized.
+
+Pairs (`--pairs`): the records are read by pairs.py's readers (the same cursors, so the same resume) and each
+gives (query, positive, negatives) samples instead of blocks; the manifest says `"kind": "pairs"`. A pair
+whose query and positive tokens an earlier pair had is dropped and counted (`duplicate_pairs`); a resumed run
+learns the pairs already written from its complete shards.
 """
 
 from __future__ import annotations
@@ -47,10 +52,10 @@ from typing import Iterator
 import numpy as np
 
 from pretrieve import __version__
-from pretrieve.data import corpora, remote
+from pretrieve.data import corpora, pairs, remote
 from pretrieve.data.corpora import BadRecord, CorpusError, Cursor, Document, ReaderOptions
 from pretrieve.data.packing import pack_sentences, sentence_starts, sentence_token_bounds
-from pretrieve.data.shards import MANIFEST_FORMAT, ShardStats, ShardWriter, token_extension
+from pretrieve.data.shards import MANIFEST_FORMAT, ShardStats, ShardWriter, read_shard, token_extension
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, describe, load_backend
 from pretrieve.utils.run_lock import DirectoryLock
 
@@ -90,12 +95,25 @@ class PrepareOptions:
     part: int = 0  # this job's share of the input: record groups part, part + parts, part + 2 parts, ...
     parts: int = 1
     group_records: int = 100_000  # consecutive records per group; no shard spans two groups
+    # --pairs: (query, positive, negatives) samples (pairs.py says what each source gives)
+    pairs: bool = False
+    pair_method: str | None = None  # sections | spans | qrels | records; None: the source's first (pairs.PAIR_METHODS)
+    span_method: str = "crop"  # spans: crop (Contriever's two independent crops) | ict (sentence -> its context)
+    crop_ratio_min: float = 0.1  # crop: a crop's share of its block, drawn uniformly (Contriever's 0.1-0.5)
+    crop_ratio_max: float = 0.5
+    ict_keep_prob: float = 0.1  # ict: how often the sentence stays in its context (Lee et al. 2019: 0.1)
+    qrels_split: str = "train"  # msmarco / beir: the qrels the pairs come from
 
     def resolved_packing(self) -> str:
         return self.packing or ("passage" if self.source in PASSAGE_SOURCES else "sentences")
 
+    def resolved_pair_method(self) -> str | None:
+        return (self.pair_method or pairs.default_method(self.source)) if self.pairs else None
+
     def validate(self) -> None:
-        if self.source not in corpora.SOURCES:
+        if self.pairs:
+            self._validate_pairs()
+        elif self.source not in corpora.SOURCES:
             raise PrepareError(f"--source {self.source!r}: choose one of {', '.join(corpora.SOURCES)}")
         if self.max_len < 4:
             raise PrepareError(f"--max-len must be at least 4, got {self.max_len}")
@@ -120,6 +138,23 @@ class PrepareOptions:
         if self.group_records < 1:
             raise PrepareError(f"--group-records must be positive, got {self.group_records}")
 
+    def _validate_pairs(self) -> None:
+        if self.source not in pairs.PAIR_SOURCES:
+            raise PrepareError(f"--pairs --source {self.source!r}: choose one of {', '.join(pairs.PAIR_SOURCES)}")
+        if self.resolved_pair_method() not in pairs.PAIR_METHODS[self.source]:
+            raise PrepareError(f"--pair-method {self.pair_method!r}: --source {self.source} takes "
+                               f"{' or '.join(pairs.PAIR_METHODS[self.source])}")
+        if self.span_method not in pairs.SPAN_METHODS:
+            raise PrepareError(f"--span-method must be crop or ict, got {self.span_method!r}")
+        if not 0.0 < self.crop_ratio_min <= self.crop_ratio_max <= 1.0:
+            raise PrepareError(f"--crop-ratio-min/max must satisfy 0 < min <= max <= 1, got {self.crop_ratio_min}, "
+                               f"{self.crop_ratio_max}")
+        if not 0.0 <= self.ict_keep_prob <= 1.0:
+            raise PrepareError(f"--ict-keep-prob must be in [0, 1], got {self.ict_keep_prob}")
+        if self.parts > 1:  # duplicates are dropped over the whole input, which no part sees
+            raise PrepareError("--pairs prepares in one job (--parts 1): duplicate pairs are dropped over the "
+                               "whole input")
+
     def wanted(self):
         """The record indices this part prepares (None: all)."""
         if self.parts == 1:
@@ -132,7 +167,18 @@ class PrepareOptions:
         for key in ("workers", "progress", "overwrite", "out", "stage"):
             args.pop(key)
         args["packing"] = self.resolved_packing()
+        pair_keys = ("pairs", "pair_method", "span_method", "crop_ratio_min", "crop_ratio_max", "ict_keep_prob",
+                     "qrels_split")
+        if not self.pairs:  # text jobs keep the ids they had before pairs existed
+            for key in pair_keys:
+                args.pop(key)
+        else:
+            args["pair_method"] = self.resolved_pair_method()
         return args
+
+    def span_options(self) -> pairs.SpanOptions:
+        return pairs.SpanOptions(self.span_method, self.crop_ratio_min, self.crop_ratio_max, self.ict_keep_prob,
+                                 self.seed)
 
 
 def prepare(opts: PrepareOptions) -> dict:
@@ -147,7 +193,7 @@ def prepare(opts: PrepareOptions) -> dict:
 
 
 def _prepare_local(opts: PrepareOptions, out: Path) -> dict:
-    files, backend, info, inputs, job_id = _job(opts)
+    files, backend, info, inputs, job_id, _ = _job(opts)
 
     state = _load_previous(out, job_id, opts.overwrite)
     if state.get("complete"):
@@ -155,12 +201,18 @@ def _prepare_local(opts: PrepareOptions, out: Path) -> dict:
         return state["manifest"]
     out.mkdir(parents=True, exist_ok=True)
     token_ext = token_extension(info.vocab_size)
-    output = _ShardSequence(out, opts.source, token_ext, opts.shard_size, job_id, state)
+    output = _ShardSequence(out, opts.source, token_ext, opts.shard_size, job_id, state, opts.pairs)
     resume = state.get("next", {"record": 0, "block": 0, "cursor": [0, 0, 0, 0]})
     cursor = Cursor(*resume["cursor"])
-    records = _Counted(corpora.read_records(opts.source, files, ReaderOptions(
-        text_field=opts.text_field, id_field=opts.id_field, title_field=opts.title_field,
-        queries_field=opts.queries_field, books_format=opts.books_format), cursor, opts.wanted()), cursor.record)
+    reader = ReaderOptions(text_field=opts.text_field, id_field=opts.id_field, title_field=opts.title_field,
+                           queries_field=opts.queries_field, books_format=opts.books_format)
+    if opts.pairs:
+        qrels_skipped: dict = {}  # qrels lines naming a missing query or document (--on-error skip)
+        read = pairs.read_pair_records(opts.source, opts.resolved_pair_method(), files, opts.qrels_split, reader, cursor,
+                                       opts.wanted(), opts.on_error, qrels_skipped)
+    else:
+        read = corpora.read_records(opts.source, files, reader, cursor, opts.wanted())
+    records = _Counted(read, cursor.record)
     started = time.perf_counter()
     try:
         _write_samples(output, _tokenized(_chunks(_kept(records, opts), resume["record"]), opts), opts, resume)
@@ -168,6 +220,8 @@ def _prepare_local(opts: PrepareOptions, out: Path) -> dict:
         output.abort()
         raise
     output.finish()
+    if opts.pairs:
+        output.skipped.update({f"qrels: {k}": v for k, v in qrels_skipped.items()})
     if output.num_samples == 0 and opts.parts == 1:
         raise PrepareError(f"no samples produced from {', '.join(map(str, opts.inputs))} "
                            f"(skipped: {dict(output.skipped) or 'none'})")
@@ -196,6 +250,15 @@ def _prepare_local(opts: PrepareOptions, out: Path) -> dict:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "prepare_seconds": round(time.perf_counter() - started, 3),
     }
+    if opts.pairs:
+        manifest.update({
+            "kind": "pairs",
+            "pairs": {opts.source: output.num_samples},  # per source (one source per manifest)
+            "pair_kinds": dict(sorted((k[5:], v) for k, v in output.counts.items() if k.startswith("kind:"))),
+            "duplicate_pairs": output.counts["duplicates"],
+            "records_without_pairs": output.counts["records_without_pairs"],
+            "truncated_texts": output.truncated,
+        })
     _write_json_atomic(out / MANIFEST, manifest)
     (out / STATE).unlink(missing_ok=True)
     return manifest
@@ -212,6 +275,9 @@ def _write_samples(output: "_ShardSequence", results: Iterator[tuple], opts: Pre
                 raise CorpusError(f"{where}: {detail} ({reason}); fix the input or pass --on-error skip")
             output.skipped[reason] += 1
             continue
+        if kind == "pairs":
+            _write_pairs(output, item, opts, resume)
+            continue
         _, _, _, doc_id, blocks, truncated, queries = item
         first = resume["block"] if index == resume["record"] else 0
         if first == 0:  # a document split over the resume point was counted before the stop
@@ -224,12 +290,32 @@ def _write_samples(output: "_ShardSequence", results: Iterator[tuple], opts: Pre
             output.add(blocks[block_index], meta, {"record": index, "block": block_index + 1, "cursor": cursor})
 
 
+def _write_pairs(output: "_ShardSequence", item: tuple, opts: PrepareOptions, resume: dict) -> None:
+    """A record's pair samples, from the resume point on; a pair seen before is dropped and counted."""
+    _, index, cursor, doc_id, samples, truncated = item
+    first = resume["block"] if index == resume["record"] else 0
+    if first == 0:
+        output.truncated += truncated
+        output.documents += bool(samples)
+        output.counts["records_without_pairs"] += not samples  # ict: one-sentence blocks; texts with no tokens
+    for k in range(first, len(samples)):
+        ids, meta = samples[k]
+        next_position = {"record": index, "block": k + 1, "cursor": cursor}
+        digest = pairs.pair_digest(ids, meta["parts"])
+        if digest in output.seen:
+            output.counts["duplicates"] += 1
+            continue
+        output.seen.add(digest)
+        output.counts[f"kind:{meta['pair']}"] += 1
+        output.add(ids, {"doc": doc_id, "block": k, "source": opts.source, **meta}, next_position)
+
+
 def _kept(records: Iterator[tuple], opts: PrepareOptions) -> Iterator[tuple]:
     """`--holdout`: the documents of this side (bad records stay, to be reported; other parts' pass, uncounted)."""
     if not opts.holdout:
         return records
     return ((index, cursor, r) for index, cursor, r in records
-            if not isinstance(r, Document) or holdout_side(r.doc_id, opts.holdout) == opts.split)
+            if not isinstance(r, (Document, pairs.PairRecord)) or holdout_side(r.doc_id, opts.holdout) == opts.split)
 
 
 class _Counted:
@@ -251,12 +337,16 @@ def job_id_of(arguments: dict, inputs: list[dict], fingerprint: str) -> str:
 
 
 def _job(opts: PrepareOptions) -> tuple:
-    """(input files, tokenizer backend, its description, input list, job id): what identifies the output."""
-    files = corpora.list_input_files(opts.source, opts.inputs)
+    """(input files, tokenizer backend, its description, input list, job id, other files read whole): what
+    identifies the output."""
+    if opts.pairs:
+        files, extra = pairs.input_files(opts.source, opts.inputs, opts.qrels_split)
+    else:
+        files, extra = corpora.list_input_files(opts.source, opts.inputs), []
     backend = load_backend(opts.tokenizer)
     info = describe(opts.tokenizer, backend)
-    inputs = [{"path": str(p), "bytes": p.stat().st_size} for p in files]
-    return files, backend, info, inputs, job_id_of(opts.output_arguments(), inputs, info.fingerprint)
+    inputs = [{"path": str(p), "bytes": p.stat().st_size} for p in files + extra]
+    return files, backend, info, inputs, job_id_of(opts.output_arguments(), inputs, info.fingerprint), extra
 
 
 def _prepare_remote(opts: PrepareOptions) -> dict:
@@ -264,7 +354,7 @@ def _prepare_remote(opts: PrepareOptions) -> dict:
     target = opts.out.rstrip("/")
     manifest_url = remote.child(target, MANIFEST)
     previous = _remote_manifest(manifest_url)
-    job_id = _job(opts)[-1]
+    job_id = _job(opts)[-2]
     if previous is not None and not opts.overwrite:
         if previous.get("job_id") != job_id:
             raise PrepareError(f"{target} holds a complete prepare with other arguments or inputs; "
@@ -339,7 +429,8 @@ def _load_previous(out: Path, job_id: str, overwrite: bool) -> dict:
 class _ShardSequence:
     """Cuts the sample stream into shards and checkpoints progress after each complete shard."""
 
-    def __init__(self, out: Path, source: str, token_ext: str, shard_size: int, job_id: str, state: dict):
+    def __init__(self, out: Path, source: str, token_ext: str, shard_size: int, job_id: str, state: dict,
+                 pairs: bool = False):
         self.out, self.source, self.token_ext, self.shard_size, self.job_id = out, source, token_ext, shard_size, job_id
         self.shards = [ShardStats(**{k: v for k, v in s.items() if k != "group"}) for s in state.get("shards", [])]
         self.groups = [s["group"] for s in state.get("shards", [])]  # the record group of each shard
@@ -347,12 +438,16 @@ class _ShardSequence:
         self.skipped = Counter(state.get("skipped", {}))
         self.documents = state.get("documents", 0)
         self.truncated = state.get("truncated", 0)
+        self.counts = Counter(state.get("counts", {}))  # pairs: duplicates dropped, pairs by kind
+        self.seen: set[bytes] = set()  # pairs: the digests of the pairs written
         self.writer: ShardWriter | None = None
         for shard in self.shards:  # a resumed run trusts complete shards only if they are intact
             path = out / shard.file
             if not path.exists() or path.stat().st_size != shard.bytes:
                 raise PrepareError(f"{path}: listed as complete in {out / STATE} but missing or changed; "
                                    "re-run with --overwrite")
+            if pairs:
+                self.seen.update(_pairs_digests(path, shard))
 
     @property
     def num_samples(self) -> int:
@@ -390,7 +485,7 @@ class _ShardSequence:
         _write_json_atomic(self.out / STATE, {
             "job_id": self.job_id, "next": {**next_position, "cursor": list(next_position["cursor"])},
             "shards": self.shard_entries(), "skipped": dict(self.skipped), "documents": self.documents,
-            "truncated": self.truncated,
+            "truncated": self.truncated, "counts": dict(self.counts),
         })
 
     def finish(self) -> None:
@@ -405,6 +500,11 @@ class _ShardSequence:
             self.writer = None
 
 
+def _pairs_digests(path: Path, shard: ShardStats) -> Iterator[bytes]:
+    for ids, meta in read_shard(path, sha256=shard.sha256, num_samples=shard.num_samples):
+        yield pairs.pair_digest(ids, meta["parts"])
+
+
 def _chunks(records: Iterator[tuple], resume_record: int) -> Iterator[list[tuple]]:
     """Groups of (index, cursor, ...) of about CHUNK_CHARS text; records before `resume_record` (the records of a
     book read again from its start) and other parts' records (None) are dropped."""
@@ -414,6 +514,9 @@ def _chunks(records: Iterator[tuple], resume_record: int) -> Iterator[list[tuple
             continue
         if isinstance(record, BadRecord):
             chunk.append((index, cursor, "bad", record.reason, record.where, record.detail))
+        elif isinstance(record, pairs.PairRecord):
+            chunk.append((index, cursor, "pairs", record.doc_id, record, record.where))
+            chars += len(record.text or "") + sum(len(p.pos) + len(p.query) for p in record.pairs)
         else:
             chunk.append((index, cursor, "doc", record.doc_id, record.text, record.where, record.queries))
             chars += len(record.text)
@@ -427,7 +530,8 @@ def _chunks(records: Iterator[tuple], resume_record: int) -> Iterator[list[tuple
 def _tokenized(work: Iterator[list[tuple]], opts: PrepareOptions) -> Iterator[tuple]:
     """Results per record in input order: ("doc", index, cursor, doc_id, blocks, truncated, query_ids) or
     ("bad", index, cursor, reason, where, detail)."""
-    config = (opts.tokenizer, opts.max_len - 2, opts.resolved_packing(), opts.short_seq_prob, opts.seed)
+    config = (opts.tokenizer, opts.max_len - 2, opts.resolved_packing(), opts.short_seq_prob, opts.seed,
+              opts.span_options())
     with _progress(opts) as bar:
         if opts.workers <= 0:
             _init_worker(config)
@@ -439,7 +543,7 @@ def _tokenized(work: Iterator[list[tuple]], opts: PrepareOptions) -> Iterator[tu
         try:
             for chunk_result in results:
                 for item in chunk_result:
-                    if item[0] == "doc":
+                    if item[0] in ("doc", "pairs"):
                         bar.update(1)
                     yield item
         finally:
@@ -460,13 +564,13 @@ _WORKER: dict = {}
 
 def _init_worker(config: tuple) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker; parallelism comes from the pool
-    tokenizer_path, max_tokens, packing, short_seq_prob, seed = config
+    tokenizer_path, max_tokens, packing, short_seq_prob, seed, spans = config
     _WORKER.update(backend=load_backend(tokenizer_path), max_tokens=max_tokens, packing=packing,
-                   short_seq_prob=short_seq_prob, seed=seed)
+                   short_seq_prob=short_seq_prob, seed=seed, spans=spans)
 
 
 def _process_chunk(chunk: list[tuple]) -> list[tuple]:
-    docs = [item for item in chunk if item[2] == "doc"]
+    docs = [item for item in chunk if item[2] == "doc"]  # (pairs tokenize per record: _pair_result)
     encodings = _WORKER["backend"].encode_batch([item[4] for item in docs], add_special_tokens=False)
     encoded = {item[0]: enc for item, enc in zip(docs, encodings)}
     queries = [q for item in docs for q in item[6]]
@@ -476,6 +580,9 @@ def _process_chunk(chunk: list[tuple]) -> list[tuple]:
         index, cursor = item[0], item[1]
         if item[2] == "bad":
             results.append(("bad", index, cursor, *item[3:]))
+            continue
+        if item[2] == "pairs":
+            results.append(_pair_result(item))
             continue
         _, _, _, doc_id, text, where, doc_queries = item
         # pseudo-queries as token id lists (JSON), each cut to a block's length
@@ -488,6 +595,20 @@ def _process_chunk(chunk: list[tuple]) -> list[tuple]:
         blocks, truncated = _blocks(ids, text, enc, index)
         results.append(("doc", index, cursor, doc_id, blocks, truncated, [q for q in query_tokens if q]))
     return results
+
+
+def _pair_result(item: tuple) -> tuple:
+    """("pairs", index, cursor, doc_id, [(ids, meta)], texts truncated) of a pair record, or ("bad", ...)."""
+    index, cursor, _, doc_id, record, where = item
+    backend, max_tokens = _WORKER["backend"], _WORKER["max_tokens"]
+    if record.text is None:
+        samples, truncated = pairs.text_pair_samples(backend, record.pairs, max_tokens)
+    else:
+        enc = backend.encode(record.text, add_special_tokens=False)
+        ids = np.asarray(enc.ids, dtype=np.int32)
+        ends = sentence_token_bounds(enc, sentence_starts(record.text)) if len(ids) else np.zeros(0, np.int64)
+        samples, truncated = pairs.span_pair_samples(ids, ends, max_tokens, _WORKER["spans"], index), 0
+    return "pairs", index, cursor, doc_id, samples, truncated
 
 
 def _blocks(ids: np.ndarray, text: str, enc, index: int) -> tuple[list[np.ndarray], int]:

@@ -22,7 +22,15 @@ not yet consumed are recomputed and spread over the new one: no sample of the ep
 apart from the flagged `pad` samples that equalise ranks.
 
 Samples are dicts: `ids` (np.ndarray of token ids, no special tokens), `doc`, `block`, `source`, `pad`,
-and `shard` / `index` (the sample's address, handy for tests and debugging).
+and `shard` / `index` (the sample's address, handy for tests and debugging). Pair manifests (`"kind": "pairs"`,
+`prepare --pairs`) give pair samples instead of `ids` and `block`: `query`, `pos` (token ids, no special tokens)
+and `negs` (a list of them, maybe empty), with `pair` (how it was made); one stream reads one kind.
+
+One-source batches (`one_source_batches=True, batch_size=B`): every run of B samples a slot yields, counted
+from the start of the epoch, comes from one manifest (one source), as nomic-embed and GTE batch their pairs so
+that in-batch negatives are not off-topic by their source alone. Which manifest each batch comes from is drawn
+per slot from (seed, epoch, rank, slot) (epoch_plan.py), so positions are still sample counts and a resume is
+exact; a mid-epoch resume must keep the world size and worker count.
 
 Manifests and shards may be local paths or URLs (data/remote.py says what opens what; `read` sets retries,
 timeouts and prefetching). Each reader loads its next `read.prefetch_shards` shards in the background
@@ -45,10 +53,12 @@ from itertools import islice
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pretrieve.data.epoch_plan import EpochPlan, Segment, drop, total
+from pretrieve.data.pairs import split_pair
 from pretrieve.data.prefetch import prefetched
 from pretrieve.data.remote import NotFound, ReadError, ReadOptions, fetch, local_path, resolve, scheme
 from pretrieve.data.shards import MANIFEST_FORMAT, ShardError, load_shard, parse_shard
@@ -114,9 +124,10 @@ class ShardStream(IterableDataset):
     def __init__(self, manifests: Sequence[str | os.PathLike], weights: Sequence[float] | None = None, seed: int = 0,
                  shuffle_buffer: int = 1000, rank: int | None = None, world_size: int | None = None,
                  tokenizer: str | None = None, epoch_samples: int | None = None, verify: bool = True,
-                 read: ReadOptions | None = None):
+                 read: ReadOptions | None = None, one_source_batches: bool = False, batch_size: int | None = None):
         """`tokenizer`: the training tokenizer (a directory or a "sha256:..." fingerprint) the shards must match.
-        `read`: retries, timeouts, prefetching and fsspec options for remote manifests and shards."""
+        `read`: retries, timeouts, prefetching and fsspec options for remote manifests and shards.
+        `one_source_batches`: every `batch_size` samples in a row come from one manifest (module docstring)."""
         self.read = read or ReadOptions()
         if isinstance(manifests, (str, os.PathLike)):
             manifests = [manifests]
@@ -124,10 +135,11 @@ class ShardStream(IterableDataset):
             raise StreamError("no manifests given")
         self.shards: list[ShardRef] = []
         groups: list[list[int]] = []
-        fingerprints = {}
+        fingerprints, kinds = {}, {}
         for m in manifests:
             location, manifest = load_manifest(m, self.read)
             fingerprints[location] = manifest["tokenizer"]["fingerprint"]
+            kinds.setdefault(manifest.get("kind", "text"), location)
             groups.append([])
             for shard in manifest["shards"]:
                 groups[-1].append(len(self.shards))
@@ -136,13 +148,21 @@ class ShardStream(IterableDataset):
                 except ValueError as e:
                     raise StreamError(str(e)) from None
                 self.shards.append(ShardRef(shard_location, shard["num_samples"], shard["sha256"], shard.get("bytes")))
+        if len(kinds) > 1:
+            raise StreamError(f"one stream reads one kind of sample: {kinds.get('text')} holds text and "
+                              f"{kinds.get('pairs')} holds pairs; stream them separately")
+        self.kind = next(iter(kinds))
         if len(set(fingerprints.values())) > 1:
             raise StreamError(f"manifests were prepared with different tokenizers: {fingerprints}")
         self.tokenizer_fingerprint = next(iter(fingerprints.values()))
         if tokenizer is not None:
             self._check_tokenizer(tokenizer, fingerprints)
+        if one_source_batches and (batch_size is None or batch_size < 1):
+            raise StreamError(f"one_source_batches needs the batch size (batch_size >= 1), got {batch_size}")
+        self.one_source_batches, self.batch_size = one_source_batches, batch_size
         self.plan = EpochPlan(groups, [s.num_samples for s in self.shards],
-                              list(weights) if weights is not None else None, seed, epoch_samples, shuffle_buffer)
+                              list(weights) if weights is not None else None, seed, epoch_samples, shuffle_buffer,
+                              unit=batch_size if one_source_batches else 1)
         self.seed = seed
         self.verify = verify
         self.rank, self.world_size = _distributed_position(rank, world_size)
@@ -171,6 +191,11 @@ class ShardStream(IterableDataset):
             return
         if self._stages and not any(self._stages[-1]["offsets"]):
             self._stages.pop()  # nothing was read under that layout
+        if self._stages and self.one_source_batches:
+            old = self._stages[-1]
+            raise StreamError(f"one-source batches resume mid-epoch with the layout they started with: world size "
+                              f"{old['world']} and {old['workers']} reader(s) per rank, not {self.world_size} and "
+                              f"{slots}; resume with those or from an epoch boundary")
         self._stages.append({"world": self.world_size, "workers": slots, "offsets": [0] * slots})
         self._rotation = 0
 
@@ -179,6 +204,19 @@ class ShardStream(IterableDataset):
         sequence = self.plan.stage_sequence(self.epoch, self._stages[:-1])
         stage = self._stages[-1]
         return EpochPlan.rank_slots(sequence, stage["world"], stage["workers"], self.rank)
+
+    def _source_slots(self, world: int | None = None, workers: int | None = None) -> list[list[list[Segment]]]:
+        """One-source batches: this rank's slots, each a list of segments per manifest."""
+        world = world or self._stages[-1]["world"]
+        workers = workers or self._stages[-1]["workers"]
+        per_manifest = [EpochPlan.rank_slots(self.plan.manifest_sequence(self.epoch, m), world, workers, self.rank,
+                                             self.batch_size) for m in range(len(self.plan.quotas))]
+        return [[slots[w] for slots in per_manifest] for w in range(workers)]
+
+    def _slot_sizes(self) -> list[int]:
+        if self.one_source_batches:
+            return [sum(map(total, slot)) for slot in self._source_slots()]
+        return [total(slot) for slot in self._slots()]
 
     def _end_epoch(self) -> None:
         self.epoch += 1
@@ -207,6 +245,8 @@ class ShardStream(IterableDataset):
 
     def samples_per_epoch(self) -> int:
         """Samples this rank reads in a full epoch at the current world size (pad samples included)."""
+        if self.one_source_batches:
+            return sum(map(total, self._source_slots(self.world_size, 1)[0]))
         return math.ceil(total(self.plan.epoch_sequence(self.epoch)) / self.world_size)
 
     # --- reading ---------------------------------------------------------------------------------------
@@ -231,16 +271,44 @@ class ShardStream(IterableDataset):
         self._end_epoch()
 
     def _iter_slot(self, slot: int, offset: int) -> Iterator[dict]:
-        segments = self._slots()[slot]
+        if self.one_source_batches:
+            yield from self._iter_one_source_slot(slot, offset)
+            return
+        stage = len(self._stages) - 1
+        yield from self._shuffled(self._slots()[slot], offset, partial(self.plan.window_order, self.epoch, stage,
+                                                                      self.rank, slot))
+
+    def _shuffled(self, segments: list[Segment], offset: int, window_order) -> Iterator[dict]:
+        """The samples of `segments` from output `offset` on, emitted in windows shuffled by `window_order`."""
         n, window = total(segments), self.plan.window
         first_window = offset // window
         with closing(self._read(drop(segments, first_window * window))) as reader:  # closing stops its prefetch
             for w in range(first_window, math.ceil(n / window)):
                 samples = list(islice(reader, min(window, n - w * window)))
-                order = self.plan.window_order(self.epoch, len(self._stages) - 1, self.rank, slot, w, len(samples))
+                order = window_order(w, len(samples))
                 skip = offset - w * window if w == first_window else 0
                 for i in order[skip:]:
                     yield samples[i]
+
+    def _iter_one_source_slot(self, slot: int, offset: int) -> Iterator[dict]:
+        """Batches of one manifest each, in the slot's drawn order; each manifest's share shuffled alone."""
+        shares, size = self._source_slots()[slot], self.batch_size
+        sources = self.plan.batch_sources(self.epoch, self.rank, slot, [total(s) // size for s in shares])
+        done, partly = divmod(offset, size)
+        consumed = np.bincount(sources[:done], minlength=len(shares)) * size
+        if partly:
+            consumed[sources[done]] += partly
+        readers = {}
+        try:
+            for b in range(done, len(sources)):
+                m = int(sources[b])
+                if m not in readers:
+                    readers[m] = self._shuffled(shares[m], int(consumed[m]), partial(
+                        self.plan.source_window_order, self.epoch, self.rank, slot, m))
+                yield from islice(readers[m], size - (partly if b == done else 0))
+        finally:
+            for reader in readers.values():
+                reader.close()
 
     def _read(self, segments: list[Segment]) -> Iterator[dict]:
         """Samples of `segments` in order; a run of increasing segments of one shard is one read of it, loaded
@@ -268,7 +336,12 @@ class ShardStream(IterableDataset):
         for index, (ids, meta) in enumerate(samples, run[0].start):
             if index >= seg.stop:
                 seg = next(segs)
-            if index >= seg.start:
+            if index >= seg.start and "parts" in meta:  # a pair (prepare --pairs)
+                query, pos, negs = split_pair(ids, meta["parts"])
+                yield {"query": query, "pos": pos, "negs": negs, "doc": meta["doc"], "source": meta["source"],
+                       "pair": meta["pair"], "pad": seg.pad, "shard": seg.shard, "index": index, "epoch": self.epoch,
+                       "shard_file": ref.location}
+            elif index >= seg.start:
                 sample = {"ids": ids, "doc": meta["doc"], "block": meta["block"], "source": meta["source"],
                           "pad": seg.pad, "shard": seg.shard, "index": index, "epoch": self.epoch,
                           "shard_file": ref.location}
@@ -299,6 +372,10 @@ class StreamLoader(DataLoader):
     def __init__(self, stream: ShardStream, batch_size: int, num_workers: int = 0, collate_fn=None, **kwargs):
         if not isinstance(stream, ShardStream):
             raise TypeError("StreamLoader drives a ShardStream")
+        if stream.one_source_batches and (stream.batch_size % batch_size or
+                                          (batch_size != stream.batch_size and num_workers > 1)):
+            raise ValueError(f"the stream's one-source runs are {stream.batch_size} samples: the loader's batch_size "
+                             f"must equal that (or divide it, with at most one worker), got {batch_size}")
         for bad in ("persistent_workers", "drop_last", "shuffle", "sampler", "batch_sampler"):
             if kwargs.get(bad):
                 raise ValueError(f"StreamLoader does not support {bad}=...; the stream shuffles and splits itself")
@@ -311,7 +388,7 @@ class StreamLoader(DataLoader):
         slots = max(1, self.num_workers)
         stream._begin(slots)
         offsets = stream._stages[-1]["offsets"]
-        remaining = [total(slot) - offsets[i] for i, slot in enumerate(stream._slots())]
+        remaining = [size - offsets[i] for i, size in enumerate(stream._slot_sizes())]
         turn = stream._rotation
         stream._managed = True  # the workers' copies are pickled from here on
         try:
@@ -340,7 +417,11 @@ class StreamLoader(DataLoader):
 
     def batches_per_epoch(self) -> int:
         """Batches every rank yields in a full epoch (the same on all ranks)."""
-        n, slots = self.dataset.samples_per_epoch(), max(1, self.num_workers)
+        stream, slots = self.dataset, max(1, self.num_workers)
+        if stream.one_source_batches:  # slots hold whole batches of each manifest
+            return sum(math.ceil(sum(map(total, slot)) / self.batch_size)
+                       for slot in stream._source_slots(stream.world_size, slots))
+        n = stream.samples_per_epoch()
         return sum(math.ceil((n // slots + (w < n % slots)) / self.batch_size) for w in range(slots))
 
 

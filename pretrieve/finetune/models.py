@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretrieve.models.heads.costa import gather_across_ranks
+from pretrieve.models.grad_cache import encode_in_chunks
+from pretrieve.models.infonce import gather_candidates, info_nce
 from pretrieve.models.poolings import DUAL_POOLINGS
 from pretrieve.models.representation import POOLINGS, JointRepresentation
 
@@ -30,7 +31,7 @@ LOSSES = ("contrastive", "triplet", "distill")
 class DualEncoder(nn.Module):
     def __init__(self, encoder, loss: str = "contrastive", pooling: str = "cls", normalize: bool = False,
                  temperature: float = 1.0, in_batch: bool = True, cross_device: bool = True, margin: float = 1.0,
-                 text_experts: bool = True, joint: JointRepresentation | None = None):
+                 text_experts: bool = True, joint: JointRepresentation | None = None, grad_cache: int | None = None):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"finetune.loss: {loss!r} is not one of {', '.join(LOSSES)}")
@@ -46,6 +47,7 @@ class DualEncoder(nn.Module):
         self.loss_name, self.pool, self.normalize = loss, POOLINGS.get(pooling), normalize
         self.temperature, self.in_batch, self.cross_device, self.margin = temperature, in_batch, cross_device, margin
         self.routed = text_experts and encoder.query_experts is not None
+        self.chunk = grad_cache  # GradCache's chunk (models/grad_cache.py); None: the whole batch at once
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, queries: bool) -> torch.Tensor:
         text_type = None
@@ -57,9 +59,17 @@ class DualEncoder(nn.Module):
         vectors = self.pool(hidden, attention_mask)
         return F.normalize(vectors, dim=-1) if self.normalize else vectors
 
+    def _embed_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, queries: torch.Tensor):
+        return self.embed(input_ids, attention_mask, queries=bool(queries[0]))
+
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        q = self.embed(batch["query_input_ids"], batch["query_attention_mask"], queries=True)
-        p = self.embed(batch["passage_input_ids"], batch["passage_attention_mask"], queries=False)
+        groups = []
+        for prefix, queries in (("query", True), ("passage", False)):
+            ids = batch[f"{prefix}_input_ids"]
+            groups.append((ids, batch[f"{prefix}_attention_mask"],
+                           torch.full((len(ids),), queries, dtype=torch.bool, device=ids.device)))
+        params = [p for p in self.parameters() if p.requires_grad]
+        q, p = encode_in_chunks(self._embed_rows, groups, self.chunk, params)
         if self.loss_name == "contrastive":
             loss, scores, target = contrastive_loss(q, p, self.temperature, self.in_batch, self.cross_device)
         else:
@@ -90,16 +100,10 @@ def contrastive_loss(q: torch.Tensor, p: torch.Tensor, temperature: float = 1.0,
         scores, target = group_scores(q, p, temperature)
     else:
         size = p.shape[0] // q.shape[0]
-        first = 0
-        if cross_device:
-            gathered = gather_across_ranks(p)
-            if gathered is not p:
-                import torch.distributed as dist
-
-                first, p = dist.get_rank() * p.shape[0], gathered
+        p, first = gather_candidates(p, cross_device)
         scores = q @ p.T / temperature
         target = first + torch.arange(len(q), device=q.device) * size
-    return F.cross_entropy(scores.float(), target), scores, target
+    return info_nce(scores, target).mean(), scores, target
 
 
 class CrossEncoder(nn.Module):

@@ -64,6 +64,7 @@ class FinetuneOptions:
     query_max_len: int = 32
     passage_max_len: int | None = None  # None: init_from's maximum length, else PASSAGE_MAX_LENGTH
     on_missing: str = "fail"  # msmarco / beir qrels naming absent ids: fail | skip
+    grad_cache: dict | None = None  # {chunk: N}: the dual encoder's texts N at a time, by GradCache
 
 
 @dataclass(kw_only=True)
@@ -97,6 +98,7 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
 
 def _check_options(options: FinetuneOptions, problems: Problems) -> None:
     from pretrieve.finetune.models import LOSSES
+    from pretrieve.models.grad_cache import grad_cache_of
 
     if not options.init_from or not Path(options.init_from).is_dir():
         problems.add(f"finetune.init_from: {options.init_from!r} is not a model directory")
@@ -115,6 +117,12 @@ def _check_options(options: FinetuneOptions, problems: Problems) -> None:
         problems.add(f"finetune.temperature: must be > 0, got {options.temperature}")
     if options.loss not in LOSSES:
         problems.add(f"finetune.loss: {options.loss!r} is not one of {', '.join(LOSSES)}")
+    try:
+        grad_cache_of(options.grad_cache, "finetune")
+    except ValueError as e:
+        problems.add(str(e))
+    if options.grad_cache is not None and options.model != "dual":
+        problems.add("finetune.grad_cache: for the dual encoder (model: dual); the cross-encoder scores pairs")
     if options.model == "cross" and options.loss != "contrastive":
         problems.add(f"finetune.loss: {options.loss} is for the dual encoder; the cross-encoder teacher "
                      "learns with the softmax over each group (leave loss at contrastive)")
@@ -249,7 +257,7 @@ def build_model(o: FinetuneOptions, config_file: Path | None = None):
             joint = load_joint(o.init_from, encoder, o.cls_dim, o.ot_topk)
     return DualEncoder(encoder, loss=o.loss, pooling=o.pooling, normalize=o.normalize, temperature=o.temperature,
                        in_batch=o.in_batch, cross_device=o.cross_device, margin=o.margin, text_experts=o.text_experts,
-                       joint=joint)
+                       joint=joint, grad_cache=o.grad_cache["chunk"] if o.grad_cache else None)
 
 
 def _meta(module, o: FinetuneOptions) -> dict:

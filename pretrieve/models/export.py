@@ -4,7 +4,8 @@ An export holds what `transformers.AutoModel.from_pretrained(OUT)` needs (config
 with the base model, the tokenizer files) plus, beside it, the head's extra weights (`pretrieve_head.safetensors`:
 MLM head, decoder, projections) and `pretrieve_head.json` (method name and options). It is also a
 sentence-transformers model (models.st_config): [CLS] pooling, not normalised, texts cut at the pre-training
-length, the representation every method here pre-trains (DupMAE's joint representation: its dense part). It is
+length, the representation every method here pre-trains (DupMAE's joint representation: its dense part; the
+contrastive method's own pooling and normalisation). It is
 written to a temporary directory and renamed, so an export is complete or absent.
 """
 
@@ -52,7 +53,9 @@ def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAU
             "pretrieve_version": __version__}
     (tmp / HEAD_CONFIG).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     config = head.encoder.config
-    write_st_config(tmp, "cls", False, getattr(head.options, "max_len", min(512, config.max_position_embeddings)))
+    # a head that trains its representation says how it pools (contrastive); the others are read at [CLS]
+    write_st_config(tmp, getattr(head.options, "pooling", "cls"), getattr(head.options, "normalize", False),
+                    getattr(head.options, "max_len", min(512, config.max_position_embeddings)))
     if before_rename is not None:
         before_rename(tmp)
     return replace_directory(tmp, out)

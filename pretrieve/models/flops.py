@@ -39,6 +39,8 @@ def labelled(labels: torch.Tensor) -> int:
 
 def encoder_flops(config, batch: dict[str, torch.Tensor]) -> int:
     """The shared encoder on `input_ids`, its pooler and the MLM head at the `mlm_labels` targets."""
+    if "input_ids" not in batch:  # pairs: the method counts its encoder passes (heads/contrastive.py)
+        return 0
     b, length = batch["input_ids"].shape
     h = config.hidden_size
     pooler = 2 * b * h * h if backbone_of(config).has_pooler else 0

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pretrieve.data.collators import COSTACollator
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
+from pretrieve.models.infonce import gather_across_ranks, world
 
 
 @dataclass
@@ -33,15 +33,6 @@ def span_means(hidden: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     total = torch.gather(prefix, 1, end[..., None].expand(-1, -1, size)) \
         - torch.gather(prefix, 1, start[..., None].expand(-1, -1, size))
     return total / (end - start).clamp(min=1)[..., None].to(hidden.dtype)
-
-
-def gather_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's tensor along dim 0, keeping gradients for this rank's part."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return tensor
-    from torch.distributed.nn.functional import all_gather
-
-    return torch.cat(all_gather(tensor), dim=0)
 
 
 def group_contrastive_loss(texts: torch.Tensor, spans: torch.Tensor, valid: torch.Tensor, temperature: float,
@@ -92,7 +83,7 @@ class COSTAHead(PretrainingHead):
         texts = self.projector(hidden[:, 0])
         spans = span_means(hidden, bounds)
         valid = bounds[..., 0] >= 0
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        rank = world()[0]
         csp = group_contrastive_loss(gather_across_ranks(texts), gather_across_ranks(spans),
                                      gather_across_ranks(valid), self.options.temperature,
                                      first_anchor=rank * len(texts), anchors=len(texts))

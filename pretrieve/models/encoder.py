@@ -137,7 +137,7 @@ class Encoder(nn.Module):
     def enable_activation_checkpointing(self) -> None:
         """Recompute each encoder layer in backward instead of keeping its activations (HF checkpointing; the
         dropout RNG is replayed, so the numbers do not change)."""
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(self.model)
 
     def enable_unpadding(self) -> None:
         """Run the stack on each batch's texts packed into one row (model.unpad; models/unpadding.py). The states
@@ -213,6 +213,17 @@ def _rename_old_keys(module, state_dict, prefix, *args) -> None:
     """Checkpoints written before other backbones than BERT keep the base model under `bert.`."""
     for key in [k for k in state_dict if k.startswith(prefix + _OLD_MODEL_PREFIX)]:
         state_dict[prefix + MODEL_PREFIX + key[len(prefix + _OLD_MODEL_PREFIX):]] = state_dict.pop(key)
+
+
+def checkpoint_activations(model) -> None:
+    """Turn on HF activation checkpointing (non-reentrant) in a transformers model. transformers 5 renamed
+    `gradient_checkpointing_enable` to `activation_checkpointing_enable` and deprecates the old name (gone in
+    v6); the releases before the rename have only the old one."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def load_encoder(path: str | Path) -> Encoder:

@@ -260,23 +260,31 @@ def _retryable(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def retryable_startup(what: str, deadline: float | None = None):
+def retryable_startup(what: str, deadline: float | None = None, on_failure=None):
     """Within: a failure that may pass raises StartupFailed; past `deadline` seconds the process exits
-    RETRY_EXIT_CODE from a watchdog thread (the main one may be blocked in C, in gloo's or NCCL's set-up)."""
+    RETRY_EXIT_CODE from a watchdog thread (the main one may be blocked in C, in gloo's or NCCL's set-up).
+    `on_failure()` runs on every way out but success, the watchdog's exit included (which skips atexit and
+    `finally`): what a failed start must not leave behind (DeepSpeed's shared-memory buffers)."""
     finished = threading.Event()
 
     def watch():
         if not finished.wait(deadline):
             print(f"pretrieve: {what} did not finish in {deadline:g} s (train.startup_timeout): a rank or node may "
                   f"have died while the job formed; exit {RETRY_EXIT_CODE}", file=sys.stderr, flush=True)
-            os._exit(RETRY_EXIT_CODE)
+            try:
+                if on_failure is not None:
+                    on_failure()
+            finally:
+                os._exit(RETRY_EXIT_CODE)
 
     if deadline is not None:
         threading.Thread(target=watch, name="startup-deadline", daemon=True).start()
     try:
         yield
-    except Exception as error:
-        if not _retryable(error):
+    except BaseException as error:
+        if on_failure is not None:
+            on_failure()
+        if not isinstance(error, Exception) or not _retryable(error):
             raise
         print(f"pretrieve: {what} failed, which may pass on a retry ({type(error).__name__}: {error}); "
               f"exit {RETRY_EXIT_CODE}", file=sys.stderr)

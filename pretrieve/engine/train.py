@@ -32,7 +32,7 @@ from pretrieve.engine.rng import seed_everything
 from pretrieve.engine.tracking import Tracker, run_params
 from pretrieve.engine.universal import is_universal
 from pretrieve.engine.validation import Validation
-from pretrieve.engine.world import unlink_cpu_allreduce_buffer
+from pretrieve.engine.world import forget_cpu_allreduce_buffer, unlink_cpu_allreduce_buffer
 from pretrieve.progress import Progress
 from pretrieve.utils.run_dir import latest_checkpoint, write_atomic
 from pretrieve.utils.run_lock import DirectoryLock
@@ -139,7 +139,8 @@ def _initialize(exp: RunExperiment, job: TrainingJob, start: _Start):
     if start.tag is not None and is_universal(exp.run_dir / "checkpoints" / start.tag):  # any world size
         ds_config["checkpoint"] = {"load_universal": True}
     prebuild_ops(ds_config)
-    with shield_children(), retryable_startup("joining the job (deepspeed.initialize)", exp.train.startup_timeout):
+    with shield_children(), retryable_startup("joining the job (deepspeed.initialize)", exp.train.startup_timeout,
+                                              on_failure=forget_cpu_allreduce_buffer):
         engine, _, _, _ = deepspeed.initialize(model=job.module, config=ds_config, model_parameters=[
             p for p in job.module.parameters() if p.requires_grad], lr_scheduler=LRSchedule.of(exp.train).scheduler)
         unlink_cpu_allreduce_buffer()

@@ -286,7 +286,9 @@ def retryable_startup(what: str, deadline: float | None = None, on_failure=None)
             on_failure()
         if not isinstance(error, Exception) or not _retryable(error):
             raise
-        print(f"pretrieve: {what} failed, which may pass on a retry ({type(error).__name__}: {error}); "
+        taken = (f"MASTER_PORT {os.environ.get('MASTER_PORT')} is taken on {os.environ.get('MASTER_ADDR')} by "
+                 "another process; ") if "EADDRINUSE" in str(error) else ""
+        print(f"pretrieve: {what} failed, which may pass on a retry ({taken}{type(error).__name__}: {error}); "
               f"exit {RETRY_EXIT_CODE}", file=sys.stderr)
         raise StartupFailed() from error
     finally:

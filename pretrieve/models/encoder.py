@@ -20,6 +20,7 @@ from torch import nn
 
 from pretrieve.models import unpadding
 from pretrieve.models.backbones import backbone_named, backbone_of
+from pretrieve.models.backbones.base import TextTypes
 from pretrieve.models.vocab_projection import linear_cross_entropy
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class Encoder(nn.Module):
         self.init_new(self.mlm_transform)
         self.load_report: list[str] = []  # what init_from did not provide (and was initialised)
         self.query_experts: nn.ModuleList | None = None  # MoTE (cot-mote.txt §3.1): see add_query_experts
-        self._text_type: torch.Tensor | None = None
+        self.text_types = TextTypes()  # which texts of the running batch are queries, for the experts
         self.unpad = False  # see enable_unpadding
         self.register_load_state_dict_pre_hook(_rename_old_keys)
 
@@ -162,7 +163,7 @@ class Encoder(nn.Module):
         layers = self.backbone.layers(self.model)
         self.query_experts = nn.ModuleList(self.backbone.query_expert(layer) for layer in layers)
         for layer, expert in zip(layers, self.query_experts):
-            self.backbone.route_feed_forward(layer, expert, lambda: self._text_type)
+            self.backbone.route_feed_forward(layer, expert, self.text_types)
 
     @property
     def embeddings(self) -> nn.Module:
@@ -183,17 +184,15 @@ class Encoder(nn.Module):
         expert in a MoTE encoder; without it, or without experts, every sequence is a passage."""
         if text_type is not None and self.query_experts is None and bool(text_type.any()):
             raise ValueError("text_type asks for query experts, but this encoder has none (add_query_experts)")
-        self._text_type = None if text_type is None else text_type.bool()
-        try:
-            if not self.unpad:
-                return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            packed = unpadding.Packed.of(attention_mask)
-            if self._text_type is not None:  # MoTE: each packed token goes through its text's expert
-                self._text_type = packed.pack(self._text_type[:, None].expand_as(packed.real))
-            hidden = self.backbone.packed_forward(self.model, packed.pack(input_ids), packed, attention_mask)
-            return packed.unpack(hidden)
-        finally:
-            self._text_type = None
+        is_query = None if text_type is None or self.query_experts is None else text_type.bool()
+        if not self.unpad:
+            self.text_types.set(is_query)
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        packed = unpadding.Packed.of(attention_mask)
+        # MoTE: each packed token goes through its text's expert
+        self.text_types.set(None if is_query is None else packed.pack(is_query[:, None].expand_as(packed.real)))
+        hidden = self.backbone.packed_forward(self.model, packed.pack(input_ids), packed, attention_mask)
+        return packed.unpack(hidden)
 
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., vocab] logits of BERT's MLM head for hidden states [..., hidden]."""

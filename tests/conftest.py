@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ from pathlib import Path
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import psutil
 import pytest
 
 from pretrieve.data.prepare import PrepareOptions, prepare
@@ -188,16 +190,27 @@ def beir_subset(out: Path, queries: int, other_docs: int) -> Path:
 @pytest.fixture
 def mlflow_server(tmp_path):
     """A real `mlflow server` on 127.0.0.1 over a sqlite store: (its URL, its process, the store's path)."""
-    store, port = tmp_path / "mlflow.db", free_port()
+    with running_mlflow_server(tmp_path) as server:
+        yield server
+
+
+# where `mlflow server` keeps its job runner's queue: a folder it makes in /dev/shm and never removes (0.5 MB each)
+MLFLOW_JOB_STORE = "_MLFLOW_HUEY_STORAGE_PATH"
+
+
+@contextlib.contextmanager
+def running_mlflow_server(folder: Path):
+    """`mlflow server` in `folder` until the block ends: then stopped, and its job store in /dev/shm removed."""
+    store, port = folder / "mlflow.db", free_port()
     mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent))
     if mlflow is None:
         pytest.skip("the mlflow command is not installed beside this interpreter")
-    with open(tmp_path / "server.log", "w") as log:  # its own process group: uvicorn and the job runner go with it
+    with open(folder / "server.log", "w") as log:  # its own process group: uvicorn and the job runner go with it
         server = subprocess.Popen([mlflow, "server", "--backend-store-uri", f"sqlite:///{store}",
-                                   "--default-artifact-root", str(tmp_path / "artifacts"), "--host", "127.0.0.1",
+                                   "--default-artifact-root", str(folder / "artifacts"), "--host", "127.0.0.1",
                                    "--port", port, "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    url, job_stores = f"http://127.0.0.1:{port}", set()
     try:
         deadline = time.time() + 180
         while True:
@@ -207,11 +220,31 @@ def mlflow_server(tmp_path):
                         break
             except OSError:
                 pass
-            assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            assert server.poll() is None and time.time() < deadline, (folder / "server.log").read_text()[-3000:]
             time.sleep(0.2)
+        job_stores = mlflow_job_stores(server)  # read now: a test may stop the server itself
         yield url, server, store
     finally:
         stop_server(server)
+        for path in job_stores | mlflow_job_stores(server):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def mlflow_job_stores(server: subprocess.Popen) -> set[str]:
+    """The job stores the server's processes were handed (its children's environment names them)."""
+    found = set()
+    try:
+        children = psutil.Process(server.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return found
+    for child in children:
+        try:
+            path = child.environ().get(MLFLOW_JOB_STORE)
+        except psutil.Error:
+            continue
+        if path:
+            found.add(path)
+    return found
 
 
 def stop_server(server: subprocess.Popen) -> None:

@@ -233,6 +233,32 @@ def test_checkpoints_from_before_the_backbone_interface_still_load(corpora):
             assert torch.equal(fresh.state_dict()[key], value), key
 
 
+def test_a_universal_checkpoint_from_before_the_backbone_interface_names_todays_parameters(corpora, tmp_path):
+    """A universal checkpoint keeps each parameter's weights and optimizer state in zero/<name>/, where DeepSpeed
+    looks for today's names; one written with the old ones (`encoder.bert.*`, RetroMAE's `decoder.query`) has
+    its folders renamed as the load hook renames state-dict keys, before DeepSpeed loads it."""
+    from pretrieve.engine.checkpoint import rename_old_parameters
+
+    head, _ = head_and_batch("bert", "retromae", corpora)
+    today = [name for name, _ in head.named_parameters()]
+    old_names = {"attention.self.query": "query", "attention.output.LayerNorm": "attention_norm",
+                 "intermediate.dense": "intermediate", "output.dense": "output"}
+    tag = tmp_path / "step00000002-universal"
+    for name in today:  # the folders of a checkpoint written with the old names
+        old = name.replace("encoder.model.", "encoder.bert.")
+        for new, short in old_names.items():
+            old = old.replace(f"decoder.layers.0.{new}.", f"decoder.{short}.")
+        (tag / "zero" / old).mkdir(parents=True)
+        (tag / "zero" / old / "fp32.pt").write_text(name)
+    assert (tag / "zero" / "encoder.bert.embeddings.word_embeddings.weight").is_dir()
+    assert (tag / "zero" / "decoder.query.weight").is_dir()
+    rename_old_parameters(head, tag)
+    assert sorted(p.name for p in (tag / "zero").iterdir()) == sorted(today)
+    assert all((tag / "zero" / name / "fp32.pt").read_text() == name for name in today)  # each its own state
+    rename_old_parameters(head, tag)  # once renamed, nothing to do
+    assert sorted(p.name for p in (tag / "zero").iterdir()) == sorted(today)
+
+
 def test_init_from_grows_the_learnt_position_table(corpora, tmp_path):
     """XLM-R trained at MAX_LEN positions, continued at 3 x MAX_LEN (as BGE-M3 grew XLM-R to 8,192): the new
     rows copy the trained ones in order, a text longer than before trains, and the export keeps the table."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import json_lines, pretrain_env, signal_in_mask
+from conftest import free_port, json_lines, pretrain_env, signal_in_mask
 from fault_runs import assert_same_run
 from transformers import AutoModel
 
@@ -252,3 +252,45 @@ def test_the_command_line_is_built_without_importing_torch():
                            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')))"],
                           capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.splitlines()[-1] == "[]", done.stdout[-2000:]
+
+
+def _allreduce_buffers(port: str) -> list[Path]:
+    """DeepSpeed's CPU all-reduce buffers of the runs on `port` (one per rank, named after it)."""
+    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+
+
+def test_a_one_rank_run_unlinks_its_cpu_allreduce_buffer(tmp_path, wiki_shards):
+    """One rank, as srun or the deepspeed launcher start it (LOCAL_SIZE=1, MASTER_ADDR set): DeepSpeed maps its
+    64 MiB buffer at world size 1 too; a finished run leaves nothing in /dev/shm."""
+    port = free_port()
+    env = pretrain_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=port)
+    done = subprocess.run(_command(tmp_path / "run", wiki_shards, "train.max_steps=1", "tracking.enabled=false"),
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not _allreduce_buffers(port)
+
+
+def test_a_start_up_past_its_deadline_unlinks_its_cpu_allreduce_buffer(tmp_path, wiki_shards):
+    """Two ranks on one machine; rank 1 forms DeepSpeed's communication (its process group and shared-memory
+    buffers) and then goes no further, as a rank that hangs or dies there: rank 0 waits for it in
+    deepspeed.initialize until train.startup_timeout, exits 86, and its buffer is gone from /dev/shm with it."""
+    port = free_port()
+    env = pretrain_env(WORLD_SIZE="2", LOCAL_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    peer = subprocess.Popen([sys.executable, "-c", "import time, deepspeed\n"
+                             "deepspeed.init_distributed(dist_backend='gloo')\ntime.sleep(600)\n"],
+                            env={**env, "RANK": "1", "LOCAL_RANK": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        done = subprocess.run(_command(tmp_path / "run", wiki_shards, "train.max_steps=1", "tracking.enabled=false",
+                                       "train.startup_timeout=30"),
+                              env={**env, "RANK": "0", "LOCAL_RANK": "0"}, capture_output=True, text=True, timeout=300)
+    finally:
+        peer.kill()
+        peer.wait()
+        for buffer in _allreduce_buffers(port):  # the stand-in peer's own, which it never unlinks
+            if buffer.name.endswith("_1"):
+                buffer.unlink()
+    assert done.returncode == 86, done.stderr[-3000:]
+    assert "did not finish in 30 s (train.startup_timeout)" in done.stderr
+    assert not _allreduce_buffers(port)

@@ -264,3 +264,38 @@ def test_bad_queries_field_is_a_bad_row(tmp_path):
     src.write_text('{"id": "1", "text": "fine", "queries": "not a list"}\n')
     (record,) = read_corpus("jsonl", [src])
     assert isinstance(record, BadRecord) and record.reason == "bad_row" and "queries" in record.detail
+
+
+@pytest.mark.parametrize("backbone", ["bert", "modernbert"])
+def test_a_deep_copy_of_a_mote_encoder_routes_through_its_own_experts(backbone):
+    """The routing is part of the modules: a copy of the encoder (deepcopy, as an EMA or a teacher copy is made)
+    sends its queries through its own query experts and its passages through its own layers, never through the
+    original's."""
+    import copy
+
+    from pretrieve.models.encoder import Encoder
+
+    encoder = Encoder(ModelOptions(backbone=backbone, vocab_size=1000, hidden_size=32, num_layers=2, num_heads=2,
+                                   intermediate_size=64, pad_token_id=0).hf_config()).eval()
+    encoder.add_query_experts()
+    twin = copy.deepcopy(encoder)
+    calls = []
+    for name, enc in (("original", encoder), ("copy", twin)):
+        for expert in enc.query_experts:
+            for module in expert.values():
+                module.register_forward_hook(lambda *args, name=name: calls.append((name, "query")))
+        for layer in enc.backbone.layers(enc.model):
+            for part in enc.backbone.feed_forward_modules:
+                getattr(layer, part).register_forward_hook(lambda *args, name=name: calls.append((name, "passage")))
+    ids = torch.randint(5, 1000, (4, 12))
+    mask, mixed = torch.ones_like(ids), torch.tensor([1, 0, 1, 0])
+    with torch.no_grad():
+        out = twin(ids, mask, mixed)
+        assert set(calls) == {("copy", "query"), ("copy", "passage")}
+        assert torch.equal(out, encoder(ids, mask, mixed))  # equal weights, equal routes
+        for expert in twin.query_experts:  # the copy's query experts alone change its query outputs
+            for parameter in expert.parameters():
+                parameter.add_(0.5)
+        changed, original = twin(ids, mask, mixed), encoder(ids, mask, mixed)
+    assert torch.equal(changed[mixed == 0], original[mixed == 0])
+    assert not torch.allclose(changed[mixed == 1], original[mixed == 1])

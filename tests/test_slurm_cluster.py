@@ -5,6 +5,8 @@ own preemption (PreemptMode=REQUEUE); the evaluation farm's array with a failing
 cluster. Root only (`make test-cluster`)."""
 
 import contextlib
+import re
+import socket
 import shutil
 import signal
 import subprocess
@@ -106,12 +108,20 @@ def _signal_paused(cluster, job: int, run_dir: Path, signal_job) -> None:
 
 
 def _finished(cluster, job: int, checkout: Path, restarts: int) -> str:
-    """Wait for `job` to complete after `restarts` requeues; its batch log (both attempts)."""
+    """Wait for `job` to complete after `restarts` requeues; its batch log (both attempts). No attempt left a
+    DeepSpeed CPU all-reduce buffer in /dev/shm (they are named after the job's master port)."""
     state = cluster.wait(job)
     log = (checkout / f"pretrieve-{job}.out").read_text()
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", f"{state}\n{log[-3000:]}"
     assert state["Restarts"] == str(restarts), f"{state}\n{log[-3000:]}"
+    for port in _master_ports(log):
+        assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")), port
     return log
+
+
+def _master_ports(log: str) -> list[int]:
+    """The master port of each attempt, as the batch log's first line of the attempt says it."""
+    return [int(port) for port in re.findall(r"master \S+?:(\d+),", log)]
 
 
 @pytest.fixture(scope="module")
@@ -260,3 +270,37 @@ def test_a_gpu_request_on_a_cpu_cluster_is_refused_at_once(cluster, checkout, wi
     with pytest.raises(RuntimeError, match="sbatch failed") as refused:
         _pretrain(cluster, checkout, wiki_shards, tmp_path / "run", "--gpus-per-node=1")
     assert "Invalid generic resource (gres) specification" in str(refused.value), refused.value
+
+
+def test_two_jobs_at_once_on_one_node_listen_on_two_free_ports(cluster, checkout, wiki_shards, tmp_path):
+    """Two one-rank jobs submitted together to one node, where another program listens on the ports that
+    `20000 + job id % 20000` gives them: each job's script chooses a port free on the node, and both train,
+    leaving no buffer in /dev/shm. A MASTER_PORT given that is taken fails the job at once, naming the port."""
+    probe = cluster.submit("--wrap", "true", cwd=tmp_path, env=_env())  # the job ids count on from here
+    listeners = [_listen(20000 + (probe + i) % 20000) for i in (1, 2)]
+    try:
+        jobs = [_pretrain(cluster, checkout, wiki_shards, tmp_path / f"run{i}", "--nodelist=ptnode1",
+                          "--cpus-per-task=1", extra=["tracking.enabled=false", "train.max_steps=2",
+                                                      "checkpoint.every=2"]) for i in (1, 2)]
+        assert jobs == [probe + 1, probe + 2]
+        ports = [_master_ports(_finished(cluster, job, checkout, restarts=0)) for job in jobs]
+        assert len(ports[0]) == len(ports[1]) == 1 and ports[0] != ports[1], ports
+        assert not {port for [port] in ports} & {listener.getsockname()[1] for listener in listeners}
+
+        taken = listeners[0].getsockname()[1]
+        job = cluster.submit("launchers/slurm/pretrain.sbatch", "configs/pretrain/tiny-mlm.yaml", cwd=checkout,
+                             env=_env(MASTER_PORT=str(taken), RUN_DIR=str(tmp_path / "taken")))
+        state = cluster.wait(job)
+        log = (checkout / f"pretrieve-{job}.out").read_text()
+        assert state["JobState"] == "FAILED" and state["ExitCode"] == "2:0" and state["Restarts"] == "0", log
+        assert f"MASTER_PORT={taken} is taken on ptnode1" in log
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def _listen(port: int) -> socket.socket:
+    listener = socket.socket()
+    listener.bind(("0.0.0.0", port))
+    listener.listen()
+    return listener

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import pretrain_env
+from conftest import mlflow_job_stores, pretrain_env, running_mlflow_server
 from mlflow import MlflowClient
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
@@ -53,3 +53,12 @@ def test_dead_tracking_server_does_not_stop_training(tmp_path, wiki_shards):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr.count("MLflow tracking disabled") == 1
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_tracking_server_the_tests_start_leaves_nothing_in_dev_shm(tmp_path):
+    """`mlflow server` makes its job store in /dev/shm and never removes it (38 of them built up in a day of test
+    runs): the tests' servers take theirs with them when they stop."""
+    with running_mlflow_server(tmp_path) as (_, server, _):
+        stores = mlflow_job_stores(server)
+        assert all(Path(path).is_dir() for path in stores)
+    assert not [path for path in stores if Path(path).exists()]

@@ -66,7 +66,16 @@ class Checkpointer:
     def load(self, folder: Path, tag: str, branch: bool, seed: int) -> dict:
         """Restores the engine, the data position and the RNGs from tag `tag` of checkpoints `folder`; returns
         the sample and token counters this rank continues from. Rank 0 says where the run goes on."""
+        import torch.distributed as dist
+
+        from pretrieve.engine.universal import is_universal
+
         rank, world = self.rank, self.world
+        if is_universal(folder / tag):
+            if rank == 0:
+                rename_old_parameters(self.engine.module, folder / tag)
+            if world > 1:
+                dist.barrier()
         _, client = self.engine.load_checkpoint(str(folder), tag=tag, load_lr_scheduler_states=not branch)
         if client is None:
             raise RuntimeError(f"{folder / tag}: DeepSpeed could not load this checkpoint (see its log above)")
@@ -93,6 +102,30 @@ class Checkpointer:
             print(f"pretrieve: {start} (data position: {self.position.describe_position()})", file=sys.stderr,
                   flush=True)
         return counters
+
+
+def rename_old_parameters(module: torch.nn.Module, tag_dir: Path) -> None:
+    """A universal checkpoint keeps each parameter's weights and optimizer state in `zero/<parameter name>/`, where
+    DeepSpeed looks for today's names. One written before a module renamed its parameters (the base model was
+    `encoder.bert.*` before the backbone interface) has its folders renamed, once, as that module's load hook
+    renames state-dict keys (a module's `rename_old_keys(state_dict, prefix)`); the state dict beside them is
+    renamed by the hook itself when it loads."""
+    zero = tag_dir / "zero"
+    names = {p.name: p.name for p in zero.iterdir() if p.is_dir()}
+    for prefix, sub in module.named_modules():
+        if callable(getattr(sub, "rename_old_keys", None)):
+            sub.rename_old_keys(names, f"{prefix}." if prefix else "")
+    moves = {old: new for new, old in names.items() if new != old}
+    if not moves:
+        return
+    try:
+        for old, new in moves.items():
+            (zero / old).rename(zero / new)  # each move whole: a kill midway leaves the rest for the next start
+    except OSError as e:
+        raise OSError(f"{tag_dir}: its parameters have the names of an older pretrieve ({next(iter(moves))}); "
+                      f"renaming them failed ({e}): make the folder writable and resume again") from e
+    print(f"pretrieve: {tag_dir.name}: renamed {len(moves)} parameter folders of an older layout "
+          f"({next(iter(moves))} -> {moves[next(iter(moves))]}, ...)", file=sys.stderr, flush=True)
 
 
 def prune_tags(ckpt_dir: Path, latest: str, keep: int) -> None:

@@ -7,8 +7,8 @@ Such a signal may come at any moment, start-up included (imports, data, DeepSpee
 the rendezvous, the checkpoint load), and SLURM sends it to every process of the job step. So:
 - `hold_stop_signals()`, at process start, records a signal instead of dying of it; StopFlag takes it over
   (`finetune-stages` and its child processes: engine/child_processes.py);
-- `prebuild_ops()` JIT-builds the DeepSpeed ops that deepspeed.initialize would build, when missing, in a child
-  process that ignores the signals: so do the shells and compilers it runs (an ignored signal stays ignored
+- `prebuild_ops()` JIT-builds the DeepSpeed ops that deepspeed.initialize would build, when missing from this
+  environment's extension cache (engine/ops.py), in a child process that ignores the signals: so do the shells and compilers it runs (an ignored signal stays ignored
   across exec; a blocked one does not survive /bin/sh, which clears the mask);
 - `shield_children()` around deepspeed.initialize: what it still runs (ninja finding nothing to do) inherits
   the signals blocked, and the training process takes them when the block ends;
@@ -233,24 +233,27 @@ for name in sys.argv[1:]:
 
 
 def prebuild_ops(ds_config: dict) -> None:
-    """Build the ops deepspeed.initialize needs and torch's extension cache lacks, out of the signals' way."""
+    """Build the ops deepspeed.initialize needs and the extension cache lacks, out of the signals' way, once no
+    build holds their lock (a stale one is removed: engine/ops.py). Call within ops.environment_ops()."""
     import subprocess
 
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
-    from torch.utils.cpp_extension import _get_build_directory
+
+    from pretrieve.engine.ops import build_directory, clear_build_lock
 
     missing = []
     for name in _jit_ops(ds_config):
         builder = get_accelerator().create_op_builder(name)
         if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME):
             continue
-        built = os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so")
-        if not os.path.exists(built):
+        folder = build_directory(builder)
+        clear_build_lock(folder)  # deepspeed.initialize's load takes it too, built or not
+        if not (folder / f"{builder.name}.so").exists():
             missing.append(name)
     if missing:  # a failed build is left to deepspeed.initialize, which builds again and reports it
-        print(f"pretrieve: building DeepSpeed ops {', '.join(missing)} (once, into torch's extension cache)",
-              file=sys.stderr)
+        print(f"pretrieve: building DeepSpeed ops {', '.join(missing)} (once, into "
+              f"{os.environ.get('TORCH_EXTENSIONS_DIR') or 'torch extension cache'})", file=sys.stderr)
         subprocess.run([sys.executable, "-c", _BUILD, *missing], preexec_fn=_ignore_stop_signals)
 
 
@@ -263,25 +266,35 @@ def _retryable(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def retryable_startup(what: str, deadline: float | None = None):
+def retryable_startup(what: str, deadline: float | None = None, on_failure=None):
     """Within: a failure that may pass raises StartupFailed; past `deadline` seconds the process exits
-    RETRY_EXIT_CODE from a watchdog thread (the main one may be blocked in C, in gloo's or NCCL's set-up)."""
+    RETRY_EXIT_CODE from a watchdog thread (the main one may be blocked in C, in gloo's or NCCL's set-up).
+    `on_failure()` runs on every way out but success, the watchdog's exit included (which skips atexit and
+    `finally`): what a failed start must not leave behind (DeepSpeed's shared-memory buffers)."""
     finished = threading.Event()
 
     def watch():
         if not finished.wait(deadline):
             print(f"pretrieve: {what} did not finish in {deadline:g} s (train.startup_timeout): a rank or node may "
                   f"have died while the job formed; exit {RETRY_EXIT_CODE}", file=sys.stderr, flush=True)
-            os._exit(RETRY_EXIT_CODE)
+            try:
+                if on_failure is not None:
+                    on_failure()
+            finally:
+                os._exit(RETRY_EXIT_CODE)
 
     if deadline is not None:
         threading.Thread(target=watch, name="startup-deadline", daemon=True).start()
     try:
         yield
-    except Exception as error:
-        if not _retryable(error):
+    except BaseException as error:
+        if on_failure is not None:
+            on_failure()
+        if not isinstance(error, Exception) or not _retryable(error):
             raise
-        print(f"pretrieve: {what} failed, which may pass on a retry ({type(error).__name__}: {error}); "
+        taken = (f"MASTER_PORT {os.environ.get('MASTER_PORT')} is taken on {os.environ.get('MASTER_ADDR')} by "
+                 "another process; ") if "EADDRINUSE" in str(error) else ""
+        print(f"pretrieve: {what} failed, which may pass on a retry ({taken}{type(error).__name__}: {error}); "
               f"exit {RETRY_EXIT_CODE}", file=sys.stderr)
         raise StartupFailed() from error
     finally:

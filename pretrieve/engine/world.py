@@ -93,21 +93,39 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _cpu_allreduce_buffer(rank: int) -> Path:
+    return Path("/dev/shm", f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+                            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
 def unlink_cpu_allreduce_buffer() -> None:
     """Let go of the name of DeepSpeed's CPU all-reduce buffer, once every rank has mapped every buffer.
 
-    With every rank on one machine, DeepSpeed's CPU accelerator maps one POSIX shared-memory buffer per rank,
+    With every rank on one machine (LOCAL_SIZE, as the launchers set it, equal to the world size: one rank
+    included), DeepSpeed's CPU accelerator maps one POSIX shared-memory buffer per rank,
     /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> (about 64 MiB), and never
-    unlinks it: each multi-rank CPU run left its buffers in memory for good (a day of test runs held 12 GB of a
-    24 GB machine), and a later run on the same port would map a stale one. After a barrier (every rank is past
+    unlinks it: each such CPU run left its buffers in memory for good (a day of test runs held 12 GB of a 24 GB
+    machine), and a later run on the same port would map a stale one. After a barrier (every rank is past
     DeepSpeed's start, so has opened every buffer) each rank unlinks its own name; the mappings live on until
     the processes exit, however they end. Called on every rank alike: the barrier is collective."""
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    if get_accelerator().device_name() != "cpu" or not dist.is_initialized() or dist.get_world_size() == 1:
+    if get_accelerator().device_name() != "cpu" or not dist.is_initialized():
         return
-    dist.barrier()
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
-    Path("/dev/shm", name).unlink(missing_ok=True)
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    _cpu_allreduce_buffer(dist.get_rank()).unlink(missing_ok=True)
+
+
+def forget_cpu_allreduce_buffer() -> None:
+    """A start that failed (an error, or the start-up deadline's exit) unlinks this rank's buffer at once, with no
+    collective: peers still waiting to open it fail their own start (one failed rank fails the job). Only once
+    this process's group has formed: before that the name (its port) may be another job's."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        _cpu_allreduce_buffer(dist.get_rank()).unlink(missing_ok=True)

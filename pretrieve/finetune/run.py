@@ -35,7 +35,7 @@ from omegaconf import DictConfig
 
 from pretrieve.config import (RUN_KEYS, RUN_SECTIONS, CheckpointOptions, Problems, RunExperiment, TrainOptions,
                               resume_of, run_sections, section, unknown_top_level)
-from pretrieve.models.encoder import FINETUNE_META
+from pretrieve.models.encoder import FINETUNE_META, checkpoint_activations
 
 MODEL_CONFIG = "model_config.json"  # in the run directory: the architecture, for the export
 TOKENIZER = "tokenizer"  # in the run directory
@@ -197,8 +197,7 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
         write_atomic(exp.run_dir / FINETUNE_META, json.dumps(_meta(module, o), indent=1) + "\n")
         tokenizer.save_pretrained(str(exp.run_dir / TOKENIZER))  # the export's, even if init_from moves
     if exp.train.activation_checkpointing:
-        (module.encoder.model if o.model == "dual" else module.model).gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(module.encoder.model if o.model == "dual" else module.model)
     loader_class = GroupLoader if o.model == "dual" else PairLoader
     loader = loader_class(load_examples(o), tokenizer, exp.train.micro_batch_size, o.negatives, o.query_max_len,
                           o.passage_max_len, exp.seed, rank, int(os.environ.get("WORLD_SIZE", 1)),

@@ -20,6 +20,7 @@ from torch import nn
 
 from pretrieve.models import unpadding
 from pretrieve.models.backbones import backbone_named, backbone_of
+from pretrieve.models.backbones.base import TextTypes
 from pretrieve.models.vocab_projection import linear_cross_entropy
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,15 @@ class Encoder(nn.Module):
         self.init_new(self.mlm_transform)
         self.load_report: list[str] = []  # what init_from did not provide (and was initialised)
         self.query_experts: nn.ModuleList | None = None  # MoTE (cot-mote.txt §3.1): see add_query_experts
-        self._text_type: torch.Tensor | None = None
+        self.text_types = TextTypes()  # which texts of the running batch are queries, for the experts
         self.unpad = False  # see enable_unpadding
         self.register_load_state_dict_pre_hook(_rename_old_keys)
+
+    @staticmethod
+    def rename_old_keys(state_dict: dict, prefix: str) -> None:
+        """Rename, in place, the keys of `state_dict` (this module's under `prefix`) that older checkpoints wrote:
+        the load hook's renaming, also for a universal checkpoint's per-parameter folders (engine/checkpoint.py)."""
+        _rename_old_keys(None, state_dict, prefix)
 
     @classmethod
     def build(cls, options: ModelOptions) -> "Encoder":
@@ -137,7 +144,7 @@ class Encoder(nn.Module):
     def enable_activation_checkpointing(self) -> None:
         """Recompute each encoder layer in backward instead of keeping its activations (HF checkpointing; the
         dropout RNG is replayed, so the numbers do not change)."""
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(self.model)
 
     def enable_unpadding(self) -> None:
         """Run the stack on each batch's texts packed into one row (model.unpad; models/unpadding.py). The states
@@ -162,7 +169,7 @@ class Encoder(nn.Module):
         layers = self.backbone.layers(self.model)
         self.query_experts = nn.ModuleList(self.backbone.query_expert(layer) for layer in layers)
         for layer, expert in zip(layers, self.query_experts):
-            self.backbone.route_feed_forward(layer, expert, lambda: self._text_type)
+            self.backbone.route_feed_forward(layer, expert, self.text_types)
 
     @property
     def embeddings(self) -> nn.Module:
@@ -183,17 +190,15 @@ class Encoder(nn.Module):
         expert in a MoTE encoder; without it, or without experts, every sequence is a passage."""
         if text_type is not None and self.query_experts is None and bool(text_type.any()):
             raise ValueError("text_type asks for query experts, but this encoder has none (add_query_experts)")
-        self._text_type = None if text_type is None else text_type.bool()
-        try:
-            if not self.unpad:
-                return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            packed = unpadding.Packed.of(attention_mask)
-            if self._text_type is not None:  # MoTE: each packed token goes through its text's expert
-                self._text_type = packed.pack(self._text_type[:, None].expand_as(packed.real))
-            hidden = self.backbone.packed_forward(self.model, packed.pack(input_ids), packed, attention_mask)
-            return packed.unpack(hidden)
-        finally:
-            self._text_type = None
+        is_query = None if text_type is None or self.query_experts is None else text_type.bool()
+        if not self.unpad:
+            self.text_types.set(is_query)
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        packed = unpadding.Packed.of(attention_mask)
+        # MoTE: each packed token goes through its text's expert
+        self.text_types.set(None if is_query is None else packed.pack(is_query[:, None].expand_as(packed.real)))
+        hidden = self.backbone.packed_forward(self.model, packed.pack(input_ids), packed, attention_mask)
+        return packed.unpack(hidden)
 
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., vocab] logits of BERT's MLM head for hidden states [..., hidden]."""
@@ -213,6 +218,17 @@ def _rename_old_keys(module, state_dict, prefix, *args) -> None:
     """Checkpoints written before other backbones than BERT keep the base model under `bert.`."""
     for key in [k for k in state_dict if k.startswith(prefix + _OLD_MODEL_PREFIX)]:
         state_dict[prefix + MODEL_PREFIX + key[len(prefix + _OLD_MODEL_PREFIX):]] = state_dict.pop(key)
+
+
+def checkpoint_activations(model) -> None:
+    """Turn on HF activation checkpointing (non-reentrant) in a transformers model. transformers 5 renamed
+    `gradient_checkpointing_enable` to `activation_checkpointing_enable` and deprecates the old name (gone in
+    v6); the releases before the rename have only the old one."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def load_encoder(path: str | Path) -> Encoder:

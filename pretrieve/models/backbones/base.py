@@ -13,6 +13,7 @@ A backbone names the HF model and config classes, and answers, for a model of th
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Callable
 
 import torch
@@ -92,20 +93,71 @@ class Backbone:
         """A copy of the layer's feed-forward block (cot-mote.txt eq. 7: Q-FFN starts as the P-FFN)."""
         return nn.ModuleDict({name: copy.deepcopy(getattr(layer, name)) for name in cls.feed_forward_modules})
 
-    @staticmethod
-    def route_feed_forward(layer: nn.Module, expert: nn.ModuleDict, is_query: Callable[[], torch.Tensor | None]):
-        """Make `layer` send each sequence through its own feed-forward block or through `expert`, by
-        `is_query()` (bool [B], or None: all passages)."""
-        raise NotImplementedError
+    @classmethod
+    def route_feed_forward(cls, layer: nn.Module, expert: nn.ModuleDict, texts: "TextTypes") -> None:
+        """Make each feed-forward module of `layer` send the passages of the batch through itself and its queries
+        through its counterpart in `expert`, as `texts` says. Module by module, each on the same sequences, is
+        the same as the whole block by text type (an expert is the whole block, its norm included)."""
+        for name in cls.feed_forward_modules:
+            module = getattr(layer, name)
+            module.__class__ = _query_routed(type(module))
+            module.query_route = QueryRoute(expert[name], texts)
 
 
-def route(is_query: torch.Tensor | None, passage: Callable, query: Callable, x: torch.Tensor) -> torch.Tensor:
-    """passage(x) for the passages of the batch and query(x) for its queries (`is_query` bool [B])."""
-    if is_query is None or not is_query.any():
-        return passage(x)
-    if is_query.all():
-        return query(x)
-    out = torch.empty_like(x)
-    out[~is_query] = passage(x[~is_query])
-    out[is_query] = query(x[is_query])
+class TextTypes:
+    """Which sequences (or packed tokens) of the batch an encoder runs are queries: set by the encoder at each
+    forward and kept until the next (activation checkpointing recomputes the layers in backward), read by its
+    routed feed-forward modules. A plain object, as QueryRoute: a deep copy of the encoder copies it once, with
+    the modules that read it."""
+
+    def __init__(self):
+        self.set(None)
+
+    def set(self, is_query: torch.Tensor | None) -> None:
+        """`is_query` bool [B] (or [1, T], packed), or None: all passages. Asked of the device once a forward, not
+        once a layer."""
+        self.is_query = is_query
+        self.is_passage = None if is_query is None else ~is_query
+        self.any = is_query is not None and bool(is_query.any())
+        self.all = self.any and bool(is_query.all())
+
+
+class QueryRoute:
+    """What a routed feed-forward module reads: its counterpart in the layer's query expert (held, and trained,
+    as `Encoder.query_experts`) and the encoder's TextTypes."""
+
+    def __init__(self, expert: nn.Module, texts: TextTypes):
+        self.expert, self.texts = expert, texts
+
+
+class _QueryRouted:
+    """A feed-forward module under CoT-MoTE (Backbone.route_feed_forward): the passages of the batch go through
+    the module's own forward, its queries through the query expert's counterpart. The routing is the module's
+    class (a subclass of its own, as torch.nn.utils.parametrize makes), so a copy of the module routes through
+    the copy."""
+
+    query_route: QueryRoute
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        to = self.query_route
+        return route(to.texts, super().forward, to.expert, *inputs)
+
+
+@functools.cache
+def _query_routed(module_class: type) -> type:
+    return type(f"QueryRouted{module_class.__name__}", (_QueryRouted, module_class), {})
+
+
+def route(texts: TextTypes, passage: Callable, query: Callable, *inputs: torch.Tensor) -> torch.Tensor:
+    """passage(...) of the inputs' passage rows and query(...) of their query rows, in one tensor (the inputs
+    share their leading dimensions with `texts.is_query`)."""
+    if not texts.any:
+        return passage(*inputs)
+    if texts.all:
+        return query(*inputs)
+    passages = passage(*(x[texts.is_passage] for x in inputs))
+    queries = query(*(x[texts.is_query] for x in inputs))
+    out = passages.new_empty(*texts.is_query.shape, *passages.shape[1:])
+    out[texts.is_passage] = passages
+    out[texts.is_query] = queries
     return out

@@ -8,7 +8,7 @@ from torch import nn
 from transformers import BertConfig, BertModel
 from transformers.models.bert.modeling_bert import BertLayer, BertPredictionHeadTransform
 
-from pretrieve.models.backbones.base import Attend, Backbone, route
+from pretrieve.models.backbones.base import Attend, Backbone
 
 
 class BertFamilyStreams:
@@ -114,9 +114,3 @@ class BertBackbone(Backbone):
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
-
-    @staticmethod
-    def route_feed_forward(layer, expert, is_query):
-        layer.feed_forward_chunk = lambda x: route(
-            is_query(), lambda y: layer.output(layer.intermediate(y), y),
-            lambda y: expert["output"](expert["intermediate"](y), y), x)

@@ -25,7 +25,7 @@ from transformers.models.modernbert.modeling_modernbert import (
     apply_rotary_pos_emb,
 )
 
-from pretrieve.models.backbones.base import Attend, Backbone, route
+from pretrieve.models.backbones.base import Attend, Backbone
 from pretrieve.models.backbones.bert import heads
 
 GLOBAL = "full_attention"  # the layer type of ModernBERT's global-attention layers (layer 0 is one)
@@ -117,12 +117,3 @@ class ModernBertBackbone(Backbone):
         """ModernBERT's own initialisation (truncated normals, output projections scaled by depth)."""
         for m in module.modules():
             model._init_weights(m)
-
-    @staticmethod
-    def route_feed_forward(layer, expert, is_query):
-        # The layer computes h + mlp(mlp_norm(h)). Its norm moves into the routed block, so that each text goes
-        # through the norm and GeGLU of its own expert (an expert is the whole block, norm included).
-        norm, mlp = layer.mlp_norm, layer.mlp
-        passage = lambda x: type(mlp).forward(mlp, type(norm).forward(norm, x))  # noqa: E731
-        norm.forward = lambda x: x
-        mlp.forward = lambda x: route(is_query(), passage, lambda y: expert["mlp"](expert["mlp_norm"](y)), x)

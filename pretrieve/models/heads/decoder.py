@@ -33,6 +33,12 @@ class Decoder(nn.Module):
         encoder.init_new(self)
         self.register_load_state_dict_pre_hook(_rename_old_keys)
 
+    @staticmethod
+    def rename_old_keys(state_dict: dict, prefix: str) -> None:
+        """Rename, in place, the keys of `state_dict` (this module's under `prefix`) that older checkpoints wrote:
+        the load hook's renaming, also for a universal checkpoint's per-parameter folders (engine/checkpoint.py)."""
+        _rename_old_keys(None, state_dict, prefix)
+
     @property
     def attention_dropout(self) -> float:
         return self.layers[0].attention_dropout

@@ -219,7 +219,7 @@ def _add_finetune_stages(commands) -> None:
     p = commands.add_parser("finetune-stages", help="the three fine-tuning stages of one model, chained and resumable",
                             description="Stage 1 (in-batch), mining, stage 2 (hard negatives), the cross-encoder "
                                         "teacher, its scores and stage 3 (distillation) into OUT/ (see "
-                                        "pretrieve/finetune/stages.py); finished steps are skipped.")
+                                        "pretrieve/orchestrate/finetune_stages.py); finished steps are skipped.")
     p.add_argument("--model", required=True, metavar="DIR", help="the pre-trained model (an export or HF BERT)")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--config", required=True, metavar="CONFIG", help="base fine-tuning config (configs/finetune/)")
@@ -241,7 +241,7 @@ def _add_finetune_stages(commands) -> None:
 
 
 def _run_finetune_stages(args) -> int:
-    from pretrieve.finetune.stages import StagesOptions, run_stages
+    from pretrieve.orchestrate.finetune_stages import StagesOptions, run_stages
 
     print_result(run_stages(StagesOptions(
         model=args.model, out=args.out, config=args.config, up_to=args.up_to, data=args.data, msmarco=args.msmarco,
@@ -479,7 +479,7 @@ def _run_eval(args) -> int:
 def _add_farm(commands) -> None:
     p = commands.add_parser("farm", help="evaluate checkpoints x datasets x stages in parallel or on SLURM; MLflow",
                             description="Run every pending `pretrieve eval` job of FARM.yaml (see "
-                                        "pretrieve/eval/farm.py), skipping done ones, and log each to MLflow.")
+                                        "pretrieve/orchestrate/farm.py), skipping done ones, and log each to MLflow.")
     p.add_argument("farm", metavar="FARM.yaml")
     _slurm_jobs_option(p, "the pending jobs")
     p.set_defaults(run=_run_farm)
@@ -491,7 +491,7 @@ def _slurm_jobs_option(parser, what: str) -> None:
 
 
 def _run_farm(args) -> int:
-    from pretrieve.eval.farm import run_farm
+    from pretrieve.orchestrate.farm import run_farm
 
     result = run_farm(args.farm, slurm_jobs=args.slurm)
     print(json.dumps(result))
@@ -582,7 +582,7 @@ def _add_scale(commands) -> None:
     plan.set_defaults(run=_run_scale_plan)
     run = actions.add_parser("run", help="pre-train every point of the study, then evaluate them (MLflow child runs)",
                              description="Pre-train the pending points of STUDY.yaml (resume=auto), then evaluate "
-                                         "the finished ones through `pretrieve farm`; see pretrieve/scale/run.py.")
+                                         "the finished ones through `pretrieve farm`; see pretrieve/orchestrate/scale_run.py.")
     run.add_argument("study", metavar="STUDY.yaml")
     _slurm_jobs_option(run, "the pending jobs (pre-training, then evaluation)")
     run.set_defaults(run=_run_scale_run)
@@ -623,7 +623,7 @@ def _run_scale_plan(args) -> int:
 
 
 def _run_scale_run(args) -> int:
-    from pretrieve.scale.run import run_study
+    from pretrieve.orchestrate.scale_run import run_study
 
     result = run_study(args.study, slurm_jobs=args.slurm)
     print(json.dumps(result))

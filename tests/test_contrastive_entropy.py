@@ -12,7 +12,7 @@ from conftest import SAMPLES
 from pretrieve.cli import main as cli
 from pretrieve.data.retrieval import load_beir
 from pretrieve.eval.contrastive import contrastive_entropy, pair_generator, sample_negatives
-from pretrieve.eval.farm import Job, load_farm
+from pretrieve.orchestrate.farm import Job, load_farm
 from pretrieve.eval.metrics import ranked
 from pretrieve.eval.search import hybrid_search, pair_scorer, sparse_matrix
 

@@ -253,7 +253,7 @@ def test_farm_runs_jobs_in_parallel_logs_mlflow_and_reruns_only_what_is_missing(
 
     from pretrieve.config import TrackingOptions
     from pretrieve.engine.tracking import Tracker
-    from pretrieve.eval.farm import run_farm
+    from pretrieve.orchestrate.farm import run_farm
     from pretrieve.eval.report import write_report
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -323,7 +323,7 @@ def test_an_interrupted_farm_leaves_its_jobs_not_done_and_the_next_run_does_them
     import psutil
     from conftest import ctrl_c_when
 
-    from pretrieve.eval.farm import run_farm
+    from pretrieve.orchestrate.farm import run_farm
 
     farm, out = tmp_path / "farm.yaml", tmp_path / "farm"
     farm.write_text(json.dumps({

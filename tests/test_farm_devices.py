@@ -1,4 +1,4 @@
-"""One GPU per farm job (pretrieve/engine/devices.py, eval/farm.py): the devices of `gpus:` handed to real
+"""One GPU per farm job (pretrieve/engine/devices.py, orchestrate/farm.py): the devices of `gpus:` handed to real
 `pretrieve eval` processes through CUDA_VISIBLE_DEVICES, read back from each running job's environment
 (/proc/PID/environ) while the farm runs; a failed job frees its device; bad `gpus:` values are refused naming
 the key and the farm file. On this machine the device ids are names only: no job touches a GPU (BM25 jobs).
@@ -15,7 +15,7 @@ import pytest
 from conftest import SAMPLES
 
 from pretrieve.engine.devices import DevicePool, node_devices
-from pretrieve.eval.farm import load_farm, run_farm
+from pretrieve.orchestrate.farm import load_farm, run_farm
 
 SCIFACT = SAMPLES / "beir" / "scifact-sample"
 

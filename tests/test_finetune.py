@@ -252,7 +252,7 @@ def test_farm_fine_tunes_three_stages_each_lowering_its_loss(tmp_path):
     (stage 1, mining, stage 2, teacher, teacher scores, stage 3) then one evaluation job per stage."""
     from mlflow.tracking import MlflowClient
 
-    from pretrieve.eval.farm import run_farm
+    from pretrieve.orchestrate.farm import run_farm
     from pretrieve.models.encoder import ModelOptions
     from pretrieve.models.export import export
     from pretrieve.models.heads import get_method
@@ -431,7 +431,7 @@ def test_finetune_stages_runs_each_fine_tuning_over_nproc_ranks(tmp_path, tokeni
     import time
 
     from pretrieve.engine.preemption import Preempted
-    from pretrieve.finetune.stages import StagesOptions, run_stages
+    from pretrieve.orchestrate.finetune_stages import StagesOptions, run_stages
 
     _tiny_encoder().model.save_pretrained(str(tmp_path / "bert"))
     tokenizer.save_pretrained(str(tmp_path / "bert"))

@@ -1,5 +1,6 @@
 """The package's layers (docs/design.md, "Layers"): every import of every module, read with `ast` (lazy ones
-inside functions too), goes to its own layer or one below, and no modules import each other around a circle."""
+inside functions too), goes to its own layer or one below, and no modules, nor packages, import each other around a
+circle."""
 
 import ast
 import re
@@ -109,9 +110,32 @@ def test_no_modules_import_each_other_around_a_circle():
     assert not cycles(graph()), cycles(graph())
 
 
+def packages(edges: dict[str, set[str]], depth: int) -> dict[str, set[str]]:
+    """The import graph with every module taken as its package `depth` names deep (2: pretrieve.eval.search is
+    pretrieve.eval); imports within one package drop out."""
+    def unit(name: str) -> str:
+        return ".".join(name.split(".")[:depth])
+
+    collapsed: dict[str, set[str]] = {}
+    for a, targets in edges.items():
+        collapsed.setdefault(unit(a), set()).update(unit(b) for b in targets if unit(b) != unit(a))
+    return collapsed
+
+
+def test_no_packages_import_each_other_around_a_circle():
+    """eval -> finetune -> eval through different modules is no module circle, but the two packages are not
+    layered: each needs the other. At every depth (pretrieve.eval, then pretrieve.models.heads, ...)."""
+    edges = graph()
+    circles = [circle for depth in range(2, max(len(name.split(".")) for name in edges))
+               for circle in cycles(packages(edges, depth))]
+    assert not circles, "packages importing each other around a circle: " + "; ".join(map(" <-> ".join, circles))
+
+
 def test_the_checks_catch_what_they_are_for():
     """A circle and an upward import, made up: the checks above would see them."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    two_ways = {"p.eval.farm": {"p.finetune.stages"}, "p.finetune.mine": {"p.eval.search"}}
+    assert not cycles(two_ways) and cycles(packages(two_ways, 2)) == [["p.eval", "p.finetune"]]
     table = layers()
     assert floor_of("pretrieve.engine.train", table) < floor_of("pretrieve.config", table)
     assert floor_of("pretrieve.utils.run_dir", table) == len(table) - 1
@@ -132,9 +156,9 @@ def test_no_package_function_is_longer_than_80_lines():
 
 def test_the_layout_page_names_every_module():
     page = (ROOT / "docs" / "layout.md").read_text()
-    faces = {"pretrieve", "pretrieve.data", "pretrieve.engine", "pretrieve.eval", "pretrieve.finetune",
-             "pretrieve.kernels", "pretrieve.models", "pretrieve.models.backbones", "pretrieve.models.heads",
-             "pretrieve.scale", "pretrieve.utils"}
+    faces = {"pretrieve", "pretrieve.commands", "pretrieve.data", "pretrieve.engine", "pretrieve.eval",
+             "pretrieve.finetune", "pretrieve.kernels", "pretrieve.models", "pretrieve.models.backbones",
+             "pretrieve.models.heads", "pretrieve.orchestrate", "pretrieve.scale", "pretrieve.utils"}
     unnamed = [str(path.relative_to(PACKAGE)) for name, path in modules().items()
                if name not in faces and f"| `{path.relative_to(PACKAGE)}` |" not in page]
     assert not unnamed, f"docs/layout.md names no line for {unnamed}"

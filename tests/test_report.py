@@ -5,7 +5,7 @@ import pytest
 from conftest import SAMPLES
 
 from pretrieve.cli import main as cli
-from pretrieve.eval.farm import jobs_of, load_farm, run_farm
+from pretrieve.orchestrate.farm import jobs_of, load_farm, run_farm
 
 SCIFACT = SAMPLES / "beir" / "scifact-sample"
 

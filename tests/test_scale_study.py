@@ -127,7 +127,7 @@ def test_scale_run_pretrains_evaluates_and_resumes(tmp_path, wiki_shards, books_
 
     from conftest import SAMPLES, pretrain_env
     from pretrieve.scale.points import read_points_mlflow
-    from pretrieve.scale.run import pretrain_args, run_study, study_parent
+    from pretrieve.orchestrate.scale_run import pretrain_args, run_study, study_parent
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     path = write_study(tmp_path, wiki_shards, methods=["mlm"], budgets={"tokens": [512, 1024]},
@@ -185,7 +185,7 @@ def test_scale_run_pretrains_evaluates_and_resumes(tmp_path, wiki_shards, books_
 def test_scale_run_slurm_lists_the_pending_points(tmp_path, wiki_shards):
     import shlex
 
-    from pretrieve.scale.run import run_study
+    from pretrieve.orchestrate.scale_run import run_study
 
     path = write_study(tmp_path, wiki_shards, tracking={"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})
     result = run_study(path, slurm_jobs=str(tmp_path / "jobs"), progress=False)

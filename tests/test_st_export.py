@@ -95,7 +95,7 @@ def test_pretraining_export_card_and_its_farm_evaluation(tmp_path, wiki_shards, 
     """A DupMAE pre-training run with validation, tracked in a sqlite MLflow store: its export is a [CLS]
     sentence-transformers model whose card says what was trained; the farm's evaluation of the export (nested
     under the run) then appears in the card, as a table and as model-index results."""
-    from pretrieve.eval.farm import run_farm
+    from pretrieve.orchestrate.farm import run_farm
 
     run_dir, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
     done = subprocess.run([sys.executable, "-m", "pretrieve", "pretrain",

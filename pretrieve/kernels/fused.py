@@ -72,18 +72,23 @@ if triton is not None:
         return tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
 
     @triton.jit
+    def _program(LEN, POOL, heads, stride_b, stride_h, stride_pool_b, BLOCK: tl.constexpr):
+        """What one program of a kernel works on. Grid axis 1 is its (batch, head) slice bh = b * heads + h, axis 0
+        its block of BLOCK rows: returns b, bh, the block's rows, the slice's offset in a [B, H, L, D] tensor, the
+        sample's length and its pool of visibility rows."""
+        pid, bh = tl.program_id(0), tl.program_id(1)
+        b = bh // heads
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        return b, bh, offs, b * stride_b + (bh % heads) * stride_h, tl.load(LEN + b), POOL + b * stride_pool_b
+
+    @triton.jit
     def _forward(Q, K, V, O, LSE, POOL, ROW, LEN, seq_len, heads, scale,
                  stride_b, stride_h, stride_pool_b, stride_pool_row,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-        pid_m, bh = tl.program_id(0), tl.program_id(1)
-        b, h = bh // heads, bh % heads
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        base = b * stride_b + h * stride_h
+        b, bh, offs_m, base, length, pool_b = _program(LEN, POOL, heads, stride_b, stride_h, stride_pool_b, BLOCK_M)
         row_ok = offs_m < seq_len
         q = _tile(Q, base, offs_m, seq_len, HEAD_DIM)
         rows = tl.load(ROW + b * seq_len + offs_m, mask=row_ok, other=0).to(tl.int32)
-        length = tl.load(LEN + b)
-        pool_b = POOL + b * stride_pool_b
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -108,14 +113,9 @@ if triton is not None:
     def _backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, POOL, ROW, LEN, seq_len, heads, scale,
                      stride_b, stride_h, stride_pool_b, stride_pool_row,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-        pid_n, bh = tl.program_id(0), tl.program_id(1)
-        b, h = bh // heads, bh % heads
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        base = b * stride_b + h * stride_h
+        b, bh, offs_n, base, length, pool_b = _program(LEN, POOL, heads, stride_b, stride_h, stride_pool_b, BLOCK_N)
         k = _tile(K, base, offs_n, seq_len, HEAD_DIM)
         v = _tile(V, base, offs_n, seq_len, HEAD_DIM)
-        length = tl.load(LEN + b)
-        pool_b = POOL + b * stride_pool_b
         dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
         for start_m in range(0, seq_len, BLOCK_M):
@@ -134,15 +134,10 @@ if triton is not None:
     def _backward_q(Q, K, V, DO, LSE, DELTA, DQ, POOL, ROW, LEN, seq_len, heads, scale,
                     stride_b, stride_h, stride_pool_b, stride_pool_row,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-        pid_m, bh = tl.program_id(0), tl.program_id(1)
-        b, h = bh // heads, bh % heads
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        base = b * stride_b + h * stride_h
+        b, bh, offs_m, base, length, pool_b = _program(LEN, POOL, heads, stride_b, stride_h, stride_pool_b, BLOCK_M)
         q = _tile(Q, base, offs_m, seq_len, HEAD_DIM)
         do = _tile(DO, base, offs_m, seq_len, HEAD_DIM)
         lse, delta, rows = _query_rows(LSE, DELTA, ROW, b, bh, offs_m, seq_len)
-        length = tl.load(LEN + b)
-        pool_b = POOL + b * stride_pool_b
         dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for start_n in range(0, length, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)

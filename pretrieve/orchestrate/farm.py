@@ -33,7 +33,7 @@ MLflow the done jobs not yet logged (OUT/.../mlflow.json records the run). `--sl
 jobs as a job list for launchers/slurm/eval_farm.sbatch instead of running them; re-run the farm after the
 array has finished to log the results. An eval run is nested under its checkpoint's pre-training run when the
 checkpoint names its `run_dir` and that run is in the same MLflow store. Stages: `zero-shot` (the checkpoint as
-it is) and `stage1` / `stage2` / `stage3`, the checkpoint fine-tuned (pretrieve/finetune/stages.py) with the
+it is) and `stage1` / `stage2` / `stage3`, the checkpoint fine-tuned (pretrieve/orchestrate/finetune_stages.py) with the
 checkpoint's pooling and normalisation (left out: what the model's own config says, eval.model_config). After
 logging, the model card of an evaluated run export (RUN/export/README.md) is written again with the farm's
 evaluations (eval.model_card). A checkpoint's fine-tuning chain runs first, once for all its stages,
@@ -56,7 +56,7 @@ from pretrieve.engine.devices import DevicePool, node_devices, visible_env
 from pretrieve.engine.preemption import stop_exit
 from pretrieve.engine.tracking import experiment_id_of, store_location
 from pretrieve.eval.track import STAGES, log_eval_run
-from pretrieve.finetune.stages import done as finetuned
+from pretrieve.orchestrate.finetune_stages import done as finetuned
 from pretrieve.progress import Progress
 from pretrieve.utils.run_dir import write_atomic
 

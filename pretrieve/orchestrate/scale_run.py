@@ -98,7 +98,7 @@ def farm_config(study: dict, points: list[Point], out: Path) -> dict:
 
 
 def run_study(path: str | Path, slurm_jobs: str | None = None, progress: bool = True) -> dict:
-    from pretrieve.eval.farm import run_farm  # stopped by a signal, it ends the study's run too
+    from pretrieve.orchestrate.farm import run_farm  # stopped by a signal, it ends the study's run too
 
     study, points = plan(path)
     write_plan(study, points)

@@ -2,6 +2,7 @@
 
     python benchmarks/eval_scale.py [--sizes 100000 300000 1000000] [--queries 1000] [--data ../shared/data]
                                     [--work bench-out/eval-scale] [--out benchmarks/results/eval_scale.json]
+                                    [--stages encode eval mine bm25] [--again]
 
 Per size N, a synthetic MS MARCO-format folder (collection.tsv, queries.dev.tsv / queries.train.tsv,
 qrels.dev.tsv / qrels.train.tsv in TREC form) of N passages cut from the shared Wikipedia sample: windows of
@@ -13,7 +14,10 @@ process's peak RSS comes from the kernel (os.wait4):
     eval     `pretrieve eval --embeddings` (dense, exact search shard by shard)
     mine     `pretrieve mine --embeddings` (the train queries' negatives)
     bm25     `pretrieve eval --bm25`
-The results file is written after every stage; a rerun skips the stages it holds (resumable).
+The results file is written after every stage; a rerun skips the stages it holds (resumable), unless `--again`
+(then the `--stages` given are measured again and replace theirs). The targets: encode's peak RSS within 20 %
+from the smallest size to the largest (`encode_rss_growth`); BM25's at most 1.5 GB at 1M passages and within 30 %
+from 300k to 1M (`bm25_rss_growth`, when both sizes ran).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ WIKIPEDIA = Path("pretrain") / "enwiki-sample" / "enwiki_2015_wikiextractor_100s
 PASSAGE_WORDS = 60  # MS MARCO passages average about 56 words
 QUERY_WORDS = 6  # MS MARCO queries average about 6 words
 WORKERS = 2
+STAGES = ("encode", "eval", "mine", "bm25")
 
 
 def articles(path: Path):
@@ -132,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"), help="the shared data (pretrain/)")
     p.add_argument("--work", default=str(ROOT / "bench-out" / "eval-scale"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "eval_scale.json"))
+    p.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES),
+                   help="the stages to run (eval and mine need encode's vectors)")
+    p.add_argument("--again", action="store_true", help="measure the --stages again though the results hold them")
     args = p.parse_args(argv)
     wikipedia = Path(args.data) / WIKIPEDIA
     if not wikipedia.is_file():
@@ -156,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         entry["collection_mib"] = round((marco / "collection.tsv").stat().st_size / 2**20, 1)
         size_work.mkdir(exist_ok=True)
         for name, commands in stages(model, marco, size_work).items():
-            if name in entry:
+            if name not in args.stages or (name in entry and not args.again):
                 continue
             print(f"[eval_scale] {size:,}: {name}", file=sys.stderr, flush=True)
             logs = [size_work / f"{name}-{i}.log" for i in range(len(commands))]
@@ -169,6 +177,9 @@ def main(argv: list[str] | None = None) -> None:
               results["sizes"].get(str(s), {})]
     if len(encode) > 1:  # the target: encode's memory flat in corpus size, within 20 % from the smallest to the largest
         results["encode_rss_growth"] = round(encode[-1] / encode[0] - 1, 3)
+    bm25 = [results["sizes"].get(str(s), {}).get("bm25", {}).get("peak_rss_mib") for s in (300_000, 1_000_000)]
+    if all(bm25):  # the target: within 30 % from 300k to 1M passages
+        results["bm25_rss_growth"] = round(bm25[1] / bm25[0] - 1, 3)
     write_atomic(out, json.dumps(results, indent=1) + "\n")
     print(json.dumps({k: v for k, v in results.items() if k != "settings"}, indent=1))
 

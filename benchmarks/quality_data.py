@@ -5,7 +5,7 @@ The labelled set (docs/benchmarks.md, "The labelled set"). No MS MARCO is availa
 general-domain supervision is built from the Wikipedia sample the way weakly supervised retrievers build theirs:
 E5's (title, passage) pairs and Contriever's passages of other documents as negatives. Per article the query is
 its title, the positive one passage of about `passage_words` words drawn from the article (seeded by the
-article id), and the negative the passage of another article that BM25 (pretrieve.eval.search.bm25_search,
+article id), and the negative the passage of another article that BM25 (pretrieve.eval.bm25.bm25_search,
 bm25s) ranks highest for that title (a random one where no other passage shares a word with it). With
 `beir_train` folders, their training splits are added in the same form (qrels positives, the best BM25 document
 not judged relevant as the negative): SciFact's 809 training claims, when SciFact is not among the collections
@@ -123,7 +123,7 @@ def title_pairs(wiki: Path, passage_words: int, seed: int) -> tuple[list[str], l
 def bm25_negatives(queries: list[str], docs: dict[str, str], relevant: list[set[str]], seed: int) -> list[str]:
     """Per query, the id of the document BM25 ranks highest among those not in its `relevant` set; where BM25
     finds none (no shared word), one drawn with random.Random((seed, query number))."""
-    from pretrieve.eval.search import bm25_search
+    from pretrieve.eval.bm25 import bm25_search
 
     run = bm25_search(docs, {str(i): q for i, q in enumerate(queries)}, k=max(map(len, relevant)) + 1)
     ids = sorted(docs)

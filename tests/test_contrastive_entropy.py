@@ -168,7 +168,7 @@ def test_pretrieve_eval_writes_contrastive_entropy(tmp_path, tiny_encoder, capsy
     assert np.average([q["contrastive_entropy"] for q in per_query], weights=weights) == \
         pytest.approx(metrics["contrastive_entropy"], abs=1e-5)
 
-    # the BM25 baseline alone refuses it; a K beyond the corpus stops before anything is encoded
+    # the BM25 baseline alone refuses it; a K beyond the corpus stops before anything is written
     assert cli(["eval", "--bm25", "--beir", str(SCIFACT), "--contrastive-entropy", "8", "--out",
                 str(tmp_path / "c")]) == 1
     assert "--contrastive-entropy scores a model's own similarities: give --model DIR" in capsys.readouterr().err

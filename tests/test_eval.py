@@ -12,9 +12,10 @@ from conftest import SAMPLES, write_beir
 
 from pretrieve.cli import main as cli
 from pretrieve.data.retrieval import RetrievalDataError, load_beir, load_msmarco, write_msmarco
+from pretrieve.eval.bm25 import bm25_search
 from pretrieve.eval.evaluate import TABLE_METRICS, EvalOptions, run_eval
 from pretrieve.eval.metrics import METRICS, evaluate, trec_run_lines
-from pretrieve.eval.search import bm25_search, dense_search, index_recall
+from pretrieve.eval.search import dense_search, index_recall
 
 SCIFACT = SAMPLES / "beir" / "scifact-sample"
 

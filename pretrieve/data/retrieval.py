@@ -11,7 +11,8 @@ with more columns than its format's is an error naming it; negative grades (TREC
 
 At MS MARCO scale (8.8M passages) the texts need not be held: `load_retrieval_set(..., texts=False)` keeps the
 document ids alone (what searching precomputed vectors needs), and `stream_corpus` yields (id, text) one
-document at a time (what encoding needs). Every reader sees the same documents in the same order: a repeated id
+document at a time (what encoding and indexing need); `load_retrieval_set(..., doc_ids=ids)` takes the ids such
+a stream read instead of reading the corpus again. Every reader sees the same documents in the same order: a repeated id
 with the same title and text counts once, with another text it is an error naming both lines.
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from pretrieve.data.corpora import BadRecord, numbered_lines
 
@@ -50,12 +51,26 @@ def document_text(title: str, text: str) -> str:
 
 
 def load_retrieval_set(beir: str | Path | None = None, msmarco: str | Path | None = None, split: str = "test",
-                       on_missing: str = "fail", texts: bool = True) -> RetrievalSet:
-    """The set; texts=False keeps the corpus's ids only (each maps to None)."""
+                       on_missing: str = "fail", texts: bool = True,
+                       doc_ids: Iterable[str] | None = None) -> RetrievalSet:
+    """The set; texts=False keeps the corpus's ids only (each maps to None); `doc_ids`, the ids `stream_corpus`
+    yielded, stand for the corpus (ids only), which is then not read."""
     if (beir is None) == (msmarco is None):
         raise ValueError("give one of a BEIR folder or an MS MARCO folder")
-    return load_beir(beir, split, on_missing, texts) if beir is not None else \
-        load_msmarco(msmarco, split, on_missing, texts)
+    return load_beir(beir, split, on_missing, texts, doc_ids) if beir is not None else \
+        load_msmarco(msmarco, split, on_missing, texts, doc_ids)
+
+
+def require_retrieval_files(beir: str | Path | None = None, msmarco: str | Path | None = None,
+                            split: str = "test") -> None:
+    """The error `load_retrieval_set` would give for a missing file, before a long read of the corpus."""
+    if (beir is None) == (msmarco is None):
+        raise ValueError("give one of a BEIR folder or an MS MARCO folder")
+    if beir is not None:
+        _require(Path(beir) / "corpus.jsonl", Path(beir) / "queries.jsonl", Path(beir) / "qrels" / f"{split}.tsv")
+    else:
+        folder = Path(msmarco)
+        _require(_msmarco_collection(folder), folder / f"queries.{split}.tsv", folder / f"qrels.{split}.tsv")
 
 
 def stream_corpus(beir: str | Path | None = None, msmarco: str | Path | None = None) -> Iterator[tuple[str, str]]:
@@ -70,11 +85,12 @@ def stream_corpus(beir: str | Path | None = None, msmarco: str | Path | None = N
         yield key, document_text(*document)
 
 
-def load_beir(folder: str | Path, split: str = "test", on_missing: str = "fail", texts: bool = True) -> RetrievalSet:
+def load_beir(folder: str | Path, split: str = "test", on_missing: str = "fail", texts: bool = True,
+              doc_ids: Iterable[str] | None = None) -> RetrievalSet:
     folder = Path(folder)
     qrels_file = folder / "qrels" / f"{split}.tsv"
     _require(folder / "corpus.jsonl", folder / "queries.jsonl", qrels_file)
-    corpus, queries = _read_corpus(folder / "corpus.jsonl", texts), _Unique(folder / "queries.jsonl")
+    corpus, queries = _read_corpus(folder / "corpus.jsonl", texts, doc_ids), _Unique(folder / "queries.jsonl")
     for number, record in jsonl_records(queries.path):
         queries.add(number, _field(record, "_id", queries.path, number), _field(record, "text", queries.path, number))
     rows = [(number, cols, (0, 1, 2)) for number, cols in _tsv(qrels_file)
@@ -83,12 +99,12 @@ def load_beir(folder: str | Path, split: str = "test", on_missing: str = "fail",
 
 
 def load_msmarco(folder: str | Path, split: str = "dev", on_missing: str = "fail",
-                 texts: bool = True) -> RetrievalSet:
+                 texts: bool = True, doc_ids: Iterable[str] | None = None) -> RetrievalSet:
     folder = Path(folder)
     queries_file, qrels_file = folder / f"queries.{split}.tsv", folder / f"qrels.{split}.tsv"
     collection = _msmarco_collection(folder)
     _require(collection, queries_file, qrels_file)
-    corpus, queries = _read_corpus(collection, texts), _Unique(queries_file)
+    corpus, queries = _read_corpus(collection, texts, doc_ids), _Unique(queries_file)
     for number, cols in _tsv(queries_file):
         if len(cols) != 2:
             raise RetrievalDataError(f"{queries_file}:{number}: expected qid<TAB>text, got {len(cols)} columns")
@@ -206,7 +222,9 @@ class _SeenIds:
                 self.keys[slot], self.digests[slot] = key_hash, digest
 
 
-def _read_corpus(path: Path, texts: bool) -> dict[str, tuple[str, str] | None]:
+def _read_corpus(path: Path, texts: bool, doc_ids: Iterable[str] | None = None) -> dict[str, tuple[str, str] | None]:
+    if doc_ids is not None:  # read already, by a stream
+        return dict.fromkeys(doc_ids)
     if texts:
         return dict(_unique_documents(path))
     return dict.fromkeys(key for key, _ in _unique_documents(path))

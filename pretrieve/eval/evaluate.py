@@ -7,9 +7,12 @@ two side by side). With `contrastive_entropy` (K), metrics.json and per_query.js
 entropy against K fixed sampled negatives (eval.contrastive, Fang et al. 2024; docs/design.md, "Validation and study
 metrics"), computed on the vectors the search used.
 
-Dense retrieval never holds the corpus's texts: the set is read with its document ids alone, and the corpus is
-streamed through the encoder (eval.vectors.encode_corpus; vectors in memory) or, with `embeddings`, not read
-at all: `pretrieve encode`'s shards are memory-mapped and searched block by block. An approximate `index`
+Dense retrieval and BM25 never hold the corpus's texts, and the corpus is read once: streamed through the
+encoder (eval.vectors.encode_corpus; vectors in memory) and, with `bm25`, through BM25's index writer at the same
+time (eval.bm25: an index on disk in OUT[/bm25]/bm25-index while the evaluation runs, searched memory-mapped),
+the set's document ids taken from that stream. With `embeddings` and no `bm25` only the ids are read:
+`pretrieve encode`'s shards are memory-mapped and searched block by block. Sparse and hybrid poolings hold the
+texts (they encode documents and queries together), and BM25 beside them indexes those. An approximate `index`
 (ivf, ivfpq, hnsw) adds `index_recall@<depth>` to metrics.json: the share of the exact top `depth` it found,
 over up to RECALL_QUERIES of the queries (evenly spaced) searched again with `flat`.
 """
@@ -17,26 +20,31 @@ over up to RECALL_QUERIES of the queries (evenly spaced) searched again with `fl
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from pretrieve.data.retrieval import RetrievalSet, load_retrieval_set, stream_corpus
+from pretrieve.data.retrieval import RetrievalSet, load_retrieval_set, require_retrieval_files, stream_corpus
+from pretrieve.eval import bm25
+from pretrieve.eval.bm25 import IndexWriter
 from pretrieve.eval.contrastive import ContrastiveEntropy, check_options, contrastive_entropy
 from pretrieve.eval.encode import DenseEncoder, EncodeOptions, VocabEncoder
 from pretrieve.eval.metrics import evaluate, trec_run_lines
 from pretrieve.eval.model_config import resolve_encoding
 from pretrieve.eval.options import EvalOptions
-from pretrieve.eval.search import (IndexOptions, bm25_search, dense_search, hybrid_search, index_recall, pair_scorer,
+from pretrieve.eval.search import (IndexOptions, dense_search, hybrid_search, index_recall, pair_scorer,
                                    sparse_search)
-from pretrieve.eval.vectors import check_same_documents, encode_corpus, open_corpus_vectors
+from pretrieve.eval.vectors import encode_corpus, open_corpus_vectors
 from pretrieve.models.poolings import DENSE_POOLINGS, VOCAB_POOLINGS
 from pretrieve.utils.run_dir import write_atomic
 
 EXACT_HYBRID_DOCS = 100_000  # up to here hybrid / DupMAE scores are exact over the corpus; beyond, candidates
 RECALL_QUERIES = 1_000  # queries an approximate index's recall against flat is measured on
+BM25_INDEX = "bm25-index"  # BM25's index, in its output folder while the evaluation runs
 
 
 def run_eval(opts: EvalOptions) -> dict:
@@ -50,54 +58,97 @@ def run_eval(opts: EvalOptions) -> dict:
     if opts.model is not None:
         encoding = resolve_encoding(opts.model, opts.pooling, opts.normalize, opts.max_length)
         opts = replace(opts, pooling=encoding.pooling, normalize=encoding.normalize, max_length=encoding.max_length)
-    texts = opts.bm25 or opts.pooling in VOCAB_POOLINGS  # dense retrieval streams the corpus instead
-    data = load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing, texts=texts)
-    if opts.contrastive_entropy is not None:  # before the encoding, not after it
-        check_options(opts.contrastive_entropy, opts.ce_temperature, data.qrels, len(data.corpus))
+    if opts.contrastive_entropy is not None:  # the settings now; K against the corpus once its size is known
+        check_options(opts.contrastive_entropy, opts.ce_temperature)
     out = Path(opts.out)
-    result = None
-    if opts.model is not None:
-        started = time.perf_counter()
-        doc_ids, query_ids = list(data.corpus), list(data.queries)
-        query_texts, info = [data.queries[q] for q in query_ids], {}
-        if opts.pooling in VOCAB_POOLINGS:
-            encoder = VocabEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size),
-                                   top_k=opts.vocab_top_k)
-            opts = replace(opts, vocab_top_k=encoder.top_k)
-            vectors = encode_vocab(encoder, [data.doc_text(d) for d in doc_ids], query_texts, progress=opts.progress)
-            run = search_vocab(vectors, doc_ids, query_ids, opts.depth, opts.sparse_weight, opts.candidates)
-            score = pair_scorer(vectors.dense_docs, vectors.dense_queries, vectors.sparse_docs,
-                                vectors.sparse_queries, opts.sparse_weight)
-        else:
-            run, score, info = _dense(opts, doc_ids, query_ids, query_texts)
-        contrastive = None
+    bm25_out = out / "bm25" if opts.model is not None else out
+    with IndexWriter(bm25_out / BM25_INDEX) if opts.bm25 else nullcontext() as bm25_index:
+        data, vectors = read_set_once(opts, bm25_index)
         if opts.contrastive_entropy is not None:
-            contrastive = contrastive_entropy(data.qrels, doc_ids, query_ids, score, opts.contrastive_entropy,
-                                              opts.ce_temperature, opts.ce_seed)
-        retriever = "dense" if opts.pooling in DENSE_POOLINGS else opts.pooling
-        result = _write(out, data, run, {**_describe(opts, data), "retriever": retriever, **info,
-                                         "encoding_from": encoding.source,
-                                         "seconds": round(time.perf_counter() - started, 1)}, contrastive)
-    if opts.bm25:
-        started = time.perf_counter()
-        run = bm25_search({d: data.doc_text(d) for d in data.corpus}, data.queries, k=opts.depth)
-        bm25 = _write(out / "bm25" if opts.model is not None else out, data, run,
-                      {**_describe(opts, data, dense=False), "retriever": "bm25", "k1": 0.9, "b": 0.4,
-                       "seconds": round(time.perf_counter() - started, 1)})
-        result = result or bm25
+            check_options(opts.contrastive_entropy, opts.ce_temperature, data.qrels, len(data.corpus))
+        result = _model(opts, data, vectors, encoding.source) if opts.model is not None else None
+        if opts.bm25:
+            started = time.perf_counter()
+            index = bm25_index.finish()
+            try:
+                run = bm25.search(index, bm25_index.ids, data.queries, k=opts.depth)
+            finally:
+                shutil.rmtree(index)
+            bm25_result = _write(bm25_out, data, run, {**_describe(opts, data, dense=False), "retriever": "bm25",
+                                                       "k1": bm25.K1, "b": bm25.B,
+                                                       "seconds": round(time.perf_counter() - started, 1)})
+            result = result or bm25_result
     return result
 
 
-def _dense(opts: EvalOptions, doc_ids: list[str], query_ids: list[str], query_texts: list[str]):
-    """(run, pair scorer, extra metrics) of a cls / mean encoder: the corpus streamed through it, or its vectors
-    from `opts.embeddings`."""
-    encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size, opts.normalize))
-    if opts.embeddings:
-        docs = open_corpus_vectors(opts.embeddings, encoder.settings(), doc_ids)
+def read_set_once(opts: EvalOptions, bm25_index: IndexWriter | None = None):
+    """(the retrieval set, the dense corpus vectors when they are encoded here, else None), reading the corpus
+    once: the texts held for sparse and hybrid poolings, else streamed through the dense encoder and `bm25_index`
+    (those that need it), the set's ids taken from the stream; only the ids when nothing needs the texts."""
+    vocab = opts.model is not None and opts.pooling in VOCAB_POOLINGS
+    encoder = None
+    if opts.model is not None and not vocab and not opts.embeddings:
+        encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size,
+                                                         opts.normalize))
+    if vocab or (encoder is None and bm25_index is None):
+        data = load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing, texts=vocab)
+        if bm25_index is not None:
+            for doc_id in data.corpus:
+                bm25_index.add(doc_id, data.doc_text(doc_id))
+        return data, None
+    require_retrieval_files(opts.beir, opts.msmarco, opts.split)  # before the long read, not after it
+    documents = stream_corpus(opts.beir, opts.msmarco)
+    if bm25_index is not None:
+        documents = _indexing(documents, bm25_index)
+    if encoder is None:
+        ids, vectors = [doc_id for doc_id, _ in documents], None
     else:
-        docs = encode_corpus(encoder, stream_corpus(opts.beir, opts.msmarco), progress=opts.progress,
-                             total=len(doc_ids))
-        check_same_documents(opts.beir or opts.msmarco, docs.ids, doc_ids)  # the files did not change meanwhile
+        docs = encode_corpus(encoder, documents, progress=opts.progress)
+        ids, vectors = docs.ids, (encoder, docs)
+    return load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing, doc_ids=ids), vectors
+
+
+def _indexing(documents, index: IndexWriter):
+    """The (id, text) stream, each document added to `index` as it passes."""
+    for doc_id, text in documents:
+        index.add(doc_id, text)
+        yield doc_id, text
+
+
+def _model(opts: EvalOptions, data: RetrievalSet, vectors, encoding_from: str) -> dict:
+    """Search with the model, write OUT's files; its metrics.json content."""
+    started = time.perf_counter()
+    doc_ids, query_ids = list(data.corpus), list(data.queries)
+    query_texts, info = [data.queries[q] for q in query_ids], {}
+    if opts.pooling in VOCAB_POOLINGS:
+        encoder = VocabEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size),
+                               top_k=opts.vocab_top_k)
+        opts = replace(opts, vocab_top_k=encoder.top_k)
+        vocab = encode_vocab(encoder, [data.doc_text(d) for d in doc_ids], query_texts, progress=opts.progress)
+        run = search_vocab(vocab, doc_ids, query_ids, opts.depth, opts.sparse_weight, opts.candidates)
+        score = pair_scorer(vocab.dense_docs, vocab.dense_queries, vocab.sparse_docs, vocab.sparse_queries,
+                            opts.sparse_weight)
+    else:
+        run, score, info = _dense(opts, doc_ids, query_ids, query_texts, vectors)
+    contrastive = None
+    if opts.contrastive_entropy is not None:
+        contrastive = contrastive_entropy(data.qrels, doc_ids, query_ids, score, opts.contrastive_entropy,
+                                          opts.ce_temperature, opts.ce_seed)
+    retriever = "dense" if opts.pooling in DENSE_POOLINGS else opts.pooling
+    return _write(Path(opts.out), data, run, {**_describe(opts, data), "retriever": retriever, **info,
+                                              "encoding_from": encoding_from,
+                                              "seconds": round(time.perf_counter() - started, 1)}, contrastive)
+
+
+def _dense(opts: EvalOptions, doc_ids: list[str], query_ids: list[str], query_texts: list[str], vectors=None):
+    """(run, pair scorer, extra metrics) of a cls / mean encoder: `vectors` (encoder, corpus vectors) as
+    `read_set_once` encoded them, or the vectors of `opts.embeddings`."""
+    if vectors is not None:
+        encoder, docs = vectors
+    else:
+        encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size,
+                                                         opts.normalize))
+        docs = open_corpus_vectors(opts.embeddings, encoder.settings(), doc_ids)
     queries = encoder.encode(query_texts, desc="encode queries", progress=opts.progress, queries=True)
     index = IndexOptions(opts.index, opts.nprobe, opts.ef_search)
     run = dense_search(docs, doc_ids, queries, query_ids, k=opts.depth, index=index)

@@ -17,8 +17,7 @@ indexes, built per block for users who accept approximation: `hnsw` (graph, M = 
 Sparse: vocabulary-weight vectors (SPLADE-style, DupMAE's OT vector) as CSR rows; their inner products are
 the inverted-index scores. Hybrid: dense + weighted sparse, exact over the corpus or over the union of the
 dense and sparse candidates of each query, re-scored exactly.
-BM25: bm25s over lower-cased words without English stop words, Snowball-stemmed, k1 = 0.9 and b = 0.4
-(Anserini's defaults, which BEIR-style comparisons use); title + " " + text as the document.
+BM25, the lexical baseline, is eval.bm25.
 `pair_scorer` scores chosen (query, document) pairs exactly as these searches do (eval.contrastive uses it).
 """
 
@@ -178,23 +177,6 @@ def pair_scorer(dense_docs: np.ndarray | None, dense_queries: np.ndarray | None,
         return scores
 
     return score
-
-
-def bm25_search(docs: dict[str, str], queries: dict[str, str], k: int = 1000, k1: float = 0.9,
-                b: float = 0.4) -> dict[str, dict[str, float]]:
-    """{query id: {doc id: BM25 score}} of each query's top k documents with a positive score."""
-    import bm25s
-    import Stemmer
-
-    stemmer = Stemmer.Stemmer("english")
-    doc_ids, query_ids = list(docs), list(queries)
-    retriever = bm25s.BM25(k1=k1, b=b, method="lucene")
-    retriever.index(bm25s.tokenize(list(docs.values()), stopwords="en", stemmer=stemmer, show_progress=False),
-                    show_progress=False)
-    tokens = bm25s.tokenize([queries[q] for q in query_ids], stopwords="en", stemmer=stemmer, show_progress=False)
-    rows, scores = retriever.retrieve(tokens, k=min(k, len(doc_ids)), show_progress=False)
-    return {qid: {doc_ids[r]: float(s) for r, s in zip(row, score) if s > 0}
-            for qid, row, score in zip(query_ids, rows, scores)}
 
 
 def sparse_matrix(vectors: np.ndarray, top_k: int | None = None):

@@ -14,21 +14,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pretrieve.models.dense_pooling import POOLINGS, cls_pooling, mean_pooling  # noqa: F401 (handed on)
 from pretrieve.models.encoder import HEAD_WEIGHTS, finetune_meta, ordinary_positions, read_weights
 from pretrieve.models.heads.dupmae import lpu_parts, ot_vector
 from pretrieve.models.vocab_projection import max_pooled_linear
-
-
-def cls_pooling(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    return hidden[:, 0]
-
-
-def mean_pooling(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
-    return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
-
-
-POOLINGS = {"cls": cls_pooling, "mean": mean_pooling}
 
 
 @dataclass

@@ -24,6 +24,7 @@ from torch import nn
 
 from pretrieve.data.collators import ContrastiveCollator
 from pretrieve.models.backbones import backbone_of
+from pretrieve.models.dense_pooling import POOLINGS
 from pretrieve.models.flops import layer_flops
 from pretrieve.models.grad_cache import encode_in_chunks, grad_cache_of
 from pretrieve.models.heads.base import PretrainingHead
@@ -126,8 +127,6 @@ class ContrastiveHead(PretrainingHead):
         super().__init__(encoder, options)
         encoder.mlm_transform.requires_grad_(False)
         encoder.mlm_bias.requires_grad_(False)
-        from pretrieve.models.representation import POOLINGS  # it imports a head: not at this module's import
-
         self.pool = POOLINGS[options.pooling]
         # log(1 / tau), CLIP's logit scale; one element, not a scalar (DeepSpeed broadcasts weights as bytes)
         self.log_scale = nn.Parameter(torch.full((1,), math.log(1 / options.temperature)),

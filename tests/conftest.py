@@ -255,3 +255,17 @@ def stop_server(server: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     server.wait()
+
+
+def save_tiny_bert(out: Path, hidden: int, intermediate: int) -> Path:
+    """A random 2-layer BERT (seed 0, dropout on) with the default tokenizer in `out`: what fine-tuning starts from."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
+
+    torch.manual_seed(0)
+    BertModel(BertConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=intermediate)).save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER).save_pretrained(str(out))
+    return out

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, json_lines, pretrain_env, text_methods
+from conftest import free_port, json_lines, pretrain_env, save_tiny_bert, text_methods
 from pretrieve.models.heads import METHODS
 
 SCRIPT = Path(__file__).resolve().parent / "one_step.py"
@@ -19,17 +19,7 @@ ALL = (*text_methods(METHODS), "finetune")
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory) -> Path:
     """A random tiny BERT with the default tokenizer: what fine-tuning starts from."""
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
-
-    out = tmp_path_factory.mktemp("tiny-bert")
-    torch.manual_seed(0)
-    BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=256)).save_pretrained(str(out))
-    AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER).save_pretrained(str(out))
-    return out
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"), hidden=64, intermediate=256)
 
 
 def _run(prefix, out, wiki_shards, tiny_bert, stages, methods=",".join(ALL), *precision):

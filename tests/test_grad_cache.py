@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import free_port, pretrain_env
+from conftest import free_port, pretrain_env, save_tiny_bert
 
 SCRIPT = Path(__file__).resolve().parent / "grad_cache_step.py"
 
@@ -108,16 +108,7 @@ def test_negatives_across_two_ranks_keep_each_rows_own_positive(vocab, chunk):
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory) -> Path:
     """A random tiny BERT (dropout on) with the default tokenizer: what fine-tuning starts from."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
-
-    out = tmp_path_factory.mktemp("tiny-bert")
-    torch.manual_seed(0)
-    BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64)).save_pretrained(str(out))
-    AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER).save_pretrained(str(out))
-    return out
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"), hidden=32, intermediate=64)
 
 
 def test_interrupted_grad_cache_fine_tuning_resumes_exactly(tmp_path, tiny_bert):

@@ -79,11 +79,9 @@ class Encoder(nn.Module):
         self.unpad = False  # see enable_unpadding
         self.register_load_state_dict_pre_hook(_rename_old_keys)
 
-    @staticmethod
-    def rename_old_keys(state_dict: dict, prefix: str) -> None:
-        """Rename, in place, the keys of `state_dict` (this module's under `prefix`) that older checkpoints wrote:
-        the load hook's renaming, also for a universal checkpoint's per-parameter folders (engine/checkpoint.py)."""
-        _rename_old_keys(None, state_dict, prefix)
+    # rename_old_keys(state_dict, prefix): the load hook's renaming in place, also for a universal checkpoint's
+    # per-parameter folders (engine/checkpoint.py)
+    rename_old_keys = staticmethod(lambda state_dict, prefix: _rename_old_keys(None, state_dict, prefix))
 
     @classmethod
     def build(cls, options: ModelOptions) -> "Encoder":

@@ -29,7 +29,7 @@ from pretrieve.models.flops import layer_flops
 from pretrieve.models.grad_cache import encode_in_chunks, grad_cache_of
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
-from pretrieve.models.infonce import gather_candidates, info_nce, world
+from pretrieve.models.infonce import gather_candidates, info_nce
 
 
 @dataclass

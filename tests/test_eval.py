@@ -277,7 +277,7 @@ def test_farm_runs_jobs_in_parallel_logs_mlflow_and_reruns_only_what_is_missing(
     first = run_farm(farm, progress=False)
     assert first["jobs"] == 4 and first["ran"] == 2 and sorted(first["failed"]) == ["b/marco/zero-shot",
                                                                                     "b/scifact/zero-shot"]
-    assert "not a model directory" in first["failed"]["b/scifact/zero-shot"]
+    assert "second: not found; give a model directory" in first["failed"]["b/scifact/zero-shot"]
     assert sorted(first["logged"]) == ["a/marco/zero-shot", "a/scifact/zero-shot"]
 
     jobs = tmp_path / "jobs.txt"  # what is left, as a job list for launchers/slurm/eval_farm.sbatch

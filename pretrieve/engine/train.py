@@ -23,6 +23,7 @@ import torch
 from pretrieve.config import ConfigError, RunExperiment, deepspeed_config
 from pretrieve.engine.allocator import keep_freed_memory
 from pretrieve.engine.checkpoint import Checkpointer, prune_tags
+from pretrieve.engine.deepspeed_import import import_deepspeed
 from pretrieve.engine.determinism import deterministic
 from pretrieve.engine.flops import device_peak
 from pretrieve.engine.lr_schedule import LRSchedule
@@ -165,6 +166,7 @@ def _initialize(exp: RunExperiment, job: TrainingJob, start: _Start):
 
 
 def _run_training(exp: RunExperiment, build_job, rank: int, world: int, stop: StopFlag) -> dict:
+    import_deepspeed()  # before any other import of it: without its autotuner's mlflow (engine/deepspeed_import.py)
     if not torch.cuda.is_available():
         keep_freed_memory()  # ~10% of a CPU step went to page faults on re-allocated tensors
     seed_everything(exp.seed + rank)

@@ -230,6 +230,8 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
         data.corpora = _corpus_names(data, manifests, problems)
     if model is not None:
         _check_model(model, options, data, manifests, problems)
+        if method is not None:
+            _check_attention(model, method, problems)
     if method is not None and data is not None:
         _check_data_kind(method, data, manifests or {}, problems)
     problems.raise_any()
@@ -367,6 +369,34 @@ def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, ma
     if max_len is not None and max_len > model.max_position_embeddings:
         problems.add(f"method.max_len: {max_len} positions, but model.max_position_embeddings is "
                      f"{model.max_position_embeddings}")
+
+
+def _check_attention(model: ModelOptions, method, problems: Problems) -> None:
+    """A decoder LLM family (model.backbone, or init_from's) trains only under the heads made for it, causal or
+    bidirectional as each needs (PretrainingHead.decoder_llms)."""
+    try:
+        backbone = backbone_of(_init_config(model.init_from)) if model.init_from else backbone_named(model.backbone)
+    except (ValueError, OSError):
+        return  # reported by _check_model
+    where = f"model.init_from ({model.init_from}) is" if model.init_from else f"model.backbone: {model.backbone} is"
+    if not backbone.causal:
+        if model.bidirectional:
+            problems.add(f"model.bidirectional: the {backbone.display_name} backbone attends both ways already "
+                         "(it applies to decoder LLMs: llama, qwen3, mistral)")
+        return
+    allowed = method.head.decoder_llms
+    if allowed is None:
+        problems.add(f"{where} a decoder LLM; method {method.name} needs an encoder family (bert, roberta, "
+                     "xlm-roberta, modernbert)")
+    elif allowed == "bidirectional" and not model.bidirectional:
+        problems.add(f"{where} a causal decoder LLM; method {method.name} predicts from both sides: set "
+                     "model.bidirectional: true")
+
+
+def _init_config(path: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 def _check_checkpoint_positions(model: ModelOptions, max_len: int | None, problems: Problems) -> None:

@@ -1,4 +1,5 @@
-"""`cls` and `mean`: one vector per text pooled from the encoder's token states (models/poolings.py names them)."""
+"""`cls`, `mean` and `last`: one vector per text pooled from the encoder's token states (models/poolings.py names
+the ones evaluation and fine-tuning offer: cls and mean)."""
 
 from __future__ import annotations
 
@@ -14,4 +15,13 @@ def mean_pooling(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Te
     return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
 
 
-POOLINGS = {"cls": cls_pooling, "mean": mean_pooling}
+def last_token_pooling(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each text's last real token, under right or left padding: a causal decoder's one state that has read the
+    whole text (E5-Mistral, Qwen3-Embedding)."""
+    width = attention_mask.shape[1]
+    last = width - 1 - attention_mask.flip(1).int().argmax(dim=1)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+
+POOLINGS = {"cls": cls_pooling, "mean": mean_pooling}  # what evaluation and fine-tuning offer (models/poolings.py)
+CONTRASTIVE_POOLINGS = {**POOLINGS, "last": last_token_pooling}  # the contrastive method's, decoder LLMs' included

@@ -37,7 +37,7 @@ class ModelOptions:
     checkpoint's."""
 
     init_from: str | None = None  # local HF directory: a checkpoint of one of the backbones, or a pretrieve export
-    backbone: str = "bert"  # bert | roberta | xlm-roberta | modernbert
+    backbone: str = "bert"  # bert | roberta | xlm-roberta | modernbert; decoder LLMs: llama | qwen3 | mistral
     vocab_size: int = 30522
     hidden_size: int = 768
     num_layers: int = 12
@@ -51,6 +51,8 @@ class ModelOptions:
     extend_positions: int | None = None
     # pack each batch's texts into one row, no compute on padding (backbones with a varlen path: ModernBERT)
     unpad: bool = False
+    # a decoder LLM family attending both ways, padding still hidden (LLM2Vec); with init_from too
+    bidirectional: bool = False
 
     def hf_config(self):
         """The HF config of a new model of this backbone."""
@@ -91,6 +93,8 @@ class Encoder(nn.Module):
                 encoder.backbone.extend_positions(encoder.model, options.extend_positions)
         else:
             encoder = cls(options.hf_config())
+        if options.bidirectional:  # recorded in the HF config, which an export saves (backbones/causal_lm.py)
+            encoder.config.bidirectional = True
         if options.unpad:
             encoder.enable_unpadding()
         return encoder
@@ -191,7 +195,7 @@ class Encoder(nn.Module):
         is_query = None if text_type is None or self.query_experts is None else text_type.bool()
         if not self.unpad:
             self.text_types.set(is_query)
-            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return self.backbone.forward(self.model, input_ids, attention_mask)
         packed = unpadding.Packed.of(attention_mask)
         # MoTE: each packed token goes through its text's expert
         self.text_types.set(None if is_query is None else packed.pack(is_query[:, None].expand_as(packed.real)))

@@ -105,19 +105,20 @@ def _max_length(transformer_dir: Path) -> int | None:
 def write_st_config(model_dir: str | Path, pooling: str, normalize: bool, max_length: int,
                     dense_weight: torch.Tensor | None = None) -> None:
     """Make the HF model directory `model_dir` (config.json + weights + tokenizer) a sentence-transformers model
-    that pools with `pooling` (cls | mean), then maps with `dense_weight` ([out, hidden], no bias) when given,
-    then L2-normalises when `normalize`; texts are cut to `max_length` tokens. The similarity function is
+    that pools with `pooling` (cls | mean | last), then maps with `dense_weight` ([out, hidden], no bias) when
+    given, then L2-normalises when `normalize`; texts are cut to `max_length` tokens. The similarity function is
     cosine for normalised vectors, else the dot product pretrieve searches with."""
     import transformers
     from safetensors.torch import save_file
 
-    if pooling not in ("cls", "mean"):
-        raise ValueError(f"pooling {pooling!r}: sentence-transformers files are written for cls or mean")
+    mode = {"cls": "cls", "mean": "mean", "last": "lasttoken"}.get(pooling)  # sentence-transformers' mode names
+    if mode is None:
+        raise ValueError(f"pooling {pooling!r}: sentence-transformers files are written for cls, mean or last")
     model_dir = Path(model_dir)
     hidden = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["hidden_size"]
     modules = [("Transformer", ""), ("Pooling", "1_Pooling")]
     _write_json(model_dir / "1_Pooling" / "config.json",
-                {"word_embedding_dimension": hidden, **{key: mode == pooling for key, mode in _POOLING_KEYS.items()},
+                {"word_embedding_dimension": hidden, **{key: name == mode for key, name in _POOLING_KEYS.items()},
                  "include_prompt": True})
     if dense_weight is not None:
         folder = f"{len(modules)}_Dense"

@@ -38,6 +38,7 @@ class Backbone:
     ffn_activations: int = 2  # f-wide tensors a feed-forward block keeps for backward: the GELU's input and output
     has_pooler: bool = False  # a [CLS] pooler in the base model (unused in pre-training, but computed)
     unpads: bool = False  # has a packed (varlen) forward: model.unpad (models/unpadding.py)
+    causal: bool = False  # a decoder LLM family: causal attention unless model.bidirectional (backbones/causal_lm.py)
 
     @classmethod
     def config(cls, options, pad_token_id: int):
@@ -57,6 +58,11 @@ class Backbone:
     def position_vectors(model, width: int, device: torch.device) -> torch.Tensor | None:
         """p_0 .. p_{width-1} [width, hidden] as the embedding module adds them; None for rotary positions."""
         raise NotImplementedError
+
+    @staticmethod
+    def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Last hidden states [B, L, hidden] of the padded batch."""
+        return model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
     @staticmethod
     def packed_forward(model, input_ids: torch.Tensor, packed, attention_mask: torch.Tensor) -> torch.Tensor:

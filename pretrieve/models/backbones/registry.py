@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from pretrieve.models.backbones.base import Backbone
 from pretrieve.models.backbones.bert import BertBackbone
+from pretrieve.models.backbones.llama import LlamaBackbone
+from pretrieve.models.backbones.mistral import MistralBackbone
 from pretrieve.models.backbones.modernbert import ModernBertBackbone
+from pretrieve.models.backbones.qwen3 import Qwen3Backbone
 from pretrieve.models.backbones.roberta import RobertaBackbone, XLMRobertaBackbone
 
 BACKBONES: dict[str, type[Backbone]] = {b.name: b for b in (BertBackbone, RobertaBackbone, XLMRobertaBackbone,
-                                                            ModernBertBackbone)}
+                                                            ModernBertBackbone, LlamaBackbone, Qwen3Backbone,
+                                                            MistralBackbone)}
 
 
 def backbone_named(name: str) -> type[Backbone]:

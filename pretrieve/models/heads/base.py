@@ -17,6 +17,10 @@ ENCODER_MODEL = "encoder." + MODEL_PREFIX  # the exported base model's keys in a
 class PretrainingHead(nn.Module):
     """`forward(batch) -> {"loss": total, "<part>": detached component, ...}` over one shared encoder."""
 
+    # on a decoder LLM family (backbones/causal_lm.py): None, refused (the auto-encoding heads need an encoder
+    # family's decoder layer); "bidirectional", with model.bidirectional only; "any", causal attention too
+    decoder_llms: str | None = None
+
     def __init__(self, encoder: Encoder, options):
         super().__init__()
         self.encoder = encoder

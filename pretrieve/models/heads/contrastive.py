@@ -24,7 +24,7 @@ from torch import nn
 
 from pretrieve.data.collators import ContrastiveCollator
 from pretrieve.models.backbones import backbone_of
-from pretrieve.models.dense_pooling import POOLINGS
+from pretrieve.models.dense_pooling import CONTRASTIVE_POOLINGS
 from pretrieve.models.flops import layer_flops
 from pretrieve.models.grad_cache import encode_in_chunks, grad_cache_of
 from pretrieve.models.heads.base import PretrainingHead
@@ -36,7 +36,7 @@ from pretrieve.models.infonce import gather_candidates, info_nce
 class ContrastiveOptions(MethodOptions):
     max_len: int = option(128, at_least=3, why="[CLS], a token, [SEP]")  # E5 §4.1: 128 tokens
     query_max_len: int = option(128, at_least=3, why="[CLS], a token, [SEP]")
-    pooling: str = option("mean", choices=("mean", "cls"))  # E5 §4.1: average pooling
+    pooling: str = option("mean", choices=("mean", "cls", "last"))  # E5 §4.1: average; last: decoder LLMs
     normalize: bool = True  # cosine similarity (E5 eq. 1)
     temperature: float = option(0.01, above=0)  # E5 §4.1, GTE §4.1
     learn_temperature: bool = False  # tau learnt from `temperature` (as log 1/tau, CLIP's logit scale)
@@ -123,11 +123,13 @@ class ContrastiveHead(PretrainingHead):
     """InfoNCE over in-batch (and cross-rank, and the pairs' own) negatives; see the module docstring. The
     encoder's MLM head takes no part: it is frozen and exported as it came."""
 
+    decoder_llms = "any"  # causal decoders pool their last token (pooling: last)
+
     def __init__(self, encoder, options):
         super().__init__(encoder, options)
         encoder.mlm_transform.requires_grad_(False)
         encoder.mlm_bias.requires_grad_(False)
-        self.pool = POOLINGS[options.pooling]
+        self.pool = CONTRASTIVE_POOLINGS[options.pooling]
         # log(1 / tau), CLIP's logit scale; one element, not a scalar (DeepSpeed broadcasts weights as bytes)
         self.log_scale = nn.Parameter(torch.full((1,), math.log(1 / options.temperature)),
                                       requires_grad=options.learn_temperature)

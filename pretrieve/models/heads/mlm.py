@@ -18,6 +18,8 @@ class MLMOptions(MethodOptions):
 class MLMHead(PretrainingHead):
     """L_mlm: cross-entropy of the MLM head at the masked positions (`mlm_labels` != -100)."""
 
+    decoder_llms = "bidirectional"  # a masked token is predicted from both sides
+
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
         loss = self.encoder.token_loss(hidden, batch["mlm_labels"])

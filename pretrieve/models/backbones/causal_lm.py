@@ -1,0 +1,85 @@
+"""Decoder LLM families (Llama, Qwen3, Mistral) as encoders: the HF base model (no LM head), whose last hidden
+states a head pools, e.g. at the last token (models/dense_pooling.py).
+
+- Attention is causal, as the family was pre-trained. `model.bidirectional: true` (LLM2Vec, BehnamGhader et al.
+  2024, §2) lets every token attend to every real token of its text: the layers get a bidirectional mask that
+  still hides padding, recorded in the HF config (`bidirectional`) so that an export keeps it.
+- Positions are rotary and count from each text's first real token, so right and left padding give a text the
+  same states (RoPE depends on relative positions only; counting from the first real token keeps it exact).
+- The token predictions some heads make go through the tied word embeddings plus a bias (an identity
+  transform), as the small Qwen3 models tie theirs.
+- The auto-encoding heads' decoder layer (RetroMAE, DupMAE, ...) is not defined for these families: those heads
+  refuse them when the config is read (PretrainingHead.decoder_llms).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
+
+from pretrieve.models.backbones.base import Backbone
+
+
+class CausalLMBackbone(Backbone):
+    causal = True
+    feed_forward_modules = ("post_attention_layernorm", "mlp")
+    ffn_matrices = 3  # SwiGLU: gate and up (h x f), down (f x h)
+    ffn_activations = 4  # gate and up projections, SiLU(gate), and its product with up (the down projection's input)
+    hf_mlm_keys = {}  # an LM head is the tied word embeddings: nothing of a HF checkpoint to map
+    default_pad_token_id = 0  # these families define none; the training tokenizer's pad id is used
+    config_kwargs: dict = {}  # the family's own settings of a new model's HF config
+
+    @classmethod
+    def config(cls, options, pad_token_id: int):
+        return cls.config_class(
+            vocab_size=options.vocab_size, hidden_size=options.hidden_size, num_hidden_layers=options.num_layers,
+            num_attention_heads=options.num_heads, num_key_value_heads=options.num_heads,
+            head_dim=options.hidden_size // options.num_heads, intermediate_size=options.intermediate_size,
+            max_position_embeddings=options.max_position_embeddings, attention_dropout=options.dropout,
+            pad_token_id=pad_token_id, bos_token_id=None, eos_token_id=None, tie_word_embeddings=True,
+            bidirectional=options.bidirectional, **cls.config_kwargs)
+
+    @staticmethod
+    def layers(model) -> nn.ModuleList:
+        return model.layers
+
+    @staticmethod
+    def position_vectors(model, width: int, device: torch.device) -> None:
+        return None
+
+    @staticmethod
+    def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # 0 at each text's first real token
+        if not getattr(model.config, "bidirectional", False):
+            return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).last_hidden_state
+        embeds = model.get_input_embeddings()(input_ids)
+        window = getattr(model.config, "sliding_window", None)
+        build = create_bidirectional_sliding_window_mask if window else create_bidirectional_mask
+        # a prepared [B, 1, L, L] mask: the families' own mask functions pass it through unchanged
+        mask = build(model.config, embeds, attention_mask, allow_is_bidirectional_skip=False)
+        return model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+                     is_causal=False).last_hidden_state
+
+    @staticmethod
+    def mlm_transform(config) -> nn.Module:
+        return nn.Identity()
+
+    @classmethod
+    def extend_positions(cls, model, positions: int) -> None:
+        """Rotary positions have no table: the config's length is all there is to raise."""
+        model.config.max_position_embeddings = max(positions, model.config.max_position_embeddings)
+
+    @classmethod
+    def decoder_layer(cls, config) -> nn.Module:
+        raise ValueError(f"model.backbone: {cls.name} has no decoder layer for the auto-encoding heads")
+
+    @staticmethod
+    def decoder_norm(config) -> nn.Module:
+        raise ValueError("model.backbone: decoder LLM families have no decoder for the auto-encoding heads")
+
+    @staticmethod
+    def init_new(model, module: nn.Module) -> None:
+        """The family's own initialisation (normal(0, initializer_range), RMSNorm weights 1)."""
+        for m in module.modules():
+            model._init_weights(m)

@@ -1,0 +1,126 @@
+"""Decoder LLM families as encoders (backbones/causal_lm.py): Llama, Qwen3 and Mistral on tiny random configs.
+Causal attention by default and both ways under model.bidirectional, padding hidden either way; last-token
+pooling under right and left padding; the heads that refuse them, naming the key; a contrastive pre-training
+run of a tiny Qwen3 through `pretrieve pretrain`."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SAMPLES, pretrain_env
+from pretrieve.config import ConfigError, experiment, load_config
+from pretrieve.models.dense_pooling import last_token_pooling
+from pretrieve.models.encoder import Encoder, ModelOptions
+
+FAMILIES = ["llama", "qwen3", "mistral"]
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
+
+
+def tiny(backbone: str, bidirectional: bool = False) -> Encoder:
+    torch.manual_seed(0)
+    options = ModelOptions(backbone=backbone, vocab_size=100, hidden_size=32, num_layers=2, num_heads=2,
+                           intermediate_size=64, pad_token_id=0, dropout=0.0, bidirectional=bidirectional)
+    return Encoder.build(options).eval()
+
+
+@pytest.mark.parametrize("backbone", FAMILIES)
+def test_causal_by_default_and_both_ways_when_bidirectional(backbone):
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    later = ids.clone()
+    later[:, 6] = later[:, 6] % 99 + 1  # another token at position 6
+    for bidirectional in (False, True):
+        encoder = tiny(backbone, bidirectional)
+        assert encoder.backbone.causal and encoder.config.bidirectional == bidirectional
+        with torch.no_grad():
+            before, after = encoder(ids, mask), encoder(later, mask)
+        # causal: positions 0-5 have not seen position 6; bidirectional: they have
+        assert torch.equal(before[:, :6], after[:, :6]) != bidirectional
+
+
+@pytest.mark.parametrize("backbone", FAMILIES)
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_padding_is_hidden_and_last_token_pooling_finds_each_texts_end(backbone, bidirectional):
+    """A 5-token text alone, right-padded to 8 and left-padded to 8: the same states at its tokens, and last-token
+    pooling gives its own last token's state (not a pad's) either way."""
+    encoder = tiny(backbone, bidirectional)
+    text = torch.tensor([[11, 12, 13, 14, 15]])
+    with torch.no_grad():
+        alone = encoder(text, torch.ones_like(text))
+        right_ids, right_mask = torch.tensor([[11, 12, 13, 14, 15, 0, 0, 0]]), torch.tensor([[1] * 5 + [0] * 3])
+        left_ids, left_mask = torch.tensor([[0, 0, 0, 11, 12, 13, 14, 15]]), torch.tensor([[0] * 3 + [1] * 5])
+        right, left = encoder(right_ids, right_mask), encoder(left_ids, left_mask)
+    torch.testing.assert_close(right[:, :5], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(left[:, 3:], alone, rtol=1e-5, atol=1e-5)
+    both = torch.cat([right, left])
+    pooled = last_token_pooling(both, torch.cat([right_mask, left_mask]))
+    torch.testing.assert_close(pooled, alone[:, -1].expand(2, -1), rtol=1e-5, atol=1e-5)
+
+
+def _experiment(config: str, *overrides: str):
+    return experiment(load_config(CONFIGS / config, ["data.manifests=[]", "data.tokenizer=null", *overrides]))
+
+
+@pytest.mark.parametrize("config,overrides,says", [
+    ("tiny-retromae.yaml", ["model.backbone=qwen3"],
+     r"model.backbone: qwen3 is a decoder LLM; method retromae needs an encoder family"),
+    ("tiny-mlm.yaml", ["model.backbone=llama"],
+     r"model.backbone: llama is a causal decoder LLM; method mlm predicts from both sides: set "
+     r"model.bidirectional: true"),
+    ("tiny-contrastive.yaml", ["model.bidirectional=true"],
+     r"model.bidirectional: the BERT backbone attends both ways already"),
+])
+def test_heads_that_cannot_train_a_decoder_llm_refuse_it_naming_the_key(config, overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        _experiment(config, *overrides)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_contrastive_head_on_a_tiny_qwen3_reaches_every_weight_and_learns(vocab, bidirectional):
+    """InfoNCE with last-token pooling on a fixed batch of 6 pairs: every weight of the model gets a gradient,
+    and 8 AdamW steps lower the loss."""
+    from test_contrastive import pair_samples, tiny_contrastive
+
+    method, options, model = tiny_contrastive(pooling="last")
+    model.backbone, model.bidirectional, model.pad_token_id = "qwen3", bidirectional, 0
+    head = method.build(options, model, seed=0)
+    batch = method.collator.from_options(options, vocab)(pair_samples(6))
+    head.train()
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for _ in range(8):
+        optimizer.zero_grad()
+        loss = head(batch)["loss"]
+        loss.backward()
+        if not losses:
+            assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in head.encoder.model.parameters())
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+
+
+def test_a_tiny_qwen3_pretrains_contrastively_with_last_token_pooling(tmp_path):
+    """`pretrieve pretrain` of tiny-contrastive.yaml on model.backbone=qwen3, pooling last: it trains and exports
+    a Qwen3 model whose config records causal attention, and whose sentence-transformers files pool the last
+    token."""
+    from pretrieve.data.prepare import PrepareOptions, prepare
+
+    shards = tmp_path / "pairs"
+    prepare(PrepareOptions(source="beir", inputs=[str(SAMPLES / "beir" / "scifact-sample")], out=str(shards),
+                           pairs=True, qrels_split="test", workers=0))
+    done = subprocess.run([sys.executable, "-m", "pretrieve", "pretrain", str(CONFIGS / "tiny-contrastive.yaml"),
+                           f"run_dir={tmp_path / 'run'}", f"data.manifests=[{shards / 'manifest.json'}]",
+                           "model.backbone=qwen3", "method.pooling=last", "train.max_steps=4", "train.log_every=1",
+                           "train.micro_batch_size=8", "tracking.enabled=false"],
+                          env=pretrain_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    export = tmp_path / "run" / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["bidirectional"] is False
+    assert json.loads((export / "1_Pooling" / "config.json").read_text())["pooling_mode_lasttoken"] is True

@@ -95,6 +95,25 @@ def text_methods(methods) -> list[str]:
     return sorted(name for name, method in methods.items() if method.collator.data_kind == "text")
 
 
+def adamw_steps(head, batch: dict, steps: int, lr: float) -> list[float]:
+    """The losses of `steps` AdamW steps of `head` on one fixed batch; after the first backward, every trainable
+    weight has a gradient (the loss reaches it) or the list of those without one fails the test."""
+    import torch
+
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = head(batch)["loss"]
+        loss.backward()
+        if not losses:
+            missing = [n for n, p in head.named_parameters() if p.requires_grad and p.grad is None]
+            assert not missing, missing
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def free_port() -> str:
     """A free TCP port on loopback for a torchrun rendezvous (`--master_port 0` hangs with gloo here)."""
     from pretrieve.engine.world import free_loopback_port

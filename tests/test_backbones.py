@@ -17,7 +17,7 @@ from transformers.models.modernbert.modeling_modernbert import ModernBertEncoder
 from transformers.models.roberta.modeling_roberta import RobertaLayer
 from transformers.models.xlm_roberta.modeling_xlm_roberta import XLMRobertaLayer
 
-from conftest import SAMPLES, pretrain_env, result_line, text_methods
+from conftest import SAMPLES, adamw_steps, pretrain_env, result_line, text_methods
 from pretrieve.config import ConfigError, experiment, load_config
 from pretrieve.cli import main
 from pretrieve.data.masking import Vocabulary
@@ -75,17 +75,7 @@ def head_and_batch(backbone: str, method: str, corpora, seed: int = 0):
 def test_every_head_trains_on_every_backbone(backbone, method, corpora):
     head, batch = head_and_batch(backbone, method, corpora)
     assert head.encoder.model.config.model_type == backbone
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=2e-3)
-    losses = []
-    for _ in range(2):
-        optimizer.zero_grad()
-        loss = head(batch)["loss"]
-        loss.backward()
-        if not losses:  # every weight the loss reaches gets a gradient (the frozen pooler aside)
-            missing = [n for n, p in head.named_parameters() if p.requires_grad and p.grad is None]
-            assert not missing, missing
-        optimizer.step()
-        losses.append(loss.item())
+    losses = adamw_steps(head, batch, steps=2, lr=2e-3)  # every weight gets a gradient (the frozen pooler aside)
     assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[1] < losses[0], losses
 
 

@@ -52,12 +52,14 @@ class Backbone:
 
     @staticmethod
     def layers(model) -> nn.ModuleList:
-        raise NotImplementedError
+        """The stack of layers (`model.layers` in most families' HF models)."""
+        return model.layers
 
     @staticmethod
     def position_vectors(model, width: int, device: torch.device) -> torch.Tensor | None:
-        """p_0 .. p_{width-1} [width, hidden] as the embedding module adds them; None for rotary positions."""
-        raise NotImplementedError
+        """p_0 .. p_{width-1} [width, hidden] as the embedding module adds them; None for rotary positions (the
+        default: a family with a learnt table overrides it)."""
+        return None
 
     @staticmethod
     def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

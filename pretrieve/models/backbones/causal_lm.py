@@ -41,14 +41,6 @@ class CausalLMBackbone(Backbone):
             bidirectional=options.bidirectional, **cls.config_kwargs)
 
     @staticmethod
-    def layers(model) -> nn.ModuleList:
-        return model.layers
-
-    @staticmethod
-    def position_vectors(model, width: int, device: torch.device) -> None:
-        return None
-
-    @staticmethod
     def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # 0 at each text's first real token
         if not getattr(model.config, "bidirectional", False):

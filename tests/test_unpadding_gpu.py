@@ -12,10 +12,11 @@ from pretrieve.models.encoder import Encoder, ModelOptions
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def encoders():
+def encoders(dropout: float = 0.0):
     """A padded and an unpadding copy of one ModernBERT (3 layers: global, local, local; a 16-token window)."""
     config = ModelOptions(backbone="modernbert", vocab_size=1000, hidden_size=128, num_layers=3, num_heads=2,
-                          intermediate_size=256, max_position_embeddings=256, dropout=0.0, pad_token_id=0).hf_config()
+                          intermediate_size=256, max_position_embeddings=256, dropout=dropout,
+                          pad_token_id=0).hf_config()
     config.local_attention = 16
     torch.manual_seed(0)
     padded = Encoder(config).cuda()
@@ -54,9 +55,8 @@ def test_varlen_states_and_gradients_equal_the_padded():
 
 
 def test_dropout_and_fp32_take_padded_attention():
-    padded, unpadded = encoders()
-    for encoder in (padded, unpadded):
-        encoder.model.config.attention_dropout = 0.1  # read per call: the varlen kernel has no dropout
+    # HF's attention modules read the dropout at construction, so it is built in (the varlen kernel has none)
+    padded, unpadded = encoders(dropout=0.1)
     ids, mask = batch()
     packed = unpadding.Packed.of(mask)
     with torch.autocast("cuda", dtype=torch.bfloat16):

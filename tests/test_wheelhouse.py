@@ -29,9 +29,9 @@ RESOLVED = _report(
     nvidia_cublas=[], requests=[], yarl=[], pywin32=[], tomli=[])
 
 
-def _selected(roots, have) -> list[str]:
+def _selected(roots, have, target_has=None) -> list[str]:
     """The packages chosen, less pretrieve itself (the root: main() leaves the checkout out)."""
-    chosen = [item["metadata"]["name"] for item in wheelhouse.select(RESOLVED, roots, have, LINUX_312)]
+    chosen = [item["metadata"]["name"] for item in wheelhouse.select(RESOLVED, roots, have, LINUX_312, target_has)]
     return [name for name in chosen if name != "pretrieve"]
 
 
@@ -56,3 +56,11 @@ def test_manylinux_2_28_takes_every_older_glibc_and_the_legacy_names():
     assert {"manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"} <= set(tags)
     assert wheelhouse.platform_tags("linux_x86_64") == ["linux_x86_64"]
     assert LINUX_312["platform_machine"] == "x86_64" and LINUX_312["python_version"] == "3.12"
+
+
+def test_a_known_target_list_brings_in_what_a_had_package_would_depend_on_but_the_target_lacks():
+    # the GPU image's torch came without sympy (a resolution here says torch needs it): deepspeed's sympy goes in,
+    # with its own mpmath; without the list, torch's dependencies count as had
+    assert _selected([("pretrieve", set())], {"torch"}, target_has={"torch", "filelock", "nvidia-cublas"}) == [
+        "aiohttp", "deepspeed", "fsspec", "hjson", "mpmath", "requests", "sympy", "yarl"]
+    assert "sympy" not in _selected([("pretrieve", set())], {"torch"})

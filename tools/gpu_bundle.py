@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_wheelhouse:
         subprocess.run([sys.executable, str(ROOT / "tools" / "wheelhouse.py"), "--out", str(args.out / "wheelhouse"),
                         "--project", str(ROOT), "--python-version", args.python_version, "--platform", args.platform,
-                        "--have", args.have, "--extras", ""], check=True)
+                        "--have", args.have, "--target-has", str(ROOT / "tools" / "gpu_node_packages.txt"),
+                        "--extras", ""], check=True)
     record = data_archive(args.data, args.out, args.wiki_mib)
     record["wheelhouse_mib"] = round(tree_mib(args.out / "wheelhouse"), 2)
     (args.out / "bundle.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -25,6 +25,7 @@ import datetime as dt
 import io
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -56,11 +57,17 @@ class Stage:
     results: dict = field(default_factory=dict)
 
 
+# what a job runs unless told: the first job (benchmarks/results/gpu-check/2026-11-27-h100) measured attention and
+# mfu, and all five stages overrun the default budget at their measured times
+DEFAULT_STAGES = ("install", "correctness", "quality")
+
+
 def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: str) -> list[Stage]:
     """The stages in priority order. `python` runs everything after the install (the job's venv)."""
     wheelhouse = bundle / "wheelhouse"
-    # no extras (exact search needs no faiss), and no DeepSpeed CPU op: the node trains on its GPU
-    make_install = ["make", "install", f"PYTHON={sys.executable}", "EXTRAS=", "DS_CPU_OP=0"]
+    # no extras (exact search needs no faiss), no DeepSpeed CPU op (the node trains on its GPU), and the wheels as
+    # they are: a resolution against the image's own versions fails where one is below a wheel's floor
+    make_install = ["make", "install", f"PYTHON={sys.executable}", "EXTRAS=", "DS_CPU_OP=0", "NO_DEPS=1"]
     if wheelhouse.is_dir():
         make_install.append(f"WHEELHOUSE={wheelhouse}")
     unpack = [Command(["tar", "-xzf", str(bundle / "data.tar.gz"), "-C", str(bundle)])] \
@@ -72,28 +79,31 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
     throughput = [python, "benchmarks/pretrain_throughput.py", "--size", "base", "--seq-len", "512", "--batch", "32",
                   "--steps", "12", "--warmup", "4", "--out", str(work / "pretrain_throughput_gpu.json")]
     return [
-        Stage("install", "offline install from the bundle's wheelhouse, its data unpacked, then torch.cuda sanity", 60, 120,
+        # estimates: what the stage took on an H100 on 2026-11-27 (benchmarks/results/gpu-check/), where it ran whole
+        Stage("install", "offline install from the bundle's wheelhouse, its data unpacked, then torch.cuda sanity", 35, 90,
               ([Command(make_install)] if install else []) + unpack
               + [Command([python, str(Path(__file__)), "--sanity", str(work / "sanity.json")],
                          results=str(work / "sanity.json"))], needs_cuda=False),
-        # the fp16 variants repeat the bf16 ones' paths with loss scaling: left to `make test-gpu`
+        # the fp16 variants repeat the bf16 ones' paths with loss scaling, and the sync-site census is profiling:
+        # left to `make test-gpu` (the first job spent 123 s on the engine file's first two tests)
         Stage("correctness", "kernel tests, unpadded varlen against padded, an engine bf16 step and a bit-exact "
-              "resume with CUDA RNG, the farm's device placement", 150, 210,
+              "resume with CUDA RNG, the farm's device placement", 200, 240,
               [Command(pytest + ["tests/test_kernels_gpu.py"]),
                Command(pytest + ["tests/test_unpadding_gpu.py"]),
-               Command(pytest + ["tests/test_engine_gpu.py", "-k", "not fp16"]),
+               Command(pytest + ["tests/test_engine_gpu.py", "-k", "not fp16 and not wait_for_the_device"]),
                Command(pytest + ["tests/test_farm_gpu.py"])]),
-        Stage("attention", "fused two-stream attention at L512, forward and backward, against eager and SDPA", 20, 60,
+        Stage("attention", "fused two-stream attention at L512, forward and backward, against eager and SDPA", 15, 45,
               [Command([python, "benchmarks/two_stream_attention.py", "--lengths", "512",
                         "--out", str(work / "two_stream_attention.json")],
                        results=str(work / "two_stream_attention.json"))]),
         Stage("mfu", "BERT-base L512 bf16 throughput and MFU of mlm, retromae, dupmae; ModernBERT-base unpadded "
-              "against padded", 90, 150,
+              "against padded", 130, 160,
               [Command(throughput + ["--method", m], results=str(work / "pretrain_throughput_gpu.json"))
                for m in ("mlm", "retromae", "dupmae")]
               + [Command([python, "benchmarks/unpadding.py", "--size", "base", "--out", str(work / "unpadding_gpu.json")],
                          results=str(work / "unpadding_gpu.json"))]),
-        Stage("quality", "the quality study at --scale gpu-short: base -> arms -> the same fine-tuning -> eval", 210,
+        # the first job's quality stage had its data (39 s) and base (41 s) when its box ran out
+        Stage("quality", "the quality study at --scale gpu-short: base -> arms -> the same fine-tuning -> eval", 240,
               300, merge_into + [Command([python, "benchmarks/quality.py", "--scale", "gpu-short", "--seeds", quality_seeds,
                              "--data", str(bundle / "data"), "--out", str(work / "quality"),
                              "--results", str(work / "quality-gpu.json")],
@@ -286,7 +296,7 @@ def describe(stages: list[Stage], budget: float, bundle: Path) -> tuple[str, boo
         total += stage.estimate_s
         lines.append(f"{index}. {stage.name:<12} ~{stage.estimate_s:>4} s (box {stage.box_s:>4} s, "
                      f"by then ~{total:>4} s)  {stage.what}")
-        lines += [f"     $ {' '.join(c.argv)}" for c in stage.commands]
+        lines += [f"     $ {shlex.join(c.argv)}" for c in stage.commands]
     fits = total <= budget
     lines += ["", f"estimated total {total} s of {budget:.0f} s: {'fits' if fits else 'OVER BUDGET'}"]
     repo = repository_mib()
@@ -315,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=ROOT / "gpu-check-work", help="logs and the stages' scratch files")
     p.add_argument("--seeds", default="0", help="the quality study's seeds this job runs (a later job: 1-2)")
     p.add_argument("--no-install", action="store_true", help="use this Python as it is instead of `make install`")
-    p.add_argument("--stages", default=None, help="comma-separated stage names to run (default: all)")
+    p.add_argument("--stages", default=",".join(DEFAULT_STAGES),
+                   help="comma-separated stage names to run, or all (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the plan against the budget and exit")
     p.add_argument("--sanity", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -323,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         return sanity(args.sanity)
     python = sys.executable if args.no_install else str(ROOT / ".venv" / "bin" / "python")
     stages = plan(python, args.work.resolve(), args.bundle.resolve(), not args.no_install, args.seeds)
-    if args.stages:
+    if args.stages != "all":
         wanted = args.stages.split(",")
         unknown = sorted(set(wanted) - {s.name for s in stages})
         if unknown:
@@ -335,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if fits else 1
     print(text, flush=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    # changes not yet committed ran too: their files, so that a record says what code it measured
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split("\n")
     summary = {"started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit or None,
+               "uncommitted": sorted(line[3:] for line in changed if line.strip()),
                "plan": [{"stage": s.name, "estimate_s": s.estimate_s, "box_s": s.box_s} for s in stages]}
     summary = run(stages, args.out, args.work, args.budget, summary)
     print(json.dumps({"stages": summary["stages"], "elapsed_s": summary["elapsed_s"], "out": str(args.out)}))

@@ -134,14 +134,16 @@ def requirements_of(item: dict, extras: set[str], env: dict, named: set[str]):
                 requirement.marker.evaluate({**env, "extra": ""})
 
 
-def select(resolved: dict, roots: list[tuple[str, set[str]]], have: set[str], env: dict) -> list[dict]:
+def select(resolved: dict, roots: list[tuple[str, set[str]]], have: set[str], env: dict,
+           target_has: set[str] | None = None) -> list[dict]:
     """The resolved packages the target lacks: reached from the roots through packages that are not had.
-    A had package brings its own dependencies, but not those of an extra asked of it."""
+    A had package brings its own dependencies, but not those of an extra asked of it; where the target's package
+    list is known (`target_has`), only those of its dependencies that the list names."""
     items = {canonicalize_name(item["metadata"]["name"]): item for item in resolved["install"]}
     present, stack = set(), [name for name in have if name in items]
     while stack:
         name = stack.pop()
-        if name not in present:
+        if name not in present and (name in have or target_has is None or name in target_has):
             present.add(name)
             stack += [dep for dep, _, _ in requirements_of(items[name], set(), env, set(items))]
     needed, seen, stack = set(), set(), list(roots)
@@ -180,6 +182,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                            "(default: this machine)")
     parser.add_argument("--have", default="", help="comma-separated packages the target has, each a name or a "
                                                    "pinned requirement (torch==2.11.0); they are left out")
+    parser.add_argument("--target-has", type=Path, help="a file naming every package the target has (one a line, "
+                                                         "# comments): a had package's dependency outside it goes in")
     parser.add_argument("--extras", default="", help="comma-separated extras of pretrieve to include (dev,cpu)")
     parser.add_argument("--build", default="deepspeed", help="comma-separated packages published as source "
                                                              "only, built into wheels here")
@@ -212,7 +216,10 @@ def wanted(args: argparse.Namespace, staging: Path) -> list[dict]:
     resolved = report(*options, "--find-links", str(staging), *constraints, root, *builds, *map(str, have))
     constraints_file.unlink()
     name = canonicalize_name(metadata["name"])
-    found = select(resolved, [(name, extras)], had, env)
+    target_has = None if args.target_has is None else {
+        canonicalize_name(line.split("#")[0].strip()) for line in args.target_has.read_text().splitlines()
+        if line.split("#")[0].strip()}
+    found = select(resolved, [(name, extras)], had, env, target_has)
     # the build requirements go in even when the target has them: an isolated build sees only the wheelhouse
     found += select(resolved, [(canonicalize_name(Requirement(b).name), set()) for b in builds], set(), env)
     return list({canonicalize_name(item["metadata"]["name"]): item for item in found

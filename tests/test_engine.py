@@ -412,6 +412,16 @@ def test_fp16_on_cpu_is_refused_by_name(tmp_path, wiki_shards, capsys):
     assert not (tmp_path / "fp16").exists()  # refused before anything was written
 
 
+def test_only_deepspeeds_own_cpu_adam_is_prebuilt_for_an_offloaded_optimizer():
+    from pretrieve.engine.preemption import _jit_ops
+
+    offload = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    # torch's AdamW (the ds_configs' "torch_adam": true) steps the CPU copy: no C++ op to compile (100+ s here)
+    assert "CPUAdamBuilder" not in _jit_ops({**offload, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}})
+    assert "CPUAdamBuilder" in _jit_ops({**offload, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+    assert "CPUAdamBuilder" not in _jit_ops({"optimizer": {"type": "AdamW", "params": {}}})
+
+
 def test_cpu_optimizer_offload_gives_the_same_losses(tmp_path, wiki_shards):
     common = ["train.max_steps=3", "tracking.enabled=false", "train.zero_stage=2"]
     plain = _pretrain(tmp_path / "plain", wiki_shards, *common)

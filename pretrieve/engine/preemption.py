@@ -212,7 +212,9 @@ def _jit_ops(ds_config: dict) -> list[str]:
 
     names = ["ShareMemCommBuilder"] if get_accelerator().device_name() == "cpu" else []  # CPU collectives
     offload = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
-    if offload.get("device") == "cpu":
+    # offloaded, DeepSpeed's Adam steps with its C++ CPU Adam, unless "torch_adam" asks for torch's (the ds_configs')
+    torch_adam = (ds_config.get("optimizer") or {}).get("params", {}).get("torch_adam", False)
+    if offload.get("device") == "cpu" and not torch_adam:
         names.append("CPUAdamBuilder")
     return names
 

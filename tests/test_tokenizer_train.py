@@ -27,7 +27,8 @@ TEXT = "The anarchism movement, a political philosophy"
 # (kind, its special tokens in the order cls sep pad mask, the word-start marker, TEXT's tokens)
 KINDS = [("wordpiece", ("[CLS]", "[SEP]", "[PAD]", "[MASK]"), ""),
          ("bpe", ("<s>", "</s>", "<pad>", "<mask>"), "Ġ"),
-         ("unigram", ("<s>", "</s>", "<pad>", "<mask>"), "▁")]
+         ("unigram", ("<s>", "</s>", "<pad>", "<mask>"), "▁"),
+         ("llm", ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|mask|>"), "Ġ")]
 
 
 def _train(out: Path, kind: str, *extra: str, source="wikipedia", inputs=(SAMPLES / "wikipedia",)) -> int:
@@ -62,7 +63,7 @@ def test_each_kind_loads_with_its_family_conventions(trained, kind, special, mar
 
     vocab = Vocabulary.of_tokenizer(path)
     assert [vocab.tokens[i] for i in (vocab.cls_id, vocab.sep_id, vocab.pad_id, vocab.mask_id)] == list(special)
-    assert vocab.special.sum() == 5 and not vocab.continuation[vocab.special].any()
+    assert vocab.special.sum() == (4 if kind == "llm" else 5) and not vocab.continuation[vocab.special].any()
     ids = np.array([tok(TEXT)["input_ids"]])
     words, num_words = word_ids(ids, np.array([ids.shape[1]]), vocab)
     # whole words as the family counts them: WordPiece splits "," off; byte-level and SentencePiece words run
@@ -74,6 +75,16 @@ def test_each_kind_loads_with_its_family_conventions(trained, kind, special, mar
     the = tok.convert_tokens_to_ids(marker + ("the" if kind == "wordpiece" else "The"))
     assert not candidates[the] and not candidates[vocab.cls_id]  # a stopword, a special token
     assert candidates[ids[0, 2]]  # "anarch" or "anarchism", as the vocabulary has it
+
+
+def test_the_llm_kind_splits_as_llama3_and_ends_each_text_with_eos(trained):
+    llm = AutoTokenizer.from_pretrained(str(trained["llm"]), local_files_only=True)
+    # digits go in threes at most (the split's \p{N}{1,3}), so no long number becomes one piece
+    assert "".join(llm.tokenize(" 1234567")) == "Ġ1234567"
+    assert max(len(piece.lstrip("Ġ")) for piece in llm.tokenize(" 1234567")) <= 3
+    pair = llm.convert_ids_to_tokens(llm("a query", "a passage")["input_ids"])
+    assert pair[0] == "<|begin_of_text|>" and pair.count("<|end_of_text|>") == 2 and pair[-1] == "<|end_of_text|>"
+    assert llm.unk_token is None  # byte-level: every text has its bytes
 
 
 def test_the_bundled_vocabulary_is_read_as_before():

@@ -22,7 +22,8 @@ def add_tokenizer(commands) -> None:
     train.add_argument("--source", choices=SOURCES, required=True, help="the corpus format")
     train.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or directories")
     train.add_argument("--out", required=True, metavar="DIR", help="the tokenizer directory to write")
-    flag("--kind", "wordpiece: BERT's; bpe: RoBERTa's byte-level BPE; unigram: XLM-R's SentencePiece unigram",
+    flag("--kind", "wordpiece: BERT's; bpe: RoBERTa's byte-level BPE; unigram: XLM-R's SentencePiece unigram; "
+         "llm: a decoder LLM's byte-level BPE (Llama 3 / Qwen split, eos ends each text)",
          choices=KINDS)
     flag("--vocab-size", "tokens in the vocabulary, special tokens included (a small corpus may give fewer)",
          type=at_least(300))

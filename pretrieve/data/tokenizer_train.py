@@ -1,6 +1,6 @@
 """`pretrieve tokenizer train`: a tokenizer of your own, trained on raw corpora with HF tokenizers.
 
-Hub tokenizers cannot be assumed on a cluster, and a new domain or language wants its own vocabulary. Three
+Hub tokenizers cannot be assumed on a cluster, and a new domain or language wants its own vocabulary. Four
 kinds, each with the conventions of the backbone family that uses it, so a head finds its special tokens and
 word boundaries the same way on each (data/masking.py, `Vocabulary.of_tokenizer`):
 
@@ -10,6 +10,10 @@ word boundaries the same way on each (data/masking.py, `Vocabulary.of_tokenizer`
   starts a word after a space; <s> <pad> </s> <unk> <mask>, the mask token taking the space before it.
 - `unigram`: XLM-R's SentencePiece unigram. NMT and NFKC normalisation, "▁" marks a word start (Metaspace,
   prepended to every text); the same special tokens as `bpe`.
+- `llm`: a decoder LLM's byte-level BPE, as Llama 3's and Qwen's: text split by their regex (contractions,
+  letters with one leading non-letter, digits in threes, punctuation runs, whitespace) before the byte mapping;
+  <|begin_of_text|> <|end_of_text|> <|pad|> <|mask|> (the mask for bidirectional MLM / MNTP) and no unknown
+  token. A text ends with <|end_of_text|>, the token that last-token pooling reads (LLM2Vec, Llama2Vec).
 
 The corpora are read by prepare's readers (data/corpora.py: the same sources and fields); a bad record stops
 training with its file and line, or is skipped and counted (`on_error="skip"`). The directory is written
@@ -31,14 +35,18 @@ from typing import Iterator
 from pretrieve import __version__
 from pretrieve.data.corpora import SOURCES, BadRecord, CorpusError, ReaderOptions, read_corpus
 
-KINDS = ("wordpiece", "bpe", "unigram")
+KINDS = ("wordpiece", "bpe", "unigram", "llm")
 TRAINING_RECORD = "pretrieve_tokenizer.json"  # in the output: how the tokenizer was trained, on what
 # token roles (the names transformers gives them) -> each kind's special token; id order is the list's order
 SPECIAL_TOKENS = {
     "wordpiece": {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"},
     "bpe": {"cls": "<s>", "pad": "<pad>", "sep": "</s>", "unk": "<unk>", "mask": "<mask>"},
     "unigram": {"cls": "<s>", "pad": "<pad>", "sep": "</s>", "unk": "<unk>", "mask": "<mask>"},
+    "llm": {"cls": "<|begin_of_text|>", "sep": "<|end_of_text|>", "pad": "<|pad|>", "mask": "<|mask|>"},
 }
+# Llama 3's (and Qwen2's) pre-tokenising split, applied before the byte mapping
+LLM_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+             r"\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 class TokenizerTrainError(ValueError):
@@ -124,11 +132,13 @@ def _untrained(opts: TokenizerTrainOptions):
         trainer = trainers.WordPieceTrainer(vocab_size=opts.vocab_size, min_frequency=opts.min_frequency,
                                             special_tokens=special, continuing_subword_prefix="##",
                                             show_progress=False)
-    elif opts.kind == "bpe":
+    elif opts.kind in ("bpe", "llm"):
         tokenizer = Tokenizer(models.BPE())
         if lower:
             tokenizer.normalizer = normalizers.Sequence(lower)
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if opts.kind == "bpe" else \
+            pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLM_SPLIT), behavior="isolated"),
+                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=opts.vocab_size, min_frequency=opts.min_frequency,
                                       special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -163,13 +173,13 @@ def _texts(opts: TokenizerTrainOptions, counts: Counter, progress) -> Iterator[s
 
 def _add_template(tokenizer, kind: str) -> None:
     """Special tokens around encoded texts, as the backbone family adds them: [CLS] A [SEP] (B [SEP]) for
-    WordPiece, <s> A </s> (</s> B </s>) for the others (RoBERTa / XLM-R pairs)."""
+    WordPiece and for `llm`'s bos / eos, <s> A </s> (</s> B </s>) for RoBERTa / XLM-R pairs."""
     from tokenizers import processors
 
     roles = SPECIAL_TOKENS[kind]
     cls, sep = roles["cls"], roles["sep"]
     ids = [(cls, tokenizer.token_to_id(cls)), (sep, tokenizer.token_to_id(sep))]
-    pair = f"{cls} $A {sep} $B:1 {sep}:1" if kind == "wordpiece" else f"{cls} $A {sep} {sep} $B:1 {sep}:1"
+    pair = f"{cls} $A {sep} $B:1 {sep}:1" if kind in ("wordpiece", "llm") else f"{cls} $A {sep} {sep} $B:1 {sep}:1"
     tokenizer.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}", pair=pair,
                                                              special_tokens=ids)
 

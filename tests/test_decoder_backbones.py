@@ -71,6 +71,8 @@ def _experiment(config: str, *overrides: str):
     ("tiny-mlm.yaml", ["model.backbone=llama"],
      r"model.backbone: llama is a causal decoder LLM; method mlm predicts from both sides: set "
      r"model.bidirectional: true"),
+    ("tiny-mntp.yaml", ["model.bidirectional=false"],
+     r"model.backbone: qwen3 is a causal decoder LLM; method mntp predicts from both sides"),
     ("tiny-contrastive.yaml", ["model.bidirectional=true"],
      r"model.bidirectional: the BERT backbone attends both ways already"),
 ])
@@ -116,3 +118,29 @@ def test_a_tiny_qwen3_pretrains_contrastively_with_last_token_pooling(tmp_path):
     config = json.loads((export / "config.json").read_text())
     assert config["model_type"] == "qwen3" and config["bidirectional"] is False
     assert json.loads((export / "1_Pooling" / "config.json").read_text())["pooling_mode_lasttoken"] is True
+
+
+def test_mntp_predicts_each_masked_token_from_the_state_before_it(vocab):
+    """LLM2Vec's loss by hand on a tiny bidirectional Qwen3: for each masked position i, the cross-entropy of
+    its token under softmax(h_{i-1} E^T + b), averaged over the masked positions."""
+    from pretrieve.models.heads import get_method
+
+    method = get_method("mntp")
+    options = method.options_from({"max_len": 32})
+    model = ModelOptions(backbone="qwen3", bidirectional=True, vocab_size=vocab.size, hidden_size=32, num_layers=2,
+                         num_heads=2, intermediate_size=64, pad_token_id=0, dropout=0.0)
+    head = method.build(options, model, seed=0).eval()
+    rng = torch.Generator().manual_seed(3)
+    samples = [{"ids": torch.randint(1000, 5000, (n,), generator=rng).numpy()} for n in (20, 13, 30)]
+    batch = method.collator.from_options(options, vocab, seed=0)(samples)
+    labels = batch["mlm_labels"]
+    assert (labels[:, 0] == -100).all() and (labels != -100).sum() > 3
+    with torch.no_grad():
+        loss = head(batch)["loss"]
+        hidden = head.encoder(batch["input_ids"], batch["attention_mask"])
+        weight, bias = head.encoder.word_embeddings.weight, head.encoder.mlm_bias
+        terms = [torch.log_softmax(hidden[b, i - 1] @ weight.T + bias, -1)[labels[b, i]].neg()
+                 for b, i in (labels != -100).nonzero().tolist()]
+    torch.testing.assert_close(loss, torch.stack(terms).mean(), rtol=1e-5, atol=1e-6)
+    # not BERT's MLM, which reads the state at i itself
+    assert not torch.allclose(loss, head.encoder.token_loss(hidden, labels), rtol=1e-3)

@@ -99,9 +99,9 @@ def test_every_config_loads(path, vocab):
     assert spec.collator.from_options(options, vocab).max_len == options.max_len
     if path.name.startswith("tiny-"):
         assert model.hidden_size <= 64 and model.num_layers <= 2
-    else:  # the paper settings (contrastive: E5-base's pre-training, 128 tokens)
-        max_len = 128 if spec.name == "contrastive" else 512
-        assert (model.hidden_size, model.num_layers, options.max_len) == (768, 12, max_len)
-        lr, warmup = {"costa": (5e-5, 0.1), "seed": (1e-4, 0.01), "contrastive": (2e-4, 0.05)}.get(spec.name,
-                                                                                                   (1e-4, 0.1))
-        assert (config.train.lr, config.train.warmup_ratio, config.train.weight_decay) == (lr, warmup, 0.01)
+    else:  # the paper settings (contrastive: E5-base's pre-training, 128 tokens; mntp: LLM2Vec's on Qwen3-0.6B)
+        shape = {"contrastive": (768, 12, 128), "mntp": (1024, 28, 512)}.get(spec.name, (768, 12, 512))
+        assert (model.hidden_size, model.num_layers, options.max_len) == shape
+        schedule = {"costa": (5e-5, 0.1, 0.01), "seed": (1e-4, 0.01, 0.01), "contrastive": (2e-4, 0.05, 0.01),
+                    "mntp": (5e-5, 0.0, 0.0)}.get(spec.name, (1e-4, 0.1, 0.01))
+        assert (config.train.lr, config.train.warmup_ratio, config.train.weight_decay) == schedule

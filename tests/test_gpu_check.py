@@ -28,7 +28,7 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
 
 def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     done = _tool("--dry-run", "--stages", "all", "--bundle", str(tmp_path / "no-bundle"))
-    for index, name in enumerate(("install", "correctness", "attention", "mfu", "quality"), start=1):
+    for index, name in enumerate(("install", "correctness", "attention", "mfu", "quality", "profile"), start=1):
         assert f"{index}. {name}" in done.stdout
     total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0"))
     assert f"estimated total {total} s of 540 s" in done.stdout
@@ -105,13 +105,13 @@ def test_the_real_job_on_a_machine_without_cuda_records_every_stage(tmp_path):
     install = json.loads((out / "1-install.json").read_text())
     assert install["status"] == "failed" and install["results"]["sanity.json"]["cuda_available"] is False
     assert "no CUDA device" in install["commands"][-1]["log_tail"]
-    for name in ("2-correctness", "3-attention", "4-mfu", "5-quality"):
+    for name in ("2-correctness", "3-attention", "4-mfu", "5-quality", "6-profile"):
         record = json.loads((out / f"{name}.json").read_text())
         assert record["status"] == "skipped" and "no CUDA device" in record["why"], record
     summary = json.loads((out / "0-summary.json").read_text())
     assert isinstance(summary["uncommitted"], list)  # the tracked files changed since `commit`, which ran too
     assert summary["node"]["torch"] and set(summary["stages"]) == {"install", "correctness", "attention", "mfu",
-                                                                  "quality"}
+                                                                  "quality", "profile"}
     assert (out / "logs.tar.gz").is_file() and len(list(out.iterdir())) <= 8  # what comes back from a job
 
 

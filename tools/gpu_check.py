@@ -76,8 +76,9 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
     committed = ROOT / "benchmarks" / "results" / "quality-gpu.json"
     merge_into = [Command(["cp", str(committed), str(work / "quality-gpu.json")])] if committed.is_file() else []
     pytest = [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
-    throughput = [python, "benchmarks/pretrain_throughput.py", "--size", "base", "--seq-len", "512", "--batch", "32",
-                  "--steps", "12", "--warmup", "4", "--out", str(work / "pretrain_throughput_gpu.json")]
+    bert_base = [python, "benchmarks/pretrain_throughput.py", "--size", "base", "--seq-len", "512", "--batch", "32",
+                 "--steps", "12", "--warmup", "4"]
+    throughput = bert_base + ["--out", str(work / "pretrain_throughput_gpu.json")]
     return [
         # estimates: what the stage took on an H100 on 2026-11-27 (benchmarks/results/gpu-check/), where it ran whole
         Stage("install", "offline install from the bundle's wheelhouse, its data unpacked, then torch.cuda sanity", 35, 90,
@@ -108,6 +109,13 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
                              "--data", str(bundle / "data"), "--out", str(work / "quality"),
                              "--results", str(work / "quality-gpu.json")],
                             results=str(work / "quality-gpu.json"))]),
+        # the MFU work's first look (issue order: after stages 1-4 have run): where the retromae step's device
+        # time goes, and the host syncs; a summary, since a trace of 12 BERT-base steps exceeds what a job returns
+        Stage("profile", "torch.profiler over the BERT-base L512 bf16 retromae run: ops by self device time, host "
+              "syncs", 60, 120,
+              [Command(bert_base + ["--method", "retromae", "--profile", str(work / "profile_retromae.json"),
+                                    "--out", str(work / "profiled_throughput.json")],  # slowed by the profiler
+                       results=str(work / "profile_retromae.json"))]),
     ]
 
 

@@ -119,14 +119,13 @@ def profiled(path: str | None, gpu: bool, top: int = 40):
     with profile(activities=activities) as prof:
         yield
     key = "self_device_time_total" if gpu else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
-    total = sum(getattr(e, key) for e in events) or 1
-    rows = [{"name": e.key, "calls": e.count, "self_ms": round(getattr(e, key) / 1e3, 3),
-             "share": round(getattr(e, key) / total, 4), "cpu_total_ms": round(e.cpu_time_total / 1e3, 3)}
-            for e in events[:top]]
+    timed = sorted(((getattr(e, key), e) for e in prof.key_averages()), key=lambda pair: pair[0], reverse=True)
+    total = sum(us for us, _ in timed) or 1
+    rows = [{"name": e.key, "calls": e.count, "self_ms": round(us / 1e3, 3), "share": round(us / total, 4),
+             "cpu_total_ms": round(e.cpu_time_total / 1e3, 3)} for us, e in timed[:top]]
     summary = {"sorted_by": key, "scope": "the whole training call: start-up and warm-up steps included",
                "total_ms": round(total / 1e3, 3), "top": rows,
-               "syncs": {e.key: e.count for e in events if e.key in SYNCS}}
+               "syncs": {e.key: e.count for _, e in timed if e.key in SYNCS}}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(summary, indent=1) + "\n")
 

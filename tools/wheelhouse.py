@@ -190,6 +190,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def package_names(path: Path) -> set[str]:
+    """The package names of a list file, one a line, `#` starting a comment."""
+    lines = (line.split("#")[0].strip() for line in path.read_text().splitlines())
+    return {canonicalize_name(line) for line in lines if line}
+
+
 def split(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -216,9 +222,7 @@ def wanted(args: argparse.Namespace, staging: Path) -> list[dict]:
     resolved = report(*options, "--find-links", str(staging), *constraints, root, *builds, *map(str, have))
     constraints_file.unlink()
     name = canonicalize_name(metadata["name"])
-    target_has = None if args.target_has is None else {
-        canonicalize_name(line.split("#")[0].strip()) for line in args.target_has.read_text().splitlines()
-        if line.split("#")[0].strip()}
+    target_has = None if args.target_has is None else package_names(args.target_has)
     found = select(resolved, [(name, extras)], had, env, target_has)
     # the build requirements go in even when the target has them: an isolated build sees only the wheelhouse
     found += select(resolved, [(canonicalize_name(Requirement(b).name), set()) for b in builds], set(), env)

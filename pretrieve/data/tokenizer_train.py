@@ -136,9 +136,12 @@ def _untrained(opts: TokenizerTrainOptions):
         tokenizer = Tokenizer(models.BPE())
         if lower:
             tokenizer.normalizer = normalizers.Sequence(lower)
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if opts.kind == "bpe" else \
-            pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLM_SPLIT), behavior="isolated"),
-                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        if opts.kind == "bpe":
+            tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        else:  # the LLM split first, then the byte mapping alone
+            tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(LLM_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=opts.vocab_size, min_frequency=opts.min_frequency,
                                       special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),

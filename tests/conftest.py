@@ -95,6 +95,24 @@ def text_methods(methods) -> list[str]:
     return sorted(name for name, method in methods.items() if method.collator.data_kind == "text")
 
 
+# how pretrieve named the decoder layers' parameters before the backbone interface (decoder.py's load hook)
+OLD_DECODER_NAMES = {"attention.self.query": "query", "attention.self.key": "key", "attention.self.value": "value",
+                     "attention.output.dense": "attention_output", "attention.output.LayerNorm": "attention_norm",
+                     "intermediate.dense": "intermediate", "output.dense": "output", "output.LayerNorm": "output_norm"}
+
+
+def old_parameter_name(name: str, method: str) -> str:
+    """`name` as pretrieve wrote it before the backbone interface: the base model under `encoder.bert.`, the
+    decoder layers' parameters by their short names, and RetroMAE's one layer as the decoder itself."""
+    name = name.replace("encoder.model.", "encoder.bert.")
+    if name.startswith("decoder."):
+        for new, short in OLD_DECODER_NAMES.items():
+            name = name.replace(f".{new}.", f".{short}.")
+        if method == "retromae":
+            name = name.replace("decoder.layers.0.", "decoder.")
+    return name
+
+
 def adamw_steps(head, batch: dict, steps: int, lr: float) -> list[float]:
     """The losses of `steps` AdamW steps of `head` on one fixed batch; after the first backward, every trainable
     weight has a gradient (the loss reaches it) or the list of those without one fails the test."""

@@ -17,7 +17,7 @@ from transformers.models.modernbert.modeling_modernbert import ModernBertEncoder
 from transformers.models.roberta.modeling_roberta import RobertaLayer
 from transformers.models.xlm_roberta.modeling_xlm_roberta import XLMRobertaLayer
 
-from conftest import SAMPLES, adamw_steps, pretrain_env, result_line, text_methods
+from conftest import SAMPLES, adamw_steps, old_parameter_name, pretrain_env, result_line, text_methods
 from pretrieve.config import ConfigError, experiment, load_config
 from pretrieve.cli import main
 from pretrieve.data.masking import Vocabulary
@@ -202,19 +202,9 @@ def test_pretraining_runs_each_backbone_from_its_config(corpora, tmp_path):
 def test_checkpoints_from_before_the_backbone_interface_still_load(corpora):
     """The base model was `encoder.bert.*`, RetroMAE's decoder layer `decoder.query.weight` and the causal
     decoders' `decoder.layers.i.query.weight`: such state dicts load into today's heads unchanged."""
-    old_names = {"attention.self.query": "query", "attention.self.key": "key", "attention.self.value": "value",
-                 "attention.output.dense": "attention_output", "attention.output.LayerNorm": "attention_norm",
-                 "intermediate.dense": "intermediate", "output.dense": "output", "output.LayerNorm": "output_norm"}
     for method in ("retromae", "seed"):
         head, _ = head_and_batch("bert", method, corpora)
-        old = {}
-        for key, value in head.state_dict().items():
-            key = key.replace("encoder.model.", "encoder.bert.")
-            for new, name in old_names.items():
-                key = key.replace(f".{new}.", f".{name}.") if key.startswith("decoder.") else key
-            if method == "retromae":
-                key = key.replace("decoder.layers.0.", "decoder.")
-            old[key] = value
+        old = {old_parameter_name(key, method): value for key, value in head.state_dict().items()}
         assert "encoder.bert.pooler.dense.weight" in old
         assert ("decoder.query.weight" if method == "retromae" else "decoder.layers.0.query.weight") in old
         fresh, _ = head_and_batch("bert", method, corpora, seed=1)
@@ -231,13 +221,9 @@ def test_a_universal_checkpoint_from_before_the_backbone_interface_names_todays_
 
     head, _ = head_and_batch("bert", "retromae", corpora)
     today = [name for name, _ in head.named_parameters()]
-    old_names = {"attention.self.query": "query", "attention.output.LayerNorm": "attention_norm",
-                 "intermediate.dense": "intermediate", "output.dense": "output"}
     tag = tmp_path / "step00000002-universal"
     for name in today:  # the folders of a checkpoint written with the old names
-        old = name.replace("encoder.model.", "encoder.bert.")
-        for new, short in old_names.items():
-            old = old.replace(f"decoder.layers.0.{new}.", f"decoder.{short}.")
+        old = old_parameter_name(name, "retromae")
         (tag / "zero" / old).mkdir(parents=True)
         (tag / "zero" / old / "fp32.pt").write_text(name)
     assert (tag / "zero" / "encoder.bert.embeddings.word_embeddings.weight").is_dir()

@@ -6,6 +6,7 @@ in AutoModel."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -228,6 +229,26 @@ def test_start_up_failures_that_may_pass_exit_86_and_others_are_raised(error, ma
         with retryable_startup("joining the job"):
             raise failure
     assert raised.value.code == RETRY_EXIT_CODE if may_pass else raised.value is failure
+
+
+def test_a_master_port_taken_when_rank_0_binds_is_named_and_may_pass(capsys, monkeypatch):
+    """Two jobs that chose one port before either listened: the later rank 0's store cannot bind it. The start
+    exits 86 (the SLURM script requeues it and chooses again), naming the port, not hanging."""
+    from datetime import timedelta
+
+    from pretrieve.engine.preemption import RETRY_EXIT_CODE, StartupFailed, retryable_startup
+
+    with socket.socket() as listener:
+        listener.bind(("0.0.0.0", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(StartupFailed) as raised:
+            with retryable_startup("joining the job"):
+                dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=5))
+    assert raised.value.code == RETRY_EXIT_CODE
+    assert f"MASTER_PORT {port} is taken on 127.0.0.1 by another process" in capsys.readouterr().err
 
 
 def test_a_start_up_past_its_deadline_exits_86():

@@ -5,6 +5,7 @@ own preemption (PreemptMode=REQUEUE); the evaluation farm's array with a failing
 cluster. Root only (`make test-cluster`)."""
 
 import contextlib
+import os
 import re
 import socket
 import shutil
@@ -275,17 +276,38 @@ def test_a_gpu_request_on_a_cpu_cluster_is_refused_at_once(cluster, checkout, wi
 def test_two_jobs_at_once_on_one_node_listen_on_two_free_ports(cluster, checkout, wiki_shards, tmp_path):
     """Two one-rank jobs submitted together to one node, where another program listens on the ports that
     `20000 + job id % 20000` gives them: each job's script chooses a port free on the node, and both train,
-    leaving no buffer in /dev/shm. A MASTER_PORT given that is taken fails the job at once, naming the port."""
+    leaving no buffer in /dev/shm. Ports are claimed until a job ends, so a job that starts beside another before
+    its rank 0 listens cannot take its port: the second job may only use a port whose claim is stale (its script
+    gone), and takes it; with the one port of its range claimed by a live process, a job fails at once, naming
+    the range. A MASTER_PORT given that is taken fails the job at once, naming the port."""
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    only = int(free_port())
+    (claims / f"{only}.{os.getuid()}").write_text(f"{ended.pid}\n")  # a stale claim: its script has ended
     probe = cluster.submit("--wrap", "true", cwd=tmp_path, env=_env())  # the job ids count on from here
     listeners = [_listen(20000 + (probe + i) % 20000) for i in (1, 2)]
     try:
         jobs = [_pretrain(cluster, checkout, wiki_shards, tmp_path / f"run{i}", "--nodelist=ptnode1",
                           "--cpus-per-task=1", extra=["tracking.enabled=false", "train.max_steps=2",
-                                                      "checkpoint.every=2"]) for i in (1, 2)]
+                                                      "checkpoint.every=2"], PORT_CLAIMS=str(claims),
+                          **({"MASTER_PORT_RANGE": f"{only}-{only}"} if i == 2 else {})) for i in (1, 2)]
         assert jobs == [probe + 1, probe + 2]
         ports = [_master_ports(_finished(cluster, job, checkout, restarts=0)) for job in jobs]
         assert len(ports[0]) == len(ports[1]) == 1 and ports[0] != ports[1], ports
+        assert ports[1] == [only]
         assert not {port for [port] in ports} & {listener.getsockname()[1] for listener in listeners}
+        assert sorted(p.name for p in claims.iterdir()) == [".lock"]  # each job took its claim away at its end
+
+        (claims / f"{only}.{os.getuid()}").write_text(f"{os.getpid()}\n")  # claimed by a running process
+        job = cluster.submit("launchers/slurm/pretrain.sbatch", "configs/pretrain/tiny-mlm.yaml", cwd=checkout,
+                             env=_env(PORT_CLAIMS=str(claims), MASTER_PORT_RANGE=f"{only}-{only}",
+                                      RUN_DIR=str(tmp_path / "claimed")))
+        state = cluster.wait(job)
+        log = (checkout / f"pretrieve-{job}.out").read_text()
+        assert state["JobState"] == "FAILED" and state["ExitCode"] == "2:0" and state["Restarts"] == "0", log
+        assert f"no free port found on ptnode1 in 100 tries from {only}-{only}" in log
 
         taken = listeners[0].getsockname()[1]
         job = cluster.submit("launchers/slurm/pretrain.sbatch", "configs/pretrain/tiny-mlm.yaml", cwd=checkout,

@@ -379,18 +379,24 @@ def _check_attention(model: ModelOptions, method, problems: Problems) -> None:
     except (ValueError, OSError):
         return  # reported by _check_model
     where = f"model.init_from ({model.init_from}) is" if model.init_from else f"model.backbone: {model.backbone} is"
+    allowed = method.head.decoder_llms
     if not backbone.causal:
+        if allowed == "causal":
+            problems.add(f"{where} an encoder family; method {method.name} adapts a decoder LLM (llama, qwen3, "
+                         "mistral)")
         if model.bidirectional:
             problems.add(f"model.bidirectional: the {backbone.display_name} backbone attends both ways already "
                          "(it applies to decoder LLMs: llama, qwen3, mistral)")
         return
-    allowed = method.head.decoder_llms
     if allowed is None:
         problems.add(f"{where} a decoder LLM; method {method.name} needs an encoder family (bert, roberta, "
                      "xlm-roberta, modernbert)")
     elif allowed == "bidirectional" and not model.bidirectional:
         problems.add(f"{where} a causal decoder LLM; method {method.name} predicts from both sides: set "
                      "model.bidirectional: true")
+    elif allowed == "causal" and model.bidirectional:
+        problems.add(f"model.bidirectional: method {method.name} trains the LLM causal, as it was pre-trained "
+                     "(its prompts' mask is its own): leave it false")
 
 
 def _init_config(path: str):

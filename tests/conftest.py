@@ -90,9 +90,11 @@ def ctrl_c_when(proc: subprocess.Popen, ready, timeout: float = 300) -> str:
 
 
 def text_methods(methods) -> list[str]:
-    """The names of `methods` (registered ones) that train on blocks of text, sorted: the contrastive method's
-    batches are pairs (tests/test_contrastive.py, tests/test_grad_cache.py)."""
-    return sorted(name for name, method in methods.items() if method.collator.data_kind == "text")
+    """The names of `methods` (registered ones) that train an encoder family on blocks of text, sorted: the
+    contrastive method's batches are pairs (tests/test_contrastive.py, tests/test_grad_cache.py), Llama2Vec's
+    heads adapt decoder LLMs only (tests/test_llama2vec.py)."""
+    return sorted(name for name, method in methods.items()
+                  if method.collator.data_kind == "text" and method.head.decoder_llms != "causal")
 
 
 # how pretrieve named the decoder layers' parameters before the backbone interface (decoder.py's load hook)

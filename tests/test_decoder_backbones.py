@@ -73,6 +73,10 @@ def _experiment(config: str, *overrides: str):
      r"model.bidirectional: true"),
     ("tiny-mntp.yaml", ["model.bidirectional=false"],
      r"model.backbone: qwen3 is a causal decoder LLM; method mntp predicts from both sides"),
+    ("tiny-llama2vec.yaml", ["model.backbone=bert", "model.vocab_size=30522"],
+     r"model.backbone: bert is an encoder family; method llama2vec adapts a decoder LLM"),
+    ("tiny-llama2vec.yaml", ["model.bidirectional=true"],
+     r"model.bidirectional: method llama2vec trains the LLM causal, as it was pre-trained"),
     ("tiny-contrastive.yaml", ["model.bidirectional=true"],
      r"model.bidirectional: the BERT backbone attends both ways already"),
 ])

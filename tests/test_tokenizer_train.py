@@ -63,7 +63,7 @@ def test_each_kind_loads_with_its_family_conventions(trained, kind, special, mar
 
     vocab = Vocabulary.of_tokenizer(path)
     assert [vocab.tokens[i] for i in (vocab.cls_id, vocab.sep_id, vocab.pad_id, vocab.mask_id)] == list(special)
-    assert vocab.special.sum() == (4 if kind == "llm" else 5) and not vocab.continuation[vocab.special].any()
+    assert vocab.special.sum() == (4 + 16 if kind == "llm" else 5) and not vocab.continuation[vocab.special].any()
     ids = np.array([tok(TEXT)["input_ids"]])
     words, num_words = word_ids(ids, np.array([ids.shape[1]]), vocab)
     # whole words as the family counts them: WordPiece splits "," off; byte-level and SentencePiece words run

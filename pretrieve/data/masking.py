@@ -11,7 +11,7 @@ words), pieces without "Ġ" / "▁" for byte-level BPE and SentencePiece (`word_
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +28,13 @@ class Vocabulary:
     continuation: np.ndarray  # bool [size]: the token continues the word of the token before it
     special: np.ndarray  # bool [size]: a special token ([CLS], <s>, ...)
     tokens: tuple[str, ...] = ()  # the token strings in id order, without a word-start marker ("Ġ", "▁")
+    backend: object = field(default=None, compare=False, repr=False)  # the tokenizer, for a prompt's ids
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of `text` with no special tokens around it (a prompt a collator appends to each text)."""
+        if self.backend is None:
+            raise ValueError("this vocabulary was made without its tokenizer: it cannot encode a prompt")
+        return self.backend.encode(text, add_special_tokens=False).ids
 
     @classmethod
     def of_tokenizer(cls, path) -> "Vocabulary":
@@ -65,7 +72,8 @@ class Vocabulary:
         continuation, marker = word_starts(backend, by_id)
         continuation &= ~special
         tokens = tuple(t[len(marker):] if marker and t.startswith(marker) else t for t in by_id)
-        return cls(len(vocab), ids["cls"], ids["sep"], ids["pad"], ids["mask"], continuation, special, tokens)
+        return cls(len(vocab), ids["cls"], ids["sep"], ids["pad"], ids["mask"], continuation, special, tokens,
+                   backend)
 
 
 def word_starts(backend, tokens: list[str]) -> tuple[np.ndarray, str]:

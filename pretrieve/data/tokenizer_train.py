@@ -12,8 +12,9 @@ word boundaries the same way on each (data/masking.py, `Vocabulary.of_tokenizer`
   prepended to every text); the same special tokens as `bpe`.
 - `llm`: a decoder LLM's byte-level BPE, as Llama 3's and Qwen's: text split by their regex (contractions,
   letters with one leading non-letter, digits in threes, punctuation runs, whitespace) before the byte mapping;
-  <|begin_of_text|> <|end_of_text|> <|pad|> <|mask|> (the mask for bidirectional MLM / MNTP) and no unknown
-  token. A text ends with <|end_of_text|>, the token that last-token pooling reads (LLM2Vec, Llama2Vec).
+  <|begin_of_text|> <|end_of_text|> <|pad|> <|mask|> (the mask for bidirectional MLM / MNTP), 16
+  <|reserved_special_token_i|> (Llama2Vec's prompt tokens) and no unknown token. A text ends with
+  <|end_of_text|>, the token that last-token pooling reads (LLM2Vec).
 
 The corpora are read by prepare's readers (data/corpora.py: the same sources and fields); a bad record stops
 training with its file and line, or is skipped and counted (`on_error="skip"`). The directory is written
@@ -44,6 +45,9 @@ SPECIAL_TOKENS = {
     "unigram": {"cls": "<s>", "pad": "<pad>", "sep": "</s>", "unk": "<unk>", "mask": "<mask>"},
     "llm": {"cls": "<|begin_of_text|>", "sep": "<|end_of_text|>", "pad": "<|pad|>", "mask": "<|mask|>"},
 }
+# the llm kind's reserved special tokens after its roles, as Llama 3 reserves its own: Llama2Vec's two prompts
+# end in 8 each (models/heads/llama2vec.py)
+LLM_RESERVED = tuple(f"<|reserved_special_token_{i}|>" for i in range(16))
 # Llama 3's (and Qwen2's) pre-tokenising split, applied before the byte mapping
 LLM_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
              r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -122,7 +126,7 @@ def _untrained(opts: TokenizerTrainOptions):
     """The empty tokenizer of `opts.kind` with its normaliser, pre-tokeniser and decoder, and its trainer."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    special = list(SPECIAL_TOKENS[opts.kind].values())
+    special = list(SPECIAL_TOKENS[opts.kind].values()) + list(LLM_RESERVED if opts.kind == "llm" else ())
     lower = [normalizers.Lowercase()] if opts.resolved_lowercase() else []
     if opts.kind == "wordpiece":
         tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))

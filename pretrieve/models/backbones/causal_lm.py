@@ -54,6 +54,22 @@ class CausalLMBackbone(Backbone):
                      is_causal=False).last_hidden_state
 
     @staticmethod
+    def masked_forward(model, input_ids: torch.Tensor, visible: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
+        """Last hidden states under a mask of the head's own, `visible` [B, L, L] (True: row i attends to key j),
+        at position ids `positions` [B, L] (Llama2Vec's prompts: heads/llama2vec.py)."""
+        kind = model.config._attn_implementation
+        if kind not in ("sdpa", "eager"):
+            raise ValueError(f"attention {kind!r} takes no arbitrary mask: use sdpa or eager")
+        embeds = model.get_input_embeddings()(input_ids)
+        mask = visible[:, None]
+        if kind == "eager":  # added to the scores
+            mask = torch.zeros(mask.shape, dtype=embeds.dtype, device=embeds.device).masked_fill(
+                ~mask, torch.finfo(embeds.dtype).min)
+        return model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+                     is_causal=False).last_hidden_state
+
+    @staticmethod
     def mlm_transform(config) -> nn.Module:
         return nn.Identity()
 

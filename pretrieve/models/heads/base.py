@@ -18,7 +18,8 @@ class PretrainingHead(nn.Module):
     """`forward(batch) -> {"loss": total, "<part>": detached component, ...}` over one shared encoder."""
 
     # on a decoder LLM family (backbones/causal_lm.py): None, refused (the auto-encoding heads need an encoder
-    # family's decoder layer); "bidirectional", with model.bidirectional only; "any", causal attention too
+    # family's decoder layer); "bidirectional", with model.bidirectional only; "any", causal attention too;
+    # "causal", causal decoder LLMs only (encoder families refused too)
     decoder_llms: str | None = None
 
     def __init__(self, encoder: Encoder, options):

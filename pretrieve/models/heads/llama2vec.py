@@ -1,0 +1,105 @@
+"""`llama2vec`, `ebae`, `ebar`: Llama2Vec's retrieval-oriented adaptation of a decoder LLM (Li, Liu, Xiao, Shao,
+Lian; ACL 2024, arXiv 2312.15503, §3), following its released code, LLARA (FlagEmbedding research/LLARA,
+pretrain/modeling.py and data.py). The paper's equations could not be read here; where the code and the paper's
+abstract-level description meet, this file follows the code, and docs/methods.md says so.
+
+The LLM reads a text followed by two prompts (data/llama2vec.py has the layout), each ending in k = 8 special
+tokens whose states are the text's embedding:
+- EBAE (embedding-based auto-encoding): after "summarize the above passage within eight words:", the
+  embedding must predict the text's own words;
+- EBAR (embedding-based auto-regression): after "predict the following passage within eight words:", the
+  words of the text that follows.
+EBAR's prompt does not attend to EBAE's and takes its positions (LLARA's mask and position ids), so both read
+the text alone, as if each were the only prompt.
+
+Each task's loss: the LM head's logits at its k special states, max-pooled over the k positions, then
+log-softmax over the vocabulary; minus the mean log-probability of the distinct words of its target (stop
+words and punctuation left out), averaged over the texts that have any, times `bow_scale` (LLARA divides by
+10). `llama2vec` averages the two tasks' losses. The text's own next-token loss is added (`lm_weight`, 1 as in
+LLARA), which keeps the LLM a language model while its prompts learn to summarise.
+
+The retrieval embedding is the mean of the k special states of one prompt, normalised (LLARA's usage: passages
+with the summarise prompt, queries with the predict one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pretrieve.data.llama2vec import PAD, PREDICT, SUMMARY, TASKS, Llama2VecCollator
+from pretrieve.models.flops import vocab_flops
+from pretrieve.models.heads.base import PretrainingHead
+from pretrieve.models.heads.registry import MethodOptions, option, register_method
+
+
+@dataclass
+class Llama2VecOptions(MethodOptions):
+    max_len: int = option(128, at_least=64, why="the text and both prompts, about 40 tokens")  # LLARA's cutoff_len
+    tasks: str = option("both", choices=TASKS)
+    prompt_tokens: int = option(8, at_least=1, at_most=8, why="the llm tokenizer reserves 2 x 8")
+    summary_prompt: str = '", summarize the above passage within eight words: '  # LLARA's, after the text
+    predict_prompt: str = '", predict the following passage within eight words: '
+    bow_scale: float = option(0.1, above=0)  # LLARA: each bag-of-words loss / 10
+    lm_weight: float = option(1.0, at_least=0)  # LLARA: + the text's next-token loss
+
+
+@dataclass
+class EBAEOptions(Llama2VecOptions):
+    tasks: str = option("ebae", choices=("ebae",))
+
+
+@dataclass
+class EBAROptions(Llama2VecOptions):
+    tasks: str = option("ebar", choices=("ebar",))
+
+
+class Llama2VecHead(PretrainingHead):
+    """L = lm_weight L_lm + mean over tasks of L_task (module docstring); a decoder LLM, causal."""
+
+    decoder_llms = "causal"  # LLARA's mask is causal but where it hides EBAE's prompt from EBAR's
+
+    def forward(self, batch):
+        hidden = self.encoder.backbone.masked_forward(self.encoder.model, batch["input_ids"],
+                                                      prompt_mask(batch["segments"]), batch["position_ids"])
+        lm = self.encoder.token_loss(hidden[:, :-1], batch["mlm_labels"][:, 1:])  # token i from the state at i-1
+        out = {"lm": lm.detach()}
+        tasks = [task for task in ("ebae", "ebar") if f"{task}_slots" in batch]
+        for task in tasks:
+            out[task] = self.bag_of_words_loss(hidden, batch[f"{task}_slots"], batch[f"{task}_targets"])
+        out["loss"] = self.options.lm_weight * lm + sum(out[task] for task in tasks) / len(tasks)
+        for task in tasks:
+            out[task] = out[task].detach()
+        return out
+
+    def bag_of_words_loss(self, hidden: torch.Tensor, slots: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """bow_scale x the mean over texts with targets of -mean_{w in bag} log softmax(max_k logits_k)[w]."""
+        states = hidden.gather(1, slots[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, k, h]
+        logp = self.encoder.mlm_logits(states).float().amax(dim=1).log_softmax(dim=-1)  # [B, V]
+        present = targets >= 0
+        picked = logp.gather(1, targets.clamp(min=0)) * present
+        texts = present.any(dim=1)
+        if not texts.any():
+            return hidden.sum() * 0.0  # pad samples only: zero loss, graph kept
+        per_text = -picked.sum(dim=1)[texts] / present.sum(dim=1)[texts]
+        return self.options.bow_scale * per_text.mean()
+
+
+def prompt_mask(segments: torch.Tensor) -> torch.Tensor:
+    """bool [B, L, L]: causal over real tokens, but EBAR's prompt rows do not see EBAE's prompt; a padding row
+    sees itself only (a row with nothing to attend to would give NaN)."""
+    length = segments.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
+    visible = causal & (segments != PAD)[:, None, :]
+    visible &= ~((segments == PREDICT)[:, :, None] & (segments == SUMMARY)[:, None, :])
+    return visible | torch.eye(length, dtype=torch.bool, device=segments.device)
+
+
+def prompt_flops(options, config, batch) -> int:
+    """The LM head at every prompt's special states (the text's next-token loss is the encoder's MLM head)."""
+    return vocab_flops(config, sum(batch[key].numel() for key in batch if key.endswith("_slots")))
+
+
+for _name, _options in (("llama2vec", Llama2VecOptions), ("ebae", EBAEOptions), ("ebar", EBAROptions)):
+    register_method(_name, Llama2VecHead, Llama2VecCollator, _options, flops=prompt_flops)

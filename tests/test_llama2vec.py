@@ -1,0 +1,183 @@
+"""Llama2Vec's heads (`llama2vec`, `ebae`, `ebar`: models/heads/llama2vec.py) on tiny decoder LLMs with an llm-kind
+tokenizer: the batch (the text, then each prompt ending in its reserved tokens), the losses computed by hand,
+the mask and positions that make each prompt read the text alone, every weight learning on each family, and
+`pretrieve pretrain` of each head."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import SAMPLES, adamw_steps, pretrain_env, prepare_sample
+from pretrieve.data.llama2vec import PREDICT, SUMMARY, TEXT
+from pretrieve.data.masking import Vocabulary
+from pretrieve.data.spans import STOPWORDS
+from pretrieve.data.tokenizer import load_tokenizer
+from pretrieve.data.tokenizer_train import LLM_RESERVED, TokenizerTrainOptions, train_tokenizer
+from pretrieve.models.encoder import ModelOptions
+from pretrieve.models.heads import get_method
+from pretrieve.models.heads.llama2vec import prompt_mask
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
+TEXTS = ["The cat sat on the mat while the dog slept near the door. Later the dog woke and chased the cat "
+         "across the garden, over the wall and into the field beyond the river.",
+         "Rivers carry water from the mountains to the sea.",
+         "Paris is the capital of France and its largest city, on the Seine."]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> tuple[Path, Path]:
+    """An llm-kind tokenizer trained on the Wikipedia sample, and the sample's shards made with it."""
+    out = tmp_path_factory.mktemp("llm")
+    train_tokenizer(TokenizerTrainOptions(source="wikipedia", inputs=[str(SAMPLES / "wikipedia")],
+                                          out=str(out / "tokenizer"), kind="llm", vocab_size=4000, progress=False))
+    prepare_sample(out / "shards", "wikipedia", "wikipedia", tokenizer=str(out / "tokenizer"), shard_size=256)
+    return out / "tokenizer", out / "shards"
+
+
+def _setup(llm, name="llama2vec", backbone="qwen3", max_len=96):
+    tokenizer = load_tokenizer(llm[0])
+    vocab = Vocabulary.of_tokenizer(llm[0])
+    method = get_method(name)
+    options = method.options_from({"max_len": max_len})
+    model = ModelOptions(backbone=backbone, vocab_size=vocab.size, hidden_size=32, num_layers=2, num_heads=2,
+                         intermediate_size=64, pad_token_id=vocab.pad_id, dropout=0.0)
+    samples = [{"ids": np.array(tokenizer(text, add_special_tokens=False)["input_ids"])} for text in TEXTS]
+    return method, options, model, vocab, samples
+
+
+def test_a_row_is_the_text_then_each_prompt_ending_in_its_reserved_tokens(llm):
+    method, options, _, vocab, samples = _setup(llm)
+    batch = method.collator.from_options(options, vocab)([*samples, {**samples[1], "pad": True}])
+    ids, segments, positions = batch["input_ids"], batch["segments"], batch["position_ids"]
+    reserved = [vocab.tokens.index(token) for token in LLM_RESERVED]
+    for b in range(len(ids)):
+        assert ids[b, 0] == vocab.cls_id and segments[b, 0] == TEXT
+        assert ids[b, batch["ebae_slots"][b]].tolist() == reserved[:8]  # the prompts end in their 8 tokens
+        assert ids[b, batch["ebar_slots"][b]].tolist() == reserved[8:]
+        summary, predict = (segments[b] == SUMMARY).nonzero()[:, 0], (segments[b] == PREDICT).nonzero()[:, 0]
+        assert summary.max() < predict.min() and batch["ebar_slots"][b, -1] == predict.max()
+        # EBAR's prompt takes EBAE's positions, right after the text
+        assert positions[b, predict].tolist() == positions[b, summary[:len(predict)]].tolist()
+        assert positions[b, summary[0]] == (segments[b] == TEXT).sum()
+    # the next-token labels are the text's own ids (none on the bos, the quote, the prompts; none on a pad sample)
+    text = batch["mlm_labels"][0] != -100
+    assert torch.equal(batch["mlm_labels"][0, text], ids[0, text]) and (segments[0, text] == TEXT).all()
+    assert (batch["mlm_labels"][3] == -100).all() and (batch["ebae_targets"][3] == -1).all()
+    # the block is cut at a word start: the first half is the text, EBAE's bag its words, EBAR's the rest's
+    first, rest = samples[0]["ids"][:int(text.sum())], samples[0]["ids"][int(text.sum()):]
+    assert torch.equal(ids[0, text], torch.from_numpy(first)) and not vocab.continuation[rest[0]]
+    for bag, words in ((batch["ebae_targets"][0], first), (batch["ebar_targets"][0], rest)):
+        bag = set(bag[bag >= 0].tolist())
+        content = {int(t) for t in words if vocab.tokens[t].lower() not in STOPWORDS
+                   and any(c.isalnum() for c in vocab.tokens[t])}
+        assert bag == content and len(bag) > 5  # each word once, no stop word, no punctuation
+        assert not {vocab.tokens[t].lower() for t in bag} & {"the", "and", "on", "."}
+
+    no_reserved = replace(vocab, tokens=tuple(t.replace("reserved", "kept") for t in vocab.tokens))
+    with pytest.raises(ValueError, match="no 16 reserved tokens .* `pretrieve tokenizer train --kind llm`"):
+        method.collator.from_options(options, no_reserved)
+
+
+def test_the_losses_by_hand(llm):
+    """L = L_lm + (L_ebae + L_ebar) / 2 on a tiny Qwen3, each computed here from states under a mask built
+    entry by entry: L_lm the mean cross-entropy of each text token from the state before it; L_task 0.1 x the
+    mean over texts of -mean_{w in bag} log softmax(max over the 8 special states' logits)[w]."""
+    method, options, model, vocab, samples = _setup(llm)
+    head = method.build(options, model, seed=0).eval()
+    batch = method.collator.from_options(options, vocab)(samples)
+    ids, segments = batch["input_ids"], batch["segments"].tolist()
+    size, width = ids.shape
+    visible = torch.zeros(size, width, width, dtype=torch.bool)
+    for b in range(size):
+        for i in range(width):
+            for j in range(i + 1):
+                visible[b, i, j] = segments[b][j] != -1 and not (segments[b][i] == PREDICT
+                                                                  and segments[b][j] == SUMMARY)
+            visible[b, i, i] = True
+    with torch.no_grad():
+        out = head(batch)
+        hidden = head.encoder.model(input_ids=ids, attention_mask=visible[:, None],
+                                    position_ids=batch["position_ids"]).last_hidden_state
+        logits = F.linear(hidden, head.encoder.word_embeddings.weight, head.encoder.mlm_bias)
+    labels = batch["mlm_labels"]
+    lm = torch.stack([F.cross_entropy(logits[b, i - 1], labels[b, i]) for b, i in (labels != -100).nonzero().tolist()])
+    torch.testing.assert_close(out["lm"], lm.mean(), rtol=1e-5, atol=1e-6)
+    tasks = []
+    for task in ("ebae", "ebar"):
+        per_text = []
+        for b in range(size):
+            pooled = logits[b, batch[f"{task}_slots"][b]].max(dim=0).values.log_softmax(-1)
+            bag = batch[f"{task}_targets"][b]
+            per_text.append(-pooled[bag[bag >= 0]].mean())
+        tasks.append(0.1 * torch.stack(per_text).mean())
+        torch.testing.assert_close(out[task], tasks[-1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["loss"], lm.mean() + (tasks[0] + tasks[1]) / 2, rtol=1e-5, atol=1e-6)
+
+
+def test_each_prompt_reads_the_text_alone(llm):
+    """Under Llama2Vec's mask and positions, the text's states are a plain causal pass over it, EBAE's special
+    states those of the text followed by EBAE's prompt alone (ebae), and EBAR's those of the text followed by
+    EBAR's prompt alone (ebar): neither prompt sees the other."""
+    method, options, model, vocab, samples = _setup(llm)
+    head = method.build(options, model, seed=0).eval()
+
+    def states(name, samples):
+        spec = get_method(name)
+        batch = spec.collator.from_options(spec.options_from({"max_len": 96}), vocab)(samples)
+        with torch.no_grad():
+            hidden = head.encoder.backbone.masked_forward(head.encoder.model, batch["input_ids"],
+                                                          prompt_mask(batch["segments"]), batch["position_ids"])
+        return batch, hidden
+
+    both, hidden = states("llama2vec", samples)
+    halves = [{"ids": both["input_ids"][b, both["mlm_labels"][b] != -100].numpy()} for b in range(len(samples))]
+    ebae, alone = states("ebae", halves)
+    ebar, after = states("ebar", samples)
+    for b in range(len(samples)):
+        torch.testing.assert_close(hidden[b, both["ebae_slots"][b]], alone[b, ebae["ebae_slots"][b]])
+        torch.testing.assert_close(hidden[b, both["ebar_slots"][b]], after[b, ebar["ebar_slots"][b]])
+    text = (both["segments"] == TEXT).long()
+    with torch.no_grad():
+        plain = head.encoder(both["input_ids"] * text, text)
+    torch.testing.assert_close(hidden[text.bool()], plain[text.bool()])
+
+
+@pytest.mark.parametrize("backbone", ["llama", "qwen3", "mistral"])
+def test_every_weight_learns_on_each_family(llm, backbone):
+    method, options, model, vocab, samples = _setup(llm, backbone=backbone)
+    head = method.build(options, replace(model, backbone=backbone), seed=0).train()
+    batch = method.collator.from_options(options, vocab)(samples)
+    losses = adamw_steps(head, batch, steps=4, lr=2e-3)  # every weight gets a gradient on the first step
+    assert losses[-1] < losses[0], losses
+
+
+def test_pretrain_runs_each_head_and_family(llm, tmp_path):
+    """`pretrieve pretrain` of tiny-llama2vec.yaml (one process): llama2vec on each family, ebae and ebar on
+    Qwen3 (ebar with activation checkpointing); each logs its parts, lowers its loss over 8 steps and exports."""
+    tokenizer, shards = llm
+    common = [f"data.tokenizer={tokenizer}", f"data.manifests=[{shards / 'manifest.json'}]",
+              f"model.vocab_size={Vocabulary.of_tokenizer(tokenizer).size}", "train.max_steps=8", "train.log_every=1",
+              "checkpoint.every=8", "tracking.enabled=false", "method.max_len=96"]
+    runs = {f"{name}-{backbone}": [f"run_dir={tmp_path / f'{name}-{backbone}'}", f"method.name={name}",
+                                   f"model.backbone={backbone}", *common, *extra]
+            for name, backbone, extra in (("llama2vec", "llama", []), ("llama2vec", "qwen3", []),
+                                          ("llama2vec", "mistral", []), ("ebae", "qwen3", []),
+                                          ("ebar", "qwen3", ["train.activation_checkpointing=true"]))}
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "train_many.py"),
+                           str(CONFIGS / "tiny-llama2vec.yaml"), json.dumps(list(runs.values()))],
+                          env=pretrain_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for run in runs:
+        records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        tasks = {"ebae", "ebar"} if run.startswith("llama2vec") else {run.split("-")[0]}
+        assert {"lm", *tasks} <= records[0].keys() and not ({"ebae", "ebar"} - tasks) & records[0].keys(), run
+        assert records[-1]["loss"] < records[0]["loss"], (run, [r["loss"] for r in records])
+        config = json.loads((tmp_path / run / "export" / "config.json").read_text())
+        assert config["model_type"] == run.split("-")[1] and not config.get("bidirectional"), run

@@ -181,3 +181,5 @@ def test_pretrain_runs_each_head_and_family(llm, tmp_path):
         assert records[-1]["loss"] < records[0]["loss"], (run, [r["loss"] for r in records])
         config = json.loads((tmp_path / run / "export" / "config.json").read_text())
         assert config["model_type"] == run.split("-")[1] and not config.get("bidirectional"), run
+        head = json.loads((tmp_path / run / "export" / "pretrieve_head.json").read_text())
+        assert head["method"] == run.split("-")[0], run  # each name its own: the export is rebuilt from it

@@ -86,6 +86,14 @@ class Llama2VecHead(PretrainingHead):
         return self.options.bow_scale * per_text.mean()
 
 
+class EBAEHead(Llama2VecHead):
+    """EBAE alone (its own class: an export names its method by the head's class)."""
+
+
+class EBARHead(Llama2VecHead):
+    """EBAR alone."""
+
+
 def prompt_mask(segments: torch.Tensor) -> torch.Tensor:
     """bool [B, L, L]: causal over real tokens, but EBAR's prompt rows do not see EBAE's prompt; a padding row
     sees itself only (a row with nothing to attend to would give NaN)."""
@@ -101,5 +109,6 @@ def prompt_flops(options, config, batch) -> int:
     return vocab_flops(config, sum(batch[key].numel() for key in batch if key.endswith("_slots")))
 
 
-for _name, _options in (("llama2vec", Llama2VecOptions), ("ebae", EBAEOptions), ("ebar", EBAROptions)):
-    register_method(_name, Llama2VecHead, Llama2VecCollator, _options, flops=prompt_flops)
+for _name, _head, _options in (("llama2vec", Llama2VecHead, Llama2VecOptions), ("ebae", EBAEHead, EBAEOptions),
+                               ("ebar", EBARHead, EBAROptions)):
+    register_method(_name, _head, Llama2VecCollator, _options, flops=prompt_flops)

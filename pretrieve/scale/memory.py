@@ -3,10 +3,15 @@
 Memory of one device while training a micro-batch of b sequences of length s (bytes):
 
     states       = P (w / Z3 + g / Z2 + o / Z1)      P trainable parameters (the head built on the meta device);
-                                                     (w, g, o) = (4, 4, 8) in fp32, (2, 2, 12) in bf16 / fp16
+                                                     (w, g, o) = (4, 4, 8) in fp32, (2, 2, 16) in bf16 / fp16
                                                      (fp32 master weights and Adam's moments: ZeRO, Rajbhandari et
-                                                     al. 2020, sec. 3); Zk = world size where ZeRO stage >= k
-                                                     partitions that part, else 1; o = 0 with offload_optimizer
+                                                     al. 2020, sec. 3; and the fp32 copy of its gradient partition
+                                                     DeepSpeed makes for the step, which its own estimator counts);
+                                                     Zk = world size where ZeRO stage >= k partitions that part,
+                                                     else 1; o = 0 with offload_optimizer. At ZeRO 2 this is
+                                                     DeepSpeed's estimate_zero2_model_states_mem_needs; at ZeRO 3
+                                                     DeepSpeed's counts 18 P / N (no 16-bit parameter partition)
+                                                     plus the largest layer gathered, 4 bytes a parameter
     layer(b, s)  = s b h (8e + 2) + n e s b f + (2e + 1) a s^2 b
                                                      activations one transformer layer keeps for backward
                                                      (Korthikanti et al. 2022, eq. 2, for element size e = 2 in
@@ -92,7 +97,7 @@ def estimate(exp, world_size: int, batch: dict) -> dict:
     t, config = exp.train, exp.model.hf_config()
     mixed = t.precision != "fp32"
     element = 2 if mixed else 4
-    w, g, o = (2, 2, 12) if mixed else (4, 4, 8)
+    w, g, o = (2, 2, 16) if mixed else (4, 4, 8)
     split = [world_size if t.zero_stage >= k else 1 for k in (1, 2, 3)]
     states = params * (w / split[2] + g / split[1] + (0 if t.offload_optimizer else o) / split[0])
     b, s = batch["input_ids"].shape

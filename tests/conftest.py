@@ -171,6 +171,19 @@ def vocab():
 
 
 @pytest.fixture(scope="session")
+def llm(tmp_path_factory) -> tuple[Path, Path]:
+    """A decoder LLM's tokenizer (`--kind llm`, 4,000 tokens) trained on the Wikipedia sample, and the sample's
+    shards made with it: (tokenizer directory, shards directory)."""
+    from pretrieve.data.tokenizer_train import TokenizerTrainOptions, train_tokenizer
+
+    out = tmp_path_factory.mktemp("llm")
+    train_tokenizer(TokenizerTrainOptions(source="wikipedia", inputs=[str(SAMPLES / "wikipedia")],
+                                          out=str(out / "tokenizer"), kind="llm", vocab_size=4000, progress=False))
+    prepare_sample(out / "shards", "wikipedia", "wikipedia", tokenizer=str(out / "tokenizer"), shard_size=256)
+    return out / "tokenizer", out / "shards"
+
+
+@pytest.fixture(scope="session")
 def wiki_samples(wiki_shards) -> list[dict]:
     """The first 64 samples of a stream over the bundled Wikipedia shards (real text, up to 510 tokens)."""
     from itertools import islice

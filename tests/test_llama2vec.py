@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SAMPLES, adamw_steps, pretrain_env, prepare_sample
+from conftest import adamw_steps, pretrain_env
 from pretrieve.data.llama2vec import PREDICT, SUMMARY, TEXT
 from pretrieve.data.masking import Vocabulary
 from pretrieve.data.spans import STOPWORDS
 from pretrieve.data.tokenizer import load_tokenizer
-from pretrieve.data.tokenizer_train import LLM_RESERVED, TokenizerTrainOptions, train_tokenizer
+from pretrieve.data.tokenizer_train import LLM_RESERVED
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.models.heads import get_method
 from pretrieve.models.heads.llama2vec import prompt_mask
@@ -29,16 +29,6 @@ TEXTS = ["The cat sat on the mat while the dog slept near the door. Later the do
          "across the garden, over the wall and into the field beyond the river.",
          "Rivers carry water from the mountains to the sea.",
          "Paris is the capital of France and its largest city, on the Seine."]
-
-
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> tuple[Path, Path]:
-    """An llm-kind tokenizer trained on the Wikipedia sample, and the sample's shards made with it."""
-    out = tmp_path_factory.mktemp("llm")
-    train_tokenizer(TokenizerTrainOptions(source="wikipedia", inputs=[str(SAMPLES / "wikipedia")],
-                                          out=str(out / "tokenizer"), kind="llm", vocab_size=4000, progress=False))
-    prepare_sample(out / "shards", "wikipedia", "wikipedia", tokenizer=str(out / "tokenizer"), shard_size=256)
-    return out / "tokenizer", out / "shards"
 
 
 def _setup(llm, name="llama2vec", backbone="qwen3", max_len=96):
@@ -181,5 +171,7 @@ def test_pretrain_runs_each_head_and_family(llm, tmp_path):
         assert records[-1]["loss"] < records[0]["loss"], (run, [r["loss"] for r in records])
         config = json.loads((tmp_path / run / "export" / "config.json").read_text())
         assert config["model_type"] == run.split("-")[1] and not config.get("bidirectional"), run
+        pooling = json.loads((tmp_path / run / "export" / "1_Pooling" / "config.json").read_text())
+        assert pooling["pooling_mode_lasttoken"], run  # not [CLS]: a causal model's first token sees nothing
         head = json.loads((tmp_path / run / "export" / "pretrieve_head.json").read_text())
         assert head["method"] == run.split("-")[0], run  # each name its own: the export is rebuilt from it

@@ -40,16 +40,15 @@ def run_encode(args) -> int:
     """
     from pretrieve.data.retrieval import stream_corpus
     from pretrieve.engine.devices import worker_device
-    from pretrieve.eval.encode import DenseEncoder, EncodeOptions
+    from pretrieve.eval.encode import DenseEncoder
     from pretrieve.eval.model_config import resolve_encoding
     from pretrieve.eval.vectors import encode_corpus_shards
 
     encoding = resolve_encoding(args.model, args.pooling, args.normalize, args.max_length)
     if encoding.pooling not in DENSE_POOLINGS:
         raise ValueError(f"{args.model}: pooling {encoding.pooling} ({encoding.source}) is not a dense pooling; "
-                         "`pretrieve encode` writes cls or mean vectors (give --pooling)")
-    encoder = DenseEncoder(args.model, EncodeOptions(encoding.pooling, encoding.max_length, args.batch_size,
-                                                     encoding.normalize), device=worker_device(args.worker))
+                         "`pretrieve encode` writes cls, mean or last vectors (give --pooling)")
+    encoder = DenseEncoder(args.model, encoding.encode_options(args.batch_size), device=worker_device(args.worker))
     shards, documents = encode_corpus_shards(encoder, stream_corpus(args.beir, args.msmarco), args.out,
                                              args.shard_size, args.worker, args.workers, args.dtype)
     print(json.dumps({"out": args.out, "documents": documents, "shards": [s.name for s in shards]}))
@@ -75,6 +74,10 @@ def add_eval(commands) -> None:
               "(default: exact up to 100,000 documents, 1,000 candidates beyond)")
     normalize_option(p, "L2-normalize vectors (cosine similarity)")
     max_length_option(p)
+    for name in ("query", "passage"):
+        flag(f"--{name}-prompt", metavar="TEXT",
+             help=f"put TEXT before each {name} (an instruction, E5-Mistral / Qwen3-Embedding style); default: the "
+                  f"model's sentence-transformers prompt '{name}', else none")
     flag("--batch-size", type=at_least(1))
     index_options(p, EvalOptions)
     flag("--depth", type=at_least(1), help="documents retrieved per query")

@@ -69,7 +69,8 @@ class DenseEncoder:
     def settings(self) -> dict:
         """What determines a document's vector."""
         return {"model": self.model_dir, "pooling": self.options.pooling, "max_length": self.options.max_length,
-                "normalize": self.options.normalize}
+                "normalize": self.options.normalize,
+                **({"passage_prompt": self.options.passage_prompt} if self.options.passage_prompt else {})}
 
     @property
     def dim(self) -> int:
@@ -89,6 +90,10 @@ class DenseEncoder:
         """(rows of `texts`, their float32 vectors) batch by batch, `texts` read one window at a time."""
         pool = POOLINGS[self.options.pooling]
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        prompt = self.options.query_prompt if queries else self.options.passage_prompt
+        if prompt:  # as sentence-transformers' encode(..., prompt_name=...) puts it
+            total = len(texts) if total is None and hasattr(texts, "__len__") else total  # type: ignore[arg-type]
+            texts = (prompt + text for text in texts)
         for rows, batch in length_sorted_batches(self.tokenizer, texts, self.options, self.device, desc, progress,
                                                  total):
             with autocast:

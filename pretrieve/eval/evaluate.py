@@ -56,8 +56,10 @@ def run_eval(opts: EvalOptions) -> dict:
                          "share no scale with a softmax over inner products, so the BM25 baseline has none)")
     encoding = None
     if opts.model is not None:
-        encoding = resolve_encoding(opts.model, opts.pooling, opts.normalize, opts.max_length)
-        opts = replace(opts, pooling=encoding.pooling, normalize=encoding.normalize, max_length=encoding.max_length)
+        encoding = resolve_encoding(opts.model, opts.pooling, opts.normalize, opts.max_length,
+                                    query_prompt=opts.query_prompt, passage_prompt=opts.passage_prompt)
+        opts = replace(opts, pooling=encoding.pooling, normalize=encoding.normalize, max_length=encoding.max_length,
+                       query_prompt=encoding.query_prompt, passage_prompt=encoding.passage_prompt)
     if opts.contrastive_entropy is not None:  # the settings now; K against the corpus once its size is known
         check_options(opts.contrastive_entropy, opts.ce_temperature)
     out = Path(opts.out)
@@ -88,8 +90,7 @@ def read_set_once(opts: EvalOptions, bm25_index: IndexWriter | None = None):
     vocab = opts.model is not None and opts.pooling in VOCAB_POOLINGS
     encoder = None
     if opts.model is not None and not vocab and not opts.embeddings:
-        encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size,
-                                                         opts.normalize))
+        encoder = DenseEncoder(opts.model, dense_options(opts))
     if vocab or (encoder is None and bm25_index is None):
         data = load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing, texts=vocab)
         if bm25_index is not None:
@@ -106,6 +107,11 @@ def read_set_once(opts: EvalOptions, bm25_index: IndexWriter | None = None):
         docs = encode_corpus(encoder, documents, progress=opts.progress)
         ids, vectors = docs.ids, (encoder, docs)
     return load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing, doc_ids=ids), vectors
+
+
+def dense_options(opts: EvalOptions) -> EncodeOptions:
+    return EncodeOptions(opts.pooling, opts.max_length, opts.batch_size, opts.normalize,
+                         query_prompt=opts.query_prompt or "", passage_prompt=opts.passage_prompt or "")
 
 
 def _indexing(documents, index: IndexWriter):
@@ -146,8 +152,7 @@ def _dense(opts: EvalOptions, doc_ids: list[str], query_ids: list[str], query_te
     if vectors is not None:
         encoder, docs = vectors
     else:
-        encoder = DenseEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size,
-                                                         opts.normalize))
+        encoder = DenseEncoder(opts.model, dense_options(opts))
         docs = open_corpus_vectors(opts.embeddings, encoder.settings(), doc_ids)
     queries = encoder.encode(query_texts, desc="encode queries", progress=opts.progress, queries=True)
     index = IndexOptions(opts.index, opts.nprobe, opts.ef_search)

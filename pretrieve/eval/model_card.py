@@ -149,13 +149,16 @@ def _usage(model_dir: Path, files: Path, st) -> list[str]:
                 "```"]
     from pretrieve.eval.encode import has_query_experts
 
+    encode = (['queries = model.encode(["a query"], prompt_name="query")',
+               'passages = model.encode(["a passage"], prompt_name="passage")'] if st.prompts
+              else ['vectors = model.encode(["a query", "a passage"])'])
+    prompts = "".join(f" The {name} prompt, put before each {name}: `{text!r}`." for name, text in st.prompts.items())
     lines = ["```python", "from sentence_transformers import SentenceTransformer", "",
-             f'model = SentenceTransformer("{model_dir}")',
-             'vectors = model.encode(["a query", "a passage"])', "```", "",
+             f'model = SentenceTransformer("{model_dir}")', *encode, "```", "",
              f"sentence-transformers reads {st.pooling} pooling{', a Dense layer' if st.dense else ''}"
              f"{', normalisation' if st.normalize else ''} and at most {st.max_length} tokens from this directory "
              f"(`modules.json`); `pretrieve eval --model {model_dir} ...` "
-             f"{'scores with eq. (12) (pretrieve_finetune.json)' if st.dense else 'reads the same'}."]
+             f"{'scores with eq. (12) (pretrieve_finetune.json)' if st.dense else 'reads the same'}.{prompts}"]
     if has_query_experts(files):
         lines.append("Queries and passages go through different experts in pretrieve (CoT-MoTE); "
                      "sentence-transformers encodes every text with the passage experts.")

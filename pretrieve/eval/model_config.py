@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,12 +40,23 @@ class Encoding:
     normalize: bool
     max_length: int
     source: str  # "sentence-transformers config DIR/modules.json", "DIR/pretrieve_finetune.json" or NO_CONFIG
-    flags: tuple[str, ...] = ()  # the settings given explicitly (pooling, normalize, max_length)
+    flags: tuple[str, ...] = ()  # the settings given explicitly (pooling, normalize, max_length, prompts)
+    query_prompt: str = ""  # put before each query (an instruction: E5-Mistral, Qwen3-Embedding)
+    passage_prompt: str = ""  # put before each passage
+
+    def encode_options(self, batch_size: int, max_length: int | None = None):
+        """The encoder's options for these settings (`max_length`: another than the passages', for queries)."""
+        from pretrieve.eval.options import EncodeOptions
+
+        return EncodeOptions(self.pooling, max_length or self.max_length, batch_size, self.normalize,
+                             query_prompt=self.query_prompt, passage_prompt=self.passage_prompt)
 
     def describe(self) -> str:
         norm = "" if self.pooling not in DENSE_POOLINGS else f", {'normalized' if self.normalize else 'not normalized'}"
+        prompts = "".join(f", {name} prompt {text!r}" for name, text in (("query", self.query_prompt),
+                                                                         ("passage", self.passage_prompt)) if text)
         given = f"; given: {', '.join(self.flags)}" if self.flags else ""
-        return f"pooling {self.pooling}{norm}, max length {self.max_length} ({self.source}{given})"
+        return f"pooling {self.pooling}{norm}, max length {self.max_length}{prompts} ({self.source}{given})"
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,7 @@ class DeclaredEncoding:
     max_length: int | None
     source: str
     problems: tuple[str, ...] = ()
+    prompts: dict = field(default_factory=dict)  # the sentence-transformers config's: query, passage
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
@@ -113,7 +125,7 @@ def declared_encoding(model_dir: str | Path) -> DeclaredEncoding:
     if st is not None:
         problems = (*st.unsupported, *(["a Dense module"] if st.dense else []))
         return DeclaredEncoding(st.pooling, st.normalize, st.max_length, f"sentence-transformers config {st.path}",
-                                problems)
+                                problems, st.prompts)
     if tuned:
         return DeclaredEncoding(tuned.get("pooling", "cls"), bool(tuned.get("normalize", False)), tuned_length,
                                 str(model_dir / FINETUNE_META))
@@ -121,8 +133,10 @@ def declared_encoding(model_dir: str | Path) -> DeclaredEncoding:
 
 
 def resolve_encoding(model_dir: str | Path, pooling: str | None = None, normalize: bool | None = None,
-                     max_length: int | None = None, default_max_length: int = 256, announce: bool = True) -> Encoding:
-    """The flags given (not None), else what the model says, else cls / not normalised / `default_max_length`.
+                     max_length: int | None = None, default_max_length: int = 256, announce: bool = True,
+                     query_prompt: str | None = None, passage_prompt: str | None = None) -> Encoding:
+    """The flags given (not None), else what the model says, else cls / not normalised / `default_max_length` /
+    no prompts (the sentence-transformers config's `prompts`: query, passage).
     Printed to stderr once (rank 0) when `announce`; a dense pooling or a normalisation that contradicts the
     model's config is a warning. A config pretrieve cannot follow (a Dense layer, max pooling, ...) is an
     error unless --pooling is given."""
@@ -136,12 +150,15 @@ def resolve_encoding(model_dir: str | Path, pooling: str | None = None, normaliz
         raise ValueError(f"{declared.source}: pretrieve's encoders do not apply {', '.join(declared.problems)}, so "
                          "their vectors would not be this model's; give a pooling (--pooling, and --normalize or "
                          "--no-normalize) to encode with pretrieve's pooling anyway")
-    given = tuple(name for name, value in (("pooling", pooling), ("normalize", normalize),
-                                           ("max_length", max_length)) if value is not None)
+    given = tuple(name for name, value in (("pooling", pooling), ("normalize", normalize), ("max_length", max_length),
+                                           ("query_prompt", query_prompt), ("passage_prompt", passage_prompt))
+                  if value is not None)
     length = max_length or declared.max_length or default_max_length
     cut = limit is not None and length > limit  # the model's config or the default asks for more than it has
+    prompts = {"query_prompt": declared.prompts.get("query", "") if query_prompt is None else query_prompt,
+               "passage_prompt": declared.prompts.get("passage", "") if passage_prompt is None else passage_prompt}
     encoding = Encoding(pooling or declared.pooling, declared.normalize if normalize is None else normalize,
-                        min(length, limit) if cut else length, declared.source, given)
+                        min(length, limit) if cut else length, declared.source, given, **prompts)
     if not announce or os.environ.get("RANK", "0") != "0":
         return encoding
     print(f"pretrieve: {model_dir}: {encoding.describe()}", file=sys.stderr)

@@ -19,6 +19,8 @@ class EvalOptions:
     pooling: str | None = None  # None: what the model says (eval.model_config), else cls
     max_length: int | None = None  # None: what the model says, else 256
     normalize: bool | None = None  # None: what the model says, else off
+    query_prompt: str | None = None  # None: what the model says (its sentence-transformers prompts), else none
+    passage_prompt: str | None = None
     batch_size: int = 64
     index: str = "flat"
     nprobe: int = 32  # ivf / ivfpq: lists searched
@@ -43,6 +45,8 @@ class EncodeOptions:
     batch_size: int = 64
     normalize: bool = False
     window: int | None = None  # texts tokenized and length-sorted together; None: WINDOW_BATCHES batches
+    query_prompt: str = ""  # put before each query (eval.model_config: the model's, or --query-prompt)
+    passage_prompt: str = ""  # put before each passage
 
     def window_size(self) -> int:
         return self.window or self.batch_size * WINDOW_BATCHES

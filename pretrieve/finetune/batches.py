@@ -23,7 +23,8 @@ from pretrieve.finetune.examples import Example
 
 class GroupLoader:
     def __init__(self, examples: list[Example], tokenizer, batch_size: int, negatives: int, query_max_len: int,
-                 passage_max_len: int, seed: int, rank: int = 0, world: int = 1, teacher_scores: bool = False):
+                 passage_max_len: int, seed: int, rank: int = 0, world: int = 1, teacher_scores: bool = False,
+                 prompts: tuple[str, str] = ("", "")):
         if negatives > 0:
             for example in examples:
                 if not example.neg:
@@ -41,6 +42,7 @@ class GroupLoader:
         self.batch_size, self.negatives, self.seed, self.rank, self.world = batch_size, negatives, seed, rank, world
         self.query_max_len, self.passage_max_len, self.teacher_scores = query_max_len, passage_max_len, teacher_scores
         self.epoch, self.taken = 0, 0
+        self.query_prompt, self.passage_prompt = prompts  # put before each query / passage (finetune options)
 
     def state_dict(self) -> dict:
         """The epoch and the examples of it every rank together has taken: valid at any world size."""
@@ -74,11 +76,11 @@ class GroupLoader:
             negs = rng.sample(range(len(example.neg)), self.negatives)
         else:  # fewer than asked for: repeat some (every query keeps the same group size)
             negs = [rng.randrange(len(example.neg)) for _ in range(self.negatives)]
-        passages = [example.pos[pos], *(example.neg[i] for i in negs)]
+        passages = [self.passage_prompt + p for p in (example.pos[pos], *(example.neg[i] for i in negs))]
         scores = None
         if self.teacher_scores:
             scores = [example.pos_scores[pos], *(example.neg_scores[i] for i in negs)]
-        return example.query, passages, scores
+        return self.query_prompt + example.query, passages, scores
 
     def collate(self, rows: list[int]) -> dict[str, torch.Tensor]:
         groups = [self.group(row) for row in rows]

@@ -83,7 +83,7 @@ def mine(opts: MineOptions) -> dict:
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)  # now, not after hours of encoding
     encoding = resolve_encoding(opts.model, opts.pooling, opts.normalize, opts.max_length, PASSAGE_MAX_LENGTH)
     if opts.embeddings and encoding.pooling in VOCAB_POOLINGS:
-        raise ValueError(f"--embeddings: vectors of a cls or mean encoder; pooling {encoding.pooling} "
+        raise ValueError(f"--embeddings: vectors of a cls, mean or last encoder; pooling {encoding.pooling} "
                          f"({encoding.source}) searches by its vocabulary vectors, which mining computes itself")
     source = _mining_data(opts)
     settings = {**asdict(opts), "pooling": encoding.pooling, "normalize": encoding.normalize,
@@ -140,18 +140,17 @@ Ranking = Callable[[int], list[str]]  # query number -> its top documents' ids, 
 def _dense_ranking(opts: MineOptions, encoding, source: MiningData, lo: int, hi: int, k: int) -> Ranking:
     """The rankings of queries lo..hi-1 by the encoder's vectors (held as rows: 500k queries x 215 ranks are
     860 MB of int64, where as strings in dicts they would be gigabytes)."""
-    from pretrieve.eval.encode import DenseEncoder, EncodeOptions
+    from pretrieve.eval.encode import DenseEncoder
     from pretrieve.eval.search import IndexOptions, top_k
     from pretrieve.eval.vectors import check_same_documents, encode_corpus, open_corpus_vectors
 
-    encoder = DenseEncoder(opts.model, EncodeOptions(encoding.pooling, encoding.max_length, opts.batch_size,
-                                                     encoding.normalize))
+    encoder = DenseEncoder(opts.model, encoding.encode_options(opts.batch_size))
     if opts.embeddings:
         docs = open_corpus_vectors(opts.embeddings, encoder.settings(), source.doc_ids)
     else:
         docs = encode_corpus(encoder, source.documents(), progress=opts.progress, total=len(source.doc_ids))
         check_same_documents(opts.beir or opts.msmarco or "the training data", docs.ids, source.doc_ids)
-    encoder.options = EncodeOptions(encoding.pooling, opts.query_max_length, opts.batch_size, encoding.normalize)
+    encoder.options = encoding.encode_options(opts.batch_size, opts.query_max_length)
     queries = encoder.encode(source.queries, desc="encode queries", progress=opts.progress, queries=True)
     _, rows = top_k(docs, queries[lo:hi], k, IndexOptions(opts.index, opts.nprobe, opts.ef_search))
     return lambda i: [source.doc_ids[r] for r in rows[i - lo].tolist() if r >= 0]

@@ -56,7 +56,11 @@ class FinetuneOptions:
     cross_device: bool = True  # ... gathered from every rank
     temperature: float = 1.0
     normalize: bool | None = None  # cosine similarity instead of inner product (None: as init_from says, else off)
-    pooling: str | None = None  # cls | mean | dupmae (eq. 12; init_from: a DupMAE model); None: as init_from says
+    pooling: str | None = None  # cls | mean | last | dupmae (eq. 12; init_from: a DupMAE model); None: init_from's
+    # put before each query / passage (an instruction: E5-Mistral, Qwen3-Embedding); None: init_from's
+    # sentence-transformers prompts, else none. The export carries them (sentence-transformers' prompts)
+    query_prompt: str | None = None
+    passage_prompt: str | None = None
     cls_dim: int | None = None  # dupmae: d' of eq. 10 (default 384, or the hidden size if smaller)
     ot_topk: int | None = None  # dupmae: k of eq. 11, entries a document keeps (default 384, or init_from's)
     margin: float = 1.0  # triplet loss margin
@@ -155,11 +159,14 @@ def _with_model_encoding(options: FinetuneOptions, config: DictConfig) -> tuple[
 
     if options.model == "dual":
         encoding = resolve_encoding(options.init_from, options.pooling, options.normalize, options.passage_max_len,
-                                    PASSAGE_MAX_LENGTH)
-        filled = {"pooling": encoding.pooling, "normalize": encoding.normalize, "passage_max_len": encoding.max_length}
+                                    PASSAGE_MAX_LENGTH, query_prompt=options.query_prompt,
+                                    passage_prompt=options.passage_prompt)
+        filled = {"pooling": encoding.pooling, "normalize": encoding.normalize, "passage_max_len": encoding.max_length,
+                  "query_prompt": encoding.query_prompt, "passage_prompt": encoding.passage_prompt}
     else:
         filled = {"pooling": options.pooling or "cls", "normalize": bool(options.normalize),
-                  "passage_max_len": options.passage_max_len or PASSAGE_MAX_LENGTH}
+                  "passage_max_len": options.passage_max_len or PASSAGE_MAX_LENGTH,
+                  "query_prompt": options.query_prompt or "", "passage_prompt": options.passage_prompt or ""}
     config = config.copy()
     for key, value in filled.items():
         OmegaConf.update(config, f"finetune.{key}", value)
@@ -206,7 +213,8 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
     loader_class = GroupLoader if o.model == "dual" else PairLoader
     loader = loader_class(load_examples(o), tokenizer, exp.train.micro_batch_size, o.negatives, o.query_max_len,
                           o.passage_max_len, exp.seed, rank, int(os.environ.get("WORLD_SIZE", 1)),
-                          teacher_scores=o.model == "dual" and o.loss == "distill")
+                          teacher_scores=o.model == "dual" and o.loss == "distill",
+                          prompts=(o.query_prompt or "", o.passage_prompt or ""))
 
     def count(batch: dict) -> tuple[int, int, int]:  # (queries, non-padding tokens, positions)
         masks = [v for k, v in batch.items() if k.endswith("attention_mask")]
@@ -317,7 +325,8 @@ def export_finetuned(run_dir: str | Path, out: str | Path) -> Path:
         save_file(extra, str(tmp / HEAD_WEIGHTS))
         dupmae = options.pooling == "dupmae"  # sentence-transformers gets eq. 12's dense part: [CLS] through W^cls
         write_st_config(tmp, "cls" if dupmae else options.pooling, options.normalize, options.passage_max_len,
-                        dense_weight=module.joint.cls_proj.weight if dupmae else None)
+                        dense_weight=module.joint.cls_proj.weight if dupmae else None,
+                        prompts={"query": options.query_prompt or "", "passage": options.passage_prompt or ""})
     AutoTokenizer.from_pretrained(str(run_dir / TOKENIZER)).save_pretrained(str(tmp))
     (tmp / FINETUNE_META).write_text(json.dumps({**meta, "checkpoint": tag, "options": asdict(options)}, indent=1)
                                      + "\n")

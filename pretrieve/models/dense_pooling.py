@@ -1,5 +1,5 @@
 """`cls`, `mean` and `last`: one vector per text pooled from the encoder's token states (models/poolings.py names
-the ones evaluation and fine-tuning offer: cls and mean)."""
+them for the command line)."""
 
 from __future__ import annotations
 
@@ -23,5 +23,5 @@ def last_token_pooling(hidden: torch.Tensor, attention_mask: torch.Tensor) -> to
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
 
 
-POOLINGS = {"cls": cls_pooling, "mean": mean_pooling}  # what evaluation and fine-tuning offer (models/poolings.py)
-CONTRASTIVE_POOLINGS = {**POOLINGS, "last": last_token_pooling}  # the contrastive method's, decoder LLMs' included
+# what evaluation, fine-tuning and the contrastive method offer (models/poolings.py); last: decoder LLMs
+POOLINGS = {"cls": cls_pooling, "mean": mean_pooling, "last": last_token_pooling}

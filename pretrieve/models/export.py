@@ -3,9 +3,9 @@
 An export holds what `transformers.AutoModel.from_pretrained(OUT)` needs (config.json, model.safetensors
 with the base model, the tokenizer files) plus, beside it, the head's extra weights (`pretrieve_head.safetensors`:
 MLM head, decoder, projections) and `pretrieve_head.json` (method name and options). It is also a
-sentence-transformers model (models.st_config): [CLS] pooling, not normalised, texts cut at the pre-training
-length, the representation every method here pre-trains (DupMAE's joint representation: its dense part; the
-contrastive method's own pooling and normalisation). It is
+sentence-transformers model (models.st_config): [CLS] pooling (the last token's on a decoder LLM), not
+normalised, texts cut at the pre-training length, the representation every method here pre-trains (DupMAE's
+joint representation: its dense part; the contrastive method's own pooling and normalisation). It is
 written to a temporary directory and renamed, so an export is complete or absent.
 """
 
@@ -53,8 +53,10 @@ def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAU
             "pretrieve_version": __version__}
     (tmp / HEAD_CONFIG).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     config = head.encoder.config
-    # a head that trains its representation says how it pools (contrastive); the others are read at [CLS]
-    write_st_config(tmp, getattr(head.options, "pooling", "cls"), getattr(head.options, "normalize", False),
+    # a head that trains its representation says how it pools (contrastive); the others are read at [CLS], or
+    # at the last token on a decoder LLM (its first token sees nothing of the text)
+    default = "last" if head.encoder.backbone.causal else "cls"
+    write_st_config(tmp, getattr(head.options, "pooling", default), getattr(head.options, "normalize", False),
                     getattr(head.options, "max_len", min(512, config.max_position_embeddings)))
     if before_rename is not None:
         before_rename(tmp)

@@ -1,11 +1,12 @@
 """The names of the representations pretrieve scores texts with, written once and light (no torch): the command
 line offers them as choices before anything heavy is imported.
 
-Implemented by: `cls` / `mean` in models/representation.py (POOLINGS), `dupmae` (DupMAE's eq. 12) by its
+Implemented by: `cls` / `mean` / `last` in models/representation.py (POOLINGS), `dupmae` (DupMAE's eq. 12) by its
 JointRepresentation, `sparse` / `hybrid` (and `dupmae` at evaluation) by eval/encode.py's VocabEncoder.
 """
 
-DENSE_POOLINGS = ("cls", "mean")  # one vector pooled from the token states; those a model's config can name
+DENSE_POOLINGS = ("cls", "mean", "last")  # one vector pooled from the token states (last: decoder LLMs' last
+# real token); those a model's config can name
 VOCAB_POOLINGS = ("dupmae", "sparse", "hybrid")  # through the MLM head's vocabulary: pretrieve's own
 DUAL_POOLINGS = (*DENSE_POOLINGS, "dupmae")  # those the fine-tuned dual encoder trains and mining searches with
 EVAL_POOLINGS = (*DENSE_POOLINGS, *VOCAB_POOLINGS)  # those `pretrieve eval` scores with

@@ -5,14 +5,14 @@ sentence-transformers loads a directory through `modules.json`: a Transformer (t
 linear map) and a Normalize. `write_st_config` writes the classic layout of all-MiniLM-L6-v2, which every
 sentence-transformers release since 2.0 reads, plus `config_sentence_transformers.json`'s similarity function
 (read since 3.0). `read_st_config` reads that layout and the one releases >= 5 write (`pooling_mode`, the
-maximum length in the tokenizer's config). pretrieve itself applies Transformer + Pooling (cls or mean) +
+maximum length in the tokenizer's config). pretrieve itself applies Transformer + Pooling (cls, mean or last) +
 Normalize; the Dense it writes for a DupMAE fine-tuned model is W^cls, the dense half of eq. (12).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ class STConfig:
     max_length: int | None  # tokens, special tokens included; None when no file says
     dense: bool  # a Dense module follows the pooling
     unsupported: tuple[str, ...]  # what pretrieve's encoders do not apply: modules, pooling modes
+    prompts: dict = field(default_factory=dict)  # name -> the text put before a text (query, passage)
 
 
 def read_st_config(model_dir: str | Path) -> STConfig | None:
@@ -67,10 +68,23 @@ def read_st_config(model_dir: str | Path) -> STConfig | None:
         else:
             unsupported.append(kind)
     if pooling is None:
-        raise ValueError(f"{modules_file}: no Pooling module (pretrieve pools token states with cls or mean)")
-    if pooling not in ("cls", "mean"):
+        raise ValueError(f"{modules_file}: no Pooling module (pretrieve pools token states with cls, mean or last)")
+    pooling = {"lasttoken": "last"}.get(pooling, pooling)
+    if pooling not in ("cls", "mean", "last"):
         unsupported.append(f"pooling {pooling}")
-    return STConfig(modules_file, pooling, normalize, max_length, dense, tuple(unsupported))
+    return STConfig(modules_file, pooling, normalize, max_length, dense, tuple(unsupported), _prompts(model_dir))
+
+
+def _prompts(model_dir: Path) -> dict:
+    """config_sentence_transformers.json's prompts (`encode(..., prompt_name=NAME)` puts prompts[NAME] first)."""
+    file = model_dir / ST_MODEL_CONFIG
+    try:
+        prompts = json.loads(file.read_text(encoding="utf-8")).get("prompts") if file.is_file() else None
+    except ValueError as e:
+        raise ValueError(f"{file}: unreadable ({e})") from e
+    if prompts is not None and not (isinstance(prompts, dict) and all(isinstance(v, str) for v in prompts.values())):
+        raise ValueError(f"{file}: prompts must map names to texts, got {prompts!r}")
+    return dict(prompts or {})
 
 
 def _pooling_mode(config_file: Path) -> str:
@@ -103,11 +117,12 @@ def _max_length(transformer_dir: Path) -> int | None:
 
 
 def write_st_config(model_dir: str | Path, pooling: str, normalize: bool, max_length: int,
-                    dense_weight: torch.Tensor | None = None) -> None:
+                    dense_weight: torch.Tensor | None = None, prompts: dict[str, str] | None = None) -> None:
     """Make the HF model directory `model_dir` (config.json + weights + tokenizer) a sentence-transformers model
     that pools with `pooling` (cls | mean | last), then maps with `dense_weight` ([out, hidden], no bias) when
     given, then L2-normalises when `normalize`; texts are cut to `max_length` tokens. The similarity function is
-    cosine for normalised vectors, else the dot product pretrieve searches with."""
+    cosine for normalised vectors, else the dot product pretrieve searches with. `prompts` (query, passage): the
+    texts put before each text, as `encode(..., prompt_name="query")` does and `pretrieve eval` reads them."""
     import transformers
     from safetensors.torch import save_file
 
@@ -139,7 +154,8 @@ def write_st_config(model_dir: str | Path, pooling: str, normalize: bool, max_le
     _write_json(model_dir / ST_MODEL_CONFIG, {
         "__version__": {"sentence_transformers": ST_FORMAT_VERSION, "transformers": transformers.__version__,
                         "pytorch": torch.__version__},
-        "model_type": "SentenceTransformer", "prompts": {}, "default_prompt_name": None,
+        "model_type": "SentenceTransformer", "prompts": {k: v for k, v in (prompts or {}).items() if v},
+        "default_prompt_name": None,
         "similarity_fn_name": "cosine" if normalize else "dot"})
 
 

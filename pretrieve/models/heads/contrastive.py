@@ -24,7 +24,7 @@ from torch import nn
 
 from pretrieve.data.collators import ContrastiveCollator
 from pretrieve.models.backbones import backbone_of
-from pretrieve.models.dense_pooling import CONTRASTIVE_POOLINGS
+from pretrieve.models.dense_pooling import POOLINGS
 from pretrieve.models.flops import layer_flops
 from pretrieve.models.grad_cache import encode_in_chunks, grad_cache_of
 from pretrieve.models.heads.base import PretrainingHead
@@ -129,7 +129,7 @@ class ContrastiveHead(PretrainingHead):
         super().__init__(encoder, options)
         encoder.mlm_transform.requires_grad_(False)
         encoder.mlm_bias.requires_grad_(False)
-        self.pool = CONTRASTIVE_POOLINGS[options.pooling]
+        self.pool = POOLINGS[options.pooling]
         # log(1 / tau), CLIP's logit scale; one element, not a scalar (DeepSpeed broadcasts weights as bytes)
         self.log_scale = nn.Parameter(torch.full((1,), math.log(1 / options.temperature)),
                                       requires_grad=options.learn_temperature)

@@ -1,0 +1,88 @@
+"""A decoder LLM as a retriever downstream of pre-training: fine-tuned with last-token pooling and instruction
+prompts (E5-Mistral / Qwen3-Embedding style), exported as a sentence-transformers model that carries both, and
+evaluated by `pretrieve eval`, which reads them from the model."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import SAMPLES, pretrain_env
+from pretrieve.cli import main
+from pretrieve.data.masking import Vocabulary
+from pretrieve.models.encoder import ModelOptions
+from pretrieve.models.export import export
+from pretrieve.models.heads import get_method
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+SCIFACT = SAMPLES / "beir" / "scifact-sample"
+PAIRS = SAMPLES / "finetune" / "embedder_retrieval_msmarco.jsonl"
+QUERY = "Instruct: Given a question, retrieve the passage that answers it\nQuery: "
+QUERY_OVERRIDE = 'finetune.query_prompt="Instruct: Given a question, retrieve the passage that answers it\\nQuery: "'
+
+
+@pytest.fixture(scope="module")
+def finetuned(llm, tmp_path_factory) -> Path:
+    """A tiny Qwen3 pooling its last token (a contrastive export), fine-tuned for 2 steps with a query
+    instruction and a passage prompt; its export."""
+    tokenizer = llm[0]
+    vocab = Vocabulary.of_tokenizer(tokenizer)
+    method = get_method("contrastive")
+    options = method.options_from({"pooling": "last", "max_len": 64})
+    model = ModelOptions(backbone="qwen3", vocab_size=vocab.size, hidden_size=32, num_layers=2, num_heads=2,
+                         intermediate_size=64, pad_token_id=vocab.pad_id, dropout=0.0)
+    out = tmp_path_factory.mktemp("llm-retriever")
+    export(method.build(options, model, seed=0), out / "init", tokenizer=tokenizer)
+    done = subprocess.run([sys.executable, "-m", "pretrieve", "finetune", str(CONFIGS / "finetune" / "tiny.yaml"),
+                           f"finetune.init_from={out / 'init'}", f"finetune.data=[{PAIRS}]",
+                           QUERY_OVERRIDE,  # quoted: YAML reads an unquoted "a: b" as a mapping
+                           'finetune.passage_prompt="Passage: "', "finetune.passage_max_len=64",
+                           "train.micro_batch_size=4", "train.max_steps=2", "checkpoint.every=2",
+                           f"run_dir={out / 'run'}"], env=pretrain_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out / "run" / "export"
+
+
+def test_the_export_carries_its_prompts_and_pooling(finetuned):
+    st = json.loads((finetuned / "config_sentence_transformers.json").read_text())
+    assert st["prompts"] == {"query": QUERY, "passage": "Passage: "}
+    assert json.loads((finetuned / "1_Pooling" / "config.json").read_text())["pooling_mode_lasttoken"] is True
+    assert json.loads((finetuned / "config.json").read_text())["model_type"] == "qwen3"
+    card = (finetuned / "README.md").read_text()  # the card names the family, the pooling and the prompts
+    assert "Qwen3" in card and "last pooling" in card and 'prompt_name="query"' in card and repr(QUERY) in card
+
+
+def test_sentence_transformers_encodes_as_pretrieve_does(finetuned):
+    """`SentenceTransformer(path).encode(texts, prompt_name=...)` equals pretrieve's encoder with the settings it
+    reads from the model (last token, the prompts), for queries and for passages."""
+    from sentence_transformers import SentenceTransformer
+
+    from pretrieve.eval.encode import DenseEncoder
+    from pretrieve.eval.model_config import resolve_encoding
+
+    encoding = resolve_encoding(finetuned, announce=False)
+    assert (encoding.pooling, encoding.query_prompt, encoding.passage_prompt) == ("last", QUERY, "Passage: ")
+    ours = DenseEncoder(finetuned, encoding.encode_options(batch_size=4))
+    st = SentenceTransformer(str(finetuned), device="cpu")
+    texts = ["What causes tides on Earth?", "The moon's gravity pulls the oceans, raising two bulges.", "Tides."]
+    for name, queries in (("query", True), ("passage", False)):
+        expected = st.encode(texts, prompt_name=name, convert_to_numpy=True, batch_size=4)
+        np.testing.assert_allclose(ours.encode(texts, progress=False, queries=queries), expected, rtol=1e-4,
+                                   atol=1e-5)
+    assert not np.allclose(ours.encode(texts, progress=False, queries=True),
+                           ours.encode(texts, progress=False, queries=False), atol=1e-3)  # the prompts count
+
+
+def test_eval_reads_the_prompts_from_the_model_and_takes_others_given(finetuned, tmp_path, capsys):
+    assert main(["eval", "--model", str(finetuned), "--beir", str(SCIFACT), "--out", str(tmp_path / "a")]) == 0
+    said = capsys.readouterr().err
+    assert "pooling last" in said and f"query prompt {QUERY!r}" in said and "passage prompt 'Passage: '" in said
+    assert main(["eval", "--model", str(finetuned), "--beir", str(SCIFACT), "--query-prompt", "",
+                 "--out", str(tmp_path / "b")]) == 0
+    said = capsys.readouterr().err
+    assert "query prompt" not in said and "given: query_prompt" in said
+    scores = [json.loads((tmp_path / run / "metrics.json").read_text())["ndcg@10"] for run in ("a", "b")]
+    assert all(0 <= s <= 1 for s in scores) and scores[0] != scores[1]

@@ -175,3 +175,41 @@ def test_pretrain_runs_each_head_and_family(llm, tmp_path):
         assert pooling["pooling_mode_lasttoken"], run  # not [CLS]: a causal model's first token sees nothing
         head = json.loads((tmp_path / run / "export" / "pretrieve_head.json").read_text())
         assert head["method"] == run.split("-")[0], run  # each name its own: the export is rebuilt from it
+
+
+def test_eval_pools_a_llama2vec_export_after_its_prompts(llm, tmp_path):
+    """`--pooling llama2vec`: a passage is read as training read it, <bos> " text + EBAE's prompt (the ebae
+    collator's row), a query with EBAR's prompt; its vector is the mean of the prompt's 8 special states,
+    normalised. Checked against the states of the exported head; `pretrieve eval` scores with it."""
+    from pretrieve.cli import main
+    from pretrieve.data.retrieval import load_retrieval_set
+    from pretrieve.eval.encode import DenseEncoder, EncodeOptions
+    from pretrieve.models.export import export
+
+    method, options, model, vocab, samples = _setup(llm)
+    head = method.build(options, model, seed=0).eval()
+    export(head, tmp_path / "export", tokenizer=llm[0])
+    encoder = DenseEncoder(tmp_path / "export", EncodeOptions("llama2vec", max_length=96, batch_size=2,
+                                                              normalize=True))
+    tokenizer = load_tokenizer(llm[0])
+    for queries, task in ((False, "ebae"), (True, "ebar")):
+        spec = get_method(task)
+        collate = spec.collator.from_options(spec.options_from({"max_len": 96}), vocab)
+        rows = [collate.row(np.array(tokenizer(text, add_special_tokens=False)["input_ids"]))[0] for text in TEXTS]
+        expected = []
+        with torch.no_grad():
+            for ids in rows:
+                ids = torch.from_numpy(ids)[None]
+                states = head.encoder(ids, torch.ones_like(ids))[0, -8:]
+                assert (ids[0, -8:] == torch.tensor([vocab.tokens.index(t) for t in LLM_RESERVED])[
+                    slice(0, 8) if task == "ebae" else slice(8, 16)]).all()
+                expected.append(F.normalize(states.mean(dim=0), dim=-1))
+        np.testing.assert_allclose(encoder.encode(TEXTS, progress=False, queries=queries),
+                                   torch.stack(expected).numpy(), rtol=1e-4, atol=1e-5)
+    scifact = Path(__file__).resolve().parent.parent / "pretrieve" / "assets" / "samples" / "beir" / "scifact-sample"
+    assert main(["eval", "--model", str(tmp_path / "export"), "--beir", str(scifact), "--pooling", "llama2vec",
+                 "--normalize", "--max-length", "96", "--out", str(tmp_path / "eval")]) == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["queries"] == len(load_retrieval_set(str(scifact), None, "test").queries)
+    with pytest.raises(ValueError, match="no export of llama2vec, ebae, ebar"):
+        DenseEncoder(llm[0], EncodeOptions("llama2vec"))

@@ -10,7 +10,7 @@ from functools import partial
 from pretrieve.commands.arguments import (MODEL_SAYS, at_least, command, index_options, max_length_option,
                                           normalize_option, option, options_from, qrels_split, retrieval_set,
                                           slurm_jobs_option, worker_options)
-from pretrieve.models.poolings import DENSE_POOLINGS, EVAL_POOLINGS
+from pretrieve.models.poolings import DENSE_POOLINGS, EVAL_POOLINGS, PROMPT_POOLINGS
 
 
 def add_encode(commands) -> None:
@@ -20,7 +20,8 @@ def add_encode(commands) -> None:
     p = command(commands, "encode", run_encode)
     p.add_argument("--model", required=True, metavar="DIR")
     retrieval_set(p, split=False)
-    p.add_argument("--pooling", choices=DENSE_POOLINGS, default=None, help=MODEL_SAYS)
+    p.add_argument("--pooling", choices=(*DENSE_POOLINGS, *PROMPT_POOLINGS), default=None,
+                   help=f"llama2vec: a Llama2Vec export's prompt pooling. {MODEL_SAYS}")
     normalize_option(p, "L2-normalize vectors (cosine similarity)")
     max_length_option(p)
     option(p, EncodeOptions, "--batch-size", type=at_least(1))
@@ -45,9 +46,9 @@ def run_encode(args) -> int:
     from pretrieve.eval.vectors import encode_corpus_shards
 
     encoding = resolve_encoding(args.model, args.pooling, args.normalize, args.max_length)
-    if encoding.pooling not in DENSE_POOLINGS:
+    if encoding.pooling not in (*DENSE_POOLINGS, *PROMPT_POOLINGS):
         raise ValueError(f"{args.model}: pooling {encoding.pooling} ({encoding.source}) is not a dense pooling; "
-                         "`pretrieve encode` writes cls, mean or last vectors (give --pooling)")
+                         "`pretrieve encode` writes cls, mean, last or llama2vec vectors (give --pooling)")
     encoder = DenseEncoder(args.model, encoding.encode_options(args.batch_size), device=worker_device(args.worker))
     shards, documents = encode_corpus_shards(encoder, stream_corpus(args.beir, args.msmarco), args.out,
                                              args.shard_size, args.worker, args.workers, args.dtype)
@@ -63,7 +64,7 @@ def add_eval(commands) -> None:
     p.add_argument("--model", default=None, metavar="DIR", help="HF encoder directory (`pretrieve export` output)")
     retrieval_set(p)
     p.add_argument("--pooling", choices=EVAL_POOLINGS, default=None,
-                   help="cls / mean: dense; dupmae (eq. 12: a DupMAE export or a model fine-tuned with dupmae), "
+                   help="cls / mean / last: dense; llama2vec: a Llama2Vec export's prompt pooling; dupmae (eq. 12: a DupMAE export or a model fine-tuned with dupmae), "
                         f"sparse (SPLADE-style) and hybrid (CLS + sparse) need the model's MLM head. {MODEL_SAYS}")
     flag = partial(option, p, EvalOptions)
     flag("--vocab-top-k", type=int, help="dupmae / sparse / hybrid: entries a document keeps (default: dupmae the "

@@ -14,6 +14,7 @@ query experts and documents through its passage experts (cot-mote.txt §3.3).
 
 from __future__ import annotations
 
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -22,14 +23,16 @@ import numpy as np
 import torch
 
 from pretrieve.eval.options import EncodeOptions
-from pretrieve.models.poolings import VOCAB_POOLINGS
+from pretrieve.eval.prompt_pooling import PromptPooling
+from pretrieve.models.poolings import PROMPT_POOLINGS, VOCAB_POOLINGS
 from pretrieve.models.representation import POOLINGS
 
 def length_sorted_batches(tokenizer, texts: Iterable[str], options: EncodeOptions, device: torch.device,
-                          desc: str, progress: bool, total: int | None = None):
+                          desc: str, progress: bool, total: int | None = None, tokenize=None):
     """(row indices into `texts`, padded batch on `device`): `texts` read window by window, each window
-    tokenized in one call and batched longest texts first. `total`: the number of texts, for the progress
-    line (default: len(texts) when it has one)."""
+    tokenized in one call (`tokenize(window)`: the ids of each text; default the tokenizer's, cut to the
+    maximum length) and batched longest texts first. `total`: the number of texts, for the progress line
+    (default: len(texts) when it has one)."""
     from pretrieve.progress import Progress
 
     if total is None and hasattr(texts, "__len__"):
@@ -37,7 +40,8 @@ def length_sorted_batches(tokenizer, texts: Iterable[str], options: EncodeOption
     stream, start, size = iter(texts), 0, options.batch_size
     with Progress(total, desc, unit="text", enabled=progress, leave=False) as shown:
         while window := list(islice(stream, options.window_size())):
-            ids = tokenizer(window, truncation=True, max_length=options.max_length)["input_ids"]
+            ids = (tokenize(window) if tokenize is not None
+                   else tokenizer(window, truncation=True, max_length=options.max_length)["input_ids"])
             order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
             for first in range(0, len(order), size):
                 rows = order[first:first + size]
@@ -51,13 +55,14 @@ class DenseEncoder:
     def __init__(self, model_dir: str | Path, options: EncodeOptions, device: str | None = None):
         from transformers import AutoModel, AutoTokenizer
 
-        if options.pooling not in POOLINGS:
-            raise ValueError(f"pooling: {options.pooling!r} is not one of {', '.join(POOLINGS)}")
+        if options.pooling not in (*POOLINGS, *PROMPT_POOLINGS):
+            raise ValueError(f"pooling: {options.pooling!r} is not one of {', '.join((*POOLINGS, *PROMPT_POOLINGS))}")
         if not Path(model_dir).is_dir():
             raise ValueError(f"{model_dir}: not a model directory (expected a HF export with config and tokenizer)")
         self.options, self.model_dir = options, str(Path(model_dir).resolve())
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.prompted = PromptPooling.of_export(model_dir) if options.pooling == "llama2vec" else None
         self.routed = has_query_experts(model_dir)
         if self.routed:
             from pretrieve.models.encoder import load_encoder
@@ -88,14 +93,18 @@ class DenseEncoder:
     def vectors(self, texts: Iterable[str], desc: str = "encode", progress: bool = True, queries: bool = False,
                 total: int | None = None) -> Iterator[tuple[list[int], np.ndarray]]:
         """(rows of `texts`, their float32 vectors) batch by batch, `texts` read one window at a time."""
-        pool = POOLINGS[self.options.pooling]
+        pool, tokenize = POOLINGS.get(self.options.pooling), None
+        if self.prompted is not None:
+            pool = self.prompted.pool
+            tokenize = partial(self.prompted.tokenize, self.tokenizer, max_length=self.options.max_length,
+                               queries=queries)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         prompt = self.options.query_prompt if queries else self.options.passage_prompt
         if prompt:  # as sentence-transformers' encode(..., prompt_name=...) puts it
             total = len(texts) if total is None and hasattr(texts, "__len__") else total  # type: ignore[arg-type]
             texts = (prompt + text for text in texts)
         for rows, batch in length_sorted_batches(self.tokenizer, texts, self.options, self.device, desc, progress,
-                                                 total):
+                                                 total, tokenize):
             with autocast:
                 if self.routed:
                     text_type = torch.full((len(rows),), int(queries), dtype=torch.long, device=self.device)

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 from pretrieve.models.backbones import backbone_of
 from pretrieve.models.encoder import FINETUNE_META, finetune_meta
-from pretrieve.models.poolings import DENSE_POOLINGS
+from pretrieve.models.poolings import DENSE_POOLINGS, PROMPT_POOLINGS
 from pretrieve.models.st_config import read_st_config
 
 NO_CONFIG = "default: the model directory says nothing"  # the source when the model says nothing
@@ -52,7 +52,8 @@ class Encoding:
                              query_prompt=self.query_prompt, passage_prompt=self.passage_prompt)
 
     def describe(self) -> str:
-        norm = "" if self.pooling not in DENSE_POOLINGS else f", {'normalized' if self.normalize else 'not normalized'}"
+        dense = self.pooling in (*DENSE_POOLINGS, *PROMPT_POOLINGS)
+        norm = f", {'normalized' if self.normalize else 'not normalized'}" if dense else ""
         prompts = "".join(f", {name} prompt {text!r}" for name, text in (("query", self.query_prompt),
                                                                          ("passage", self.passage_prompt)) if text)
         given = f"; given: {', '.join(self.flags)}" if self.flags else ""

@@ -64,7 +64,8 @@ def add_eval(commands) -> None:
     p.add_argument("--model", default=None, metavar="DIR", help="HF encoder directory (`pretrieve export` output)")
     retrieval_set(p)
     p.add_argument("--pooling", choices=EVAL_POOLINGS, default=None,
-                   help="cls / mean / last: dense; llama2vec: a Llama2Vec export's prompt pooling; dupmae (eq. 12: a DupMAE export or a model fine-tuned with dupmae), "
+                   help="cls / mean / last: dense; llama2vec: a Llama2Vec export's prompt pooling; dupmae (eq. 12: "
+                        "a DupMAE export or a model fine-tuned with dupmae), "
                         f"sparse (SPLADE-style) and hybrid (CLS + sparse) need the model's MLM head. {MODEL_SAYS}")
     flag = partial(option, p, EvalOptions)
     flag("--vocab-top-k", type=int, help="dupmae / sparse / hybrid: entries a document keeps (default: dupmae the "

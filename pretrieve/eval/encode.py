@@ -7,8 +7,9 @@ corpus size; vectors come back in input order. A text's vector does not depend o
 float rounding: on CPU, a batch of other lengths moves a few coordinates by one or two float32 ulps (about
 1e-7, from how the matrix products are blocked), so two window sizes agree to that, and one window over all the
 texts is the whole-list sort of earlier versions, bit for bit. Pooling: `cls` (the [CLS] vector, the RetroMAE
-family) or `mean` (over non-padding tokens, sentence-transformers); `normalize` makes inner product cosine. bf16
-autocast on a GPU, fp32 on CPU. A CoT-MoTE encoder (an export with query experts) encodes queries through its
+family), `mean` (over non-padding tokens, sentence-transformers), `last` (a decoder LLM's last real token) or
+`llama2vec` (eval/prompt_pooling.py); `normalize` makes inner product cosine. A query or passage prompt is put
+before each text, as sentence-transformers' `prompt_name` does. bf16 autocast on a GPU, fp32 on CPU. A CoT-MoTE encoder (an export with query experts) encodes queries through its
 query experts and documents through its passage experts (cot-mote.txt §3.3).
 """
 

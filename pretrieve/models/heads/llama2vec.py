@@ -1,7 +1,7 @@
 """`llama2vec`, `ebae`, `ebar`: Llama2Vec's retrieval-oriented adaptation of a decoder LLM (Li, Liu, Xiao, Shao,
 Lian; ACL 2024, arXiv 2312.15503, §3), following its released code, LLARA (FlagEmbedding research/LLARA,
-pretrain/modeling.py and data.py). The paper's equations could not be read here; where the code and the paper's
-abstract-level description meet, this file follows the code, and docs/methods.md says so.
+pretrain/modeling.py and data.py). The paper's equations were not at hand when this was written: this file
+follows the code, and docs/methods.md says so.
 
 The LLM reads a text followed by two prompts (data/llama2vec.py has the layout), each ending in k = 8 special
 tokens whose states are the text's embedding:
@@ -79,11 +79,9 @@ class Llama2VecHead(PretrainingHead):
         logp = self.encoder.mlm_logits(states).float().amax(dim=1).log_softmax(dim=-1)  # [B, V]
         present = targets >= 0
         picked = logp.gather(1, targets.clamp(min=0)) * present
-        texts = present.any(dim=1)
-        if not texts.any():
-            return hidden.sum() * 0.0  # pad samples only: zero loss, graph kept
-        per_text = -picked.sum(dim=1)[texts] / present.sum(dim=1)[texts]
-        return self.options.bow_scale * per_text.mean()
+        per_text = -picked.sum(dim=1) / present.sum(dim=1).clamp(min=1)  # 0 for a text with no target (a pad)
+        texts = present.any(dim=1).sum().clamp(min=1)  # no host read: nothing waits for the device
+        return self.options.bow_scale * per_text.sum() / texts
 
 
 class EBAEHead(Llama2VecHead):

@@ -148,18 +148,18 @@ def test_every_weight_learns_on_each_family(llm, backbone):
     assert losses[-1] < losses[0], losses
 
 
+@pytest.mark.integration  # several commands together
 def test_pretrain_runs_each_head_and_family(llm, tmp_path):
-    """`pretrieve pretrain` of tiny-llama2vec.yaml (one process): llama2vec on each family, ebae and ebar on
-    Qwen3 (ebar with activation checkpointing); each logs its parts, lowers its loss over 8 steps and exports."""
+    """`pretrieve pretrain` of tiny-llama2vec.yaml (one process): each head on another family (ebar with
+    activation checkpointing); each logs its parts, lowers its loss over 8 steps and exports."""
     tokenizer, shards = llm
     common = [f"data.tokenizer={tokenizer}", f"data.manifests=[{shards / 'manifest.json'}]",
               f"model.vocab_size={Vocabulary.of_tokenizer(tokenizer).size}", "train.max_steps=8", "train.log_every=1",
               "checkpoint.every=8", "tracking.enabled=false", "method.max_len=96"]
     runs = {f"{name}-{backbone}": [f"run_dir={tmp_path / f'{name}-{backbone}'}", f"method.name={name}",
                                    f"model.backbone={backbone}", *common, *extra]
-            for name, backbone, extra in (("llama2vec", "llama", []), ("llama2vec", "qwen3", []),
-                                          ("llama2vec", "mistral", []), ("ebae", "qwen3", []),
-                                          ("ebar", "qwen3", ["train.activation_checkpointing=true"]))}
+            for name, backbone, extra in (("llama2vec", "mistral", []), ("ebae", "qwen3", []),
+                                          ("ebar", "llama", ["train.activation_checkpointing=true"]))}
     done = subprocess.run([sys.executable, str(Path(__file__).parent / "train_many.py"),
                            str(CONFIGS / "tiny-llama2vec.yaml"), json.dumps(list(runs.values()))],
                           env=pretrain_env(), capture_output=True, text=True, timeout=600)
@@ -180,9 +180,7 @@ def test_pretrain_runs_each_head_and_family(llm, tmp_path):
 def test_eval_pools_a_llama2vec_export_after_its_prompts(llm, tmp_path):
     """`--pooling llama2vec`: a passage is read as training read it, <bos> " text + EBAE's prompt (the ebae
     collator's row), a query with EBAR's prompt; its vector is the mean of the prompt's 8 special states,
-    normalised. Checked against the states of the exported head; `pretrieve eval` scores with it."""
-    from pretrieve.cli import main
-    from pretrieve.data.retrieval import load_retrieval_set
+    normalised. Checked against the states of the exported head."""
     from pretrieve.eval.encode import DenseEncoder, EncodeOptions
     from pretrieve.models.export import export
 
@@ -206,10 +204,5 @@ def test_eval_pools_a_llama2vec_export_after_its_prompts(llm, tmp_path):
                 expected.append(F.normalize(states.mean(dim=0), dim=-1))
         np.testing.assert_allclose(encoder.encode(TEXTS, progress=False, queries=queries),
                                    torch.stack(expected).numpy(), rtol=1e-4, atol=1e-5)
-    scifact = Path(__file__).resolve().parent.parent / "pretrieve" / "assets" / "samples" / "beir" / "scifact-sample"
-    assert main(["eval", "--model", str(tmp_path / "export"), "--beir", str(scifact), "--pooling", "llama2vec",
-                 "--normalize", "--max-length", "96", "--out", str(tmp_path / "eval")]) == 0
-    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    assert metrics["queries"] == len(load_retrieval_set(str(scifact), None, "test").queries)
     with pytest.raises(ValueError, match="no export of llama2vec, ebae, ebar"):
         DenseEncoder(llm[0], EncodeOptions("llama2vec"))

@@ -60,7 +60,7 @@ class Llama2VecCollator:
     seed: int = 0
     pad_to_multiple_of: int = 8
     data_kind: ClassVar[str] = "text"
-    suffixes: dict = field(init=False, repr=False)  # task -> (suffix ids, where its special tokens start)
+    suffixes: dict = field(init=False, repr=False)  # task -> its prompt's words and special tokens (ids)
 
     @classmethod
     def from_options(cls, options, vocab: Vocabulary, seed: int = 0):
@@ -78,8 +78,8 @@ class Llama2VecCollator:
                                        ("ebar", self.predict_prompt, reserved[k:])):
             if self.tasks in (task, "both"):
                 words = self.vocab.encode(prompt)
-                self.suffixes[task] = (np.array(words + specials, dtype=np.int64), len(words))
-        self.room = self.max_len - 1 - len(self.prefix) - sum(len(s) for s, _ in self.suffixes.values())
+                self.suffixes[task] = np.array(words + specials, dtype=np.int64)
+        self.room = self.max_len - 1 - len(self.prefix) - sum(len(s) for s in self.suffixes.values())
         if self.room < 2:
             raise ValueError(f"method.max_len: {self.max_len} leaves no room for a text beside the prompts "
                              f"({self.max_len - self.room} tokens)")
@@ -125,7 +125,7 @@ class Llama2VecCollator:
         """(ids, segments, positions) of one text and its prompts; EBAR's prompt reuses EBAE's positions."""
         head = np.concatenate([[self.vocab.cls_id], self.prefix, text]).astype(np.int64)
         ids, segments, positions = [head], [np.full(len(head), TEXT)], [np.arange(len(head))]
-        for task, (suffix, _) in self.suffixes.items():
+        for task, suffix in self.suffixes.items():
             ids.append(suffix)
             segments.append(np.full(len(suffix), SUMMARY if task == "ebae" else PREDICT))
             positions.append(np.arange(len(head), len(head) + len(suffix)))

@@ -38,7 +38,7 @@ class PromptPooling:
         rows = Llama2VecCollator(vocab, max_len=10_000, tasks="both", prompt_tokens=options["prompt_tokens"],
                                  summary_prompt=options["summary_prompt"], predict_prompt=options["predict_prompt"])
         trained = {"llama2vec": ("ebae", "ebar"), "ebae": ("ebae", "ebae"), "ebar": ("ebar", "ebar")}[meta["method"]]
-        passages, queries = (rows.suffixes[task][0].tolist() for task in trained)
+        passages, queries = (rows.suffixes[task].tolist() for task in trained)
         return cls([vocab.cls_id, *rows.prefix], {False: passages, True: queries}, options["prompt_tokens"])
 
     def tokenize(self, tokenizer, texts: list[str], max_length: int, queries: bool) -> list[list[int]]:

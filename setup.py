@@ -29,6 +29,7 @@ setup(
         "deepspeed>=0.19,<0.20",
         "transformers>=5.0,<6",
         "tokenizers>=0.22,<1",
+        "peft>=0.13,<1",  # LoRA adapters (pretrieve/models/lora.py)
         "webdataset>=1.0,<2",
         "fsspec[http]>=2023.12",  # shards and manifests at URLs (pretrieve/data/remote.py); http through aiohttp
         # MLflow's client and the sqlite store that tracking writes by default (pretrieve/engine/tracking.py)

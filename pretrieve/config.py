@@ -123,6 +123,7 @@ class TrainOptions:
     eval_every: int | None = None  # held-out loss every N steps (and at the end) when data.validation is given
     activation_checkpointing: bool = False  # recompute encoder layers in backward: less memory, ~1/3 more compute
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step on the CPU (zero_stage >= 1)
+    offload_params: bool = False  # ZeRO-Infinity: the parameters too, fetched layer by layer (zero_stage 3)
     max_runtime: float | None = None  # seconds of wall clock; then checkpoint and exit 85, as on SIGTERM
     # seconds deepspeed.initialize (joining the job) may take; then exit 86, which the SLURM launcher requeues:
     # a rank that dies while the process group forms leaves the others waiting in gloo / NCCL with no timeout
@@ -468,6 +469,8 @@ def _check_train(train: TrainOptions, world_size: int, problems: Problems) -> No
         problems.add(f"train.zero_stage: {train.zero_stage} is not 0, 1, 2 or 3")
     if train.offload_optimizer and train.zero_stage == 0:
         problems.add("train.offload_optimizer: needs train.zero_stage 1, 2 or 3 (ZeRO-Offload)")
+    if train.offload_params and train.zero_stage != 3:
+        problems.add("train.offload_params: needs train.zero_stage 3 (only ZeRO 3 partitions the parameters)")
     if train.ds_config is not None and not Path(train.ds_config).is_file():
         problems.add(f"train.ds_config: {train.ds_config} not found")
 
@@ -539,4 +542,7 @@ def deepspeed_config(exp: Experiment) -> dict:
         # the configured torch AdamW steps on the CPU copy; DeepSpeedCPUAdam ("torch_adam": false) is faster on
         # GPU nodes but is a C++ op DeepSpeed compiles on first use
         ds["zero_force_ds_cpu_optimizer"] = False
+    if t.offload_params:
+        # page-locked host copies: asynchronous transfers to the GPU
+        ds["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     return ds

@@ -8,6 +8,7 @@ checkpoints, resume, logging, stop signals (docs/design.md, "Layers" and "Data f
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from pretrieve.engine.flops import train_flops
 from pretrieve.engine.tracking import run_tags
 from pretrieve.engine.train import TrainingJob, run_training
 from pretrieve.engine.validation import VALIDATION_SEED, Validation
+from pretrieve.models.lora import adapter_shape
 from pretrieve.utils.run_dir import locate
 
 ENCODER_CONFIG = "encoder_config.json"  # in the run directory: the encoder's architecture, for the export
@@ -40,6 +42,12 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
         head.encoder.config.to_json_file(exp.run_dir / ENCODER_CONFIG)
     if exp.train.activation_checkpointing:
         head.encoder.enable_activation_checkpointing()
+    adapters = adapter_shape(head.encoder.model)  # LoRA: FLOPs without the frozen weights' gradients
+    if exp.model.lora.r and rank == 0:
+        trained = sum(p.numel() for p in head.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in head.parameters() if not p.requires_grad)
+        print(f"pretrieve: LoRA r={exp.model.lora.r}: {trained:,} weights train (adapters and the head's own), "
+              f"{frozen:,} of the base model are frozen", file=sys.stderr, flush=True)
     # masking's special tokens and word boundaries are the tokenizer's; the shards must have been prepared with it
     tokenizer = exp.data.tokenizer_dir()
     loaded = load_tokenizer(tokenizer)  # once, for the vocabulary's roles and the shards' fingerprint
@@ -64,7 +72,7 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     return TrainingJob(
         name=f"pretrain {exp.method.name}", module=head, loader=loader, position=stream,
         count=getattr(collate, "count", count_texts),
-        flops=lambda batch: train_flops(exp.method.name, exp.options, head.encoder.config, batch),
+        flops=lambda batch: train_flops(exp.method.name, exp.options, head.encoder.config, batch, adapters),
         # from the final checkpoint: ZeRO partitions consolidated, fp32 master weights under bf16/fp16
         export=lambda run_dir: export_checkpoint(run_dir, run_dir / "export"),
         tags=run_tags(exp.method.name, exp.data.corpora, head.encoder.config), validation=validation)
@@ -80,15 +88,20 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     """`pretrieve export CHECKPOINT OUT`: a pre-training checkpoint as an HF directory plus the head's weights and
     a model card. CHECKPOINT is a run directory (its latest checkpoint), its checkpoints/ directory, or one tag
     directory. The head is rebuilt from the run's config.yaml and encoder_config.json."""
-    from pretrieve.config import DataOptions, load_config, method_options, section
+    from pretrieve.config import DataOptions, load_config, method_options, model_options, section
     from pretrieve.eval.model_card import write_model_card
     from pretrieve.models.encoder import Encoder
     from pretrieve.models.export import export
+    from pretrieve.models.lora import add_lora
 
     run_dir, ckpt_dir, tag = locate(Path(path))
     config = load_config(run_dir / "config.yaml")
     method, options = method_options(config)
     head = method.head(Encoder.from_config_file(run_dir / ENCODER_CONFIG), options)
+    lora = model_options(config).lora
+    if lora.r:  # the checkpoint holds the adapted layout: the export merges the adapters (or keeps them apart)
+        add_lora(head.encoder.model, lora)
     load_checkpoint_weights(head, ckpt_dir, tag)
     return export(head, out, tokenizer=section(config, "data", DataOptions).tokenizer_dir(),
-                  before_rename=lambda tmp: write_model_card(out, run_dir, tag, card_dir=tmp))
+                  before_rename=lambda tmp: write_model_card(out, run_dir, tag, card_dir=tmp),
+                  keep_adapter=lora.keep_adapter)

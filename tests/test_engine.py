@@ -34,6 +34,7 @@ def _config(wiki_shards, *overrides):
     ("resume=sometimes", "resume: 'sometimes': the only value is auto"),
     ("data.weights=[1,2]", "data.weights: 2 weights for 1 manifests"),
     ("train.offload_optimizer=true", "train.offload_optimizer: needs train.zero_stage 1, 2 or 3"),
+    ("train.offload_params=true train.zero_stage=2", "train.offload_params: needs train.zero_stage 3"),
     # wrong types and values fail here, not after DeepSpeed has started
     ("train.micro_batch_size=abc", "train.micro_batch_size: expected int, got 'abc'"),
     ("train.lr=fast", "train.lr: expected float, got 'fast'"),

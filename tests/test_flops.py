@@ -52,3 +52,35 @@ def test_analytic_flops_count_modernbert_geglu_and_no_pooler(name, vocab, wiki_s
         _, macs, _ = get_model_profile(head, kwargs={"batch": batch}, print_profile=False, as_string=False,
                                        warm_up=0)
     assert forward_flops(name, options, head.encoder.config, batch) == pytest.approx(2 * macs, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["llama2vec", "mntp"])
+def test_lora_flops_are_the_matmuls_autograd_runs(name, llm):
+    """Under LoRA the frozen weights get no gradients: train_flops with the adapters equals what torch's
+    FlopCounterMode counts over a forward and backward, plus the attention scores' 3x (CPU's fused attention
+    is not counted by it), to the first layer's adapters' input gradients (which need none; 0.1 % here). The
+    full-training count, 3x the forward, would be a third higher."""
+    import numpy as np
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pretrieve.data.masking import Vocabulary
+    from pretrieve.models.flops import attention_flops
+    from pretrieve.models.lora import LoraOptions, adapter_shape
+
+    vocab = Vocabulary.of_tokenizer(llm[0])
+    method = METHODS[name]
+    options = method.options_from({"max_len": 128})
+    rng = np.random.default_rng(0)
+    batch = method.collator.from_options(options, vocab, seed=0)([{"ids": rng.integers(300, 3000, 240)}
+                                                                   for _ in range(4)])
+    model = ModelOptions(backbone="qwen3", vocab_size=vocab.size, hidden_size=256, num_layers=2, num_heads=4,
+                         intermediate_size=768, pad_token_id=vocab.pad_id, dropout=0.0, bidirectional=name == "mntp",
+                         lora=LoraOptions(r=8, dropout=0.0))
+    head = method.build(options, model, seed=0)
+    with FlopCounterMode(display=False) as counter:
+        head(batch)["loss"].backward()
+    config = head.encoder.config
+    counted = counter.get_total_flops() + 3 * attention_flops(config, batch)
+    ours = train_flops(name, options, config, batch, adapter_shape(head.encoder.model))
+    assert ours == pytest.approx(counted, rel=2e-3)
+    assert train_flops(name, options, config, batch) > 1.3 * counted

@@ -1,7 +1,7 @@
-"""scale/memory.py's model states beside DeepSpeed's own estimators (no offload), on a tiny Qwen3 Llama2Vec head
-in bf16: at ZeRO 2 they are DeepSpeed's bytes; at ZeRO 3 DeepSpeed counts 18 bytes a parameter over the devices
-(no 16-bit parameter partition) and the largest layer gathered at 4 bytes a parameter, pretrieve 20 and no
-gathered layer. benchmarks/llm_memory.py tabulates both for Qwen3 shapes of 0.6B-8B."""
+"""scale/memory.py's model states beside DeepSpeed's own estimators, on a tiny Qwen3 Llama2Vec head in bf16: at
+ZeRO 2 they are DeepSpeed's bytes; at ZeRO 3 both count the largest layer gathered at 4 bytes a parameter, and
+DeepSpeed 18 bytes a parameter over the devices (no 16-bit parameter partition), pretrieve 20; LoRA's frozen
+weights and the offloaded states. benchmarks/llm_memory.py tabulates both for Qwen3 shapes of 0.6B-8B."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,27 +16,56 @@ from pretrieve.scale.memory import estimate
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 
 
+def _states(vocab, world: int, overrides: list[str], **train) -> tuple[float, int, int, int]:
+    """(estimated model states, trainable parameters, all parameters, the largest layer's) of the tiny Llama2Vec
+    head with `overrides`, in bf16 with `train`'s options, on `world` devices."""
+    config = load_config(CONFIGS / "tiny-llama2vec.yaml", ["model.vocab_size=30522", *overrides])
+    method, options = method_options(config)
+    batch = method.collator.from_options(options, vocab)([{"ids": np.arange(1000, 1100)}])
+    with torch.device("meta"):
+        head = method.build(options, model_options(config))
+    trained = sum(p.numel() for p in head.parameters() if p.requires_grad)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in head.modules())
+    exp = SimpleNamespace(method=method, options=options, model=model_options(config),
+                          train=TrainOptions(precision="bf16", **train))
+    return estimate(exp, world, batch)["states"], trained, sum(p.numel() for p in head.parameters()), largest
+
+
 @pytest.mark.parametrize("world", [1, 8])
 def test_model_states_are_deepspeeds_estimate(vocab, world):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    config = load_config(CONFIGS / "tiny-llama2vec.yaml", ["model.vocab_size=30522"])
-    method, options = method_options(config)
-    batch = method.collator.from_options(options, vocab)([{"ids": np.arange(1000, 1100)}])
-    with torch.device("meta"):
-        head = method.build(options, model_options(config))
-    params = sum(p.numel() for p in head.parameters() if p.requires_grad)
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in head.modules())
-
-    def states(zero: int) -> float:
-        train = TrainOptions(precision="bf16", zero_stage=zero)
-        exp = SimpleNamespace(method=method, options=options, model=model_options(config), train=train)
-        return estimate(exp, world, batch)["states"]
-
-    assert states(2) == pytest.approx(
+    zero2, params, _, largest = _states(vocab, world, [], zero_stage=2)
+    assert zero2 == pytest.approx(
         estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=world, cpu_offload=False)[1], abs=1)
     _, deepspeed, gathered = estimate_zero3_model_states_mem_needs(params, largest, num_gpus_per_node=world,
                                                                    cpu_offload=False, cpu_offload_params=False)
     assert gathered == 4 * largest
-    assert states(3) == pytest.approx(deepspeed - gathered + 2 * params / world, abs=1)
+    assert _states(vocab, world, [], zero_stage=3)[0] == pytest.approx(deepspeed + 2 * params / world, abs=1)
+
+
+@pytest.mark.parametrize("world", [1, 8])
+def test_lora_and_offload_states(vocab, world):
+    """LoRA: the trainable weights (adapters, the head's bias) cost what DeepSpeed's ZeRO-2 estimate says of
+    them, the frozen base model 2 bytes a weight (bf16, partitioned at ZeRO 3 only), and nothing else.
+    Offloaded optimizer: DeepSpeed's cpu_offload estimate (the 16-bit weights alone); parameters offloaded too
+    at ZeRO 3: nothing on the device but the gathered layer, as DeepSpeed counts it."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    for zero in (2, 3):
+        ours, trained, total, largest = _states(vocab, world, ["model.lora.r=8"], zero_stage=zero)
+        frozen = total - trained
+        assert trained < total / 10
+        gathered = 2 * largest if zero == 3 else 0  # the frozen embedding: weights, no gradients
+        assert ours == pytest.approx(estimate_zero2_model_states_mem_needs(trained, num_gpus_per_node=world,
+                                                                           cpu_offload=False)[1]
+                                     - 2 * trained + 2 * trained / (world if zero == 3 else 1)
+                                     + 2 * frozen / (world if zero == 3 else 1) + gathered, abs=1)
+    ours, trained, _, _ = _states(vocab, world, [], zero_stage=2, offload_optimizer=True)
+    assert ours == pytest.approx(estimate_zero2_model_states_mem_needs(trained, num_gpus_per_node=world,
+                                                                       cpu_offload=True)[1], abs=1)
+    ours, trained, _, largest = _states(vocab, world, [], zero_stage=3, offload_optimizer=True, offload_params=True)
+    assert ours == estimate_zero3_model_states_mem_needs(trained, largest, num_gpus_per_node=world, cpu_offload=True,
+                                                         cpu_offload_params=True)[1] == 4 * largest

@@ -10,19 +10,21 @@ from pretrieve.models.vocab_projection import linear_cross_entropy, max_pooled_l
 
 
 @pytest.mark.parametrize("rows_per_chunk", [1, 7, 1000])  # chunks of 4 (= hidden) rows, of 7 (ragged), one
-def test_matches_cross_entropy_of_the_logits(monkeypatch, rows_per_chunk):
+@pytest.mark.parametrize("frozen_weight", [False, True])  # LoRA's tied embeddings: no weight gradient made
+def test_matches_cross_entropy_of_the_logits(monkeypatch, rows_per_chunk, frozen_weight):
     vocab = 300
     monkeypatch.setitem(vocab_projection.CHUNK_ELEMENTS, "cpu", rows_per_chunk * vocab)
     torch.manual_seed(0)
     x = torch.randn(45, 4, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(vocab, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, 4, dtype=torch.float64, requires_grad=not frozen_weight)
     bias = torch.randn(vocab, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, vocab, (45,))
+    inputs = (x, bias) if frozen_weight else (x, weight, bias)
 
     reference = F.cross_entropy(F.linear(x, weight, bias), labels)
-    expected = torch.autograd.grad(reference * 3.0, (x, weight, bias))  # a scaled upstream gradient
+    expected = torch.autograd.grad(reference * 3.0, inputs)  # a scaled upstream gradient
     loss = linear_cross_entropy(x, weight, bias, labels)
-    got = torch.autograd.grad(loss * 3.0, (x, weight, bias))
+    got = torch.autograd.grad(loss * 3.0, inputs)
     assert loss.item() == pytest.approx(reference.item(), rel=1e-12)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

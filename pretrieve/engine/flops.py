@@ -5,6 +5,10 @@ hardware computes) plus its method's: the `flops` its head file registers (a dec
 A training step costs 3x the forward pass (backward: gradients for activations and for weights), less twice the
 forward FLOPs the method registers as `no_backward_flops`, whose backward is no matmul (DupMAE's projection of
 every position to the vocabulary: each entry's gradient goes to its winning position, models.vocab_projection).
+Under LoRA the base model's weights are frozen: 2x the forward, plus the attention scores' second backward
+matmul, less the first layer's Q, K, V backward (their input, the frozen embeddings, needs no gradient), plus
+3x the adapters' forward. The head's own matmuls (a decoder, a projection) are counted as frozen too: an
+undercount where a head trains a matmul of its own (RetroMAE's decoder), exact for llama2vec and mntp.
 tests/test_flops.py checks these against DeepSpeed's flops profiler.
 """
 
@@ -15,7 +19,7 @@ import time
 
 import torch
 
-from pretrieve.models.flops import encoder_flops
+from pretrieve.models.flops import adapter_flops, attention_flops, encoder_flops, first_projections_flops
 from pretrieve.models.heads.registry import get_method
 
 # Dense peak FLOP/s per GPU for MFU, from the vendors' data sheets: tensor cores without sparsity for bf16/fp16,
@@ -38,11 +42,18 @@ def forward_flops(method: str, options, config, batch: dict[str, torch.Tensor]) 
     return encoder_flops(config, batch) + get_method(method).flops(options, config, batch)
 
 
-def train_flops(method: str, options, config, batch: dict[str, torch.Tensor]) -> int:
+def train_flops(method: str, options, config, batch: dict[str, torch.Tensor],
+                adapters: tuple[int, int] | None = None) -> int:
     """Forward + backward FLOPs of one micro-batch: 3x the forward, less the backward the method's
-    `no_backward_flops` does without a matmul."""
+    `no_backward_flops` does without a matmul. With LoRA `adapters` (rank, in + out features of the adapted
+    layers: models/lora.py's adapter_shape), a frozen weight gets no gradient: its matmul costs 2x its forward
+    (the input's gradient), the attention scores still 3x, the adapters 3x theirs."""
     no_backward = get_method(method).no_backward_flops(options, config, batch)
-    return 3 * forward_flops(method, options, config, batch) - 2 * no_backward
+    forward = forward_flops(method, options, config, batch)
+    if adapters is None:
+        return 3 * forward - 2 * no_backward
+    return (2 * forward + attention_flops(config, batch) - first_projections_flops(config, batch)
+            + 3 * adapter_flops(*adapters, batch) - no_backward)  # a no-matmul backward: 2x less 1x
 
 
 def measured_cpu_peak(size: int = 1024, repeats: int = 10) -> float:

@@ -105,12 +105,27 @@ def _pretraining_facts(model_dir: Path, config: dict) -> dict:
     dense = ("" if method != "dupmae" else " DupMAE's joint representation (eq. 12) adds a vocabulary part to "
              "this [CLS] vector: sentence-transformers gets the dense part only, `pretrieve eval --pooling "
              "dupmae` both.")
+    vector = {"cls": "[CLS] vector", "last": "last token's state"}.get(read_st_config(model_dir).pooling,
+                                                                      "pooled vector")
     return {"tag": method, "base_model": config.get("model", {}).get("init_from"), "datasets": datasets,
-            "summary": f"A {_family(model_dir)} encoder pre-trained with **{method}** by pretrieve; its [CLS] vector "
-                       f"is the text's representation, not normalised (inner product).{dense}",
+            "summary": f"A {_family(model_dir)} encoder pre-trained with **{method}** by pretrieve; its {vector} "
+                       f"is the text's representation, not normalised (inner product).{dense}"
+                       f"{_lora_note(model_dir, config.get('model', {}).get('lora') or {})}",
             "method": f"pre-training, {method}", "options_title": f"Method options ({method})",
             "options": head.get("options") or config.get("method", {}), "data": _data_sources(data),
             "samples": "samples (token blocks)"}
+
+
+def _lora_note(model_dir: Path, lora: dict) -> str:
+    """A sentence on LoRA training (model.lora), where the adapters went."""
+    from pretrieve.models.lora import ADAPTER_DIR, LoraOptions
+
+    if not lora.get("r"):
+        return ""
+    where = (f"kept apart in `{ADAPTER_DIR}/` (peft's files; these weights are the frozen base model's)"
+             if (model_dir / ADAPTER_DIR).is_dir() else "merged into these weights")
+    alpha = lora.get("alpha", LoraOptions.alpha)
+    return f" Trained with LoRA (r {lora['r']}, alpha {alpha:g}) on a frozen base model; the adapters are {where}."
 
 
 def _family(model_dir: Path) -> str:

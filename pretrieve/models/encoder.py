@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,7 +21,9 @@ from torch import nn
 from pretrieve.models import unpadding
 from pretrieve.models.backbones import backbone_named, backbone_of
 from pretrieve.models.backbones.base import TextTypes
+from pretrieve.models.lora import LoraOptions, merge_saved_adapter
 from pretrieve.models.vocab_projection import linear_cross_entropy
+from pretrieve.utils.options import ConfigError, options_of
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,17 @@ class ModelOptions:
     unpad: bool = False
     # a decoder LLM family attending both ways, padding still hidden (LLM2Vec); with init_from too
     bidirectional: bool = False
+    # LoRA adapters on the base model, whose own weights stay frozen (models/lora.py); r = 0: every weight trains
+    lora: LoraOptions = field(default_factory=LoraOptions)
+
+    def __post_init__(self):
+        if self.lora is None:  # `lora: null`: none
+            self.lora = LoraOptions()
+        elif isinstance(self.lora, dict):  # from a config file; its keys checked and named model.lora.KEY
+            self.lora = options_of(LoraOptions, self.lora, "model.lora")
+        elif not isinstance(self.lora, LoraOptions):
+            raise ConfigError(f"model.lora: expected a mapping of r, alpha, dropout, targets, keep_adapter; "
+                              f"got {self.lora!r}")
 
     def hf_config(self):
         """The HF config of a new model of this backbone."""
@@ -119,6 +132,7 @@ class Encoder(nn.Module):
             raise ValueError(f"init_from: {path}: {e}") from None
         model, info = backbone.model_class.from_pretrained(str(path), output_loading_info=True, local_files_only=True,
                                                            **backbone.model_kwargs)
+        model = merge_saved_adapter(model, path)  # an export whose LoRA adapter was kept apart
         encoder = cls(model.config, model=model)
         report = [f"{key}: not in {path}, initialised" for key in info["missing_keys"]]
         # only the MLM head's tensors: from_pretrained above has read the rest already

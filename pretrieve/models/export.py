@@ -22,6 +22,7 @@ from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 from pretrieve.models.encoder import HEAD_WEIGHTS, ModelOptions
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import METHODS, get_method
+from pretrieve.models.lora import has_lora, merge_lora, save_adapter_apart
 from pretrieve.models.st_config import write_st_config
 
 EXPORT_FORMAT = "pretrieve-export/1"
@@ -37,15 +38,20 @@ def method_name(head: PretrainingHead) -> str:
 
 
 def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAULT_TOKENIZER,
-           before_rename: Callable[[Path], None] | None = None) -> Path:
+           before_rename: Callable[[Path], None] | None = None, keep_adapter: bool = False) -> Path:
     """Export `head` to `out`; `before_rename(tmp)` adds files (a model card) to the finished temporary
-    directory before it becomes `out`."""
+    directory before it becomes `out`. LoRA adapters (models/lora.py) are merged into the base model, in `head`
+    itself, or with `keep_adapter` written apart (`head`'s base model then has no adapters)."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    if has_lora(head.encoder.model) and keep_adapter:
+        save_adapter_apart(head.encoder.model, tmp)
+    elif has_lora(head.encoder.model):
+        merge_lora(head.encoder.model)
     head.encoder.model.save_pretrained(str(tmp))
     AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).save_pretrained(str(tmp))
     save_file(head.extra_state(), str(tmp / HEAD_WEIGHTS))

@@ -10,6 +10,9 @@ LayerNorm, softmax, activations, losses (a few % at BERT sizes). With h = hidden
                                                                     m = 2 FFN matrices (GeGLU: 3)
     encoder         = n_layers x layer(B, L, L) + pooler 2 B h^2 (BERT family) + vocab(masked positions)
     vocab(P)        = 2 P (h^2 + h V)                                  BERT's MLM transform + tied decoder
+                                                                    (decoder LLMs: no transform, 2 P h V)
+    attention(B, L) = n_layers x 4 B L^2 h                             QK^T and PV of an encoder pass
+    adapters(B, L)  = 2 B L r sum(in + out)                            LoRA's A and B on every adapted layer
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ def layer_flops(config, batch: int, queries: int, keys: int) -> int:
 
 
 def vocab_flops(config, positions: int) -> int:
-    """BERT's MLM head (transform + tied decoder to the vocabulary) at `positions` positions."""
+    """BERT's MLM head (transform + tied decoder to the vocabulary) at `positions` positions; a decoder LLM's
+    has no transform (backbones/causal_lm.py)."""
     h = config.hidden_size
-    return 2 * positions * (h * h + h * config.vocab_size)
+    transform = 0 if backbone_of(config).causal else h * h
+    return 2 * positions * (transform + h * config.vocab_size)
 
 
 def labelled(labels: torch.Tensor) -> int:
@@ -46,3 +51,29 @@ def encoder_flops(config, batch: dict[str, torch.Tensor]) -> int:
     pooler = 2 * b * h * h if backbone_of(config).has_pooler else 0
     return (config.num_hidden_layers * layer_flops(config, b, length, length) + pooler
             + vocab_flops(config, labelled(batch["mlm_labels"])))
+
+
+# the encoder's passes in a batch: the texts (`input_ids`), or a pair batch's queries, positives and negatives
+ENCODER_INPUTS = ("input_ids", "q_input_ids", "p_input_ids", "n_input_ids")
+
+
+def attention_flops(config, batch: dict[str, torch.Tensor]) -> int:
+    """QK^T and PV (no weights) of the encoder's passes over `batch`: the part of layer_flops whose backward still
+    takes two matmuls when every weight is frozen."""
+    return sum(config.num_hidden_layers * 4 * ids.shape[0] * ids.shape[1] ** 2 * config.hidden_size
+               for key, ids in batch.items() if key in ENCODER_INPUTS)
+
+
+def first_projections_flops(config, batch: dict[str, torch.Tensor]) -> int:
+    """The first layer's Q, K and V projections over the encoder's passes: with the embeddings frozen (LoRA)
+    their input needs no gradient, so their backward is no matmul at all."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    width = h + 2 * kv * (getattr(config, "head_dim", None) or h // heads)
+    return sum(2 * ids.numel() * h * width for key, ids in batch.items() if key in ENCODER_INPUTS)
+
+
+def adapter_flops(rank: int, width: int, batch: dict[str, torch.Tensor]) -> int:
+    """LoRA's adapters (rank `rank`; `width`: the in + out features of every adapted layer together) over
+    every token of the encoder's passes."""
+    return sum(2 * ids.numel() * rank * width for key, ids in batch.items() if key in ENCODER_INPUTS)

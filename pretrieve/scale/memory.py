@@ -2,16 +2,19 @@
 
 Memory of one device while training a micro-batch of b sequences of length s (bytes):
 
-    states       = P (w / Z3 + g / Z2 + o / Z1)      P trainable parameters (the head built on the meta device);
+    states       = P (w / Z3 + g / Z2 + o / Z1)      P trainable parameters (the head built on the meta device),
+                   + F w / Z3                        F frozen ones (LoRA's base model, a [CLS] pooler): weights only;
                                                      (w, g, o) = (4, 4, 8) in fp32, (2, 2, 16) in bf16 / fp16
                                                      (fp32 master weights and Adam's moments: ZeRO, Rajbhandari et
                                                      al. 2020, sec. 3; and the fp32 copy of its gradient partition
                                                      DeepSpeed makes for the step, which its own estimator counts);
                                                      Zk = world size where ZeRO stage >= k partitions that part,
-                                                     else 1; o = 0 with offload_optimizer. At ZeRO 2 this is
+                                                     else 1; g = o = 0 with offload_optimizer. At ZeRO 2 this is
                                                      DeepSpeed's estimate_zero2_model_states_mem_needs; at ZeRO 3
-                                                     DeepSpeed's counts 18 P / N (no 16-bit parameter partition)
-                                                     plus the largest layer gathered, 4 bytes a parameter
+                                                     DeepSpeed's counts 18 P / N (no 16-bit parameter partition);
+                                                     with offload_params the weights are on the host: w = 0
+                   + (w + g) x largest layer         ZeRO 3: the layer computed, gathered (its weights, and its
+                                                     gradients if it trains), as DeepSpeed's estimator counts it
     layer(b, s)  = s b h (8e + 2) + n e s b f + (2e + 1) a s^2 b
                                                      activations one transformer layer keeps for backward
                                                      (Korthikanti et al. 2022, eq. 2, for element size e = 2 in
@@ -20,6 +23,8 @@ Memory of one device while training a micro-batch of b sequences of length s (by
                                                      backbone's feed-forward block (BERT's 2, ModernBERT's GeGLU
                                                      4); an upper bound where the attention kernel keeps no
                                                      score matrix (the a s^2 terms)
+    adapters     = with LoRA's dropout, each adapted layer keeps its dropped input: s b (e + 1) bytes per input
+                   feature of the adapted layers, added to layer(b, s)
     encoder      = L layer(b, s), or with activation checkpointing L e s b h + layer(b, s) (the layer inputs,
                    and one layer's activations while it is recomputed)
     decoders     = retromae, dupmae: layer(b, s); seed: decoder_layers x layer(b, s_dec); cotmae, cotmote:
@@ -94,17 +99,24 @@ def estimate(exp, world_size: int, batch: dict) -> dict:
     with torch.device("meta"):  # exact parameter counts of every head, nothing allocated
         head = exp.method.build(exp.options, exp.model)
     params = sum(p.numel() for p in head.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in head.parameters() if not p.requires_grad)  # LoRA's base model, a pooler
     t, config = exp.train, exp.model.hf_config()
     mixed = t.precision != "fp32"
     element = 2 if mixed else 4
     w, g, o = (2, 2, 16) if mixed else (4, 4, 8)
     split = [world_size if t.zero_stage >= k else 1 for k in (1, 2, 3)]
-    states = params * (w / split[2] + g / split[1] + (0 if t.offload_optimizer else o) / split[0])
+    # ZeRO 3: the layer being computed is gathered whole, its weights and (made here, offloaded or not) gradients
+    gathered = max(sum((w + g * p.requires_grad) * p.numel() for p in m.parameters(recurse=False))
+                   for m in head.modules()) if t.zero_stage == 3 else 0
+    weights = 0 if t.offload_params else w  # offloaded: on the host, a layer at a time here
+    if t.offload_optimizer:  # the optimizer's step, its states and the gradient partitions it reads: all on the host
+        g = o = 0
+    states = params * (weights / split[2] + g / split[1] + o / split[0]) + frozen * weights / split[2] + gathered
     b, s = batch["input_ids"].shape
     h, f, heads, layers = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
                            config.num_hidden_layers)
     ffn = backbone_of(config).ffn_activations
-    layer = layer_activations(1, s, h, f, heads, element, ffn)
+    layer = layer_activations(1, s, h, f, heads, element, ffn) + adapter_activations(head, exp.model, s, element)
     decoders = sum(n * layer_activations(1, length, h, f, heads, element, ffn)
                    for n, length in decoder_layers(exp.method.name, exp.options, batch))
     projections = 1 + bool(decoder_layers(exp.method.name, exp.options, batch))
@@ -112,6 +124,16 @@ def estimate(exp, world_size: int, batch: dict) -> dict:
             "per_sequence": layers * layer + decoders,
             "per_sequence_checkpointed": layers * element * s * h + layer + decoders,
             "activation_checkpointing": t.activation_checkpointing}
+
+
+def adapter_activations(head, model, s: int, element: int) -> float:
+    """Bytes one layer's LoRA adapters keep for backward for one sequence: with adapter dropout, the dropped
+    copy of each adapted layer's input and its mask (the r-wide products are left out)."""
+    from pretrieve.models.lora import lora_input_width
+
+    if not model.lora.r or not model.lora.dropout:
+        return 0
+    return lora_input_width(head.encoder.model) / head.encoder.config.num_hidden_layers * s * (element + 1)
 
 
 def decoder_layers(method: str, options, batch: dict) -> list[tuple[int, int]]:

@@ -70,6 +70,11 @@ def options_of(cls, values: dict[str, Any], where: str, noun: str = "key", probl
         problems.bad_keys |= {f"{where}.{key}" for key in set(values) - set(good)}
     try:
         return cls(**good)
+    except ConfigError as e:  # a nested section's (model.lora): its messages name their keys already
+        if problems is None:
+            raise
+        problems.messages += e.problems
+        return None
     except (TypeError, ValueError) as e:
         if problems is None:
             raise ConfigError(f"{where}: {e}") from e

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from pretrieve.models.encoder import Encoder, ModelOptions
+from pretrieve.models.lora import add_lora
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,8 @@ class Method:
         head = self.head(Encoder.build(model), options)
         if model.init_from:
             head.load_extra_weights(model.init_from)
+        if model.lora.r:  # after the head: its new weights (decoders, projections) are not frozen
+            add_lora(head.encoder.model, model.lora)
         return head
 
 

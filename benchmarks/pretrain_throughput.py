@@ -6,7 +6,9 @@ the shard stream) on the bundled Wikipedia sample.
 Prints one JSON line and appends it to benchmarks/results/pretrain_throughput.json: tokens/s (non-padding
 tokens), s/step, TFLOP/s and MFU (engine.flops: analytic FLOPs; CPU peak = a measured fp32 matmul), averaged
 over the steps after `--warmup`. Sizes: tiny = hidden 64, 2 layers, 2 heads, FFN 256; minilm = 384, 6, 12,
-1536; base = BERT-base; vocab 30,522. fp32 with `--threads` torch threads on CPU (default 2, as the anchors),
+1536; base = BERT-base; vocab 30,522. Decoder LLM methods (llama2vec, ebae, ebar, mntp) take qwen3-0.6b (Qwen3-0.6B's
+shape, vocabulary 151,669) or qwen3-tiny, shards made with a byte-level BPE trained here; `--lora R` trains
+rank-R adapters instead of every weight. fp32 with `--threads` torch threads on CPU (default 2, as the anchors),
 bf16 on a GPU. `ratio_to_anchor` compares with the official RetroMAE code measured on this kind of machine
 (transformers 4.34, fp32, AdamW, 2 threads; the figures the engine issue gives). `--baseline` also times,
 in the same run and on the same batches, the official RetroMAE model re-stated (`OfficialRetroMAE`: HF
@@ -30,7 +32,14 @@ import torch
 
 SIZES = {"tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 256},
          "minilm": {"hidden_size": 384, "num_layers": 6, "num_heads": 12, "intermediate_size": 1536},
-         "base": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "intermediate_size": 3072}}
+         "base": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "intermediate_size": 3072},
+         # decoder LLMs (llama2vec, ebae, ebar, mntp): Qwen3-0.6B's width, depth, FFN and vocabulary, and a tiny
+         # one of the same family for a CPU run
+         "qwen3-tiny": {"backbone": "qwen3", "hidden_size": 64, "num_layers": 2, "num_heads": 2,
+                        "intermediate_size": 256, "vocab_size": 8000},
+         "qwen3-0.6b": {"backbone": "qwen3", "hidden_size": 1024, "num_layers": 28, "num_heads": 16,
+                        "intermediate_size": 3072, "vocab_size": 151669, "max_position_embeddings": 32768}}
+LLM_METHODS = ("llama2vec", "ebae", "ebar", "mntp")  # trained on a decoder LLM with its own byte-level BPE
 # Official RetroMAE code on CPU, tokens/s, keyed by (size, seq_len, batch).
 ANCHORS = {("tiny", 128, 8): 1509.0, ("minilm", 256, 8): 568.0}
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,6 +139,16 @@ def profiled(path: str | None, gpu: bool, top: int = 40):
     Path(path).write_text(json.dumps(summary, indent=1) + "\n")
 
 
+def llm_tokenizer(out: Path) -> str:
+    """A decoder LLM's byte-level BPE (`tokenizer train --kind llm`, with Llama2Vec's reserved tokens) of the
+    Wikipedia sample: the shards' tokenizer. The model's vocabulary may be larger (Qwen3's 151,669 rows)."""
+    from pretrieve.data.tokenizer_train import TokenizerTrainOptions, train_tokenizer
+
+    train_tokenizer(TokenizerTrainOptions(source="wikipedia", inputs=[str(SAMPLES / "wikipedia")], out=str(out),
+                                          kind="llm", vocab_size=8000, progress=False))
+    return str(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--method", default="retromae")
@@ -140,6 +159,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the averages")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--zero-stage", type=int, default=0)
+    p.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R (model.lora.r)")
+    p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--baseline", action="store_true", help="also time OfficialRetroMAE in this run (CPU)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pretrain_throughput.json"))
     p.add_argument("--profile", metavar="FILE", help="also profile the run (torch.profiler) into this JSON summary")
@@ -152,12 +173,18 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     gpu = torch.cuda.is_available()
+    llm = args.method in LLM_METHODS
+    if llm != ("backbone" in SIZES[args.size]):
+        p.error(f"--method {args.method} takes {'a qwen3' if llm else 'an encoder'} --size")
     with tempfile.TemporaryDirectory() as work:
         shards = Path(work) / "shards"
+        tokenizer = llm_tokenizer(Path(work) / "tokenizer") if llm else None
         prepare(PrepareOptions(source="wikipedia", inputs=[str(SAMPLES / "wikipedia")], out=str(shards), workers=0,
-                               progress=False))
+                               progress=False, **({"tokenizer": tokenizer} if llm else {})))
         size = SIZES[args.size]
         overrides = [f"model.{k}={v}" for k, v in size.items()] + [
+            *([f"data.tokenizer={tokenizer}"] if llm else []), f"model.lora.r={args.lora}",
+            f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
             f"run_dir={Path(work) / 'run'}", f"data.manifests=[{shards / 'manifest.json'}]", "data.weights=null",
             f"method.max_len={args.seq_len}", f"train.micro_batch_size={args.batch}", f"train.max_steps={args.steps}",
             "train.global_batch_size=null", "train.grad_accum=1", "train.log_every=1", "checkpoint.every=1000000",
@@ -176,7 +203,8 @@ def main() -> None:
     samples_per_s = sum(r["samples_per_s"] for r in timed) / len(timed)
     result = {
         "method": args.method, "size": args.size, "seq_len": args.seq_len, "batch": args.batch,
-        "steps": args.steps, "warmup": args.warmup, "zero_stage": args.zero_stage,
+        "steps": args.steps, "warmup": args.warmup, "zero_stage": args.zero_stage, "lora": args.lora,
+        "activation_checkpointing": args.activation_checkpointing,
         "device": torch.cuda.get_device_name() if gpu else f"cpu x{args.threads} threads ({platform.processor() or platform.machine()})",
         "precision": "bf16" if gpu else "fp32",
         "tokens_per_s": round(tokens_per_s, 1), "s_per_step": round(args.batch / samples_per_s, 4),

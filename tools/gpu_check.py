@@ -79,6 +79,9 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
     bert_base = [python, "benchmarks/pretrain_throughput.py", "--size", "base", "--seq-len", "512", "--batch", "32",
                  "--steps", "12", "--warmup", "4"]
     throughput = bert_base + ["--out", str(work / "pretrain_throughput_gpu.json")]
+    qwen3 = [python, "benchmarks/pretrain_throughput.py", "--method", "llama2vec", "--size", "qwen3-0.6b", "--seq-len",
+             "512", "--batch", "8", "--steps", "12", "--warmup", "4", "--zero-stage", "1",
+             "--out", str(work / "pretrain_throughput_gpu.json")]
     return [
         # estimates: what the stage took on an H100 on 2026-11-27 (benchmarks/results/gpu-check/), where it ran whole
         Stage("install", "offline install from the bundle's wheelhouse, its data unpacked, then torch.cuda sanity", 35, 90,
@@ -97,12 +100,15 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
               [Command([python, "benchmarks/two_stream_attention.py", "--lengths", "512",
                         "--out", str(work / "two_stream_attention.json")],
                        results=str(work / "two_stream_attention.json"))]),
+        # the Qwen3-0.6B runs (issue 40 §5) estimated from the BERT-base ones: ~4x the FLOPs a step, 60 s each
         Stage("mfu", "BERT-base L512 bf16 throughput and MFU of mlm, retromae, dupmae; ModernBERT-base unpadded "
-              "against padded", 130, 160,
+              "against padded; a Qwen3-0.6B-shaped llama2vec at L512, full and LoRA r 16", 250, 300,
               [Command(throughput + ["--method", m], results=str(work / "pretrain_throughput_gpu.json"))
                for m in ("mlm", "retromae", "dupmae")]
               + [Command([python, "benchmarks/unpadding.py", "--size", "base", "--out", str(work / "unpadding_gpu.json")],
-                         results=str(work / "unpadding_gpu.json"))]),
+                         results=str(work / "unpadding_gpu.json"))]
+              + [Command(qwen3 + ["--lora", str(rank)], results=str(work / "pretrain_throughput_gpu.json"))
+                 for rank in (0, 16)]),
         # the first job's quality stage had its data (39 s) and base (41 s) when its box ran out
         Stage("quality", "the quality study at --scale gpu-short: base -> arms -> the same fine-tuning -> eval", 240,
               300, merge_into + [Command([python, "benchmarks/quality.py", "--scale", "gpu-short", "--seeds", quality_seeds,

@@ -222,10 +222,15 @@ def wikipedia(plan: dict) -> Path:
             SHARED / "pretrain" / "enwiki-sample" / "enwiki_2015_wikiextractor_100shards.jsonl.gz")
 
 
+def text_split(plan: dict, work: Path) -> dict:
+    """The Wikipedia sample and the books split into train and held-out parts (quality_data.split_pretrain)."""
+    books = sorted((SAMPLES / "books" if plan["smoke"] else SHARED / "pretrain" / "gutenberg").glob("*.txt"))
+    return split_pretrain(wikipedia(plan), books, work / "data" / "raw")
+
+
 def pretraining_text(plan: dict, work: Path) -> dict:
     """The Wikipedia sample and the books, less a held-out split (the base's validation loss), prepared."""
-    books = sorted((SAMPLES / "books" if plan["smoke"] else SHARED / "pretrain" / "gutenberg").glob("*.txt"))
-    split = split_pretrain(wikipedia(plan), books, work / "data" / "raw")
+    split = text_split(plan, work)
     data = {name: prepare("wikipedia" if name.startswith("wiki") else "books", inputs, work / "data" / name,
                           plan["max_len"], skip_bad=name.startswith("books"), workers=plan.get("data_workers", 0))
             for name, inputs in split.pop("parts").items()}

@@ -1,0 +1,189 @@
+"""BGE's recipe in miniature: the study's base -> an arm's pre-training -> the same contrastive pre-training on weak
+pairs of the Wikipedia sample and the books -> the same fine-tuning -> evaluation, each arm with [CLS] and with
+mean pooling.
+
+    python benchmarks/recipe.py --scale cpu [--smoke] [--out DIR] [--results FILE]
+
+This file runs the recipe's first stage, the contrastive budget, chosen before any arm is compared: the `none`
+arm (the quality study's base, benchmarks/quality.py, trained here once with its settings) contrastive-trained on
+the weak pairs with each pooling, and [CLS] again at a lower learning rate with a longer warm-up; each run's
+checkpoints at several step counts exported and evaluated zero-shot (`pretrieve eval`, the pooling it was
+trained with, normalised) on SciFact, CACM and Cranfield's test queries. The arms at the chosen budget, with
+3 seeds and the paired bootstrap, follow it.
+
+The weak pairs (`pretrieve prepare --pairs`, from the quality study's training split of the text, nothing of
+its held-out part): Wikipedia's sections (title -> first paragraph, "title: heading" -> the section),
+Wikipedia's and the books' spans (two independent crops of a block, Contriever). The contrastive settings are
+the ones an earlier probe found to train a model of this size (in-batch negatives, cosine / 0.05, lr 1e-3,
+batch 64).
+
+Resumable: every stage skips what exists (pair manifests, exports, evaluations); an interrupted run continues
+from its checkpoint. Results: benchmarks/results/recipe.json (--smoke: in the work directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from quality import (ROOT, SHARED, base_model, collection, pretraining_text, pretrieve, text_split,  # noqa: E402
+                     timed, use_data)
+from quality_data import log, write_atomic  # noqa: E402
+from quality_plan import build_plan  # noqa: E402
+
+CONFIG = ROOT / "configs" / "pretrain" / "tiny-contrastive.yaml"
+DATASETS = ("scifact", "cacm", "cranfield")
+# The contrastive budget curve: arm -> (pooling, lr, warm-up share); steps and the points evaluated
+BUDGET = {
+    "cpu": {"steps": 1600, "points": [200, 400, 800, 1600], "batch": 64, "temperature": 0.05,
+            "query_max_len": 32, "runs": {"mean": ("mean", 1e-3, 0.1), "cls": ("cls", 1e-3, 0.1),
+                                          "cls-slow": ("cls", 3e-4, 0.25)}},
+    "smoke": {"steps": 4, "points": [4], "batch": 8, "temperature": 0.05, "query_max_len": 32,
+              "runs": {"mean": ("mean", 1e-3, 0.1), "cls": ("cls", 1e-3, 0.1)}},
+}
+
+
+def weak_pairs(plan: dict, work: Path) -> dict:
+    """The pair shards of the study's training text: {name: manifest totals}, each prepared once."""
+    from pretrieve.data.prepare import PrepareOptions, prepare
+
+    parts = text_split(plan, work)["parts"]
+    sources = {"wiki-sections": ("wikipedia", parts["wiki-train"], "sections"),
+               "wiki-crops": ("wikipedia", parts["wiki-train"], "spans"),
+               "books-crops": ("books", parts["books-train"], "spans")}
+    out = {}
+    for name, (source, inputs, method) in sources.items():
+        folder = work / "pairs" / name
+        if not (folder / "manifest.json").is_file():
+            log(f"pairs {name} ({source}, {method})")
+            prepare(PrepareOptions(source=source, inputs=inputs, out=str(folder), max_len=plan["max_len"],
+                                   workers=0, pairs=True, pair_method=method, progress=False,
+                                   on_error="skip" if source == "books" else "fail"))
+        info = json.loads((folder / "manifest.json").read_text())
+        out[name] = {"manifest": str(folder / "manifest.json"), "num_samples": info["num_samples"]}
+    return out
+
+
+def contrastive_overrides(plan: dict, spec: dict, pairs: dict, base: Path, pooling: str, lr: float,
+                          warmup: float, seed: int) -> list[str]:
+    steps = spec["steps"]
+    return [f"model.init_from={base}", f"data.manifests=[{','.join(p['manifest'] for p in pairs.values())}]",
+            "data.weights=null", f"method.pooling={pooling}", "method.normalize=true",
+            f"method.temperature={spec['temperature']}", f"method.max_len={plan['max_len']}",
+            f"method.query_max_len={spec['query_max_len']}", f"train.micro_batch_size={spec['batch']}",
+            f"train.lr={lr}", f"train.warmup_ratio={warmup}", f"train.max_steps={steps}",
+            f"train.precision={plan['precision']}", f"train.log_every={max(1, min(50, steps // 20))}",
+            f"checkpoint.every={spec['points'][0]}", f"checkpoint.keep={steps // spec['points'][0]}", f"seed={seed}",
+            "tracking.enabled=false"]
+
+
+def train_runs(jobs: dict[str, list[str]], work: Path, plan: dict) -> None:
+    """`pretrieve pretrain` of each pending run, `parallel` at a time; a finished run (its export) is skipped."""
+    pending = {name: overrides for name, overrides in jobs.items()
+               if not (work / "budget" / name / "export" / "config.json").is_file()}
+
+    def one(name: str) -> None:
+        run_dir = work / "budget" / name
+        start = time.time()
+        pretrieve(["pretrain", str(CONFIG), f"run_dir={run_dir}", "resume=auto", *pending[name]],
+                  work / "budget" / f"{name}.log", plan["threads"])
+        log(f"contrastive {name} done in {time.time() - start:.0f} s")
+
+    if pending:
+        log(f"contrastive: {len(pending)} of {len(jobs)} runs to go, {plan['parallel']} at a time")
+        with ThreadPoolExecutor(max_workers=plan["parallel"]) as pool:
+            for future in [pool.submit(one, name) for name in pending]:
+                future.result()
+
+
+def evaluate(model: Path, pooling: str, dataset: str, out: Path, plan: dict) -> float:
+    """NDCG@10 of `model` on `dataset`'s test queries, zero-shot; cached in `out`."""
+    metrics = out / "metrics.json"
+    if not metrics.is_file():
+        pretrieve(["eval", "--model", str(model), "--beir", str(collection(dataset, plan)), "--pooling", pooling,
+                   "--normalize", "--max-length", str(plan["eval"]["max_length"]),
+                   "--batch-size", str(plan["eval"]["batch_size"]), "--out", str(out)],
+                  out.parent / f"{out.name}.log", plan["threads"])
+    return json.loads(metrics.read_text())["ndcg@10"]
+
+
+def budget_curve(plan: dict, spec: dict, work: Path, base: Path, pairs: dict) -> dict:
+    """NDCG@10 against contrastive steps of the base under each budget run (and at step 0, the base itself)."""
+    datasets = list(DATASETS) if not plan["smoke"] else ["scifact-sample"]
+    jobs = {name: contrastive_overrides(plan, spec, pairs, base, pooling, lr, warmup, seed=0)
+            for name, (pooling, lr, warmup) in spec["runs"].items()}
+    with timed(work, "contrastive"):
+        train_runs(jobs, work, plan)
+    curve = {}
+    with timed(work, "eval"):
+        for name, (pooling, lr, warmup) in spec["runs"].items():
+            run_dir = work / "budget" / name
+            points = {0: base}
+            for step in spec["points"]:
+                export = work / "budget" / "exports" / f"{name}-{step}"
+                if not (export / "config.json").is_file():
+                    pretrieve(["export", str(run_dir / "checkpoints" / f"step{step:08d}"), str(export)],
+                              work / "budget" / "exports" / f"{name}-{step}.log", plan["threads"])
+                points[step] = export
+            with ThreadPoolExecutor(max_workers=plan["parallel"]) as pool:
+                futures = {(step, dataset): pool.submit(evaluate, model, pooling, dataset,
+                                                        work / "budget" / "eval" / f"{name}-{step}" / dataset, plan)
+                           for step, model in points.items() for dataset in datasets}
+                scores = {key: future.result() for key, future in futures.items()}
+            losses = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            curve[name] = {"pooling": pooling, "lr": lr, "warmup_ratio": warmup,
+                           "ndcg@10": {dataset: {str(step): round(scores[step, dataset], 4) for step in points}
+                                       for dataset in datasets},
+                           "loss": {str(r["step"]): round(r["loss"], 4) for r in losses if "loss" in r
+                                    and (r["step"] in spec["points"] or r["step"] == losses[0]["step"])}}
+            log(f"{name}: " + ", ".join(f"{d} {curve[name]['ndcg@10'][d]}" for d in datasets))
+    return curve
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scale", choices=("cpu",), default="cpu")
+    p.add_argument("--smoke", action="store_true", help="bundled samples, a hidden-64 encoder, a few steps")
+    p.add_argument("--out", default=None, help="work directory (default bench-out/recipe-<scale>[-smoke])")
+    p.add_argument("--results", default=None, help="default benchmarks/results/recipe.json (--smoke: in --out)")
+    p.add_argument("--data", default=str(SHARED), metavar="DIR", help="the shared data (default %(default)s)")
+    args = p.parse_args(argv)
+    if not args.smoke:
+        use_data(Path(args.data), p)
+    work = Path(args.out or ROOT / "bench-out" / f"recipe-{args.scale}{'-smoke' if args.smoke else ''}")
+    results_path = Path(args.results or (work / "recipe.json" if args.smoke else
+                                         ROOT / "benchmarks" / "results" / "recipe.json"))
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    plan = build_plan(args.scale, args.smoke)
+    spec = BUDGET["smoke" if args.smoke else args.scale]
+    work.mkdir(parents=True, exist_ok=True)
+    with timed(work, "data"):
+        text = pretraining_text(plan, work)
+    base, base_record = base_model(plan, work, text)
+    with timed(work, "pairs"):
+        pairs = weak_pairs(plan, work)
+    results = {"study": "recipe", "stage": "budget", "scale": args.scale, "smoke": args.smoke,
+               "settings": {"model": plan["model"], "max_len": plan["max_len"], "base": plan["base"],
+                            "contrastive": {k: v for k, v in spec.items() if k != "runs"},
+                            "runs": {name: dict(zip(("pooling", "lr", "warmup_ratio"), run))
+                                     for name, run in spec["runs"].items()}},
+               "base": base_record, "pairs": {name: info["num_samples"] for name, info in pairs.items()},
+               "machine": f"{os.cpu_count()} cores"}
+    results["budget"] = budget_curve(plan, spec, work, base, pairs)
+    results["stage_times"] = json.loads((work / "stage_times.json").read_text())
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(results_path, json.dumps(results, indent=1) + "\n")
+    log(f"wrote {results_path}")
+
+
+if __name__ == "__main__":
+    main()

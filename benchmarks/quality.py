@@ -343,22 +343,28 @@ def base_model(plan: dict, work: Path, text: dict) -> tuple[Path, dict]:
     return run_dir / "export", record
 
 
+def arm_overrides(plan: dict, work: Path, text: dict, base: Path, arm: str, seed: int) -> list[str]:
+    """The overrides of an arm's run (WORK/general/runs/ARM-sSEED): the base continued on the training text; the
+    curve's run keeps its evenly spaced checkpoints."""
+    prepared, curve = text["prepared"], plan["curve"]
+    manifests = [prepared["wiki-train"]["manifest"], prepared["books-train"]["manifest"]]
+    on_curve = (arm, seed) == (curve["arm"], curve["seed"])
+    return run_overrides(plan, work, manifests, ["wikipedia", "books"], plan["pretrain"], seed,
+                         checkpoints=curve["points"] if on_curve else 2,
+                         keep=curve["points"] if on_curve else 1) + [f"model.init_from={base}"]
+
+
 def general_study(plan: dict, work: Path, text: dict, base: Path, labelled: dict, seeds: set[int] | None = None,
                   previous: dict | None = None) -> dict:
     """Seed-major (every arm's seed 0 first), so that an interrupted study has whole seeds. `seeds`: the ones this
     job runs (None: all); `previous`: the general part of an earlier job's results, whose per-query scores of the
     seeds not run here are kept."""
-    study, prepared = work / "general", text["prepared"]
-    manifests = [prepared["wiki-train"]["manifest"], prepared["books-train"]["manifest"]]
-    arms, curve, spec = plan["general"]["arms"], plan["curve"], plan["pretrain"]
+    study = work / "general"
+    arms, spec = plan["general"]["arms"], plan["pretrain"]
     datasets = general_collections(plan)
-    init = [f"model.init_from={base}"]
 
     def overrides(arm: str, seed: int) -> list[str]:
-        on_curve = (arm, seed) == (curve["arm"], curve["seed"])
-        return run_overrides(plan, work, manifests, ["wikipedia", "books"], spec, seed,
-                             checkpoints=curve["points"] if on_curve else 2,
-                             keep=curve["points"] if on_curve else 1) + init
+        return arm_overrides(plan, work, text, base, arm, seed)
 
     budgets = {arm: budget(work, f"general/{arm}", config_of(arm), overrides(arm, 0), spec["steps"], spec["batch"],
                            plan["max_len"], plan["smoke"]) for arm in arms if arm != "none"}

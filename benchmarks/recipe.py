@@ -2,20 +2,23 @@
 pairs of the Wikipedia sample and the books -> the same fine-tuning -> evaluation, each arm with [CLS] and with
 mean pooling.
 
-    python benchmarks/recipe.py --scale cpu [--smoke] [--out DIR] [--results FILE]
+    python benchmarks/recipe.py --scale cpu [--smoke] [--stage budget|arms|all] [--out DIR] [--results FILE]
 
-This file runs the recipe's first stage, the contrastive budget, chosen before any arm is compared: the `none`
-arm (the quality study's base, benchmarks/quality.py, trained here once with its settings) contrastive-trained on
-the weak pairs with each pooling, and [CLS] again at a lower learning rate with a longer warm-up; each run's
-checkpoints at several step counts exported and evaluated zero-shot (`pretrieve eval`, the pooling it was
-trained with, normalised) on SciFact, CACM and Cranfield's test queries. The arms at the chosen budget, with
-3 seeds and the paired bootstrap, follow it.
+Two stages. `budget` chooses the contrastive budget before any arm is compared: the `none` arm (the quality
+study's base, benchmarks/quality.py, trained here once with its settings) contrastive-trained on the weak pairs
+with each pooling, and [CLS] again at a lower learning rate with a longer warm-up; each run's checkpoints at
+several step counts exported and evaluated zero-shot (`pretrieve eval`, the pooling it was trained with,
+normalised) on SciFact, CACM and Cranfield's test queries. `arms` runs, once the budget is fixed in ARMS below:
+each arm's pre-training (the quality study's own runs of it: the same --out shares them), the contrastive
+pre-training at that budget with [CLS] and with mean pooling, the quality study's fine-tuning (its labelled set,
+steps and seed) and evaluation with that pooling; 3 seeds; per pooling, the paired bootstrap against `none` and
+`mlm`.
 
 The weak pairs (`pretrieve prepare --pairs`, from the quality study's training split of the text, nothing of
 its held-out part): Wikipedia's sections (title -> first paragraph, "title: heading" -> the section),
-Wikipedia's and the books' spans (two independent crops of a block, Contriever). The contrastive settings are
-the ones an earlier probe found to train a model of this size (in-batch negatives, cosine / 0.05, lr 1e-3,
-batch 64).
+Wikipedia's and the books' spans (two independent crops of a block, Contriever), drawn 2 : 1 : 1. The
+contrastive settings are the ones an earlier probe found to train a model of this size (in-batch negatives,
+cosine / 0.05, lr 1e-3, batch 64).
 
 Resumable: every stage skips what exists (pair manifests, exports, evaluations); an interrupted run continues
 from its checkpoint. Results: benchmarks/results/recipe.json (--smoke: in the work directory).
@@ -34,20 +37,38 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quality import (ROOT, SHARED, base_model, collection, pretraining_text, pretrieve, text_split,  # noqa: E402
-                     timed, use_data)
+from quality import (ROOT, SHARED, arm_overrides, base_model, checkpoint, collection, config_of,  # noqa: E402
+                     general_collections, labelled_sets, pretrain_runs, pretraining_text, pretrieve, run_farm,
+                     scores_of, text_split, timed, use_data)
 from quality_data import log, write_atomic  # noqa: E402
-from quality_plan import build_plan  # noqa: E402
+from quality_plan import REFERENCES, build_plan  # noqa: E402
+from quality_stats import summarize  # noqa: E402
 
 CONFIG = ROOT / "configs" / "pretrain" / "tiny-contrastive.yaml"
 DATASETS = ("scifact", "cacm", "cranfield")
+# The sources' shares of the pair stream: half title-like queries (a title, "title: heading"), as evaluation
+# queries are short; the crops (193k of Wikipedia's, 13k of the books', against 67k sections) would otherwise
+# make up three quarters of it
+PAIR_WEIGHTS = {"wiki-sections": 2, "wiki-crops": 1, "books-crops": 1}
 # The contrastive budget curve: arm -> (pooling, lr, warm-up share); steps and the points evaluated
 BUDGET = {
     "cpu": {"steps": 1600, "points": [200, 400, 800, 1600], "batch": 64, "temperature": 0.05,
             "query_max_len": 32, "runs": {"mean": ("mean", 1e-3, 0.1), "cls": ("cls", 1e-3, 0.1),
                                           "cls-slow": ("cls", 3e-4, 0.25)}},
     "smoke": {"steps": 4, "points": [4], "batch": 8, "temperature": 0.05, "query_max_len": 32,
-              "runs": {"mean": ("mean", 1e-3, 0.1), "cls": ("cls", 1e-3, 0.1)}},
+              "runs": {"cls": ("cls", 1e-3, 0.1)}},
+}
+
+
+# The arms at the chosen budget: each arm's pre-training (benchmarks/quality.py's general study, the same runs),
+# then the same contrastive pre-training with each pooling, then the quality study's fine-tuning and evaluation
+# with that pooling. `steps`: the contrastive budget, fixed from the budget stage's curve before any arm ran
+# (None: not chosen yet, and the stage refuses to run).
+ARMS = {
+    "cpu": {"arms": {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3}, "steps": None, "lr": 1e-3,
+            "warmup_ratio": 0.1, "poolings": ["cls", "mean"]},
+    "smoke": {"arms": {"none": 1, "retromae": 1}, "steps": 4, "lr": 1e-3, "warmup_ratio": 0.1,
+              "poolings": ["cls", "mean"]},
 }
 
 
@@ -75,8 +96,9 @@ def weak_pairs(plan: dict, work: Path) -> dict:
 def contrastive_overrides(plan: dict, spec: dict, pairs: dict, base: Path, pooling: str, lr: float,
                           warmup: float, seed: int) -> list[str]:
     steps = spec["steps"]
+    weights = ",".join(str(PAIR_WEIGHTS[name]) for name in pairs)
     return [f"model.init_from={base}", f"data.manifests=[{','.join(p['manifest'] for p in pairs.values())}]",
-            "data.weights=null", f"method.pooling={pooling}", "method.normalize=true",
+            f"data.weights=[{weights}]", f"method.pooling={pooling}", "method.normalize=true",
             f"method.temperature={spec['temperature']}", f"method.max_len={plan['max_len']}",
             f"method.query_max_len={spec['query_max_len']}", f"train.micro_batch_size={spec['batch']}",
             f"train.lr={lr}", f"train.warmup_ratio={warmup}", f"train.max_steps={steps}",
@@ -85,16 +107,16 @@ def contrastive_overrides(plan: dict, spec: dict, pairs: dict, base: Path, pooli
             "tracking.enabled=false"]
 
 
-def train_runs(jobs: dict[str, list[str]], work: Path, plan: dict) -> None:
-    """`pretrieve pretrain` of each pending run, `parallel` at a time; a finished run (its export) is skipped."""
+def train_runs(jobs: dict[str, list[str]], runs: Path, plan: dict) -> None:
+    """`pretrieve pretrain` of each pending contrastive run (in `runs`/NAME), `parallel` at a time; a finished run
+    (its export) is skipped."""
     pending = {name: overrides for name, overrides in jobs.items()
-               if not (work / "budget" / name / "export" / "config.json").is_file()}
+               if not (runs / name / "export" / "config.json").is_file()}
 
     def one(name: str) -> None:
-        run_dir = work / "budget" / name
         start = time.time()
-        pretrieve(["pretrain", str(CONFIG), f"run_dir={run_dir}", "resume=auto", *pending[name]],
-                  work / "budget" / f"{name}.log", plan["threads"])
+        pretrieve(["pretrain", str(CONFIG), f"run_dir={runs / name}", "resume=auto", *pending[name]],
+                  runs / f"{name}.log", plan["threads"])
         log(f"contrastive {name} done in {time.time() - start:.0f} s")
 
     if pending:
@@ -121,7 +143,7 @@ def budget_curve(plan: dict, spec: dict, work: Path, base: Path, pairs: dict) ->
     jobs = {name: contrastive_overrides(plan, spec, pairs, base, pooling, lr, warmup, seed=0)
             for name, (pooling, lr, warmup) in spec["runs"].items()}
     with timed(work, "contrastive"):
-        train_runs(jobs, work, plan)
+        train_runs(jobs, work / "budget", plan)
     curve = {}
     with timed(work, "eval"):
         for name, (pooling, lr, warmup) in spec["runs"].items():
@@ -148,6 +170,46 @@ def budget_curve(plan: dict, spec: dict, work: Path, base: Path, pairs: dict) ->
     return curve
 
 
+def arms_stage(plan: dict, spec: dict, arms: dict, work: Path, text: dict, base: Path, pairs: dict) -> dict:
+    """Every arm and seed: its pre-training (quality.py's run of it), the contrastive pre-training with each pooling
+    at the fixed budget, the same fine-tuning and evaluation with that pooling (one farm a seed). Returns the
+    statistics per pooling: per query the mean over seeds, the paired bootstrap against none and mlm."""
+    if arms["steps"] is None:
+        raise SystemExit("recipe: the contrastive budget (ARMS[scale]['steps'] in benchmarks/recipe.py) is not "
+                         "chosen yet: run the budget stage and fix it from its curve first")
+    contrastive = {**spec, "steps": arms["steps"], "points": [arms["steps"]]}
+    datasets = general_collections(plan)
+    labelled = labelled_sets(plan, work)["general"]["path"]
+    study = work / "recipe"
+    per_query: dict = {}
+    for seed in range(max(arms["arms"].values())):
+        names = [arm for arm, n in arms["arms"].items() if seed < n]
+        with timed(work, "arms.pretrain"):
+            pretrain_runs([(config_of(arm), work / "general" / "runs" / f"{arm}-s{seed}",
+                            arm_overrides(plan, work, text, base, arm, seed)) for arm in names if arm != "none"],
+                          plan)
+        jobs, models = {}, []
+        for arm in names:
+            start = base if arm == "none" else work / "general" / "runs" / f"{arm}-s{seed}" / "export"
+            for pool in arms["poolings"]:
+                name = f"{arm}-{pool}-s{seed}"
+                jobs[name] = contrastive_overrides(plan, contrastive, pairs, start, pool, arms["lr"],
+                                                   arms["warmup_ratio"], seed)
+                models.append(checkpoint(name, study / "runs" / name / "export", pool, study / "runs" / name))
+        with timed(work, "arms.contrastive"):
+            train_runs(jobs, study / "runs", plan)
+        with timed(work, "arms.finetune+eval"):
+            run_farm(study / f"farm-s{seed}.yaml", plan, work, study / "farm", models, datasets, labelled,
+                     plan["finetune"], seed)
+        for arm in names:
+            for pool in arms["poolings"]:
+                for dataset in datasets:
+                    per_query.setdefault(pool, {}).setdefault(arm, {}).setdefault(dataset, []).append(
+                        scores_of(study / "farm", f"{arm}-{pool}-s{seed}", dataset))
+    boot = plan["bootstrap"]
+    return {pool: summarize(scores, REFERENCES, boot["resamples"], boot["seed"]) for pool, scores in per_query.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", choices=("cpu",), default="cpu")
@@ -155,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="work directory (default bench-out/recipe-<scale>[-smoke])")
     p.add_argument("--results", default=None, help="default benchmarks/results/recipe.json (--smoke: in --out)")
     p.add_argument("--data", default=str(SHARED), metavar="DIR", help="the shared data (default %(default)s)")
+    p.add_argument("--stage", choices=("budget", "arms", "all"), default="budget",
+                   help="budget: the contrastive budget curve of `none`; arms: every arm at the fixed budget")
     args = p.parse_args(argv)
     if not args.smoke:
         use_data(Path(args.data), p)
@@ -171,18 +235,29 @@ def main(argv: list[str] | None = None) -> None:
     base, base_record = base_model(plan, work, text)
     with timed(work, "pairs"):
         pairs = weak_pairs(plan, work)
-    results = {"study": "recipe", "stage": "budget", "scale": args.scale, "smoke": args.smoke,
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    results |= {"study": "recipe", "scale": args.scale, "smoke": args.smoke,
                "settings": {"model": plan["model"], "max_len": plan["max_len"], "base": plan["base"],
                             "contrastive": {k: v for k, v in spec.items() if k != "runs"},
                             "runs": {name: dict(zip(("pooling", "lr", "warmup_ratio"), run))
                                      for name, run in spec["runs"].items()}},
                "base": base_record, "pairs": {name: info["num_samples"] for name, info in pairs.items()},
                "machine": f"{os.cpu_count()} cores"}
-    results["budget"] = budget_curve(plan, spec, work, base, pairs)
-    results["stage_times"] = json.loads((work / "stage_times.json").read_text())
     results_path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(results_path, json.dumps(results, indent=1) + "\n")
-    log(f"wrote {results_path}")
+    if args.stage in ("budget", "all"):
+        results["budget"] = budget_curve(plan, spec, work, base, pairs)
+        write_results(results_path, results, work)
+    if args.stage in ("arms", "all"):
+        arms = ARMS["smoke" if args.smoke else args.scale]
+        results["arms_settings"] = {key: arms[key] for key in ("arms", "steps", "lr", "warmup_ratio", "poolings")}
+        results["arms"] = arms_stage(plan, spec, arms, work, text, base, pairs)
+        write_results(results_path, results, work)
+
+
+def write_results(path: Path, results: dict, work: Path) -> None:
+    results["stage_times"] = json.loads((work / "stage_times.json").read_text())
+    write_atomic(path, json.dumps(results, indent=1) + "\n")
+    log(f"wrote {path}")
 
 
 if __name__ == "__main__":

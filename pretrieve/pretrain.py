@@ -84,10 +84,11 @@ def count_texts(batch: dict) -> tuple[int, int, int]:
     return len(batch["input_ids"]), int(batch["attention_mask"].sum()), batch["attention_mask"].numel()
 
 
-def export_checkpoint(path: str | Path, out: str | Path) -> Path:
+def export_checkpoint(path: str | Path, out: str | Path, keep_adapter: bool | None = None) -> Path:
     """`pretrieve export CHECKPOINT OUT`: a pre-training checkpoint as an HF directory plus the head's weights and
     a model card. CHECKPOINT is a run directory (its latest checkpoint), its checkpoints/ directory, or one tag
-    directory. The head is rebuilt from the run's config.yaml and encoder_config.json."""
+    directory. The head is rebuilt from the run's config.yaml and encoder_config.json. A LoRA run's adapters are
+    merged, or written apart with `keep_adapter` (None: as the run's model.lora.keep_adapter says)."""
     from pretrieve.config import DataOptions, load_config, method_options, model_options, section
     from pretrieve.eval.model_card import write_model_card
     from pretrieve.models.encoder import Encoder
@@ -104,4 +105,4 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     load_checkpoint_weights(head, ckpt_dir, tag)
     return export(head, out, tokenizer=section(config, "data", DataOptions).tokenizer_dir(),
                   before_rename=lambda tmp: write_model_card(out, run_dir, tag, card_dir=tmp),
-                  keep_adapter=lora.keep_adapter)
+                  keep_adapter=lora.keep_adapter if keep_adapter is None else keep_adapter)

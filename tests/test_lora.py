@@ -197,6 +197,12 @@ def test_zero3_offload_lora_resumes_exactly_and_exports(llm, tmp_path):
     assert "LoRA (r 4, alpha 8) on a frozen base model; the adapters are merged into these weights" in \
         (merged / "README.md").read_text()
     assert "the adapters are kept apart in `adapter/`" in (kept / "README.md").read_text()
+    # the merged run's checkpoint exported again with its adapter apart: the base weights are init_from's
+    apart = tmp_path / "apart"
+    subprocess.run([sys.executable, "-m", "pretrieve", "export", str(tmp_path / "full"), str(apart), "--keep-adapter"],
+                   env=pretrain_env(), check=True, capture_output=True)
+    plain = load_file(apart / "model.safetensors")
+    assert all(torch.equal(plain[k], initial[k]) for k in initial) and (apart / ADAPTER_DIR).is_dir()
     ours = load_encoder(kept).model.state_dict()
     reference = load_file(merged / "model.safetensors")
     assert ours.keys() == reference.keys()

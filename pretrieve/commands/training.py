@@ -49,6 +49,9 @@ def add_export(commands) -> None:
     p = command(commands, "export", run_export)
     p.add_argument("checkpoint", metavar="CHECKPOINT")
     p.add_argument("out", metavar="OUT")
+    p.add_argument("--keep-adapter", action=argparse.BooleanOptionalAction, default=None,
+                   help="a LoRA run: write its adapter apart (peft's files under OUT/adapter/) instead of merged; "
+                        "default: the run's model.lora.keep_adapter")
 
 
 def run_export(args) -> int:
@@ -64,7 +67,8 @@ def run_export(args) -> int:
     from pretrieve.utils.run_dir import locate
 
     run_dir, _, tag = locate(Path(args.checkpoint))
-    print(describe_export(export_checkpoint(args.checkpoint, args.out), source=f"{run_dir}, checkpoint {tag}"))
+    print(describe_export(export_checkpoint(args.checkpoint, args.out, args.keep_adapter),
+                          source=f"{run_dir}, checkpoint {tag}"))
     return 0
 
 

@@ -64,8 +64,12 @@ BUDGET = {
 # then the same contrastive pre-training with each pooling, then the quality study's fine-tuning and evaluation
 # with that pooling. `steps`: the contrastive budget, fixed from the budget stage's curve before any arm ran
 # (None: not chosen yet, and the stage refuses to run).
+# cpu: 800 steps, fixed on 2026-11-27 from the budget curve (benchmarks/results/recipe.json, docs/benchmarks.md):
+# `none` is off the floor with both poolings there (SciFact 0.20 mean, 0.05 [CLS]) and still rising to 1600, where
+# arms differing by their pre-training can still differ; 24 contrastive runs of 800 steps fit the 2 cores in
+# about 1.5 hours, of 1600 in 3. The [CLS] runs keep lr 1e-3: 3e-4 with a 25 % warm-up scored lower at every point.
 ARMS = {
-    "cpu": {"arms": {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3}, "steps": None, "lr": 1e-3,
+    "cpu": {"arms": {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3}, "steps": 800, "lr": 1e-3,
             "warmup_ratio": 0.1, "poolings": ["cls", "mean"]},
     "smoke": {"arms": {"none": 1, "retromae": 1}, "steps": 4, "lr": 1e-3, "warmup_ratio": 0.1,
               "poolings": ["cls", "mean"]},

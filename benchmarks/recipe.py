@@ -50,7 +50,7 @@ DATASETS = ("scifact", "cacm", "cranfield")
 # queries are short; the crops (193k of Wikipedia's, 13k of the books', against 67k sections) would otherwise
 # make up three quarters of it
 PAIR_WEIGHTS = {"wiki-sections": 2, "wiki-crops": 1, "books-crops": 1}
-# The contrastive budget curve: arm -> (pooling, lr, warm-up share); steps and the points evaluated
+# The contrastive budget curve: run -> (pooling, lr, warm-up share); its steps and the points evaluated
 BUDGET = {
     "cpu": {"steps": 1600, "points": [200, 400, 800, 1600], "batch": 64, "temperature": 0.05,
             "query_max_len": 32, "runs": {"mean": ("mean", 1e-3, 0.1), "cls": ("cls", 1e-3, 0.1),

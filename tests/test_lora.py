@@ -19,6 +19,7 @@ from conftest import adamw_steps, free_port, pretrain_env
 from pretrieve.config import experiment, load_config
 from pretrieve.data.masking import Vocabulary
 from pretrieve.data.tokenizer import load_tokenizer
+from pretrieve.eval.encode import DenseEncoder, EncodeOptions
 from pretrieve.models.encoder import Encoder, ModelOptions, load_encoder
 from pretrieve.models.export import export
 from pretrieve.models.heads import get_method
@@ -94,6 +95,10 @@ def test_an_export_merges_the_adapters_or_keeps_them_apart(llm, tmp_path):
         np.testing.assert_allclose(Encoder(peft_model.config, model=peft_model.merge_and_unload())(ids, mask),
                                    adapted, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(load_encoder(kept)(ids, mask), adapted, rtol=1e-4, atol=1e-5)
+    # evaluation reads the kept-apart export as the merged one: the same vectors
+    vectors = [DenseEncoder(out, EncodeOptions("last", max_length=64, batch_size=2)).encode(TEXTS, progress=False)
+               for out in (kept, merged)]
+    np.testing.assert_allclose(vectors[0], vectors[1], rtol=1e-4, atol=1e-5)
 
 
 def _copy_encoder(head):

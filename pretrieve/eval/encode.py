@@ -25,6 +25,7 @@ import torch
 
 from pretrieve.eval.options import EncodeOptions
 from pretrieve.eval.prompt_pooling import PromptPooling
+from pretrieve.models.lora import merge_saved_adapter
 from pretrieve.models.poolings import PROMPT_POOLINGS, VOCAB_POOLINGS
 from pretrieve.models.representation import POOLINGS
 
@@ -69,8 +70,9 @@ class DenseEncoder:
             from pretrieve.models.encoder import load_encoder
 
             self.model = load_encoder(model_dir).to(self.device).eval()
-        else:
-            self.model = AutoModel.from_pretrained(model_dir).to(self.device).eval()
+        else:  # a LoRA export's adapter kept apart (models/lora.py) is folded in
+            self.model = merge_saved_adapter(AutoModel.from_pretrained(model_dir), Path(model_dir))
+            self.model = self.model.to(self.device).eval()
 
     def settings(self) -> dict:
         """What determines a document's vector."""

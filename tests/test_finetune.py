@@ -249,6 +249,7 @@ def _epoch_losses(run_dir: Path) -> dict:
     return result
 
 
+@pytest.mark.integration  # three fine-tuning stages and their evaluations: make test's slowest (3 minutes)
 def test_farm_fine_tunes_three_stages_each_lowering_its_loss(tmp_path):
     """A tiny CoT-MoTE export through the farm's stages 1-3 on the SciFact sample: one fine-tuning chain
     (stage 1, mining, stage 2, teacher, teacher scores, stage 3) then one evaluation job per stage."""

@@ -31,7 +31,6 @@ import json
 import os
 import signal
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -112,22 +111,8 @@ def contrastive_overrides(plan: dict, spec: dict, pairs: dict, base: Path, pooli
 
 
 def train_runs(jobs: dict[str, list[str]], runs: Path, plan: dict) -> None:
-    """`pretrieve pretrain` of each pending contrastive run (in `runs`/NAME), `parallel` at a time; a finished run
-    (its export) is skipped."""
-    pending = {name: overrides for name, overrides in jobs.items()
-               if not (runs / name / "export" / "config.json").is_file()}
-
-    def one(name: str) -> None:
-        start = time.time()
-        pretrieve(["pretrain", str(CONFIG), f"run_dir={runs / name}", "resume=auto", *pending[name]],
-                  runs / f"{name}.log", plan["threads"])
-        log(f"contrastive {name} done in {time.time() - start:.0f} s")
-
-    if pending:
-        log(f"contrastive: {len(pending)} of {len(jobs)} runs to go, {plan['parallel']} at a time")
-        with ThreadPoolExecutor(max_workers=plan["parallel"]) as pool:
-            for future in [pool.submit(one, name) for name in pending]:
-                future.result()
+    """The contrastive runs `jobs` (in `runs`/NAME) through quality.py's pretrain_runs: a finished run is skipped."""
+    pretrain_runs([(str(CONFIG), runs / name, overrides) for name, overrides in jobs.items()], plan)
 
 
 def evaluate(model: Path, pooling: str, dataset: str, out: Path, plan: dict) -> float:

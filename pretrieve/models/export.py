@@ -48,10 +48,11 @@ def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAU
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if has_lora(head.encoder.model) and keep_adapter:
-        save_adapter_apart(head.encoder.model, tmp)
-    elif has_lora(head.encoder.model):
-        merge_lora(head.encoder.model)
+    if has_lora(head.encoder.model):
+        if keep_adapter:
+            save_adapter_apart(head.encoder.model, tmp)
+        else:
+            merge_lora(head.encoder.model)
     head.encoder.model.save_pretrained(str(tmp))
     AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).save_pretrained(str(tmp))
     save_file(head.extra_state(), str(tmp / HEAD_WEIGHTS))

@@ -28,10 +28,10 @@ DRY_RUN ?=
 # the stages a job runs, in priority order: STAGES=all, or names (tools/gpu_check.py DEFAULT_STAGES when unset)
 STAGES ?=
 NO_DEPS ?=
-# make test and make test-integration run on TEST_JOBS pytest-xdist workers: most tests drive one-thread training
-# subprocesses and wait on their start-up, which leaves a core idle, so 2 workers on 2 cores. make test gives a
-# test file to a worker (its module fixtures are built once); the integration tests, a few long ones, go one by
-# one. TEST_JOBS=0: one process, as plain pytest
+# make test, test-integration and test-cluster run on TEST_JOBS pytest-xdist workers: most tests drive one-thread
+# training subprocesses and wait on their start-up, which leaves a core idle, so 2 workers on 2 cores. make test
+# gives a test file to a worker (its module fixtures are built once); the integration tests, a few long ones, go
+# one by one. TEST_JOBS=0: one process, as plain pytest
 TEST_JOBS ?= 2
 XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist $(1))
 PIP_FROM := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)))
@@ -86,10 +86,11 @@ test-integration: install
 	$(VENV_PY) -m pytest -q --durations=10 $(call XDIST,load) -m integration tests
 
 # real cluster parts, as root: a two-node SLURM cluster on this host (Debian's slurm-wlm and munge, installed by
-# tools/install_slurm.sh when missing), two network namespaces as two nodes, and fault injection
+# tools/install_slurm.sh when missing), two network namespaces as two nodes, and fault injection. A test file to a
+# worker: the SLURM jobs wait on the scheduler and the faults on their signals, which leaves a core idle
 test-cluster: install
 	tools/install_slurm.sh
-	$(VENV_PY) -m pytest -q -rs --durations=10 -m cluster tests
+	$(VENV_PY) -m pytest -q -rs --durations=10 $(call XDIST,loadfile) -m cluster tests
 
 # on a machine with an NVIDIA GPU (`make install` there gets PyPI's CUDA build of torch): the kernel and engine
 # tests that need CUDA (tests/test_kernels_gpu.py, tests/test_engine_gpu.py, tests/test_farm_gpu.py,

@@ -1,7 +1,7 @@
 """Launchers (launchers/README.md): the per-rank entry under each launcher's variables; two CPU ranks through
-`deepspeed --no_python launchers/pretrain.sh`; two "nodes" on loopback forming one job; the SLURM job, run by
-the fake sbatch / srun / scontrol of tests/fake_slurm, preempted by USR1, requeued and resumed to the same
-weights as the uninterrupted run; the evaluation array; hostfiles; ds_configs; `pretrieve launch-info`."""
+`deepspeed --no_python launchers/pretrain.sh`; hostfiles from a SLURM nodelist (the fake `scontrol show hostnames`
+of tests/fake_slurm); ds_configs; `pretrieve launch-info`. The SLURM scripts run on a real cluster in
+tests/test_slurm_cluster.py, two nodes in tests/test_cluster_netns.py (`make test-cluster`)."""
 
 import json
 import os
@@ -9,13 +9,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
-import torch
-from conftest import SAMPLES, free_port, json_lines, pretrain_env
+from conftest import free_port, json_lines, pretrain_env
 from safetensors.torch import load_file
 
 from pretrieve.cli import main as cli
@@ -99,120 +96,31 @@ def test_pretrain_sh_maps_each_launchers_rank_variables(dump_python):
     # srun: one task per rank, numbered by SLURM; the first node of the job is the master
     slurm = _entry(dump_python, "cfg.yaml", SLURM_PROCID="5", SLURM_LOCALID="1", SLURM_NTASKS="8",
                    SLURM_TASKS_PER_NODE="4(x2)", SLURM_JOB_NODELIST="gpu[07-08]", SLURM_JOB_ID="123",
-                   FAKE_SLURM_STATE="unused", OMP_NUM_THREADS="3")
+                   OMP_NUM_THREADS="3")
     assert slurm == {"argv": ["-m", "pretrieve", "pretrain", "cfg.yaml"], "RANK": "5", "LOCAL_RANK": "1",
                      "WORLD_SIZE": "8", "MASTER_ADDR": "gpu07", "MASTER_PORT": "20123", "OMP_NUM_THREADS": "3"}
     usage = subprocess.run([str(PRETRAIN_SH)], env=_env(), capture_output=True, text=True)
     assert usage.returncode == 2 and "usage: launchers/pretrain.sh CONFIG" in usage.stderr
 
 
-@pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory, wiki_shards) -> Path:
-    """The uninterrupted reference: `deepspeed --num_accelerators 2 --no_python launchers/pretrain.sh`, ZeRO 2."""
-    run_dir, port = tmp_path_factory.mktemp("deepspeed") / "run", free_port()
-    (run_dir.parent / "master_port").write_text(port)
+def test_deepspeed_launcher_runs_two_cpu_ranks(tmp_path, wiki_shards):
+    """`deepspeed --num_accelerators 2 --no_python launchers/pretrain.sh`, ZeRO 2."""
+    run_dir, port = tmp_path / "run", free_port()
     done = subprocess.run([str(BIN / "deepspeed"), "--num_accelerators", "2", "--master_port", port,
                            "--no_python", str(PRETRAIN_SH), str(CONFIG), f"run_dir={run_dir}",
                            *_overrides(wiki_shards / "manifest.json", "tracking.enabled=false")],
                           env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return run_dir
-
-
-def test_deepspeed_launcher_runs_two_cpu_ranks(two_rank_run):
-    final = two_rank_run / "checkpoints" / f"step{STEPS:08d}"
+    final = run_dir / "checkpoints" / f"step{STEPS:08d}"
     assert len(list(final.glob("*zero_pp_rank_*_optim_states.pt"))) == 2  # a ZeRO partition per rank
-    assert [step for step, _ in _losses(two_rank_run)] == list(range(1, STEPS + 1))
-    assert (two_rank_run / "export" / "model.safetensors").is_file()
+    assert [step for step, _ in _losses(run_dir)] == list(range(1, STEPS + 1))
+    assert (run_dir / "export" / "model.safetensors").is_file()
     # DeepSpeed's CPU all-reduce buffers (one per rank in /dev/shm, named after the port) are not left behind
-    port = (two_rank_run.parent / "master_port").read_text()
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 
-def test_two_nodes_on_loopback_form_one_job(tmp_path, wiki_shards, two_rank_run):
-    """Two `deepspeed --no_ssh --node_rank i` invocations over a hostfile of two "nodes" (make_hostfile.sh from a
-    SLURM nodelist): one world of 2 ranks, the same losses and weights as the 2-rank run on one node."""
-    env = _env(FAKE_SLURM_STATE=str(tmp_path / "slurm"))
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text(subprocess.run([str(LAUNCHERS / "make_hostfile.sh"), "node[1-2]", "1"], env=env, check=True,
-                                       capture_output=True, text=True).stdout)
-    assert hostfile.read_text() == "node1 slots=1\nnode2 slots=1\n"
-    run_dir, port = tmp_path / "run", free_port()
-    nodes = [subprocess.Popen([str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(i),
-                               "--master_addr", "127.0.0.1", "--master_port", port, "--no_python", str(PRETRAIN_SH),
-                               str(CONFIG), f"run_dir={run_dir}",
-                               *_overrides(wiki_shards / "manifest.json", "tracking.enabled=false")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
-    logs = [node.communicate(timeout=600)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
-    assert _losses(run_dir) == _losses(two_rank_run)
-    ours, reference = _weights(run_dir), _weights(two_rank_run)
-    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
-
-
-def test_slurm_job_preempted_by_usr1_is_requeued_and_resumes(tmp_path, wiki_shards, two_rank_run):
-    from mlflow.tracking import MlflowClient
-
-    state, run_dir, logs = tmp_path / "slurm", tmp_path / "run", tmp_path / "logs"
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    job = subprocess.Popen([str(FAKE_SLURM / "sbatch"), "--ntasks-per-node=2", "--job-name=pt",
-                            str(LAUNCHERS / "slurm" / "pretrain.sbatch"), str(CONFIG),
-                            *_overrides(wiki_shards / "manifest.json", f"tracking.uri={uri}")],
-                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           # a free port, not the one pretrain.sbatch derives from the job id: every fake SLURM
-                           # starts at job 1000, so two of these tests at once (two suites on one machine) would
-                           # otherwise meet on port 21000 and pair one job's rank 0 with the other's rank 1
-                           env=_env(FAKE_SLURM_STATE=str(state), PRETRIEVE_HOME=str(ROOT), RUN_DIR=str(run_dir),
-                                    LOG_DIR=str(logs), MASTER_PORT=free_port()))
-    deadline = time.time() + 600
-    while time.time() < deadline and job.poll() is None and not (
-            (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text()):
-        time.sleep(0.02)
-    assert job.poll() is None, job.communicate()[0][-3000:]
-    # As slurmstepd before the time limit: USR1 to every process of the step, ranks and DataLoader workers.
-    # Rank 0 is paused meanwhile, so neither rank gets more than a step ahead: the job stops mid-run.
-    ranks = [psutil.Process(int(pid)) for pid in (state / "step.pids").read_text().split()]
-    ranks[0].suspend()
-    for process in [p for rank in ranks for p in [rank, *rank.children(recursive=True)]]:
-        process.send_signal(signal.SIGUSR1)
-    ranks[0].resume()
-    out = job.communicate(timeout=600)[0]
-    assert job.returncode == 0, out[-3000:]
-    assert "preempted with a checkpoint" in out and "fake sbatch: job 1000 requeued (restart 1)" in out, out[-3000:]
-    assert "job 1000 attempt 2" in out
-    log = (logs / "pt-1000-localhost.log").read_text()  # the node's log holds both attempts
-    assert log.count("preempted: saved step ") == 2 and "step00000006" in log
-
-    assert _losses(run_dir) == _losses(two_rank_run)  # every step once, resumed exactly
-    ours, reference = _weights(run_dir), _weights(two_rank_run)
-    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
-
-    client = MlflowClient(tracking_uri=uri)
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert len(runs) == 1, "the requeued attempt continues the same MLflow run"
-    run = runs[0].info
-    assert runs[0].data.tags["slurm_job_id"] == "1000" and run.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(run.run_id, "loss")] == list(range(1, STEPS + 1))
-
-
-def test_eval_farm_array_runs_one_job_per_task(tmp_path):
-    jobs = tmp_path / "jobs.txt"
-    prepare = f"prepare --source wikipedia --input {SAMPLES / 'wikipedia'} --workers 0 --shard-size 1000 --out"
-    jobs.write_text(f"# one pretrieve command per line\n{prepare} '{tmp_path / 'out a'}'\n\n"
-                    f"export {tmp_path / 'missing'} {tmp_path / 'x'}\n--version\n")
-    env = _env(FAKE_SLURM_STATE=str(tmp_path / "slurm"))
-    done = subprocess.run([str(FAKE_SLURM / "sbatch"), "--array=0-3", str(LAUNCHERS / "slurm" / "eval_farm.sbatch"),
-                           str(jobs)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    codes = dict(line.split() for line in (tmp_path / "slurm" / "array.log").read_text().splitlines())
-    # a failing job fails only its own task; index 3 is past the 3 jobs
-    assert codes == {"1000_0": "0", "1000_1": "1", "1000_2": "0", "1000_3": "1"}, done.stderr[-3000:]
-    assert (tmp_path / "out a" / "manifest.json").is_file()  # the quoted path with a space
-    assert f"{tmp_path / 'missing'}" in done.stderr and "has 3 jobs, no job 3" in done.stderr
-    assert "pretrieve 0." in done.stdout
-
-
 def test_make_hostfile_from_a_slurm_nodelist(tmp_path):
-    env = _env(FAKE_SLURM_STATE=str(tmp_path), SLURM_JOB_NODELIST="gpu[01-03,7],cpu1", SLURM_GPUS_ON_NODE="8")
+    env = _env(SLURM_JOB_NODELIST="gpu[01-03,7],cpu1", SLURM_GPUS_ON_NODE="8")
     made = subprocess.run([str(LAUNCHERS / "make_hostfile.sh")], env=env, capture_output=True, text=True, check=True)
     assert made.stdout.splitlines() == ["gpu01 slots=8", "gpu02 slots=8", "gpu03 slots=8", "gpu7 slots=8",
                                         "cpu1 slots=8"]

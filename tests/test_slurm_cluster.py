@@ -17,9 +17,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from conftest import free_port, pretrain_env, signal_in_mask
 from slurm_cluster import Cluster, missing
-from test_launchers import _losses
+from test_launchers import _losses, _weights
 
 pytestmark = pytest.mark.cluster
 
@@ -160,11 +161,14 @@ def test_usr1_before_the_time_limit_requeues_and_resumes_exactly(cluster, checko
     log = _finished(cluster, job, checkout, restarts=1)
     assert "preempted with a checkpoint" in log and f"job {job} attempt 2" in log
     assert _losses(run_dir) == _losses(one_node)  # every step once, as uninterrupted
+    ours, reference = _weights(run_dir), _weights(one_node)
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
 
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED", "the requeued attempt continues the MLflow run"
     assert runs[0].data.tags["slurm_job_id"] == str(job)
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == list(range(1, STEPS + 1))
 
 
 def test_two_nodes_preempted_by_usr1_resume_exactly(cluster, checkout, wiki_shards, tmp_path):
@@ -249,21 +253,25 @@ def test_a_start_up_failure_that_may_pass_is_requeued_a_bounded_number_of_times(
 def test_eval_farm_array_fails_only_the_failing_task(cluster, checkout, tmp_path):
     samples = ROOT / "pretrieve" / "assets" / "samples" / "wikipedia"
     jobs = tmp_path / "jobs.txt"
-    jobs.write_text(f"# one pretrieve command per line\n--version\nexport {tmp_path / 'missing'} {tmp_path / 'x'}\n"
+    jobs.write_text(f"# one pretrieve command per line\n--version\n\nexport {tmp_path / 'missing'} {tmp_path / 'x'}\n"
                     f"prepare --source wikipedia --input {samples} --workers 0 --shard-size 1000 --out "
                     f"'{tmp_path / 'out a'}'\n")
-    job = cluster.submit("--array=0-2", "launchers/slurm/eval_farm.sbatch", str(jobs), cwd=checkout, env=_env())
+    job = cluster.submit("--array=0-3", "launchers/slurm/eval_farm.sbatch", str(jobs), cwd=checkout, env=_env())
     deadline = time.time() + 300
     while True:
         tasks = {t["ArrayTaskId"]: t for t in cluster.jobs(job)}
-        if len(tasks) == 3 and all(t["JobState"] in ("COMPLETED", "FAILED") for t in tasks.values()):
+        if len(tasks) == 4 and all(t["JobState"] in ("COMPLETED", "FAILED") for t in tasks.values()):
             break
         assert time.time() < deadline, tasks
         time.sleep(0.5)
-    assert {i: t["JobState"] for i, t in tasks.items()} == {"0": "COMPLETED", "1": "FAILED", "2": "COMPLETED"}
-    assert (tmp_path / "out a" / "manifest.json").is_file()
+    # the blank line and the comment are no jobs; a task past the 3 jobs fails, naming the list's size
+    assert {i: t["JobState"] for i, t in tasks.items()} == {"0": "COMPLETED", "1": "FAILED", "2": "COMPLETED",
+                                                           "3": "FAILED"}
+    assert "pretrieve 0." in (checkout / f"pretrieve-eval-{job}_0.out").read_text()
+    assert (tmp_path / "out a" / "manifest.json").is_file()  # the quoted path with a space
     failed = (checkout / f"pretrieve-eval-{job}_1.out").read_text()
     assert str(tmp_path / "missing") in failed
+    assert "has 3 jobs, no job 3" in (checkout / f"pretrieve-eval-{job}_3.out").read_text()
 
 
 def test_a_gpu_request_on_a_cpu_cluster_is_refused_at_once(cluster, checkout, wiki_shards, tmp_path):

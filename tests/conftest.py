@@ -12,6 +12,12 @@ from pathlib import Path
 # Triton kernels run under the interpreter on machines without a GPU; it must be chosen before triton loads.
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# A pytest-xdist worker (TEST_JOBS: 2 on 2 cores) takes its share of the cores, before torch loads: with a thread
+# per core each, the workers oversubscribe the machine and OpenMP's waiting threads spin (tests/test_heads.py's
+# in-process training ran 3x slower so). Its subprocesses inherit it unless a test sets their own.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import psutil
 import pytest

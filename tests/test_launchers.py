@@ -28,7 +28,7 @@ STEPS = 6
 
 
 def _env(**extra) -> dict:
-    """A launcher's environment: DeepSpeed on CPU, the fake SLURM commands on PATH, this interpreter for the ranks.
+    """A launcher's environment: DeepSpeed on CPU, the stand-in `scontrol` on PATH, this interpreter for the ranks.
     (Not the venv's bin/ on PATH: its pip `ninja` differs from the system one, and DeepSpeed's JIT-built comm op
     would then be rebuilt, about a minute, each time the two alternate.)"""
     env = {k: v for k, v in pretrain_env().items() if not k.startswith("SLURM_")}

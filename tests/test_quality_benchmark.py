@@ -4,7 +4,11 @@ few steps: settings fixed first, the labelled set, the base trained by MLM, each
 evaluation, the paired bootstrap against none and mlm, the steps curve from one run's checkpoints, the domain
 adaptation on a target corpus, the plots; a second run finds its work done; other settings on the same work
 directory are refused; the gpu-short plan (make gpu-check's, derived from the gpu one, whose settings
-tests/test_quality_protocol.py checks) runs as two GPU jobs whose seeds merge. (The bundled SciFact sample stands
+tests/test_quality_protocol.py checks) runs as two GPU jobs whose seeds merge. On the smoke run's work directory,
+benchmarks/recipe.py --smoke --stage all (BGE's recipe): the weak pairs of the study's training text, the base
+contrastive-trained and evaluated zero-shot with its pooling; none and retromae (the study's own run of it, not
+trained again), each contrastive-trained with [CLS] and with mean pooling, fine-tuned and evaluated with that
+pooling through the farm, compared with none; a second run finds its work done. (The bundled SciFact sample stands
 in for every collection.)"""
 
 import json
@@ -25,6 +29,12 @@ def _smoke(tmp_path, *extra, scale="cpu"):
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--scale", scale, "--smoke",
                            "--out", str(tmp_path / "work"), "--results", str(tmp_path / "quality.json"),
                            "--set", f"general.arms={ARMS}", "--set", 'domain.arms={"none": 1, "dupmae": 1}', *extra],
+                          env=pretrain_env(OMP_NUM_THREADS="2"), capture_output=True, text=True, timeout=900)
+
+
+def _recipe(tmp_path):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "recipe.py"), "--smoke", "--stage", "all",
+                           "--out", str(tmp_path / "work"), "--results", str(tmp_path / "recipe.json")],
                           env=pretrain_env(OMP_NUM_THREADS="2"), capture_output=True, text=True, timeout=900)
 
 
@@ -83,6 +93,46 @@ def test_quality_smoke_runs_the_protocol_and_resumes(tmp_path):
 
     changed = _smoke(tmp_path, "--set", "finetune.lr=0.5")
     assert changed.returncode == 2 and re.search(r"with finetune\.lr = [0-9.e-]+; this run has 0\.5", changed.stderr)
+
+    _check_recipe(tmp_path)
+
+
+def _check_recipe(tmp_path: Path) -> None:
+    """BGE's recipe on the quality study's work directory: it takes the study's base and retromae run as they are."""
+    work = tmp_path / "work"
+    shared = [work / "base" / "export" / "model.safetensors",
+              work / "general" / "runs" / "retromae-s0" / "export" / "model.safetensors"]
+    written = [path.stat().st_mtime_ns for path in shared]
+    done = _recipe(tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [path.stat().st_mtime_ns for path in shared] == written  # not trained again
+    results = json.loads((tmp_path / "recipe.json").read_text())
+    assert set(results["pairs"]) == {"wiki-sections", "wiki-crops", "books-crops"}
+    assert all(count > 0 for count in results["pairs"].values())
+    scores = results["budget"]["cls"]["ndcg@10"]["scifact-sample"]
+    assert list(scores) == ["0", "4"] and all(0 <= s <= 1 for s in scores.values()), scores
+    assert json.loads((work / "budget" / "eval" / "cls-4" / "scifact-sample" / "metrics.json").read_text())[
+        "pooling"] == "cls"  # evaluated as it was trained
+
+    arms = results["arms"]
+    assert set(arms) == {"cls", "mean"}
+    for pooling, per in arms.items():
+        assert set(per) == {"none", "retromae"}
+        entry = per["retromae"]["scifact-sample"]
+        assert entry["vs_none"]["queries"] == 100 and 0 <= entry["mean"] <= 1
+        # the retromae arm's contrastive run started from the quality study's run of it, and each model was
+        # fine-tuned and evaluated with its own pooling
+        config = (work / "recipe" / "runs" / f"retromae-{pooling}-s0" / "config.yaml").read_text()
+        assert f"init_from: {work / 'general' / 'runs' / 'retromae-s0' / 'export'}" in config
+        assert json.loads((work / "recipe" / "farm" / f"retromae-{pooling}-s0" / "scifact-sample" / "stage1" /
+                           "metrics.json").read_text())["pooling"] == pooling
+    assert {"pairs", "contrastive", "eval", "arms.contrastive", "arms.finetune+eval"} <= set(results["stage_times"])
+
+    again = _recipe(tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "runs to go" not in again.stderr and "pairs wiki" not in again.stderr  # nothing trained or prepared again
+    rerun = json.loads((tmp_path / "recipe.json").read_text())
+    assert rerun["budget"] == results["budget"] and rerun["arms"] == results["arms"]
 
 
 def _check_gpu_plan(out: dict, work: Path, scale: str) -> None:

@@ -25,17 +25,20 @@ ROOT = Path(__file__).resolve().parent.parent
 ARMS = '{"none": 1, "mlm": 1, "retromae": 1, "dupmae": 1}'
 
 
-def _smoke(tmp_path, *extra, scale="cpu"):
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--scale", scale, "--smoke",
-                           "--out", str(tmp_path / "work"), "--results", str(tmp_path / "quality.json"),
-                           "--set", f"general.arms={ARMS}", "--set", 'domain.arms={"none": 1, "dupmae": 1}', *extra],
+def _benchmark(name: str, tmp_path, *args) -> subprocess.CompletedProcess:
+    """benchmarks/NAME.py --smoke in tmp_path/work, its results to tmp_path/NAME.json."""
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke", "--out",
+                           str(tmp_path / "work"), "--results", str(tmp_path / f"{name}.json"), *args],
                           env=pretrain_env(OMP_NUM_THREADS="2"), capture_output=True, text=True, timeout=900)
+
+
+def _smoke(tmp_path, *extra, scale="cpu"):
+    return _benchmark("quality", tmp_path, "--scale", scale, "--set", f"general.arms={ARMS}",
+                      "--set", 'domain.arms={"none": 1, "dupmae": 1}', *extra)
 
 
 def _recipe(tmp_path):
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "recipe.py"), "--smoke", "--stage", "all",
-                           "--out", str(tmp_path / "work"), "--results", str(tmp_path / "recipe.json")],
-                          env=pretrain_env(OMP_NUM_THREADS="2"), capture_output=True, text=True, timeout=900)
+    return _benchmark("recipe", tmp_path, "--stage", "all")
 
 
 def _finetuned(work: Path, arm: str) -> dict:

@@ -88,9 +88,9 @@ class Tracker:
         uri = options.uri or f"sqlite:///{run_dir.resolve().parent / 'mlflow.db'}"
         run_file = run_dir / "run.json"
         try:
-            from mlflow import MlflowClient
+            from pretrieve.utils.mlflow_store import mlflow_client
 
-            self.client = MlflowClient(tracking_uri=uri)
+            self.client = mlflow_client(uri)
             previous = json.loads(run_file.read_text()) if run_file.is_file() else {}
             resumed = previous.get("tracking_uri") == uri and bool(previous.get("run_id"))
             if resumed and fresh:

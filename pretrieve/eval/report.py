@@ -28,9 +28,9 @@ DEFAULT_METRICS = ("ndcg@10", "mrr@10", "recall@100")
 
 def collect(uri: str, experiments: list[str] | None = None) -> list[dict]:
     """One record per evaluation run: checkpoint, dataset, stage, start time, metrics (MLflow names)."""
-    from mlflow.tracking import MlflowClient
+    from pretrieve.utils.mlflow_store import mlflow_client
 
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
     found = client.search_experiments()
     ids = [e.experiment_id for e in found if experiments is None or e.name in experiments]
     if experiments and len(ids) < len(experiments):
@@ -47,11 +47,11 @@ def evaluations_of(uri: str, model_dir: str | Path, run_id: str | None = None) -
     the runs nested under it (the checkpoint zero-shot, and fine-tuned by the farm's stages). Each record: dataset,
     stage, split, this_model (False: a model fine-tuned from it), run_id, start (ms), metrics ({MLflow
     name: value})."""
-    from mlflow.tracking import MlflowClient
+    from pretrieve.utils.mlflow_store import mlflow_client
 
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
         return []  # no store there (yet): nothing evaluated, and no empty database made
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
     ids = [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(ids, filter_string="tags.`pretrieve.farm` = 'eval'", max_results=50000) if ids else []
     here = str(Path(model_dir).resolve())
@@ -123,9 +123,9 @@ def write_report(uri: str, out: str | Path, experiments: list[str] | None = None
 
 def _log_report(uri: str, out: Path, experiment_id: str) -> str:
     """A new `report` run holding OUT's files as artifacts; its id goes to OUT/mlflow.json."""
-    from mlflow.tracking import MlflowClient
+    from pretrieve.utils.mlflow_store import mlflow_client
 
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
     run_id = client.create_run(experiment_id, run_name="report", tags={"pretrieve.report": "1"}).info.run_id
     for path in sorted(out.iterdir()):
         if path.is_file() and path.name != "mlflow.json" and not path.name.startswith("."):

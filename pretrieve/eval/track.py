@@ -120,10 +120,10 @@ def track(folders: list[str], uri: str, experiment: str = "pretrieve-eval", chec
           dataset: str | None = None, stage: str = "zero-shot") -> list[dict]:
     """Log each folder not logged yet; one record per folder: eval_dir, checkpoint, dataset, stage, run_id,
     logged (False: the run that logged it before)."""
-    from mlflow.tracking import MlflowClient
+    from pretrieve.utils.mlflow_store import mlflow_client
 
     found = eval_folders(folders, checkpoint, dataset, stage)
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
     experiment_id = experiment_id_of(client, experiment, artifact_root(uri))
     records = []
     for folder in found:

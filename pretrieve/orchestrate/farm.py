@@ -325,21 +325,21 @@ def _parent_run(job: Job, uri: str) -> tuple[str, str] | None:
     if not info.get("tracking_uri") or store_location(info["tracking_uri"]) != store_location(uri) \
             or not info.get("run_id"):
         return None
-    from mlflow.tracking import MlflowClient
+    from pretrieve.utils.mlflow_store import mlflow_client
 
-    return info["run_id"], MlflowClient(tracking_uri=uri).get_run(info["run_id"]).info.experiment_id
+    return info["run_id"], mlflow_client(uri).get_run(info["run_id"]).info.experiment_id
 
 
 def _log_job(job: Job, farm: dict) -> bool:
     """Log a done job as an MLflow run, once (OUT/mlflow.json); True when it was logged now."""
-    from mlflow.tracking import MlflowClient
+    from pretrieve.utils.mlflow_store import mlflow_client
 
     record = job.out / "mlflow.json"
     tracking = farm["tracking"]
     if record.is_file() or tracking.get("enabled", True) is False:
         return False
     uri = _tracking_uri(farm)
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
     parent = _parent_run(job, uri)
     # artifacts beside the farm's outputs, not in ./mlruns under the caller's cwd
     experiment_id = parent[1] if parent else experiment_id_of(

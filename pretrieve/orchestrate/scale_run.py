@@ -55,20 +55,20 @@ def pretrain_args(study: dict, point: Point, parent: str | None) -> list[str]:
 
 def log_validation_summary(run_dir: Path) -> None:
     """`val_loss_final` and `val_loss_best` of a finished point, on its MLflow run (from metrics.jsonl)."""
-    from mlflow.tracking import MlflowClient
+    from pretrieve.utils.mlflow_store import mlflow_client
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["val_loss"] for r in records if "val_loss" in r]
     run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
     if losses and run.get("run_id"):
-        client = MlflowClient(tracking_uri=run["tracking_uri"])
+        client = mlflow_client(run["tracking_uri"])
         client.log_metric(run["run_id"], "val_loss_final", losses[-1])
         client.log_metric(run["run_id"], "val_loss_best", min(losses))
 
 
 def study_parent(study: dict) -> str:
     """The study's parent run id: the latest top-level run tagged with its name, created when there is none."""
-    from mlflow.tracking import MlflowClient
+    from pretrieve.utils.mlflow_store import mlflow_client
 
     from pretrieve.engine.tracking import experiment_id_of
     from pretrieve.scale.study import parent_run_id
@@ -76,7 +76,7 @@ def study_parent(study: dict) -> str:
     try:
         return parent_run_id(study)
     except ValueError:
-        client = MlflowClient(tracking_uri=study["tracking"]["uri"])
+        client = mlflow_client(study["tracking"]["uri"])
         experiment = experiment_id_of(client, study["tracking"]["experiment"])
         run = client.create_run(experiment, run_name=study["name"],
                                 tags={STUDY_TAG: study["name"], KIND_TAG: "study"})

@@ -92,9 +92,9 @@ def read_points_csv(path: str | Path) -> dict[str, Points]:
 def read_points_mlflow(uri: str, parent_run_id: str, metric: str | None = None, dataset: str | None = None,
                        stage: str | None = None) -> tuple[dict[str, Points], dict[str, int]]:
     """({method: Points}, {reason: count of child runs skipped}) from the child runs of `parent_run_id`."""
-    from mlflow.tracking import MlflowClient
+    from pretrieve.utils.mlflow_store import mlflow_client
 
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
     parent = client.get_run(parent_run_id)
     experiment = parent.info.experiment_id
     metric_key = metric_name(metric) if metric else None

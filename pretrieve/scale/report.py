@@ -52,9 +52,9 @@ def run_fit(out: str | Path, study: str | None = None, points_csv: str | None = 
     out.mkdir(parents=True, exist_ok=True)
     write_outputs(fits, out, source=study or points_csv, bootstrap=bootstrap, skipped=skipped)
     if parent is not None:
-        from mlflow.tracking import MlflowClient
+        from pretrieve.utils.mlflow_store import mlflow_client
 
-        MlflowClient(tracking_uri=spec["tracking"]["uri"]).log_artifacts(parent, str(out), ARTIFACT_FOLDER)
+        mlflow_client(spec["tracking"]["uri"]).log_artifacts(parent, str(out), ARTIFACT_FOLDER)
     return {"out": str(out), "parent_run_id": parent, "skipped_runs": skipped,
             "methods": {m: _headline(f) for m, f in fits.items()}}
 

@@ -50,12 +50,12 @@ def load_study(path: str | Path) -> dict:
 
 def parent_run_id(study: dict) -> str:
     """The study's parent run: `tracking.parent_run_id`, else the latest top-level run tagged with its name."""
-    from mlflow.tracking import MlflowClient
+    from pretrieve.utils.mlflow_store import mlflow_client
 
     tracking = study["tracking"]
     if tracking.get("parent_run_id"):
         return tracking["parent_run_id"]
-    client = MlflowClient(tracking_uri=tracking["uri"])
+    client = mlflow_client(tracking["uri"])
     experiment = client.get_experiment_by_name(tracking["experiment"])
     if experiment is None:
         raise ValueError(f"{tracking['uri']}: no experiment {tracking['experiment']!r} (tracking.experiment)")

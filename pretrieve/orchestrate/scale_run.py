@@ -68,10 +68,9 @@ def log_validation_summary(run_dir: Path) -> None:
 
 def study_parent(study: dict) -> str:
     """The study's parent run id: the latest top-level run tagged with its name, created when there is none."""
-    from pretrieve.utils.mlflow_store import mlflow_client
-
     from pretrieve.engine.tracking import experiment_id_of
     from pretrieve.scale.study import parent_run_id
+    from pretrieve.utils.mlflow_store import mlflow_client
 
     try:
         return parent_run_id(study)

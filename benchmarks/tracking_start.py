@@ -40,8 +40,7 @@ print(json.dumps({"import_s": imported - started, "open_s": time.perf_counter() 
 """
 
 
-def measure(way: str, folder: Path) -> dict:
-    store = folder / f"{way}-{len(list(folder.iterdir()))}.db"
+def measure(way: str, store: Path) -> dict:
     done = subprocess.run([sys.executable, "-c", OPEN, f"sqlite:///{store}", way], cwd=ROOT, capture_output=True,
                           text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -60,7 +59,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for i in range(args.repeats):
             for way in ("mlflow", "copy") if i % 2 == 0 else ("copy", "mlflow"):
-                one = measure(way, Path(folder))
+                one = measure(way, Path(folder) / f"{way}-{i}.db")
                 times[way].append(round(one["open_s"], 3))
                 imports.append(one["import_s"])
                 print(f"{way:6s} open {one['open_s']:6.2f} s  (import {one['import_s']:.2f} s)", flush=True)

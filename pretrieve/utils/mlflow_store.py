@@ -10,7 +10,6 @@ Where anything of this fails, MLflow makes the store itself, as before.
 import os
 import secrets
 import shutil
-import tempfile
 from pathlib import Path
 
 
@@ -36,7 +35,7 @@ def seed_sqlite_store(uri: str) -> bool:
         return False
     try:
         template = empty_store()
-        staged = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        staged = _staged(path)
         try:
             shutil.copyfile(template, staged)  # a new file: the umask's mode, as MLflow's own would have
             os.link(staged, path)  # never replaces a store that appeared meanwhile
@@ -59,8 +58,7 @@ def empty_store() -> Path:
     from mlflow.store.db.utils import _initialize_tables
 
     template.parent.mkdir(parents=True, exist_ok=True)
-    fd, staged = tempfile.mkstemp(prefix=".mlflow-empty.", suffix=".db", dir=template.parent)
-    os.close(fd)
+    staged = _staged(template)
     try:
         engine = sqlalchemy.create_engine(f"sqlite:///{staged}")
         try:
@@ -69,6 +67,10 @@ def empty_store() -> Path:
             engine.dispose()
         os.replace(staged, template)
     finally:
-        if os.path.exists(staged):
-            os.unlink(staged)
+        staged.unlink(missing_ok=True)
     return template
+
+
+def _staged(path: Path) -> Path:
+    """A hidden name beside PATH, this process's own, for a file written before it is put in place."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")

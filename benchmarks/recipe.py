@@ -2,7 +2,8 @@
 pairs of the Wikipedia sample and the books -> the same fine-tuning -> evaluation, each arm with [CLS] and with
 mean pooling.
 
-    python benchmarks/recipe.py --scale cpu [--smoke] [--stage budget|arms|all] [--out DIR] [--results FILE]
+    python benchmarks/recipe.py --scale cpu [--smoke] [--stage budget|arms|all] [--seeds 0-2] [--out DIR]
+        [--results FILE]
 
 Two stages. `budget` chooses the contrastive budget before any arm is compared: the `none` arm (the quality
 study's base, benchmarks/quality.py, trained here once with its settings) contrastive-trained on the weak pairs
@@ -10,9 +11,11 @@ with each pooling, and [CLS] again at a lower learning rate with a longer warm-u
 several step counts exported and evaluated zero-shot (`pretrieve eval`, the pooling it was trained with,
 normalised) on SciFact, CACM and Cranfield's test queries. `arms` runs, once the budget is fixed in ARMS below:
 each arm's pre-training (the quality study's own runs of it: the same --out shares them), the contrastive
-pre-training at that budget with [CLS] and with mean pooling, the quality study's fine-tuning (its labelled set,
-steps and seed) and evaluation with that pooling; 3 seeds; per pooling, the paired bootstrap against `none` and
-`mlm`.
+pre-training at that budget with [CLS] and with mean pooling, each model scored twice with that pooling,
+normalised: zero-shot, and after the quality study's fine-tuning (its labelled set, steps, lr and seed) scored as
+the contrastive stage scores (cosine / its temperature); 3 seeds; per score and pooling, the paired bootstrap
+against `none` and `mlm`. `--seeds 1-2` runs only those seeds; their per-query scores merge with an earlier
+job's (RESULTS-per-query.json, kept while the arms' settings are the same), so seeds can run in separate jobs.
 
 The weak pairs (`pretrieve prepare --pairs`, from the quality study's training split of the text, nothing of
 its held-out part): Wikipedia's sections (title -> first paragraph, "title: heading" -> the section),
@@ -21,7 +24,8 @@ contrastive settings are the ones an earlier probe found to train a model of thi
 cosine / 0.05, lr 1e-3, batch 64).
 
 Resumable: every stage skips what exists (pair manifests, exports, evaluations); an interrupted run continues
-from its checkpoint. Results: benchmarks/results/recipe.json (--smoke: in the work directory).
+from its checkpoint. Results: benchmarks/results/recipe.json and recipe-per-query.json (--smoke: in the work
+directory).
 """
 
 from __future__ import annotations
@@ -31,17 +35,18 @@ import json
 import os
 import signal
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from quality import (ROOT, SHARED, arm_overrides, base_model, checkpoint, collection, config_of,  # noqa: E402
-                     general_collections, labelled_sets, pretrain_runs, pretraining_text, pretrieve, run_farm,
-                     scores_of, text_split, timed, use_data)
+                     general_collections, labelled_sets, parse_seeds, pretrain_runs, pretraining_text, pretrieve,
+                     run_farm, scores_of, text_split, timed, use_data)
 from quality_data import log, write_atomic  # noqa: E402
 from quality_plan import REFERENCES, build_plan  # noqa: E402
-from quality_stats import summarize  # noqa: E402
+from quality_stats import per_query, summarize  # noqa: E402
 
 CONFIG = ROOT / "configs" / "pretrain" / "tiny-contrastive.yaml"
 DATASETS = ("scifact", "cacm", "cranfield")
@@ -115,11 +120,12 @@ def train_runs(jobs: dict[str, list[str]], runs: Path, plan: dict) -> None:
     pretrain_runs([(str(CONFIG), runs / name, overrides) for name, overrides in jobs.items()], plan)
 
 
-def evaluate(model: Path, pooling: str, dataset: str, out: Path, plan: dict) -> float:
-    """NDCG@10 of `model` on `dataset`'s test queries, zero-shot; cached in `out`."""
+def evaluate(model: Path, pooling: str, beir: Path, out: Path, plan: dict) -> float:
+    """NDCG@10 of `model` on the test queries of the collection in `beir`, zero-shot, normalised; cached in `out`
+    (its per-query scores too)."""
     metrics = out / "metrics.json"
     if not metrics.is_file():
-        pretrieve(["eval", "--model", str(model), "--beir", str(collection(dataset, plan)), "--pooling", pooling,
+        pretrieve(["eval", "--model", str(model), "--beir", str(beir), "--pooling", pooling,
                    "--normalize", "--max-length", str(plan["eval"]["max_length"]),
                    "--batch-size", str(plan["eval"]["batch_size"]), "--out", str(out)],
                   out.parent / f"{out.name}.log", plan["threads"])
@@ -145,7 +151,7 @@ def budget_curve(plan: dict, spec: dict, work: Path, base: Path, pairs: dict) ->
                               work / "budget" / "exports" / f"{name}-{step}.log", plan["threads"])
                 points[step] = export
             with ThreadPoolExecutor(max_workers=plan["parallel"]) as pool:
-                futures = {(step, dataset): pool.submit(evaluate, model, pooling, dataset,
+                futures = {(step, dataset): pool.submit(evaluate, model, pooling, collection(dataset, plan),
                                                         work / "budget" / "eval" / f"{name}-{step}" / dataset, plan)
                            for step, model in points.items() for dataset in datasets}
                 scores = {key: future.result() for key, future in futures.items()}
@@ -159,19 +165,26 @@ def budget_curve(plan: dict, spec: dict, work: Path, base: Path, pairs: dict) ->
     return curve
 
 
-def arms_stage(plan: dict, spec: dict, arms: dict, work: Path, text: dict, base: Path, pairs: dict) -> dict:
-    """Every arm and seed: its pre-training (quality.py's run of it), the contrastive pre-training with each pooling
-    at the fixed budget, the same fine-tuning and evaluation with that pooling (one farm a seed). Returns the
-    statistics per pooling: per query the mean over seeds, the paired bootstrap against none and mlm."""
+def arms_stage(plan: dict, spec: dict, arms: dict, work: Path, text: dict, base: Path, pairs: dict,
+               seeds: set[int] | None, previous: dict) -> tuple[dict, dict]:
+    """Every arm and seed (`seeds`: only these; None: all): its pre-training (quality.py's run of it), the
+    contrastive pre-training with each pooling at the fixed budget, then two scores of each model: zero-shot
+    (`contrastive`) and after the fine-tuning (`finetuned`; one farm a seed), both with that pooling, normalised.
+    Returns the statistics per score and pooling (per query the mean over seeds, the paired bootstrap against none
+    and mlm) and the per-query scores, `previous`'s kept for the seeds not run here."""
     if arms["steps"] is None:
         raise SystemExit("recipe: the contrastive budget (ARMS[scale]['steps'] in benchmarks/recipe.py) is not "
                          "chosen yet: run the budget stage and fix it from its curve first")
     contrastive = {**spec, "steps": arms["steps"], "points": [arms["steps"]]}
+    # the fine-tuning scores as the contrastive stage did (cosine / its temperature): the quality study's inner
+    # product at temperature 1 would first undo what that stage taught the model (measured: docs/benchmarks.md)
+    finetune = {**plan["finetune"], "temperature": spec["temperature"]}
     datasets = general_collections(plan)
     labelled = labelled_sets(plan, work)["general"]["path"]
     study = work / "recipe"
-    per_query: dict = {}
-    for seed in range(max(arms["arms"].values())):
+    collected = previous
+    run_seeds = [seed for seed in range(max(arms["arms"].values())) if seeds is None or seed in seeds]
+    for seed in run_seeds:
         names = [arm for arm, n in arms["arms"].items() if seed < n]
         with timed(work, "arms.pretrain"):
             pretrain_runs([(config_of(arm), work / "general" / "runs" / f"{arm}-s{seed}",
@@ -184,19 +197,34 @@ def arms_stage(plan: dict, spec: dict, arms: dict, work: Path, text: dict, base:
                 name = f"{arm}-{pool}-s{seed}"
                 jobs[name] = contrastive_overrides(plan, contrastive, pairs, start, pool, arms["lr"],
                                                    arms["warmup_ratio"], seed)
-                models.append(checkpoint(name, study / "runs" / name / "export", pool, study / "runs" / name))
+                models.append({**checkpoint(name, study / "runs" / name / "export", pool, study / "runs" / name),
+                               "normalize": True})
         with timed(work, "arms.contrastive"):
             train_runs(jobs, study / "runs", plan)
+        with timed(work, "arms.zeroshot"):
+            with ThreadPoolExecutor(max_workers=plan["parallel"]) as pool:
+                for future in [pool.submit(evaluate, Path(model["model"]), model["pooling"], path,
+                                           study / "zeroshot" / model["name"] / dataset, plan)
+                               for model in models for dataset, path in datasets.items()]:
+                    future.result()
         with timed(work, "arms.finetune+eval"):
             run_farm(study / f"farm-s{seed}.yaml", plan, work, study / "farm", models, datasets, labelled,
-                     plan["finetune"], seed)
+                     finetune, seed)
         for arm in names:
             for pool in arms["poolings"]:
+                name = f"{arm}-{pool}-s{seed}"
                 for dataset in datasets:
-                    per_query.setdefault(pool, {}).setdefault(arm, {}).setdefault(dataset, []).append(
-                        scores_of(study / "farm", f"{arm}-{pool}-s{seed}", dataset))
+                    for score, scores in (("contrastive", per_query(study / "zeroshot" / name / dataset)),
+                                          ("finetuned", scores_of(study / "farm", name, dataset))):
+                        collected.setdefault(score, {}).setdefault(pool, {}).setdefault(arm, {}).setdefault(
+                            dataset, {})[str(seed)] = scores
     boot = plan["bootstrap"]
-    return {pool: summarize(scores, REFERENCES, boot["resamples"], boot["seed"]) for pool, scores in per_query.items()}
+    # every seed any job has run, in order: the statistics take the mean over seeds per query
+    stats = {score: {pool: summarize({arm: {dataset: [runs[s] for s in sorted(runs, key=int)]
+                                            for dataset, runs in per.items()} for arm, per in by_arm.items()},
+                                     REFERENCES, boot["resamples"], boot["seed"])
+                     for pool, by_arm in by_pool.items()} for score, by_pool in collected.items()}
+    return stats, collected
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,7 +236,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", default=str(SHARED), metavar="DIR", help="the shared data (default %(default)s)")
     p.add_argument("--stage", choices=("budget", "arms", "all"), default="budget",
                    help="budget: the contrastive budget curve of `none`; arms: every arm at the fixed budget")
+    p.add_argument("--seeds", default=None, metavar="A-B|A,B",
+                   help="only these seeds of the arms (default: all); merged with the per-query scores of the "
+                        "seeds that earlier jobs ran")
     args = p.parse_args(argv)
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as e:
+        p.error(str(e))
     if not args.smoke:
         use_data(Path(args.data), p)
     work = Path(args.out or ROOT / "bench-out" / f"recipe-{args.scale}{'-smoke' if args.smoke else ''}")
@@ -238,8 +273,19 @@ def main(argv: list[str] | None = None) -> None:
         write_results(results_path, results, work)
     if args.stage in ("arms", "all"):
         arms = ARMS["smoke" if args.smoke else args.scale]
-        results["arms_settings"] = {key: arms[key] for key in ("arms", "steps", "lr", "warmup_ratio", "poolings")}
-        results["arms"] = arms_stage(plan, spec, arms, work, text, base, pairs)
+        settings = {**{key: arms[key] for key in ("arms", "steps", "lr", "warmup_ratio", "poolings")},
+                    "finetune": {**plan["finetune"], "temperature": spec["temperature"], "normalize": True}}
+        scores_path = results_path.with_name(f"{results_path.stem}-per-query.json")
+        same = results.get("arms_settings") == settings and scores_path.is_file()
+        if results.get("arms_settings") and not same:
+            log(f"recipe: the arms' settings differ from {results_path}'s: its arms' scores are not kept")
+        previous = json.loads(scores_path.read_text()) if same else {}
+        results["arms_settings"] = settings
+        results["arms_jobs"] = (results.get("arms_jobs", []) if same else []) + [
+            {"seeds": "all" if seeds is None else sorted(seeds), "machine": results["machine"],
+             "date": time.strftime("%Y-%m-%d")}]
+        results["arms"], scores = arms_stage(plan, spec, arms, work, text, base, pairs, seeds, previous)
+        write_atomic(scores_path, json.dumps(scores) + "\n")
         write_results(results_path, results, work)
 
 

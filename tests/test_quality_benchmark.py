@@ -7,8 +7,9 @@ directory are refused; the gpu-short plan (make gpu-check's, derived from the gp
 tests/test_quality_protocol.py checks) runs as two GPU jobs whose seeds merge. On the smoke run's work directory,
 benchmarks/recipe.py --smoke --stage all (BGE's recipe): the weak pairs of the study's training text, the base
 contrastive-trained and evaluated zero-shot with its pooling; none and retromae (the study's own run of it, not
-trained again), each contrastive-trained with [CLS] and with mean pooling, fine-tuned and evaluated with that
-pooling through the farm, compared with none; a second run finds its work done. (The bundled SciFact sample stands
+trained again), each contrastive-trained with [CLS] and with mean pooling, scored zero-shot and after the farm's
+fine-tuning with that pooling, normalised, compared with none; a job of other seeds keeps the first job's
+scores. (The bundled SciFact sample stands
 in for every collection.)"""
 
 import json
@@ -37,8 +38,8 @@ def _smoke(tmp_path, *extra, scale="cpu"):
                       "--set", 'domain.arms={"none": 1, "dupmae": 1}', *extra)
 
 
-def _recipe(tmp_path):
-    return _benchmark("recipe", tmp_path, "--stage", "all")
+def _recipe(tmp_path, *extra):
+    return _benchmark("recipe", tmp_path, "--stage", "all", *extra)
 
 
 def _finetuned(work: Path, arm: str) -> dict:
@@ -117,25 +118,38 @@ def _check_recipe(tmp_path: Path) -> None:
     assert json.loads((work / "budget" / "eval" / "cls-4" / "scifact-sample" / "metrics.json").read_text())[
         "pooling"] == "cls"  # evaluated as it was trained
 
-    arms = results["arms"]
-    assert set(arms) == {"cls", "mean"}
-    for pooling, per in arms.items():
-        assert set(per) == {"none", "retromae"}
-        entry = per["retromae"]["scifact-sample"]
-        assert entry["vs_none"]["queries"] == 100 and 0 <= entry["mean"] <= 1
-        # the retromae arm's contrastive run started from the quality study's run of it, and each model was
-        # fine-tuned and evaluated with its own pooling
-        config = (work / "recipe" / "runs" / f"retromae-{pooling}-s0" / "config.yaml").read_text()
-        assert f"init_from: {work / 'general' / 'runs' / 'retromae-s0' / 'export'}" in config
-        assert json.loads((work / "recipe" / "farm" / f"retromae-{pooling}-s0" / "scifact-sample" / "stage1" /
-                           "metrics.json").read_text())["pooling"] == pooling
-    assert {"pairs", "contrastive", "eval", "arms.contrastive", "arms.finetune+eval"} <= set(results["stage_times"])
+    # each model scored zero-shot after the contrastive stage and after the fine-tuning, per pooling
+    arms, per_query = results["arms"], json.loads((tmp_path / "recipe-per-query.json").read_text())
+    assert set(arms) == set(per_query) == {"contrastive", "finetuned"}
+    assert results["arms_settings"]["finetune"]["temperature"] == 0.05
+    farm = json.loads((work / "recipe" / "farm-s0.yaml").read_text())
+    assert "finetune.temperature=0.05" in farm["finetune"]["overrides"]
+    for score, by_pooling in arms.items():
+        assert set(by_pooling) == {"cls", "mean"}
+        for pooling, per in by_pooling.items():
+            assert set(per) == set(per_query[score][pooling]) == {"none", "retromae"}
+            entry = per["retromae"]["scifact-sample"]
+            assert entry["vs_none"]["queries"] == 100 and 0 <= entry["mean"] <= 1
+            assert len(per_query[score][pooling]["retromae"]["scifact-sample"]["0"]) == 100
+            # the retromae arm's contrastive run started from the quality study's run of it, and each model was
+            # scored (and fine-tuned) with its own pooling, normalised, as the contrastive stage trained it
+            config = (work / "recipe" / "runs" / f"retromae-{pooling}-s0" / "config.yaml").read_text()
+            assert f"init_from: {work / 'general' / 'runs' / 'retromae-s0' / 'export'}" in config
+            evaluation = (work / "recipe" / "zeroshot" / f"retromae-{pooling}-s0" / "scifact-sample"
+                          if score == "contrastive" else
+                          work / "recipe" / "farm" / f"retromae-{pooling}-s0" / "scifact-sample" / "stage1")
+            metrics = json.loads((evaluation / "metrics.json").read_text())
+            assert metrics["pooling"] == pooling and metrics["normalize"] is True
+    assert {"pairs", "contrastive", "eval", "arms.contrastive", "arms.zeroshot", "arms.finetune+eval"} <= set(
+        results["stage_times"])
 
-    again = _recipe(tmp_path)
+    # a job of other seeds (here none left to run) keeps the scores of the seeds an earlier job ran
+    again = _recipe(tmp_path, "--seeds", "1")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "runs to go" not in again.stderr and "pairs wiki" not in again.stderr  # nothing trained or prepared again
     rerun = json.loads((tmp_path / "recipe.json").read_text())
     assert rerun["budget"] == results["budget"] and rerun["arms"] == results["arms"]
+    assert [job["seeds"] for job in rerun["arms_jobs"]] == ["all", [1]]
 
 
 def _check_gpu_plan(out: dict, work: Path, scale: str) -> None:

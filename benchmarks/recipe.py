@@ -202,8 +202,8 @@ def arms_stage(plan: dict, spec: dict, arms: dict, work: Path, text: dict, base:
         with timed(work, "arms.contrastive"):
             train_runs(jobs, study / "runs", plan)
         with timed(work, "arms.zeroshot"):
-            with ThreadPoolExecutor(max_workers=plan["parallel"]) as pool:
-                for future in [pool.submit(evaluate, Path(model["model"]), model["pooling"], path,
+            with ThreadPoolExecutor(max_workers=plan["parallel"]) as executor:
+                for future in [executor.submit(evaluate, Path(model["model"]), model["pooling"], path,
                                            study / "zeroshot" / model["name"] / dataset, plan)
                                for model in models for dataset, path in datasets.items()]:
                     future.result()

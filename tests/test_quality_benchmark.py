@@ -9,8 +9,7 @@ benchmarks/recipe.py --smoke --stage all (BGE's recipe): the weak pairs of the s
 contrastive-trained and evaluated zero-shot with its pooling; none and retromae (the study's own run of it, not
 trained again), each contrastive-trained with [CLS] and with mean pooling, scored zero-shot and after the farm's
 fine-tuning with that pooling, normalised, compared with none; a job of other seeds keeps the first job's
-scores. (The bundled SciFact sample stands
-in for every collection.)"""
+scores. (The bundled SciFact sample stands in for every collection.)"""
 
 import json
 import re

@@ -165,24 +165,27 @@ def budget_curve(plan: dict, spec: dict, work: Path, base: Path, pairs: dict) ->
     return curve
 
 
+def arms_finetune(plan: dict, spec: dict) -> dict:
+    """The arms' fine-tuning: the quality study's, scoring as the contrastive stage did (cosine / its temperature;
+    the farm's checkpoints are normalised): its inner product at temperature 1 would first undo what that stage
+    taught the model (measured: docs/benchmarks.md)."""
+    return {**plan["finetune"], "temperature": spec["temperature"]}
+
+
 def arms_stage(plan: dict, spec: dict, arms: dict, work: Path, text: dict, base: Path, pairs: dict,
-               seeds: set[int] | None, previous: dict) -> tuple[dict, dict]:
+               seeds: set[int] | None, collected: dict) -> tuple[dict, dict]:
     """Every arm and seed (`seeds`: only these; None: all): its pre-training (quality.py's run of it), the
     contrastive pre-training with each pooling at the fixed budget, then two scores of each model: zero-shot
     (`contrastive`) and after the fine-tuning (`finetuned`; one farm a seed), both with that pooling, normalised.
     Returns the statistics per score and pooling (per query the mean over seeds, the paired bootstrap against none
-    and mlm) and the per-query scores, `previous`'s kept for the seeds not run here."""
+    and mlm) and the per-query scores: `collected`, earlier jobs' scores, with this job's seeds added."""
     if arms["steps"] is None:
         raise SystemExit("recipe: the contrastive budget (ARMS[scale]['steps'] in benchmarks/recipe.py) is not "
                          "chosen yet: run the budget stage and fix it from its curve first")
     contrastive = {**spec, "steps": arms["steps"], "points": [arms["steps"]]}
-    # the fine-tuning scores as the contrastive stage did (cosine / its temperature): the quality study's inner
-    # product at temperature 1 would first undo what that stage taught the model (measured: docs/benchmarks.md)
-    finetune = {**plan["finetune"], "temperature": spec["temperature"]}
     datasets = general_collections(plan)
     labelled = labelled_sets(plan, work)["general"]["path"]
     study = work / "recipe"
-    collected = previous
     run_seeds = [seed for seed in range(max(arms["arms"].values())) if seeds is None or seed in seeds]
     for seed in run_seeds:
         names = [arm for arm, n in arms["arms"].items() if seed < n]
@@ -209,7 +212,7 @@ def arms_stage(plan: dict, spec: dict, arms: dict, work: Path, text: dict, base:
                     future.result()
         with timed(work, "arms.finetune+eval"):
             run_farm(study / f"farm-s{seed}.yaml", plan, work, study / "farm", models, datasets, labelled,
-                     finetune, seed)
+                     arms_finetune(plan, spec), seed)
         for arm in names:
             for pool in arms["poolings"]:
                 name = f"{arm}-{pool}-s{seed}"
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.stage in ("arms", "all"):
         arms = ARMS["smoke" if args.smoke else args.scale]
         settings = {**{key: arms[key] for key in ("arms", "steps", "lr", "warmup_ratio", "poolings")},
-                    "finetune": {**plan["finetune"], "temperature": spec["temperature"], "normalize": True}}
+                    "finetune": {**arms_finetune(plan, spec), "normalize": True}}
         scores_path = results_path.with_name(f"{results_path.stem}-per-query.json")
         same = results.get("arms_settings") == settings and scores_path.is_file()
         if results.get("arms_settings") and not same:

@@ -25,7 +25,8 @@ BUDGET ?= 540
 OUT ?= gpu-check-out
 GPU_BUNDLE ?= gpu-bundle
 DRY_RUN ?=
-# the stages a job runs, in priority order: STAGES=all, or names (tools/gpu_check.py DEFAULT_STAGES when unset)
+# the stages a job runs, in priority order: names, at most 6 (a job returns 8 files), or all for the dry run's
+# whole plan (tools/gpu_check.py DEFAULT_STAGES when unset)
 STAGES ?=
 NO_DEPS ?=
 # make test, test-integration and test-cluster run on TEST_JOBS pytest-xdist workers: most tests drive one-thread

@@ -2,7 +2,7 @@
 pairs of the Wikipedia sample and the books -> the same fine-tuning -> evaluation, each arm with [CLS] and with
 mean pooling.
 
-    python benchmarks/recipe.py --scale cpu [--smoke] [--stage budget|arms|all] [--seeds 0-2] [--out DIR]
+    python benchmarks/recipe.py --scale cpu|gpu-short [--smoke] [--stage budget|arms|all] [--seeds 0-2] [--out DIR]
         [--results FILE]
 
 Two stages. `budget` chooses the contrastive budget before any arm is compared: the `none` arm (the quality
@@ -24,8 +24,9 @@ contrastive settings are the ones an earlier probe found to train a model of thi
 cosine / 0.05, lr 1e-3, batch 64).
 
 Resumable: every stage skips what exists (pair manifests, exports, evaluations); an interrupted run continues
-from its checkpoint. Results: benchmarks/results/recipe.json and recipe-per-query.json (--smoke: in the work
-directory).
+from its checkpoint. Results: benchmarks/results/recipe.json and recipe-per-query.json; at --scale gpu-short
+(`make gpu-check`'s recipe stage, one GPU allocation a stage or seed) recipe-gpu-short.json and its per-query file;
+--smoke: in the work directory.
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ BUDGET = {
     "cpu": {"steps": 1600, "points": [200, 400, 800, 1600], "batch": 64, "temperature": 0.05,
             "query_max_len": 32, "runs": {"mean": ("mean", 1e-3, 0.1), "cls": ("cls", 1e-3, 0.1),
                                           "cls-slow": ("cls", 3e-4, 0.25)}},
+    # the quality study's gpu-short base (4 layers x 512; make gpu-check's recipe stage, one allocation): batches of
+    # 512 pairs, 8x the cpu's, at half its lr for a model 16x wider (still a guess: the curve is what decides), the
+    # same points; an estimate until an allocation has run it
+    "gpu-short": {"steps": 1600, "points": [200, 400, 800, 1600], "batch": 512, "temperature": 0.05,
+                  "query_max_len": 32, "runs": {"mean": ("mean", 5e-4, 0.1), "cls": ("cls", 5e-4, 0.1),
+                                                "cls-slow": ("cls", 2e-4, 0.25)}},
     "smoke": {"steps": 4, "points": [4], "batch": 8, "temperature": 0.05, "query_max_len": 32,
               "runs": {"cls": ("cls", 1e-3, 0.1)}},
 }
@@ -75,9 +82,14 @@ BUDGET = {
 ARMS = {
     "cpu": {"arms": {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3}, "steps": 800, "lr": 1e-3,
             "warmup_ratio": 0.1, "poolings": ["cls", "mean"]},
+    # gpu-short: the budget is chosen from that scale's own curve (an allocation's `--stage budget`), not yet run;
+    # lr and warm-up follow the budget run the curve picks. One seed an allocation (`--seeds`), as the quality study
+    "gpu-short": {"arms": {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3}, "steps": None, "lr": 5e-4,
+                  "warmup_ratio": 0.1, "poolings": ["cls", "mean"]},
     "smoke": {"arms": {"none": 1, "retromae": 1}, "steps": 4, "lr": 1e-3, "warmup_ratio": 0.1,
               "poolings": ["cls", "mean"]},
 }
+SCALES = ("cpu", "gpu-short")
 
 
 def weak_pairs(plan: dict, work: Path) -> dict:
@@ -94,7 +106,7 @@ def weak_pairs(plan: dict, work: Path) -> dict:
         if not (folder / "manifest.json").is_file():
             log(f"pairs {name} ({source}, {method})")
             prepare(PrepareOptions(source=source, inputs=inputs, out=str(folder), max_len=plan["max_len"],
-                                   workers=0, pairs=True, pair_method=method, progress=False,
+                                   workers=plan.get("data_workers", 0), pairs=True, pair_method=method, progress=False,
                                    on_error="skip" if source == "books" else "fail"))
         info = json.loads((folder / "manifest.json").read_text())
         out[name] = {"manifest": str(folder / "manifest.json"), "num_samples": info["num_samples"]}
@@ -179,9 +191,6 @@ def arms_stage(plan: dict, spec: dict, arms: dict, work: Path, text: dict, base:
     (`contrastive`) and after the fine-tuning (`finetuned`; one farm a seed), both with that pooling, normalised.
     Returns the statistics per score and pooling (per query the mean over seeds, the paired bootstrap against none
     and mlm) and the per-query scores: `collected`, earlier jobs' scores, with this job's seeds added."""
-    if arms["steps"] is None:
-        raise SystemExit("recipe: the contrastive budget (ARMS[scale]['steps'] in benchmarks/recipe.py) is not "
-                         "chosen yet: run the budget stage and fix it from its curve first")
     contrastive = {**spec, "steps": arms["steps"], "points": [arms["steps"]]}
     datasets = general_collections(plan)
     labelled = labelled_sets(plan, work)["general"]["path"]
@@ -232,7 +241,8 @@ def arms_stage(plan: dict, spec: dict, arms: dict, work: Path, text: dict, base:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scale", choices=("cpu",), default="cpu")
+    p.add_argument("--scale", choices=SCALES, default="cpu",
+                   help="cpu: 2 cores; gpu-short: one GPU allocation's stage (make gpu-check STAGES=install,recipe)")
     p.add_argument("--smoke", action="store_true", help="bundled samples, a hidden-64 encoder, a few steps")
     p.add_argument("--out", default=None, help="work directory (default bench-out/recipe-<scale>[-smoke])")
     p.add_argument("--results", default=None, help="default benchmarks/results/recipe.json (--smoke: in --out)")
@@ -247,11 +257,14 @@ def main(argv: list[str] | None = None) -> None:
         seeds = parse_seeds(args.seeds)
     except ValueError as e:
         p.error(str(e))
+    arms = ARMS["smoke" if args.smoke else args.scale]
+    if args.stage in ("arms", "all") and arms["steps"] is None:  # before any data work
+        p.error(f"--stage {args.stage}: the contrastive budget at --scale {args.scale} (ARMS[{args.scale!r}]['steps'] "
+                "in benchmarks/recipe.py) is not chosen yet: run --stage budget and fix it from its curve first")
     if not args.smoke:
         use_data(Path(args.data), p)
     work = Path(args.out or ROOT / "bench-out" / f"recipe-{args.scale}{'-smoke' if args.smoke else ''}")
-    results_path = Path(args.results or (work / "recipe.json" if args.smoke else
-                                         ROOT / "benchmarks" / "results" / "recipe.json"))
+    results_path = Path(args.results or (work / "recipe.json" if args.smoke else results_file(args.scale)))
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     plan = build_plan(args.scale, args.smoke)
@@ -275,7 +288,6 @@ def main(argv: list[str] | None = None) -> None:
         results["budget"] = budget_curve(plan, spec, work, base, pairs)
         write_results(results_path, results, work)
     if args.stage in ("arms", "all"):
-        arms = ARMS["smoke" if args.smoke else args.scale]
         settings = {**{key: arms[key] for key in ("arms", "steps", "lr", "warmup_ratio", "poolings")},
                     "finetune": {**arms_finetune(plan, spec), "normalize": True}}
         scores_path = results_path.with_name(f"{results_path.stem}-per-query.json")
@@ -290,6 +302,12 @@ def main(argv: list[str] | None = None) -> None:
         results["arms"], scores = arms_stage(plan, spec, arms, work, text, base, pairs, seeds, previous)
         write_atomic(scores_path, json.dumps(scores) + "\n")
         write_results(results_path, results, work)
+
+
+def results_file(scale: str) -> Path:
+    """Where a scale's results go: benchmarks/results/recipe.json (cpu) or recipe-<scale>.json; its per-query
+    scores beside it, as <name>-per-query.json."""
+    return ROOT / "benchmarks" / "results" / ("recipe.json" if scale == "cpu" else f"recipe-{scale}.json")
 
 
 def write_results(path: Path, results: dict, work: Path) -> None:

@@ -28,10 +28,13 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
 
 def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     done = _tool("--dry-run", "--stages", "all", "--bundle", str(tmp_path / "no-bundle"))
-    for index, name in enumerate(("install", "correctness", "attention", "mfu", "quality", "profile"), start=1):
+    for index, name in enumerate(("install", "correctness", "attention", "mfu", "quality", "recipe", "profile"),
+                                 start=1):
         assert f"{index}. {name}" in done.stdout
     total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0"))
     assert f"estimated total {total} s of 540 s" in done.stdout
+    # 7 records, the summary and the logs: more than a job returns
+    assert done.returncode == 1 and "9 files of the 8 a job returns: TOO MANY" in done.stdout
     assert "make gpu-bundle" in done.stdout  # no bundle: said, since the install then needs network
 
     # what a job runs unless told (DEFAULT_STAGES) fits the default budget
@@ -61,10 +64,11 @@ def _python(code: str) -> list[str]:
 
 def test_each_stage_writes_its_record_whatever_its_end(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    results = work / "r.json"
+    results, scores = work / "r.json", work / "s.json"
+    write = f"open({str(results)!r}, 'w').write('{{\"x\": 1}}'); open({str(scores)!r}, 'w').write('[2]')"
     stages = [
-        Stage("install", "sanity", 1, 30, [Command(_python(f"open({str(results)!r}, 'w').write('{{\"x\": 1}}')"),
-                                                   results=str(results))], needs_cuda=False),
+        Stage("install", "sanity", 1, 30, [Command(_python(write), results=str(results),
+                                                   also=(str(scores), str(work / "absent.json")))], needs_cuda=False),
         Stage("fails", "exits 3 after a line", 1, 30, [Command(_python("print('broken here'); raise SystemExit(3)")),
                                                        Command(_python("print('still runs')"))]),
         Stage("slow", "over its box", 1, 2, [Command(_python("import time; time.sleep(60)"))]),
@@ -73,7 +77,8 @@ def test_each_stage_writes_its_record_whatever_its_end(tmp_path):
     summary = gpu_check.run(stages, out, work, budget=6, summary={"plan": []})  # < 5 s left after "slow"
     records = {p.name: json.loads(p.read_text()) for p in out.glob("*.json")}
     assert sorted(records) == ["0-summary.json", "1-install.json", "2-fails.json", "3-slow.json", "4-late.json"]
-    assert records["1-install.json"]["status"] == "ok" and records["1-install.json"]["results"] == {"r.json": {"x": 1}}
+    install = records["1-install.json"]
+    assert install["status"] == "ok" and install["results"] == {"r.json": {"x": 1}, "s.json": [2]}  # absent: left out
     failed = records["2-fails.json"]
     assert failed["status"] == "failed" and failed["commands"][0]["rc"] == 3
     assert "broken here" in failed["commands"][0]["log_tail"] and failed["commands"][1]["status"] == "ok"
@@ -99,20 +104,43 @@ def test_stages_that_need_the_device_are_skipped_when_the_install_stage_fails(tm
 
 def test_the_real_job_on_a_machine_without_cuda_records_every_stage(tmp_path):
     out = tmp_path / "out"
-    done = _tool("--no-install", "--stages", "all", "--out", str(out), "--work", str(tmp_path / "work"),
+    stages = ("install", "correctness", "attention", "mfu", "quality", "recipe")
+    done = _tool("--no-install", "--stages", ",".join(stages), "--out", str(out), "--work", str(tmp_path / "work"),
                  "--budget", "120", "--bundle", str(tmp_path / "no-bundle"))
     assert done.returncode == 0, done.stderr
     install = json.loads((out / "1-install.json").read_text())
     assert install["status"] == "failed" and install["results"]["sanity.json"]["cuda_available"] is False
     assert "no CUDA device" in install["commands"][-1]["log_tail"]
-    for name in ("2-correctness", "3-attention", "4-mfu", "5-quality", "6-profile"):
-        record = json.loads((out / f"{name}.json").read_text())
+    for index, name in enumerate(stages[1:], start=2):
+        record = json.loads((out / f"{index}-{name}.json").read_text())
         assert record["status"] == "skipped" and "no CUDA device" in record["why"], record
     summary = json.loads((out / "0-summary.json").read_text())
     assert isinstance(summary["uncommitted"], list)  # the tracked files changed since `commit`, which ran too
-    assert summary["node"]["torch"] and set(summary["stages"]) == {"install", "correctness", "attention", "mfu",
-                                                                  "quality", "profile"}
-    assert (out / "logs.tar.gz").is_file() and len(list(out.iterdir())) <= 8  # what comes back from a job
+    assert summary["node"]["torch"] and set(summary["stages"]) == set(stages)
+    assert (out / "logs.tar.gz").is_file() and len(list(out.iterdir())) == 8  # what comes back from a job
+
+    # one stage more and a record would not come back: refused before anything runs
+    refused = _tool("--no-install", "--stages", "all", "--out", str(tmp_path / "out-all"), "--bundle",
+                    str(tmp_path / "no-bundle"))
+    assert refused.returncode == 2 and "a job returns the records of 6" in refused.stderr
+    assert not (tmp_path / "out-all").exists()
+
+
+def test_recipe_stage_runs_the_budget_until_it_is_committed_then_the_arms(tmp_path):
+    committed = tmp_path / "results" / "recipe-gpu-short.json"
+    first = gpu_check.recipe_commands("py", tmp_path / "work", tmp_path / "bundle", "1-2", committed)
+    assert len(first) == 1 and first[0].argv[first[0].argv.index("--stage") + 1] == "budget"
+    committed.parent.mkdir()
+    committed.write_text(json.dumps({"budget": {"mean": {}}}))
+    committed.with_name("recipe-gpu-short-per-query.json").write_text("{}")
+    copy_results, copy_scores, run = gpu_check.recipe_commands("py", tmp_path / "work", tmp_path / "bundle", "1-2",
+                                                               committed)
+    # the committed seeds are copied where the job merges into them, and both files come back in the record
+    assert copy_results.argv == ["cp", str(committed), str(tmp_path / "work" / committed.name)]
+    assert copy_scores.argv[-1] == str(tmp_path / "work" / "recipe-gpu-short-per-query.json")
+    assert run.argv[run.argv.index("--stage") + 1:run.argv.index("--stage") + 4] == ["arms", "--seeds", "1-2"]
+    assert run.argv[run.argv.index("--out") + 1] == str(tmp_path / "work" / "quality")  # the quality stage's base
+    assert run.results == copy_results.argv[-1] and run.also == (copy_scores.argv[-1],)
 
 
 def test_a_job_killed_mid_stage_keeps_what_it_measured(tmp_path):

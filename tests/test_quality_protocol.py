@@ -149,6 +149,27 @@ def test_scales_follow_the_protocol():
     assert set(smoke["general"]["arms"].values()) == {1} and smoke["precision"] == "fp32"
 
 
+def test_recipe_scales_follow_its_protocol(capsys):
+    import recipe
+
+    for scale in recipe.SCALES:
+        budget, arms, plan = recipe.BUDGET[scale], recipe.ARMS[scale], quality_plan.build_plan(scale)
+        assert budget["points"] == sorted(budget["points"]) and budget["points"][-1] == budget["steps"]
+        assert all(point % budget["points"][0] == 0 for point in budget["points"])  # checkpoints every points[0]
+        assert {run[0] for run in budget["runs"].values()} == {"cls", "mean"}  # and a slower [CLS] run (issue text)
+        assert len([run for run in budget["runs"].values() if run[0] == "cls"]) == 2
+        # the arms' pre-training runs are the quality study's own: no arm or seed it lacks
+        assert all(plan["general"]["arms"].get(arm, 0) >= seeds for arm, seeds in arms["arms"].items())
+        assert arms["steps"] is None or arms["steps"] in budget["points"]
+        assert arms["poolings"] == ["cls", "mean"]
+    # an arms stage before its scale's budget is fixed is refused at once, before the data is looked at
+    assert recipe.ARMS["gpu-short"]["steps"] is None
+    with pytest.raises(SystemExit):
+        recipe.main(["--scale", "gpu-short", "--stage", "arms", "--data", "/nonexistent"])
+    assert "ARMS['gpu-short']['steps']" in capsys.readouterr().err
+    assert recipe.results_file("gpu-short").name == "recipe-gpu-short.json"
+
+
 def test_settings_overrides_and_extra_collections(tmp_path, beir_with_train):
     extra = shutil.copytree(beir_with_train, tmp_path / "claims")
     plan = quality_plan.build_plan("cpu", beir=[str(extra)], sets=["pretrain.steps=8",

@@ -36,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CARRY_LIMIT_MIB = 64  # what one job may take in, the repository included
+RETURNED_FILES = 8  # what comes back from one job's OUT: the summary, a record a stage and the logs
 LOG_TAIL = 3000  # characters of a failed command's log kept in its stage record
 GRACE_S = 10  # between SIGTERM and SIGKILL when a time box runs out
 
@@ -44,6 +45,7 @@ GRACE_S = 10  # between SIGTERM and SIGKILL when a time box runs out
 class Command:
     argv: list[str]
     results: str | None = None  # a JSON file the command writes, embedded in the stage record
+    also: tuple[str, ...] = ()  # more of them: each embedded if the command wrote it
 
 
 @dataclass
@@ -75,6 +77,7 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
     # the seeds of earlier jobs, committed: this job's merge into them (benchmarks/quality.py --seeds)
     committed = ROOT / "benchmarks" / "results" / "quality-gpu.json"
     merge_into = [Command(["cp", str(committed), str(work / "quality-gpu.json")])] if committed.is_file() else []
+    recipe = recipe_commands(python, work, bundle, quality_seeds)
     pytest = [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
     bert_base = [python, "benchmarks/pretrain_throughput.py", "--size", "base", "--seq-len", "512", "--batch", "32",
                  "--steps", "12", "--warmup", "4"]
@@ -115,6 +118,12 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
                              "--data", str(bundle / "data"), "--out", str(work / "quality"),
                              "--results", str(work / "quality-gpu.json")],
                             results=str(work / "quality-gpu.json"))]),
+        # BGE's recipe on the quality stage's base (the same work folder: a job running both trains it once). Not yet
+        # run: data 39 s and base 41 s as the quality stage's; the pairs ~20 s on 8 workers; three 1,600-step runs of
+        # 512 pairs side by side ~140 s (the base's steps read 0.8x the tokens); 45 evaluations 4 at a time ~120 s
+        Stage("recipe", "BGE's recipe at --scale gpu-short: the contrastive budget curve of `none`, or, once the "
+              "budget is fixed from it, the arms: pre-training -> contrastive -> fine-tuning -> eval, [CLS] and mean",
+              400, 480, recipe),
         # the MFU work's first look (issue order: after stages 1-4 have run): where the retromae step's device
         # time goes, and the host syncs; a summary, since a trace of 12 BERT-base steps exceeds what a job returns
         Stage("profile", "torch.profiler over the BERT-base L512 bf16 retromae run: ops by self device time, host "
@@ -123,6 +132,20 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
                                     "--out", str(work / "profiled_throughput.json")],  # slowed by the profiler
                        results=str(work / "profile_retromae.json"))]),
     ]
+
+
+def recipe_commands(python: str, work: Path, bundle: Path, seeds: str,
+                    committed: Path = ROOT / "benchmarks" / "results" / "recipe-gpu-short.json") -> list[Command]:
+    """benchmarks/recipe.py at --scale gpu-short: its budget stage until `committed` results hold the budget curve,
+    then the arms stage for `seeds`, merged into the committed seeds' per-query scores."""
+    per_query = committed.with_name("recipe-gpu-short-per-query.json")
+    results = work / committed.name
+    has_budget = committed.is_file() and "budget" in json.loads(committed.read_text())
+    copies = [Command(["cp", str(path), str(work / path.name)]) for path in (committed, per_query) if path.is_file()]
+    stage = ["--stage", "arms", "--seeds", seeds] if has_budget else ["--stage", "budget"]
+    return copies + [Command([python, "benchmarks/recipe.py", "--scale", "gpu-short", *stage, "--data",
+                              str(bundle / "data"), "--out", str(work / "quality"), "--results", str(results)],
+                             results=str(results), also=(str(work / per_query.name),))]
 
 
 # --- the node ------------------------------------------------------------------------------------------------------
@@ -249,9 +272,10 @@ def run_stage(index: int, stage: Stage, out: Path, logs: Path, deadline: float, 
         if state != "ok":
             entry["log_tail"] = tail(log)
             status = state if status == "ok" else status
-        results = read_results(command.results)
-        if results is not None:
-            record["results"][Path(command.results).name] = results
+        for written in (command.results, *command.also):
+            results = read_results(written)
+            if results is not None:
+                record["results"][Path(written).name] = results
         record["commands"].append(entry)
         write_json(path, {**record, "seconds": round(time.monotonic() - start, 1)})
     record.update(status=status, seconds=round(time.monotonic() - start, 1))
@@ -313,6 +337,10 @@ def describe(stages: list[Stage], budget: float, bundle: Path) -> tuple[str, boo
         lines += [f"     $ {shlex.join(c.argv)}" for c in stage.commands]
     fits = total <= budget
     lines += ["", f"estimated total {total} s of {budget:.0f} s: {'fits' if fits else 'OVER BUDGET'}"]
+    files = len(stages) + 2
+    fits_files = files <= RETURNED_FILES
+    lines.append(f"returned: {files} files of the {RETURNED_FILES} a job returns: "
+                 f"{'fits' if fits_files else f'TOO MANY (choose at most {RETURNED_FILES - 2} stages)'}")
     repo = repository_mib()
     if bundle.is_dir():
         size = tree_mib(bundle)
@@ -326,8 +354,8 @@ def describe(stages: list[Stage], budget: float, bundle: Path) -> tuple[str, boo
     else:
         fits_carry = True
         lines.append(f"carried: repository {repo:.1f} MiB; no {bundle}/ (make gpu-bundle makes the wheelhouse and the "
-                     "study's data): the install then needs network, and the quality stage fails")
-    return "\n".join(lines), fits and fits_carry
+                     "study's data): the install then needs network, and the quality and recipe stages fail")
+    return "\n".join(lines), fits and fits_carry and fits_files
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0", help="the quality study's seeds this job runs (a later job: 1-2)")
     p.add_argument("--no-install", action="store_true", help="use this Python as it is instead of `make install`")
     p.add_argument("--stages", default=",".join(DEFAULT_STAGES),
-                   help="comma-separated stage names to run, or all (default: %(default)s)")
+                   help="comma-separated stage names to run, at most 6, or all for the dry run's whole plan "
+                        "(default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the plan against the budget and exit")
     p.add_argument("--sanity", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -359,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return 0 if fits else 1
     print(text, flush=True)
+    if len(stages) + 2 > RETURNED_FILES:  # a record would not come back: refused before the allocation is spent
+        p.error(f"--stages: {len(stages)} stages, and a job returns the records of {RETURNED_FILES - 2}")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     # changes not yet committed ran too: their files, so that a record says what code it measured
     changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,

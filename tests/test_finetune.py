@@ -211,6 +211,10 @@ def test_finetune_config_errors_name_the_key(tmp_path):
                             ({"finetune": {"temperature": 0}}, "finetune.temperature: must be > 0"),
                             ({"finetune": {"query_max_len": 0}}, "finetune.query_max_len: must be >= 3"),
                             ({"finetune": {"pool": "cls"}}, "finetune.pool: unknown key"),
+                            ({"finetune": {"lora": {"rank": 8}}}, r"finetune.lora.rank: unknown key \(known: alpha"),
+                            ({"finetune": {"lora": {"r": -1}}}, r"^finetune.lora.r: must be >= 0"),
+                            ({"finetune": {"lora": 8}}, "finetune.lora: expected"),
+                            ({"finetune": {"model": "cross", "lora": {"r": 8}}}, "finetune.lora: for the dual encoder"),
                             ({"method": {"name": "mlm"}}, "method: unknown top-level key")):
         config = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(change))
         with pytest.raises(ConfigError, match=message):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import SAMPLES, pretrain_env
 from pretrieve.cli import main
@@ -27,25 +28,35 @@ QUERY_OVERRIDE = 'finetune.query_prompt="Instruct: Given a question, retrieve th
 
 
 @pytest.fixture(scope="module")
-def finetuned(llm, tmp_path_factory) -> Path:
-    """A tiny Qwen3 pooling its last token (a contrastive export), fine-tuned for 2 steps with a query
-    instruction and a passage prompt; its export."""
+def init(llm, tmp_path_factory) -> Path:
+    """A tiny Qwen3 pooling its last token: a contrastive export."""
     tokenizer = llm[0]
     vocab = Vocabulary.of_tokenizer(tokenizer)
     method = get_method("contrastive")
     options = method.options_from({"pooling": "last", "max_len": 64})
     model = ModelOptions(backbone="qwen3", vocab_size=vocab.size, hidden_size=32, num_layers=2, num_heads=2,
                          intermediate_size=64, pad_token_id=vocab.pad_id, dropout=0.0)
-    out = tmp_path_factory.mktemp("llm-retriever")
-    export(method.build(options, model, seed=0), out / "init", tokenizer=tokenizer)
+    out = tmp_path_factory.mktemp("llm-retriever") / "init"
+    return export(method.build(options, model, seed=0), out, tokenizer=tokenizer)
+
+
+def _finetune(init: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`pretrieve finetune` of `init` for 2 steps, with a query instruction and a passage prompt."""
     done = subprocess.run([sys.executable, "-m", "pretrieve", "finetune", str(CONFIGS / "finetune" / "tiny.yaml"),
-                           f"finetune.init_from={out / 'init'}", f"finetune.data=[{PAIRS}]",
+                           f"finetune.init_from={init}", f"finetune.data=[{PAIRS}]",
                            QUERY_OVERRIDE,  # quoted: YAML reads an unquoted "a: b" as a mapping
                            'finetune.passage_prompt="Passage: "', "finetune.passage_max_len=64",
-                           "train.micro_batch_size=4", "train.max_steps=2", "checkpoint.every=2",
-                           f"run_dir={out / 'run'}"], env=pretrain_env(), capture_output=True, text=True, timeout=600)
+                           "train.micro_batch_size=4", "train.max_steps=2", "checkpoint.every=2", f"run_dir={run_dir}",
+                           *overrides], env=pretrain_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return out / "run" / "export"
+    return done
+
+
+@pytest.fixture(scope="module")
+def finetuned(init) -> Path:
+    """The tiny Qwen3 fine-tuned; its export."""
+    _finetune(init, init.parent / "run")
+    return init.parent / "run" / "export"
 
 
 def test_the_export_carries_its_prompts_and_pooling(finetuned):
@@ -87,3 +98,35 @@ def test_eval_reads_the_prompts_from_the_model_and_takes_others_given(finetuned,
     assert 0 <= json.loads((tmp_path / "eval" / "metrics.json").read_text())["ndcg@10"] <= 1
     given = resolve_encoding(finetuned, query_prompt="", announce=False)  # `--query-prompt ""`: none
     assert (given.query_prompt, given.passage_prompt, given.flags) == ("", "Passage: ", ("query_prompt",))
+
+
+def test_lora_fine_tuning_trains_adapters_on_the_frozen_base_and_exports_them(init, tmp_path):
+    """`finetune.lora` (LLARA's and E5-Mistral's fine-tuning): the run's export keeps the adapter apart
+    (`keep_adapter`) over the base weights exactly as init_from had them; a merged export of the same checkpoint is
+    a plain model that encodes as `pretrieve eval` encodes the kept-apart one; the card says which."""
+    from safetensors.torch import load_file
+
+    from pretrieve.eval.encode import DenseEncoder, EncodeOptions
+    from pretrieve.finetune.run import export_finetuned
+    from pretrieve.models.lora import ADAPTER_DIR
+
+    done = _finetune(init, tmp_path / "run", "finetune.lora.r=4", "finetune.lora.keep_adapter=true", "train.lr=0.05")
+    assert "LoRA r=4:" in done.stderr
+    kept = tmp_path / "run" / "export"
+    base, plain = load_file(init / "model.safetensors"), load_file(kept / "model.safetensors")
+    assert plain.keys() == base.keys() and all(torch.equal(plain[k], base[k]) for k in base)
+    assert (kept / ADAPTER_DIR / "adapter_model.safetensors").is_file()
+    assert "adapters are kept apart" in (kept / "README.md").read_text()
+
+    merged = export_finetuned(tmp_path / "run", tmp_path / "merged", keep_adapter=False)
+    weights = load_file(merged / "model.safetensors")
+    assert weights.keys() == base.keys() and not (merged / ADAPTER_DIR).exists()
+    changed = [k for k in base if not torch.equal(weights[k], base[k])]
+    assert changed and all(k.split(".")[-2].endswith("proj") for k in changed)  # the adapted layers only
+    texts = ["What causes tides on Earth?", "The moon's gravity pulls the oceans, raising two bulges."]
+    vectors = [DenseEncoder(model, EncodeOptions("last", normalize=True, max_length=64, batch_size=2)).encode(
+               texts, progress=False) for model in (kept, merged)]
+    np.testing.assert_allclose(vectors[0], vectors[1], rtol=1e-4, atol=1e-5)
+    assert not np.allclose(vectors[1], DenseEncoder(init, EncodeOptions("last", normalize=True, max_length=64,
+                                                                        batch_size=2)).encode(texts, progress=False),
+                           atol=1e-4)  # the adapters learned something

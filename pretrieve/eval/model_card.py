@@ -117,7 +117,7 @@ def _pretraining_facts(model_dir: Path, config: dict) -> dict:
 
 
 def _lora_note(model_dir: Path, lora: dict) -> str:
-    """A sentence on LoRA training (model.lora), where the adapters went."""
+    """A sentence on LoRA training (model.lora, finetune.lora), where the adapters went."""
     from pretrieve.models.lora import ADAPTER_DIR, LoraOptions
 
     if not lora.get("r"):
@@ -150,6 +150,7 @@ def _finetuning_facts(model_dir: Path, config: dict) -> dict:
         if pooling == "dupmae":
             summary += (" It scores with DupMAE's joint representation (eq. 12): sentence-transformers gets the "
                         "dense part only (the [CLS] vector through the learned W^cls), `pretrieve eval` both.")
+        summary += _lora_note(model_dir, options.get("lora") or {})
     return {"tag": f"finetune-{meta.get('model', 'dual')}", "base_model": options.get("init_from"),
             "datasets": data, "summary": summary,
             "method": f"fine-tuning, {meta.get('loss', options.get('loss'))} loss from {options.get('init_from')}",

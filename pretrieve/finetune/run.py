@@ -10,6 +10,7 @@ same) and a `finetune:` section (FinetuneOptions) in place of `model:` / `method
       loss: contrastive                   # contrastive (eqs. 13-14) | triplet (SEED) | distill (eq. 15)
       data: [train.jsonl]                 # JSON lines / text triples; or msmarco: / beir: + split + hard_negatives
       negatives: 7
+      lora: {r: 16}                       # optional: LoRA adapters on the dual encoder's frozen base model
 
 `pooling`, `normalize` and `passage_max_len` left out are what init_from says about itself (its
 sentence-transformers config, else its pretrieve_finetune.json: eval.model_config), else cls, not normalised,
@@ -28,6 +29,7 @@ BertForSequenceClassification directory that `pretrieve teacher-scores` reads. B
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -69,6 +71,9 @@ class FinetuneOptions:
     passage_max_len: int | None = None  # None: init_from's maximum length, else PASSAGE_MAX_LENGTH
     on_missing: str = "fail"  # msmarco / beir qrels naming absent ids: fail | skip
     grad_cache: dict | None = None  # {chunk: N}: the dual encoder's texts N at a time, by GradCache
+    # {r, alpha, dropout, targets, keep_adapter} (models/lora.py): LoRA adapters on the dual encoder's base model,
+    # whose own weights stay frozen (a decoder LLM's usual fine-tuning: LLARA, E5-Mistral); r 0 or null: all train
+    lora: dict | None = None
 
 
 @dataclass(kw_only=True)
@@ -132,9 +137,19 @@ def _check_options(options: FinetuneOptions, problems: Problems) -> None:
         problems.add(str(e))
     if options.grad_cache is not None and options.model != "dual":
         problems.add("finetune.grad_cache: for the dual encoder (model: dual); the cross-encoder scores pairs")
+    lora = problems.parse(lora_of, options)
+    if lora is not None and lora.r and options.model != "dual":
+        problems.add("finetune.lora: for the dual encoder (model: dual); the cross-encoder teacher trains whole")
     if options.model == "cross" and options.loss != "contrastive":
         problems.add(f"finetune.loss: {options.loss} is for the dual encoder; the cross-encoder teacher "
                      "learns with the softmax over each group (leave loss at contrastive)")
+
+
+def lora_of(options: FinetuneOptions):
+    """`finetune.lora` as LoraOptions (r 0: none); errors name their key."""
+    from pretrieve.models.lora import lora_options
+
+    return lora_options(options.lora or {}, "finetune.lora")
 
 
 def _check_encoding(options: FinetuneOptions, problems: Problems) -> None:
@@ -197,13 +212,21 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
     from pretrieve.engine.tracking import run_tags
     from pretrieve.engine.train import TrainingJob
     from pretrieve.finetune.batches import GroupLoader, PairLoader
-    from pretrieve.models.flops import layer_flops, vocab_flops
+    from pretrieve.models.flops import (adapter_flops, attention_flops, first_projections_flops, layer_flops,
+                                        vocab_flops)
+    from pretrieve.models.lora import adapter_shape
     from pretrieve.utils.run_dir import write_atomic
 
     o = exp.options
     tokenizer = AutoTokenizer.from_pretrained(o.init_from)
     module = build_model(o)
     config = module.encoder.config if o.model == "dual" else module.model.config
+    adapters = adapter_shape(module.encoder.model) if o.model == "dual" else None
+    if adapters is not None and rank == 0:
+        trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+        print(f"pretrieve: LoRA r={adapters[0]}: {trained:,} weights train, {frozen:,} of the base model are frozen",
+              file=sys.stderr, flush=True)
     if rank == 0:
         config.to_json_file(exp.run_dir / MODEL_CONFIG)
         write_atomic(exp.run_dir / FINETUNE_META, json.dumps(_meta(module, o), indent=1) + "\n")
@@ -221,15 +244,19 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
         queries = len(masks[0]) // (1 + o.negatives) if o.model == "cross" else len(masks[0])
         return queries, int(sum(m.sum() for m in masks)), sum(m.numel() for m in masks)
 
-    def flops(batch: dict) -> int:  # 3x the forward (engine.flops) over every text of the batch
-        total = 0
+    def flops(batch: dict) -> int:  # 3x the forward (engine.flops) over every text of the batch; under LoRA
+        total = 0  # engine.flops' count: a frozen weight's matmul 2x, the attention scores 3x, the adapters 3x
         for key, ids in batch.items():
             if key.endswith("input_ids"):
-                total += config.num_hidden_layers * layer_flops(config, ids.shape[0], ids.shape[1], ids.shape[1])
+                forward = config.num_hidden_layers * layer_flops(config, ids.shape[0], ids.shape[1], ids.shape[1])
                 if o.model == "dual" and o.pooling == "dupmae":  # eq. (6)'s LPU at every position
-                    total += (vocab_flops(config, ids.numel()) if module.joint.lpu is None  # MLM head: + transform
-                              else 2 * ids.numel() * config.hidden_size * config.vocab_size)
-        return 3 * total
+                    forward += (vocab_flops(config, ids.numel()) if module.joint.lpu is None  # MLM head: + transform
+                                else 2 * ids.numel() * config.hidden_size * config.vocab_size)
+                texts = {"input_ids": ids}
+                total += 3 * forward if adapters is None else (
+                    2 * forward + attention_flops(config, texts) - first_projections_flops(config, texts)
+                    + 3 * adapter_flops(*adapters, texts))
+        return total
 
     tags = {**run_tags(f"finetune-{o.model}", None, config), "stage_loss": o.loss, "init_from": str(o.init_from)}
     return TrainingJob(name=f"finetune {o.loss}" if o.model == "dual" else "finetune teacher", module=module,
@@ -244,6 +271,7 @@ def build_model(o: FinetuneOptions, config_file: Path | None = None):
 
     from pretrieve.finetune.models import CrossEncoder, DualEncoder
     from pretrieve.models.encoder import Encoder, load_encoder
+    from pretrieve.models.lora import add_lora
     from pretrieve.models.representation import JointRepresentation, load_joint
 
     if o.model == "cross":
@@ -267,9 +295,13 @@ def build_model(o: FinetuneOptions, config_file: Path | None = None):
         encoder = load_encoder(o.init_from)
         if o.pooling == "dupmae":
             joint = load_joint(o.init_from, encoder, o.cls_dim, o.ot_topk)
-    return DualEncoder(encoder, loss=o.loss, pooling=o.pooling, normalize=o.normalize, temperature=o.temperature,
+    dual = DualEncoder(encoder, loss=o.loss, pooling=o.pooling, normalize=o.normalize, temperature=o.temperature,
                        in_batch=o.in_batch, cross_device=o.cross_device, margin=o.margin, text_experts=o.text_experts,
                        joint=joint, grad_cache=o.grad_cache["chunk"] if o.grad_cache else None)
+    lora = lora_of(o)
+    if lora.r:  # the base model's layers only: DupMAE's W^cls and LPU, CoT-MoTE's query experts train whole
+        add_lora(dual.encoder.model, lora)
+    return dual
 
 
 def _meta(module, o: FinetuneOptions) -> dict:
@@ -286,8 +318,10 @@ def _meta(module, o: FinetuneOptions) -> dict:
     return meta
 
 
-def export_finetuned(run_dir: str | Path, out: str | Path) -> Path:
-    """The latest checkpoint of a fine-tuning run as a model directory (see the module docstring)."""
+def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | None = None) -> Path:
+    """The latest checkpoint of a fine-tuning run (or the checkpoint `run_dir` names) as a model directory (see
+    the module docstring). LoRA adapters are merged, or written apart with `keep_adapter` (None: as the run's
+    finetune.lora.keep_adapter says)."""
     import shutil
 
     from omegaconf import OmegaConf
@@ -298,8 +332,9 @@ def export_finetuned(run_dir: str | Path, out: str | Path) -> Path:
     from pretrieve.eval.model_card import write_model_card
     from pretrieve.finetune.mine import PASSAGE_MAX_LENGTH
     from pretrieve.models.encoder import HEAD_WEIGHTS
-    from pretrieve.models.heads.base import ENCODER_MODEL
     from pretrieve.models.export import replace_directory
+    from pretrieve.models.heads.base import ENCODER_MODEL
+    from pretrieve.models.lora import unadapt_for_saving
     from pretrieve.models.st_config import write_st_config
     from pretrieve.utils.run_dir import locate
 
@@ -318,6 +353,8 @@ def export_finetuned(run_dir: str | Path, out: str | Path) -> Path:
     if options.model == "cross":
         module.model.save_pretrained(str(tmp))
     else:
+        unadapt_for_saving(module.encoder.model, tmp, lora_of(options).keep_adapter if keep_adapter is None
+                           else keep_adapter)
         module.encoder.model.save_pretrained(str(tmp))
         # MLM head, query experts (`load_encoder` reads them back), W^cls and LPU (`load_joint`)
         extra = {k: v.detach().contiguous() for k, v in module.state_dict().items()

@@ -21,9 +21,8 @@ from torch import nn
 from pretrieve.models import unpadding
 from pretrieve.models.backbones import backbone_named, backbone_of
 from pretrieve.models.backbones.base import TextTypes
-from pretrieve.models.lora import LoraOptions, merge_saved_adapter
+from pretrieve.models.lora import LoraOptions, lora_options, merge_saved_adapter
 from pretrieve.models.vocab_projection import linear_cross_entropy
-from pretrieve.utils.options import ConfigError, options_of
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +60,8 @@ class ModelOptions:
     def __post_init__(self):
         if self.lora is None:  # `lora: null`: none
             self.lora = LoraOptions()
-        elif isinstance(self.lora, dict):  # from a config file; its keys checked and named model.lora.KEY
-            self.lora = options_of(LoraOptions, self.lora, "model.lora")
-        elif not isinstance(self.lora, LoraOptions):
-            raise ConfigError(f"model.lora: expected a mapping of r, alpha, dropout, targets, keep_adapter; "
-                              f"got {self.lora!r}")
+        elif not isinstance(self.lora, LoraOptions):  # from a config file; its keys checked and named model.lora.KEY
+            self.lora = lora_options(self.lora, "model.lora")
 
     def hf_config(self):
         """The HF config of a new model of this backbone."""

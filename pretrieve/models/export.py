@@ -22,7 +22,7 @@ from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 from pretrieve.models.encoder import HEAD_WEIGHTS, ModelOptions
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import METHODS, get_method
-from pretrieve.models.lora import has_lora, merge_lora, save_adapter_apart
+from pretrieve.models.lora import unadapt_for_saving
 from pretrieve.models.st_config import write_st_config
 
 EXPORT_FORMAT = "pretrieve-export/1"
@@ -48,11 +48,7 @@ def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAU
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if has_lora(head.encoder.model):
-        if keep_adapter:
-            save_adapter_apart(head.encoder.model, tmp)
-        else:
-            merge_lora(head.encoder.model)
+    unadapt_for_saving(head.encoder.model, tmp, keep_adapter)
     head.encoder.model.save_pretrained(str(tmp))
     AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).save_pretrained(str(tmp))
     save_file(head.extra_state(), str(tmp / HEAD_WEIGHTS))

@@ -45,6 +45,21 @@ class LoraOptions:
             raise ConfigError("; ".join(problems), problems)
 
 
+def lora_options(values: dict, where: str) -> LoraOptions:
+    """A config's mapping as LoraOptions, each error naming its key under `where` (`finetune.lora`; the checks
+    themselves name `model.lora`, the pre-training section)."""
+    from pretrieve.utils.options import options_of
+
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: expected a mapping of r, alpha, dropout, targets, keep_adapter; got {values!r}")
+    try:
+        return options_of(LoraOptions, values, where)
+    except ConfigError as e:
+        named = [where + problem.removeprefix("model.lora") if problem.startswith("model.lora") else problem
+                 for problem in e.problems]
+        raise ConfigError("; ".join(named), named) from None
+
+
 def add_lora(model: nn.Module, options: LoraOptions) -> int:
     """Inject the adapters into `model` (an HF base model) in place, and freeze every other weight of it;
     returns the number of adapter parameters. A target that names no layer is an error naming the key."""
@@ -67,6 +82,16 @@ def add_lora(model: nn.Module, options: LoraOptions) -> int:
 
 def has_lora(model: nn.Module) -> bool:
     return any(_is_lora_layer(m) for m in model.modules())
+
+
+def unadapt_for_saving(model: nn.Module, out: Path, keep_adapter: bool) -> None:
+    """Before `model` is saved to `out`: its adapters folded into their layers, or written apart to `out`/adapter/
+    (the base weights then saved as they were); nothing without adapters."""
+    if has_lora(model):
+        if keep_adapter:
+            save_adapter_apart(model, out)
+        else:
+            merge_lora(model)
 
 
 def merge_lora(model: nn.Module) -> None:

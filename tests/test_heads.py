@@ -100,9 +100,9 @@ def test_every_config_loads(path, vocab):
     if path.name.startswith("tiny-"):
         assert model.hidden_size <= 64 and model.num_layers <= 2
     else:  # the paper settings (contrastive: E5-base's pre-training, 128 tokens; mntp: LLM2Vec's on Qwen3-0.6B;
-        # llama2vec: LLARA's on LLaMA-2-7B)
+        # llama2vec: the paper's on LLaMA-2-7B)
         shape = {"contrastive": (768, 12, 128), "mntp": (1024, 28, 512),
-                 "llama2vec": (4096, 32, 128)}.get(spec.name, (768, 12, 512))
+                 "llama2vec": (4096, 32, 1024)}.get(spec.name, (768, 12, 512))
         assert (model.hidden_size, model.num_layers, options.max_len) == shape
         schedule = {"costa": (5e-5, 0.1, 0.01), "seed": (1e-4, 0.01, 0.01), "contrastive": (2e-4, 0.05, 0.01),
                     "mntp": (5e-5, 0.0, 0.0), "llama2vec": (1e-5, 0.1, 0.0)}.get(spec.name, (1e-4, 0.1, 0.01))

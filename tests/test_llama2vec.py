@@ -24,7 +24,8 @@ from pretrieve.models.encoder import ModelOptions
 from pretrieve.models.heads import get_method
 from pretrieve.models.heads.llama2vec import prompt_mask
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs" / "pretrain"
 TEXTS = ["The cat sat on the mat while the dog slept near the door. Later the dog woke and chased the cat "
          "across the garden, over the wall and into the field beyond the river.",
          "Rivers carry water from the mountains to the sea.",
@@ -148,33 +149,28 @@ def test_every_weight_learns_on_each_family(llm, backbone):
     assert losses[-1] < losses[0], losses
 
 
-@pytest.mark.integration  # several commands together
-def test_pretrain_runs_each_head_and_family(llm, tmp_path):
-    """`pretrieve pretrain` of tiny-llama2vec.yaml (one process): each head on another family (ebar with
-    activation checkpointing); each logs its parts, lowers its loss over 8 steps and exports."""
-    tokenizer, shards = llm
-    common = [f"data.tokenizer={tokenizer}", f"data.manifests=[{shards / 'manifest.json'}]",
-              f"model.vocab_size={Vocabulary.of_tokenizer(tokenizer).size}", "train.max_steps=8", "train.log_every=1",
-              "checkpoint.every=8", "tracking.enabled=false", "method.max_len=96"]
-    runs = {f"{name}-{backbone}": [f"run_dir={tmp_path / f'{name}-{backbone}'}", f"method.name={name}",
-                                   f"model.backbone={backbone}", *common, *extra]
-            for name, backbone, extra in (("llama2vec", "mistral", []), ("ebae", "qwen3", []),
-                                          ("ebar", "llama", ["train.activation_checkpointing=true"]))}
-    done = subprocess.run([sys.executable, str(Path(__file__).parent / "train_many.py"),
-                           str(CONFIGS / "tiny-llama2vec.yaml"), json.dumps(list(runs.values()))],
-                          env=pretrain_env(), capture_output=True, text=True, timeout=600)
+@pytest.mark.integration  # 18 short runs, one process (about a minute)
+def test_every_decoder_head_trains_on_every_family_through_pretrain(tmp_path):
+    """benchmarks/llm_heads.py: llama2vec, ebae, ebar, mntp and contrastive through `pretrieve pretrain` on Llama,
+    Qwen3 and Mistral from one init_from each, weight decay off: each logs its own parts, lowers its loss, moves
+    every base weight (a gradient reached it) and exports its family and method with last-token pooling; with
+    LoRA the base weights stay bit-identical (ebar on Llama with activation checkpointing)."""
+    out = tmp_path / "llm_heads.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llm_heads.py"), "--steps", "40", "--work",
+                           str(tmp_path / "work"), "--out", str(out)], env=pretrain_env(), capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    for run in runs:
-        records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        tasks = {"ebae", "ebar"} if run.startswith("llama2vec") else {run.split("-")[0]}
-        assert {"lm", *tasks} <= records[0].keys() and not ({"ebae", "ebar"} - tasks) & records[0].keys(), run
-        assert records[-1]["loss"] < records[0]["loss"], (run, [r["loss"] for r in records])
-        config = json.loads((tmp_path / run / "export" / "config.json").read_text())
-        assert config["model_type"] == run.split("-")[1] and not config.get("bidirectional"), run
-        pooling = json.loads((tmp_path / run / "export" / "1_Pooling" / "config.json").read_text())
-        assert pooling["pooling_mode_lasttoken"], run  # not [CLS]: a causal model's first token sees nothing
-        head = json.loads((tmp_path / run / "export" / "pretrieve_head.json").read_text())
-        assert head["method"] == run.split("-")[0], run  # each name its own: the export is rebuilt from it
+    runs = json.loads(out.read_text())["runs"]
+    heads = ("llama2vec", "ebae", "ebar", "mntp", "contrastive", "llama2vec-lora")
+    assert sorted(runs) == sorted(f"{head}-{family}" for head in heads for family in ("llama", "qwen3", "mistral"))
+    own = {"llama2vec": {"ebae", "ebar", "lm"}, "ebae": {"ebae", "lm"}, "ebar": {"ebar", "lm"}, "mntp": {"mntp"},
+           "contrastive": {"qd", "accuracy"}}
+    for name, run in runs.items():
+        head = name.rsplit("-", 1)[0]
+        assert run["ok"] and run["loss_last_quarter"] < run["loss_first_quarter"], (name, run)
+        assert own[head.removesuffix("-lora")] <= set(run["parts"]), (name, run["parts"])
+        assert not {"ebae", "ebar"} - own[head.removesuffix("-lora")] & set(run["parts"]), (name, run["parts"])
+        assert run["moved"] == (0 if head.endswith("-lora") else run["base_weights"]), (name, run)
 
 
 def test_eval_pools_a_llama2vec_export_after_its_prompts(llm, tmp_path):

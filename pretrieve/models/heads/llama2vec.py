@@ -1,7 +1,8 @@
 """`llama2vec`, `ebae`, `ebar`: Llama2Vec's retrieval-oriented adaptation of a decoder LLM (Li, Liu, Xiao, Shao,
 Lian; ACL 2024, arXiv 2312.15503, §3), following its released code, LLARA (FlagEmbedding research/LLARA,
-pretrain/modeling.py and data.py). The paper's equations were not at hand when this was written: this file
-follows the code, and docs/methods.md says so.
+pretrain/modeling.py and data.py). The paper trains one end token's state with a bag-of-words softmax over
+every target token and nothing else; the code, followed here, differs (k tokens, max-pooled logits, distinct
+targets without stop words, / 10, the next-token loss added): docs/methods.md, "The paper and LLARA's code".
 
 The LLM reads a text followed by two prompts (data/llama2vec.py has the layout), each ending in k = 8 special
 tokens whose states are the text's embedding:

@@ -13,7 +13,7 @@ import torch
 
 from conftest import SAMPLES, adamw_steps, pretrain_env
 from pretrieve.config import ConfigError, experiment, load_config
-from pretrieve.models.dense_pooling import last_token_pooling
+from pretrieve.models.dense_pooling import last_token_pooling, mean_pooling
 from pretrieve.models.encoder import Encoder, ModelOptions
 
 FAMILIES = ["llama", "qwen3", "mistral"]
@@ -46,7 +46,7 @@ def test_causal_by_default_and_both_ways_when_bidirectional(backbone):
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_padding_is_hidden_and_last_token_pooling_finds_each_texts_end(backbone, bidirectional):
     """A 5-token text alone, right-padded to 8 and left-padded to 8: the same states at its tokens, and last-token
-    pooling gives its own last token's state (not a pad's) either way."""
+    pooling gives its own last token's state (not a pad's) either way, mean pooling the mean of its own."""
     encoder = tiny(backbone, bidirectional)
     text = torch.tensor([[11, 12, 13, 14, 15]])
     with torch.no_grad():
@@ -59,6 +59,8 @@ def test_padding_is_hidden_and_last_token_pooling_finds_each_texts_end(backbone,
     both = torch.cat([right, left])
     pooled = last_token_pooling(both, torch.cat([right_mask, left_mask]))
     torch.testing.assert_close(pooled, alone[:, -1].expand(2, -1), rtol=1e-5, atol=1e-5)
+    averaged = mean_pooling(both, torch.cat([right_mask, left_mask]))
+    torch.testing.assert_close(averaged, alone.mean(dim=1).expand(2, -1), rtol=1e-5, atol=1e-5)
 
 
 def _experiment(config: str, *overrides: str):
@@ -66,8 +68,10 @@ def _experiment(config: str, *overrides: str):
 
 
 @pytest.mark.parametrize("config,overrides,says", [
-    ("tiny-retromae.yaml", ["model.backbone=qwen3"],
-     r"model.backbone: qwen3 is a decoder LLM; method retromae needs an encoder family"),
+    *[(f"tiny-{method}.yaml", [f"model.backbone={family}"],
+       rf"model.backbone: {family} is a decoder LLM; method {method} needs an encoder family")
+      for method, family in (("retromae", "qwen3"), ("dupmae", "llama"), ("seed", "mistral"), ("costa", "qwen3"),
+                             ("cotmae", "llama"), ("cotmote", "mistral"))],
     ("tiny-mlm.yaml", ["model.backbone=llama"],
      r"model.backbone: llama is a causal decoder LLM; method mlm predicts from both sides: set "
      r"model.bidirectional: true"),

@@ -130,3 +130,22 @@ def test_lora_fine_tuning_trains_adapters_on_the_frozen_base_and_exports_them(in
     assert not np.allclose(vectors[1], DenseEncoder(init, EncodeOptions("last", normalize=True, max_length=64,
                                                                         batch_size=2)).encode(texts, progress=False),
                            atol=1e-4)  # the adapters learned something
+
+
+def test_bf16_fine_tuning_of_a_decoder_llm_exports_a_model_eval_reads(init, tmp_path):
+    """`train.precision=bf16` (DeepSpeed's bf16 on CPU here; the GPU's precision) with last-token pooling and the
+    prompts: the run trains in bf16 with a finite loss, and its export encodes to finite, distinct vectors."""
+    from omegaconf import OmegaConf
+
+    from pretrieve.eval.encode import DenseEncoder
+    from pretrieve.eval.model_config import resolve_encoding
+
+    _finetune(init, tmp_path / "run", "train.precision=bf16", "train.log_every=1")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert OmegaConf.load(tmp_path / "run" / "config.yaml").train.precision == "bf16"
+    assert [r["step"] for r in records if np.isfinite(r.get("loss", np.nan))] == [1, 2], records
+    export = tmp_path / "run" / "export"
+    encoding = resolve_encoding(export, announce=False)
+    vectors = DenseEncoder(export, encoding.encode_options(batch_size=2)).encode(
+        ["What causes tides?", "The moon's gravity pulls the oceans."], progress=False, queries=True)
+    assert np.isfinite(vectors).all() and not np.allclose(vectors[0], vectors[1])

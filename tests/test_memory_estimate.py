@@ -69,3 +69,27 @@ def test_lora_and_offload_states(vocab, world):
     ours, trained, _, largest = _states(vocab, world, [], zero_stage=3, offload_optimizer=True, offload_params=True)
     assert ours == estimate_zero3_model_states_mem_needs(trained, largest, num_gpus_per_node=world, cpu_offload=True,
                                                          cpu_offload_params=True)[1] == 4 * largest
+
+
+@pytest.mark.parametrize("name", ["0.6B", "1.7B", "4B", "8B"])
+def test_model_states_at_qwen3_shapes_are_deepspeeds(name):
+    """benchmarks/llm_memory.py's Qwen3 shapes (built on the meta device), full training in bf16, on 1, 2, 4 and 8
+    devices: at ZeRO 2 DeepSpeed's bytes; at ZeRO 3 DeepSpeed's plus the 16-bit weights' partition (2 bytes a
+    parameter over the devices, which its estimate leaves out); at ZeRO 3 with both offloaded, DeepSpeed's."""
+    import sys
+
+    sys.path.insert(0, str(CONFIGS.parent.parent / "benchmarks"))
+    import llm_memory
+
+    for zero, offload in llm_memory.SETUPS:
+        exp = llm_memory.experiment_of(llm_memory.QWEN3[name], zero, "full", offload)
+        batch = llm_memory.one_sequence(exp)
+        with torch.device("meta"):
+            head = exp.method.build(exp.options, exp.model)
+        params = sum(p.numel() for p in head.parameters())
+        largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in head.modules())
+        for world in (1, 2, 4, 8):
+            device, _ = llm_memory.deepspeed_states(params, largest, zero, world, offload)
+            partition = 2 * params / world if zero == 3 and not offload else 0
+            assert estimate(exp, world, batch)["states"] == pytest.approx(device + partition, abs=1), \
+                (zero, offload, world)

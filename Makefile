@@ -28,6 +28,8 @@ DRY_RUN ?=
 # the stages a job runs, in priority order: names, at most 6 (a job returns 8 files), or all for the dry run's
 # whole plan (tools/gpu_check.py DEFAULT_STAGES when unset)
 STAGES ?=
+# the seeds a job runs of the quality study and of the recipe's arms (tools/gpu_check.py --seeds; default 0)
+SEEDS ?=
 NO_DEPS ?=
 # make test, test-integration and test-cluster run on TEST_JOBS pytest-xdist workers: most tests drive one-thread
 # training subprocesses and wait on their start-up, which leaves a core idle, so 2 workers on 2 cores. make test
@@ -121,7 +123,7 @@ gpu-bundle:
 # into OUT as soon as it ends; DRY_RUN=1 prints the plan against the budget (tools/gpu_check.py)
 gpu-check:
 	$(PYTHON) tools/gpu_check.py --out $(OUT) --budget $(BUDGET) --bundle $(GPU_BUNDLE) $(if $(STAGES),--stages $(STAGES)) \
-	    $(if $(DRY_RUN),--dry-run)
+	    $(if $(SEEDS),--seeds $(SEEDS)) $(if $(DRY_RUN),--dry-run)
 
 bench: install
 	$(VENV_PY) -m pip install -q $(PIP_FROM) -c $(VENV)/torch-constraint.txt -e ".[bench]"

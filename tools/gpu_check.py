@@ -365,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=540.0, help="seconds for all stages together")
     p.add_argument("--bundle", type=Path, default=ROOT / "gpu-bundle", help="make gpu-bundle's folder")
     p.add_argument("--work", type=Path, default=ROOT / "gpu-check-work", help="logs and the stages' scratch files")
-    p.add_argument("--seeds", default="0", help="the quality study's seeds this job runs (a later job: 1-2)")
+    p.add_argument("--seeds", default="0", help="the seeds this job runs of the quality study and of the recipe's "
+                                                   "arms (a later job: 1-2)")
     p.add_argument("--no-install", action="store_true", help="use this Python as it is instead of `make install`")
     p.add_argument("--stages", default=",".join(DEFAULT_STAGES),
                    help="comma-separated stage names to run, at most 6, or all for the dry run's whole plan "

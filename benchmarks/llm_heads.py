@@ -85,11 +85,9 @@ def runs(work: Path, data: dict, init: dict[str, Path], steps: int) -> dict[str,
                          f"data.manifests=[{data['pairs' if head == 'contrastive' else 'text']}]",
                          f"train.max_steps={steps}", "train.log_every=1", "train.weight_decay=0", "train.lr=1e-3",
                          "train.micro_batch_size=8", f"checkpoint.every={steps}", "tracking.enabled=false"]
+            overrides.append(f"method.name={head.removesuffix('-lora')}")
             if head == "llama2vec-lora":  # at 10x the rate: the adapters start at B = 0
-                overrides += ["method.name=llama2vec", "model.lora.r=4", "model.lora.keep_adapter=true",
-                              "train.lr=1e-2"]
-            elif config == HEADS["llama2vec"]:
-                overrides.append(f"method.name={head}")
+                overrides += ["model.lora.r=4", "model.lora.keep_adapter=true", "train.lr=1e-2"]
             overrides.append("method.max_len=64" if head == "contrastive" else "method.max_len=96")
             if head == "contrastive":
                 overrides.append("method.pooling=last")

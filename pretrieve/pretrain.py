@@ -19,7 +19,7 @@ from pretrieve.engine.flops import train_flops
 from pretrieve.engine.tracking import run_tags
 from pretrieve.engine.train import TrainingJob, run_training
 from pretrieve.engine.validation import VALIDATION_SEED, Validation
-from pretrieve.models.lora import adapter_shape
+from pretrieve.models.lora import adapter_shape, trained_summary
 from pretrieve.utils.run_dir import locate
 
 ENCODER_CONFIG = "encoder_config.json"  # in the run directory: the encoder's architecture, for the export
@@ -44,10 +44,7 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
         head.encoder.enable_activation_checkpointing()
     adapters = adapter_shape(head.encoder.model)  # LoRA: FLOPs without the frozen weights' gradients
     if exp.model.lora.r and rank == 0:
-        trained = sum(p.numel() for p in head.parameters() if p.requires_grad)
-        frozen = sum(p.numel() for p in head.parameters() if not p.requires_grad)
-        print(f"pretrieve: LoRA r={exp.model.lora.r}: {trained:,} weights train (adapters and the head's own), "
-              f"{frozen:,} of the base model are frozen", file=sys.stderr, flush=True)
+        print(trained_summary(head, exp.model.lora.r), file=sys.stderr, flush=True)
     # masking's special tokens and word boundaries are the tokenizer's; the shards must have been prepared with it
     tokenizer = exp.data.tokenizer_dir()
     loaded = load_tokenizer(tokenizer)  # once, for the vocabulary's roles and the shards' fingerprint

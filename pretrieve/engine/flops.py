@@ -49,7 +49,13 @@ def train_flops(method: str, options, config, batch: dict[str, torch.Tensor],
     layers: models/lora.py's adapter_shape), a frozen weight gets no gradient: its matmul costs 2x its forward
     (the input's gradient), the attention scores still 3x, the adapters 3x theirs."""
     no_backward = get_method(method).no_backward_flops(options, config, batch)
-    forward = forward_flops(method, options, config, batch)
+    return with_backward(forward_flops(method, options, config, batch), config, batch, adapters, no_backward)
+
+
+def with_backward(forward: int, config, batch: dict[str, torch.Tensor], adapters: tuple[int, int] | None = None,
+                  no_backward: int = 0) -> int:
+    """Forward + backward FLOPs from the `forward` FLOPs of the encoder's passes over `batch` (the module
+    docstring's rule; `adapters`: LoRA's, as in train_flops)."""
     if adapters is None:
         return 3 * forward - 2 * no_backward
     return (2 * forward + attention_flops(config, batch) - first_projections_flops(config, batch)

@@ -212,9 +212,9 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
     from pretrieve.engine.tracking import run_tags
     from pretrieve.engine.train import TrainingJob
     from pretrieve.finetune.batches import GroupLoader, PairLoader
-    from pretrieve.models.flops import (adapter_flops, attention_flops, first_projections_flops, layer_flops,
-                                        vocab_flops)
-    from pretrieve.models.lora import adapter_shape
+    from pretrieve.engine.flops import with_backward
+    from pretrieve.models.flops import layer_flops, vocab_flops
+    from pretrieve.models.lora import adapter_shape, trained_summary
     from pretrieve.utils.run_dir import write_atomic
 
     o = exp.options
@@ -223,10 +223,7 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
     config = module.encoder.config if o.model == "dual" else module.model.config
     adapters = adapter_shape(module.encoder.model) if o.model == "dual" else None
     if adapters is not None and rank == 0:
-        trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
-        print(f"pretrieve: LoRA r={adapters[0]}: {trained:,} weights train, {frozen:,} of the base model are frozen",
-              file=sys.stderr, flush=True)
+        print(trained_summary(module, adapters[0]), file=sys.stderr, flush=True)
     if rank == 0:
         config.to_json_file(exp.run_dir / MODEL_CONFIG)
         write_atomic(exp.run_dir / FINETUNE_META, json.dumps(_meta(module, o), indent=1) + "\n")
@@ -244,18 +241,15 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
         queries = len(masks[0]) // (1 + o.negatives) if o.model == "cross" else len(masks[0])
         return queries, int(sum(m.sum() for m in masks)), sum(m.numel() for m in masks)
 
-    def flops(batch: dict) -> int:  # 3x the forward (engine.flops) over every text of the batch; under LoRA
-        total = 0  # engine.flops' count: a frozen weight's matmul 2x, the attention scores 3x, the adapters 3x
+    def flops(batch: dict) -> int:  # engine.flops' forward + backward over every text of the batch
+        total = 0
         for key, ids in batch.items():
             if key.endswith("input_ids"):
                 forward = config.num_hidden_layers * layer_flops(config, ids.shape[0], ids.shape[1], ids.shape[1])
                 if o.model == "dual" and o.pooling == "dupmae":  # eq. (6)'s LPU at every position
                     forward += (vocab_flops(config, ids.numel()) if module.joint.lpu is None  # MLM head: + transform
                                 else 2 * ids.numel() * config.hidden_size * config.vocab_size)
-                texts = {"input_ids": ids}
-                total += 3 * forward if adapters is None else (
-                    2 * forward + attention_flops(config, texts) - first_projections_flops(config, texts)
-                    + 3 * adapter_flops(*adapters, texts))
+                total += with_backward(forward, config, {"input_ids": ids}, adapters)
         return total
 
     tags = {**run_tags(f"finetune-{o.model}", None, config), "stage_loss": o.loss, "init_from": str(o.init_from)}

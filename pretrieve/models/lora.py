@@ -151,6 +151,14 @@ def _forget_peft_config(model: nn.Module) -> None:
         del model.peft_config
 
 
+def trained_summary(module: nn.Module, rank: int) -> str:
+    """The line a LoRA run prints at its start: what trains and what is frozen."""
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+    return (f"pretrieve: LoRA r={rank}: {trained:,} weights train (adapters and the head's own), {frozen:,} of the "
+            "base model are frozen")
+
+
 def lora_input_width(model: nn.Module) -> int:
     """The input features of every adapted layer together (what adapter dropout copies, per token)."""
     return sum(layer.in_features for _, _, layer in _lora_layers(model))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 
 from pretrieve import __version__
 from pretrieve.commands import data, evaluation, finetune, scale, training
 from pretrieve.engine.preemption import (INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Stopped, end_by_sigint_at_exit,
                                         hold_stop_signals)
-from pretrieve.engine.world import leave_process_group
+from pretrieve.engine.process_exit import exit_before_teardown, leave_process_group
 
 # The commands in the order `pretrieve --help` lists them: each adds its parser and flags (the one place they are
 # defined) and sets the function that runs it.
@@ -48,14 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     line), and one that SIGINT stopped ends the process by SIGINT."""
     if argv is None:
         hold_stop_signals(sys.argv[1:])
+        faulthandler.enable(all_threads=True)  # a crash in C++ (SIGSEGV, SIGABRT) shows each thread's Python stack
     root = parser()
     args = root.parse_args(argv)
     if args.command is None:
         root.print_help()
         return 2
     code = _run_command(args, own_process=argv is None)
-    if argv is None and code in (0, PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE):
-        leave_process_group()
+    if argv is None and code in (0, PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE) and leave_process_group():
+        exit_before_teardown(code, by_sigint=code == INTERRUPTED_EXIT_CODE)  # a rank: engine/process_exit.py
     if argv is None and code == INTERRUPTED_EXIT_CODE:
         end_by_sigint_at_exit()  # as an interrupted program ends: a shell script running it stops too
     return code

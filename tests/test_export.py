@@ -4,6 +4,7 @@ import importlib.util
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModel, BertConfig, BertForMaskedLM, BertModel
 
 from pretrieve.models.encoder import Encoder, ModelOptions
@@ -32,7 +33,7 @@ def test_export_autmodel_identical_and_continue(tmp_path, wiki_samples, vocab, l
             "pretrieve_head.json"} <= {p.name for p in out.iterdir()}
     assert not list(tmp_path.glob(".export*"))  # no temp directory left behind
     described = describe_export(out, source="a test")  # what `pretrieve export` prints
-    assert described.startswith(f"{out}: dupmae from a test\n  format: pretrieve-export/1, a Hugging Face BERT")
+    assert described.startswith(f"{out}: dupmae from a test\n  format: pretrieve-export/1, a Hugging Face model")
     for path in (p for p in out.rglob("*") if p.is_file()):  # every file, with its size
         assert f"{path.relative_to(out)} (" in described
     assert "(sentence-transformers config)" in described.splitlines()[-1]
@@ -99,3 +100,34 @@ def test_init_from_minilm_checkpoint(wiki_samples, vocab):
         theirs = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
         assert torch.equal(ours, theirs)
         assert torch.isfinite(head(batch)["loss"])
+
+
+def test_init_from_another_methods_export_says_which_head_weights_start_fresh(tmp_path, caplog):
+    """Continuing from another method's export (RetroMAE after contrastive pre-training): the encoder loads, this
+    head's own weights start fresh and the other head's (the contrastive log_scale) are left, in one info line, not
+    a warning; the same method with a head that does not match still warns."""
+    contrastive = get_method("contrastive")
+    trained = contrastive.build(contrastive.options_from({"max_len": 64}), TINY, seed=1)
+    with torch.no_grad():
+        trained.log_scale.fill_(3.0)
+    out = export(trained, tmp_path / "contrastive")
+
+    retromae = get_method("retromae")
+    with caplog.at_level("INFO", logger="pretrieve"):
+        head = retromae.build(retromae.options_from({"max_len": 64}), ModelOptions(init_from=str(out)))
+    assert torch.equal(head.encoder.model.embeddings.word_embeddings.weight,
+                       trained.encoder.model.embeddings.word_embeddings.weight)
+    said = [r for r in caplog.records if "init_from" in r.getMessage()]
+    assert [r.levelname for r in said] == ["INFO"], caplog.text
+    assert "(a contrastive export)" in said[0].getMessage() and "log_scale" in said[0].getMessage()
+    assert "decoder" in said[0].getMessage()  # RetroMAE's decoder: initialised
+
+    weights = load_file(out / "pretrieve_head.safetensors")  # a contrastive export without its log_scale
+    del weights["log_scale"]
+    save_file(weights, str(out / "pretrieve_head.safetensors"))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pretrieve"):
+        again = contrastive.build(contrastive.options_from({"max_len": 64}), ModelOptions(init_from=str(out)))
+    assert again.log_scale.item() != 3.0
+    assert [r.levelname for r in caplog.records if "init_from" in r.getMessage()] == ["WARNING"], caplog.text
+    assert "missing ['log_scale']" in caplog.text

@@ -16,6 +16,7 @@ from conftest import free_port, json_lines, pretrain_env
 from safetensors.torch import load_file
 
 from pretrieve.cli import main as cli
+from pretrieve.utils.stop_signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from pretrieve.config import ConfigError, deepspeed_config, experiment, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,29 +166,47 @@ def test_launch_info_resolves_the_world(tmp_path, wiki_shards, capsys, monkeypat
     assert code == 1 and f"{hostfile}:2: expected 'HOST slots=N'" in err
 
 
-def test_a_rank_leaves_its_process_group_when_its_command_ends_well(tmp_path):
-    """Gloo work still held when Python shuts down aborts a rank now and then, after a run that succeeded: a
-    command that ended well (or stopped on every rank) destroys the group first; a failed one leaves it alone
-    (a rank still inside a collective would never let go)."""
-    def ends_with(code: int) -> str:
-        # the command, as pretrieve runs it in its own process, joins a gloo group and ends with `code`
-        script = (f"import sys, torch, torch.distributed as dist\n"
+def test_a_rank_ends_out_of_its_group_and_before_pythons_teardown(tmp_path):
+    """A thread inside torch's C++ that takes the GIL while Python finalizes aborts the process ("terminate
+    called without an active exception"), after a run that succeeded: a rank whose command ended well (or
+    stopped on every rank) leaves its group and ends before the teardown, its exit otherwise Python's own
+    (non-daemon threads joined, atexit handlers run, output flushed; SIGINT for an interrupted one). A failed
+    command leaves the group alone (a rank still inside a collective would never let go) and returns."""
+    def run(code: int, busy_thread: bool) -> subprocess.CompletedProcess:
+        # the command, as pretrieve runs it in its own process: joins a gloo group and ends with `code`, while a
+        # daemon thread multiplies matrices (the GIL released inside torch) and a non-daemon one sleeps
+        script = (f"import atexit, sys, threading, time, torch, torch.distributed as dist\n"
                   f"from pretrieve import cli\n"
+                  f"def busy():\n"
+                  f"    a = torch.randn(800, 800)\n"
+                  f"    while True:\n"
+                  f"        a @ a\n"
                   f"def command(args, own_process):\n"
                   f"    dist.init_process_group('gloo', init_method='file://{tmp_path}/store{code}', rank=0,\n"
                   f"                            world_size=1)\n"
                   f"    dist.all_reduce(torch.ones(3))\n"
+                  f"    if {busy_thread}:\n"
+                  f"        threading.Thread(target=busy, daemon=True).start()\n"
+                  f"    threading.Thread(target=lambda: (time.sleep(0.3), print('thread done'))).start()\n"
+                  f"    atexit.register(print, 'atexit ran')\n"
+                  f"    time.sleep(0.1)\n"
+                  f"    print('result', end='')\n"
                   f"    return {code}\n"
                   f"cli._run_command = command\n"
                   f"sys.argv = ['pretrieve', 'export', 'RUN', 'OUT']\n"
                   f"cli.main()\n"
-                  f"print('still in a group:', dist.is_initialized())\n")
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        return done.stdout.strip()
+                  f"print('returned, still in a group:', dist.is_initialized())\n")
+        (tmp_path / f"store{code}").unlink(missing_ok=True)
+        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
 
-    assert ends_with(0) == ends_with(85) == "still in a group: False"
-    assert ends_with(1) == "still in a group: True"
+    for _ in range(3):  # the plain exit aborted 3 times out of 3 here
+        done = run(0, busy_thread=True)
+        assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
+        assert done.stdout.split() == ["resultthread", "done", "atexit", "ran"], done.stdout
+    assert run(PREEMPTED_EXIT_CODE, busy_thread=True).returncode == PREEMPTED_EXIT_CODE
+    assert run(INTERRUPTED_EXIT_CODE, busy_thread=True).returncode == -signal.SIGINT
+    failed = run(1, busy_thread=False)
+    assert failed.returncode == 0 and "returned, still in a group: True" in failed.stdout, failed.stderr[-2000:]
 
 
 def test_every_ds_config_resolves_and_precision_variants_must_match(wiki_shards):

@@ -102,12 +102,12 @@ def test_eval_reads_the_prompts_from_the_model_and_takes_others_given(finetuned,
 
 def test_lora_fine_tuning_trains_adapters_on_the_frozen_base_and_exports_them(init, tmp_path):
     """`finetune.lora` (LLARA's and E5-Mistral's fine-tuning): the run's export keeps the adapter apart
-    (`keep_adapter`) over the base weights exactly as init_from had them; a merged export of the same checkpoint is
-    a plain model that encodes as `pretrieve eval` encodes the kept-apart one; the card says which."""
+    (`keep_adapter`) over the base weights exactly as init_from had them; a merged export of the same checkpoint
+    (`pretrieve export RUN OUT --no-keep-adapter`) is a plain model that encodes as `pretrieve eval` encodes the
+    kept-apart one; the card says which."""
     from safetensors.torch import load_file
 
     from pretrieve.eval.encode import DenseEncoder, EncodeOptions
-    from pretrieve.finetune.run import export_finetuned
     from pretrieve.models.lora import ADAPTER_DIR
 
     done = _finetune(init, tmp_path / "run", "finetune.lora.r=4", "finetune.lora.keep_adapter=true", "train.lr=0.05")
@@ -118,7 +118,11 @@ def test_lora_fine_tuning_trains_adapters_on_the_frozen_base_and_exports_them(in
     assert (kept / ADAPTER_DIR / "adapter_model.safetensors").is_file()
     assert "adapters are kept apart" in (kept / "README.md").read_text()
 
-    merged = export_finetuned(tmp_path / "run", tmp_path / "merged", keep_adapter=False)
+    done = subprocess.run([sys.executable, "-m", "pretrieve", "export", str(tmp_path / "run"),
+                           str(tmp_path / "merged"), "--no-keep-adapter"], env=pretrain_env(), capture_output=True,
+                          text=True, check=True)
+    assert "a fine-tuned dual encoder (contrastive loss) from" in done.stdout, done.stdout
+    merged = tmp_path / "merged"
     weights = load_file(merged / "model.safetensors")
     assert weights.keys() == base.keys() and not (merged / ADAPTER_DIR).exists()
     changed = [k for k in base if not torch.equal(weights[k], base[k])]

@@ -51,24 +51,28 @@ def add_export(commands) -> None:
     p.add_argument("out", metavar="OUT")
     p.add_argument("--keep-adapter", action=argparse.BooleanOptionalAction, default=None,
                    help="a LoRA run: write its adapter apart (peft's files under OUT/adapter/) instead of merged; "
-                        "default: the run's model.lora.keep_adapter")
+                        "default: the run's model.lora.keep_adapter (finetune.lora.keep_adapter)")
 
 
 def run_export(args) -> int:
     """export a training checkpoint as a HF directory (+ head weights)
 
-    CHECKPOINT: a run directory (latest checkpoint), its checkpoints/ directory or a tag directory; ZeRO partitions
-    are consolidated.
+    CHECKPOINT: a run directory (latest checkpoint), its checkpoints/ directory or a tag directory, of a
+    pre-training or a fine-tuning run (`pretrieve finetune`); ZeRO partitions are consolidated.
     """
     from pathlib import Path
 
+    from pretrieve.models.encoder import FINETUNE_META
     from pretrieve.models.export import describe_export
-    from pretrieve.pretrain import export_checkpoint
     from pretrieve.utils.run_dir import locate
 
     run_dir, _, tag = locate(Path(args.checkpoint))
-    print(describe_export(export_checkpoint(args.checkpoint, args.out, args.keep_adapter),
-                          source=f"{run_dir}, checkpoint {tag}"))
+    if (run_dir / FINETUNE_META).is_file():
+        from pretrieve.finetune.run import export_finetuned as export_run
+    else:
+        from pretrieve.pretrain import export_checkpoint as export_run
+    out = export_run(args.checkpoint, args.out, args.keep_adapter)
+    print(describe_export(out, source=f"{run_dir}, checkpoint {tag}"))
     return 0
 
 

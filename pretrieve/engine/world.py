@@ -83,16 +83,6 @@ def resolve_world(hostfile: str | None = None, env: dict | None = None) -> World
     return World([("localhost", local_devices()[0])], "this machine")
 
 
-def leave_process_group() -> None:
-    """A rank whose command ended well (or stopped where every rank agreed to) leaves its process group before
-    Python shuts down, as torch.distributed asks: gloo work still held at interpreter teardown now and then
-    aborts the process (SIGABRT, "terminate called without an active exception") after a run that succeeded.
-    Not after a failure: a rank still inside a collective would never let go (torchtitan does the same)."""
-    dist = sys.modules.get("torch.distributed")  # no torch import for the commands that never loaded it
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _cpu_allreduce_buffer(rank: int) -> Path:
     return Path("/dev/shm", f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
                             f"{os.environ.get('MASTER_PORT', '')}_{rank}")

@@ -27,6 +27,7 @@ from pretrieve.models.vocab_projection import linear_cross_entropy
 log = logging.getLogger(__name__)
 
 HEAD_WEIGHTS = "pretrieve_head.safetensors"  # a head's extra weights beside an exported encoder
+HEAD_CONFIG = "pretrieve_head.json"  # ... and the method and options that trained it
 FINETUNE_META = "pretrieve_finetune.json"  # beside a fine-tuned export: what it is and how it pools
 MODEL_PREFIX = "model."  # the exported base model's keys in an Encoder's state dict
 _OLD_MODEL_PREFIX = "bert."  # ... in checkpoints written before backbones other than BERT

@@ -19,14 +19,13 @@ from typing import Callable
 
 from pretrieve import __version__
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
-from pretrieve.models.encoder import HEAD_WEIGHTS, ModelOptions
+from pretrieve.models.encoder import HEAD_CONFIG, HEAD_WEIGHTS, ModelOptions, finetune_meta
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import METHODS, get_method
 from pretrieve.models.lora import unadapt_for_saving
 from pretrieve.models.st_config import write_st_config
 
 EXPORT_FORMAT = "pretrieve-export/1"
-HEAD_CONFIG = "pretrieve_head.json"
 
 
 def method_name(head: PretrainingHead) -> str:
@@ -90,13 +89,20 @@ def describe_export(out: str | Path, source: str | None = None) -> str:
     meta, st = export_meta(out), read_st_config(out)
     files = [f"{p.relative_to(out)} ({_size(p.stat().st_size)})" for p in sorted(out.rglob("*")) if p.is_file()]
     origin = f" from {source}" if source else ""
-    return "\n".join([
-        f"{out}: {meta['method']}{origin}",
-        f"  format: {meta['format']}, a Hugging Face BERT directory and a sentence-transformers model, with the "
-        "head's weights",
-        *textwrap.wrap(", ".join(files), width=110, initial_indent="  files: ", subsequent_indent=" " * 9),
+    if meta:
+        what = [f"{out}: {meta['method']}{origin}",
+                f"  format: {meta['format']}, a Hugging Face model directory and a sentence-transformers model, "
+                "with the head's weights"]
+    else:  # a fine-tuning run's export (finetune/run.py)
+        tuned = finetune_meta(out)
+        kind = "cross-encoder" if tuned["model"] == "cross" else "dual encoder"
+        what = [f"{out}: a fine-tuned {kind} ({tuned['loss']} loss){origin}",
+                f"  format: a Hugging Face model directory{'' if st is None else ' and a sentence-transformers model'}"]
+    pooling = [] if st is None else [
         f"  pooling: {st.pooling}, {'L2-normalised' if st.normalize else 'not normalised'}, texts cut at "
-        f"{st.max_length} tokens (sentence-transformers config)"])
+        f"{st.max_length} tokens (sentence-transformers config)"]
+    return "\n".join([*what, *textwrap.wrap(", ".join(files), width=110, initial_indent="  files: ",
+                                            subsequent_indent=" " * 9), *pooling])
 
 
 def _size(n: int) -> str:

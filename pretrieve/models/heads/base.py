@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from pretrieve.models.encoder import HEAD_WEIGHTS, MODEL_PREFIX, Encoder, read_weights
+from pretrieve.models.encoder import HEAD_CONFIG, HEAD_WEIGHTS, MODEL_PREFIX, Encoder, read_weights
 
 log = logging.getLogger(__name__)
 ENCODER_MODEL = "encoder." + MODEL_PREFIX  # the exported base model's keys in a head's state dict
@@ -34,8 +35,10 @@ class PretrainingHead(nn.Module):
         """Every weight that is not the exported base model: MLM head, decoders, projections."""
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith(ENCODER_MODEL)}
 
-    def load_extra_weights(self, path: str | Path) -> list[str]:
-        """Load the head weights saved beside an export (continue pre-training); returns what was missing."""
+    def load_extra_weights(self, path: str | Path, method: str) -> list[str]:
+        """Load the head weights saved beside an export (continue pre-training); returns what was missing. From
+        an export of another method (contrastive pre-training after RetroMAE, say), the weights the two heads
+        share load, the rest of this head starts fresh and the other's are left: said in one line, not warned."""
         state = read_weights(Path(path), HEAD_WEIGHTS)
         if not state:
             missing = [k for k in self.extra_state() if not k.startswith("encoder.mlm_")]
@@ -45,6 +48,13 @@ class PretrainingHead(nn.Module):
         result = self.load_state_dict(state, strict=False)
         missing = [k for k in result.missing_keys if not k.startswith(ENCODER_MODEL)]
         if missing or result.unexpected_keys:
-            log.warning("init_from %s: head weights missing %s, unexpected %s", path, missing, result.unexpected_keys)
+            config = Path(path) / HEAD_CONFIG
+            trained_by = json.loads(config.read_text(encoding="utf-8")).get("method") if config.is_file() else None
+            if trained_by is not None and trained_by != method:
+                log.info("init_from %s (a %s export): head weights initialised %s, not used %s", path, trained_by,
+                         missing, result.unexpected_keys)
+            else:
+                log.warning("init_from %s: head weights missing %s, unexpected %s", path, missing,
+                            result.unexpected_keys)
         return missing
 

@@ -129,7 +129,7 @@ class Method:
         torch.manual_seed(seed)
         head = self.head(Encoder.build(model), options)
         if model.init_from:
-            head.load_extra_weights(model.init_from)
+            head.load_extra_weights(model.init_from, self.name)
         if model.lora.r:  # after the head: its new weights (decoders, projections) are not frozen
             add_lora(head.encoder.model, model.lora)
         return head

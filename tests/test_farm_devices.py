@@ -33,7 +33,9 @@ def watch_jobs(farm: subprocess.Popen, look: Callable[[psutil.Process], Any] = v
         for child in psutil.Process(farm.pid).children():
             try:
                 if "eval" in child.cmdline():
-                    running[child.pid] = look(child)
+                    seen = look(child)
+                    if child.environ():  # else it was exiting, its memory gone: the look may have read nothing
+                        running[child.pid] = seen
             except psutil.Error:  # ended between the listing and the look
                 continue
         looks.append(running)

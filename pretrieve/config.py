@@ -21,6 +21,7 @@ from pretrieve.data.remote import ReadOptions, is_remote, local_path
 from pretrieve.data.shard_check import CHECKS as SHARD_CHECKS
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 from pretrieve.models.backbones import backbone_named, backbone_of
+from pretrieve.models.backbones.registry import DECODER_LLMS
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.utils.options import ConfigError, Problems, options_of
 from pretrieve.utils.run_dir import latest_checkpoint
@@ -383,11 +384,10 @@ def _check_attention(model: ModelOptions, method, problems: Problems) -> None:
     allowed = method.head.decoder_llms
     if not backbone.causal:
         if allowed == "causal":
-            problems.add(f"{where} an encoder family; method {method.name} adapts a decoder LLM (llama, qwen3, "
-                         "mistral)")
+            problems.add(f"{where} an encoder family; method {method.name} adapts a decoder LLM ({DECODER_LLMS})")
         if model.bidirectional:
             problems.add(f"model.bidirectional: the {backbone.display_name} backbone attends both ways already "
-                         "(it applies to decoder LLMs: llama, qwen3, mistral)")
+                         f"(it applies to decoder LLMs: {DECODER_LLMS})")
         return
     if allowed is None:
         problems.add(f"{where} a decoder LLM; method {method.name} needs an encoder family (bert, roberta, "

@@ -1,5 +1,5 @@
-"""Decoder LLM families as encoders (backbones/causal_lm.py): Llama, Qwen3 and Mistral on tiny random configs.
-Causal attention by default and both ways under model.bidirectional, padding hidden either way; last-token
+"""Decoder LLM families as encoders (backbones/causal_lm.py): Llama, Qwen2, Qwen3 and Mistral on tiny random
+configs. Causal attention by default and both ways under model.bidirectional, padding hidden either way; last-token
 pooling under right and left padding; the heads that refuse them, naming the key; a contrastive pre-training
 run of a tiny Qwen3 through `pretrieve pretrain`."""
 
@@ -16,7 +16,7 @@ from pretrieve.config import ConfigError, experiment, load_config
 from pretrieve.models.dense_pooling import last_token_pooling, mean_pooling
 from pretrieve.models.encoder import Encoder, ModelOptions
 
-FAMILIES = ["llama", "qwen3", "mistral"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 
 
@@ -61,6 +61,29 @@ def test_padding_is_hidden_and_last_token_pooling_finds_each_texts_end(backbone,
     torch.testing.assert_close(pooled, alone[:, -1].expand(2, -1), rtol=1e-5, atol=1e-5)
     averaged = mean_pooling(both, torch.cat([right_mask, left_mask]))
     torch.testing.assert_close(averaged, alone.mean(dim=1).expand(2, -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backbone", FAMILIES)
+def test_init_from_a_released_checkpoint_of_each_family_computes_what_it_computed(backbone, tmp_path):
+    """A checkpoint as the family's models are released (its *ForCausalLM with the LM head, tied or not, and a
+    bos/eos the new configs leave out): `init_from` takes its base model, and the encoder's states under padding
+    equal HF's own model's on the unpadded text."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    config = tiny(backbone).config.to_dict()
+    config.update(bos_token_id=1, eos_token_id=2, tie_word_embeddings=backbone != "mistral", bidirectional=False)
+    for key in ("architectures", "transformers_version"):
+        config.pop(key, None)
+    released = AutoModelForCausalLM.from_config(type(tiny(backbone).config)(**config))
+    released.save_pretrained(tmp_path / "released")
+    encoder = Encoder.from_pretrained(tmp_path / "released").eval()
+    assert encoder.backbone.name == backbone and not encoder.config.bidirectional
+    text = torch.tensor([[5, 17, 42, 8, 99, 3]])
+    padded, mask = torch.tensor([[5, 17, 42, 8, 99, 3, 0, 0]]), torch.tensor([[1] * 6 + [0] * 2])
+    with torch.no_grad():
+        ours = encoder(padded, mask)[:, :6]
+        theirs = AutoModel.from_pretrained(tmp_path / "released").eval()(input_ids=text).last_hidden_state
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
 def _experiment(config: str, *overrides: str):

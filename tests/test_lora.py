@@ -45,7 +45,7 @@ def _head(llm, backbone="qwen3", lora=LORA):
     return head, method.collator.from_options(options, vocab)(samples)
 
 
-@pytest.mark.parametrize("backbone", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("backbone", ["llama", "qwen2", "qwen3", "mistral"])
 def test_the_adapters_learn_and_the_base_model_stays_as_it_was(llm, backbone):
     head, batch = _head(llm, backbone)
     trained = {name for name, p in head.named_parameters() if p.requires_grad}

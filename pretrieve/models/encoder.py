@@ -39,7 +39,7 @@ class ModelOptions:
     checkpoint's."""
 
     init_from: str | None = None  # local HF directory: a checkpoint of one of the backbones, or a pretrieve export
-    backbone: str = "bert"  # bert | roberta | xlm-roberta | modernbert; decoder LLMs: llama | qwen3 | mistral
+    backbone: str = "bert"  # bert | roberta | xlm-roberta | modernbert; decoder LLMs: llama | qwen2 | qwen3 | mistral
     vocab_size: int = 30522
     hidden_size: int = 768
     num_layers: int = 12

@@ -1,4 +1,4 @@
-"""Decoder LLM families (Llama, Qwen3, Mistral) as encoders: the HF base model (no LM head), whose last hidden
+"""Decoder LLM families (Llama, Qwen2, Qwen3, Mistral) as encoders: the HF base model (no LM head), whose last hidden
 states a head pools, e.g. at the last token (models/dense_pooling.py).
 
 - Attention is causal, as the family was pre-trained. `model.bidirectional: true` (LLM2Vec, BehnamGhader et al.

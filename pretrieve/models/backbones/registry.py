@@ -7,12 +7,14 @@ from pretrieve.models.backbones.bert import BertBackbone
 from pretrieve.models.backbones.llama import LlamaBackbone
 from pretrieve.models.backbones.mistral import MistralBackbone
 from pretrieve.models.backbones.modernbert import ModernBertBackbone
+from pretrieve.models.backbones.qwen2 import Qwen2Backbone
 from pretrieve.models.backbones.qwen3 import Qwen3Backbone
 from pretrieve.models.backbones.roberta import RobertaBackbone, XLMRobertaBackbone
 
 BACKBONES: dict[str, type[Backbone]] = {b.name: b for b in (BertBackbone, RobertaBackbone, XLMRobertaBackbone,
-                                                            ModernBertBackbone, LlamaBackbone, Qwen3Backbone,
-                                                            MistralBackbone)}
+                                                            ModernBertBackbone, LlamaBackbone, Qwen2Backbone,
+                                                            Qwen3Backbone, MistralBackbone)}
+DECODER_LLMS = ", ".join(name for name, backbone in BACKBONES.items() if backbone.causal)  # for messages
 
 
 def backbone_named(name: str) -> type[Backbone]:

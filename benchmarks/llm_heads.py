@@ -4,7 +4,7 @@ decoder-LLM work (docs/methods.md, "Decoder LLMs").
     python benchmarks/llm_heads.py [--steps 20] [--work DIR] [--out benchmarks/results/llm_heads.json]
 
 The heads `llama2vec`, `ebae`, `ebar` (tiny-llama2vec.yaml), `mntp` (tiny-mntp.yaml, bidirectional) and
-`contrastive` (tiny-contrastive.yaml, last-token pooling, on pair shards) on Llama, Qwen3 and Mistral, plus
+`contrastive` (tiny-contrastive.yaml, last-token pooling, on pair shards) on Llama, Qwen2, Qwen3 and Mistral, plus
 `llama2vec` with LoRA r 4 on each family. Each run starts from its family's `init_from` export (hidden 32, two
 layers, an llm-kind tokenizer trained here on the bundled Wikipedia sample) with weight decay off, so that a
 weight moves only where a gradient reached it. `ebar` on Llama runs with activation checkpointing.
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "pretrieve" / "assets" / "samples"
 CONFIGS = ROOT / "configs" / "pretrain"
-FAMILIES = ("llama", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 HEADS = {"llama2vec": "tiny-llama2vec.yaml", "ebae": "tiny-llama2vec.yaml", "ebar": "tiny-llama2vec.yaml",
          "mntp": "tiny-mntp.yaml", "contrastive": "tiny-contrastive.yaml"}
 LOGGED = {"step", "loss", "lr", "grad_norm"}  # beside each head's own parts

@@ -140,7 +140,7 @@ def test_each_prompt_reads_the_text_alone(llm):
     torch.testing.assert_close(hidden[text.bool()], plain[text.bool()])
 
 
-@pytest.mark.parametrize("backbone", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("backbone", ["llama", "qwen2", "qwen3", "mistral"])
 def test_every_weight_learns_on_each_family(llm, backbone):
     method, options, model, vocab, samples = _setup(llm, backbone=backbone)
     head = method.build(options, replace(model, backbone=backbone), seed=0).train()
@@ -149,10 +149,10 @@ def test_every_weight_learns_on_each_family(llm, backbone):
     assert losses[-1] < losses[0], losses
 
 
-@pytest.mark.integration  # 18 short runs, one process (about a minute)
+@pytest.mark.integration  # 24 short runs, one process (about a minute)
 def test_every_decoder_head_trains_on_every_family_through_pretrain(tmp_path):
     """benchmarks/llm_heads.py: llama2vec, ebae, ebar, mntp and contrastive through `pretrieve pretrain` on Llama,
-    Qwen3 and Mistral from one init_from each, weight decay off: each logs its own parts, lowers its loss, moves
+    Qwen2, Qwen3 and Mistral from one init_from each, weight decay off: each logs its own parts, lowers its loss, moves
     every base weight (a gradient reached it) and exports its family and method with last-token pooling; with
     LoRA the base weights stay bit-identical (ebar on Llama with activation checkpointing)."""
     out = tmp_path / "llm_heads.json"
@@ -162,7 +162,7 @@ def test_every_decoder_head_trains_on_every_family_through_pretrain(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
     heads = ("llama2vec", "ebae", "ebar", "mntp", "contrastive", "llama2vec-lora")
-    assert sorted(runs) == sorted(f"{head}-{family}" for head in heads for family in ("llama", "qwen3", "mistral"))
+    assert sorted(runs) == sorted(f"{head}-{family}" for head in heads for family in ("llama", "qwen2", "qwen3", "mistral"))
     own = {"llama2vec": {"ebae", "ebar", "lm"}, "ebae": {"ebae", "lm"}, "ebar": {"ebar", "lm"}, "mntp": {"mntp"},
            "contrastive": {"qd", "accuracy"}}
     for name, run in runs.items():

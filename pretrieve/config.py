@@ -20,8 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from pretrieve.data.remote import ReadOptions, is_remote, local_path
 from pretrieve.data.shard_check import CHECKS as SHARD_CHECKS
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
-from pretrieve.models.backbones import backbone_named, backbone_of
-from pretrieve.models.backbones.registry import DECODER_LLMS
+from pretrieve.models.backbones import DECODER_LLMS, ENCODER_FAMILIES, backbone_named, backbone_of
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.utils.options import ConfigError, Problems, options_of
 from pretrieve.utils.run_dir import latest_checkpoint
@@ -390,8 +389,7 @@ def _check_attention(model: ModelOptions, method, problems: Problems) -> None:
                          f"(it applies to decoder LLMs: {DECODER_LLMS})")
         return
     if allowed is None:
-        problems.add(f"{where} a decoder LLM; method {method.name} needs an encoder family (bert, roberta, "
-                     "xlm-roberta, modernbert)")
+        problems.add(f"{where} a decoder LLM; method {method.name} needs an encoder family ({ENCODER_FAMILIES})")
     elif allowed == "bidirectional" and not model.bidirectional:
         problems.add(f"{where} a causal decoder LLM; method {method.name} predicts from both sides: set "
                      "model.bidirectional: true")

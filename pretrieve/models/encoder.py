@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 HEAD_WEIGHTS = "pretrieve_head.safetensors"  # a head's extra weights beside an exported encoder
 HEAD_CONFIG = "pretrieve_head.json"  # ... and the method and options that trained it
+EXPORT_FORMAT = "pretrieve-export/1"  # HEAD_CONFIG's "format"
 FINETUNE_META = "pretrieve_finetune.json"  # beside a fine-tuned export: what it is and how it pools
 MODEL_PREFIX = "model."  # the exported base model's keys in an Encoder's state dict
 _OLD_MODEL_PREFIX = "bert."  # ... in checkpoints written before backbones other than BERT
@@ -257,6 +258,17 @@ def load_encoder(path: str | Path) -> Encoder:
         if missing:
             raise ValueError(f"{path}: {HEAD_WEIGHTS} holds only some query experts (missing {missing[:3]})")
     return encoder
+
+
+def export_meta(path: str | Path) -> dict:
+    """The method and options of a pre-training export ({} for a directory that is not one)."""
+    config = Path(path) / HEAD_CONFIG
+    if not config.is_file():
+        return {}
+    meta = json.loads(config.read_text(encoding="utf-8"))
+    if meta.get("format") != EXPORT_FORMAT:
+        raise ValueError(f"{config}: format {meta.get('format')!r}, expected {EXPORT_FORMAT!r}")
+    return meta
 
 
 def finetune_meta(path: str | Path) -> dict:

@@ -19,13 +19,13 @@ from typing import Callable
 
 from pretrieve import __version__
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
-from pretrieve.models.encoder import HEAD_CONFIG, HEAD_WEIGHTS, ModelOptions, finetune_meta
+from pretrieve.models.encoder import (EXPORT_FORMAT, HEAD_CONFIG, HEAD_WEIGHTS, ModelOptions, export_meta,
+                                      finetune_meta)
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import METHODS, get_method
 from pretrieve.models.lora import unadapt_for_saving
 from pretrieve.models.st_config import write_st_config
 
-EXPORT_FORMAT = "pretrieve-export/1"
 
 
 def method_name(head: PretrainingHead) -> str:
@@ -111,17 +111,6 @@ def _size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} GB"
-
-
-def export_meta(path: str | Path) -> dict:
-    """The method and options of a pre-training export ({} for a directory that is not one)."""
-    config = Path(path) / HEAD_CONFIG
-    if not config.is_file():
-        return {}
-    meta = json.loads(config.read_text(encoding="utf-8"))
-    if meta.get("format") != EXPORT_FORMAT:
-        raise ValueError(f"{config}: format {meta.get('format')!r}, expected {EXPORT_FORMAT!r}")
-    return meta
 
 
 def load_export(path: str | Path, method_options: dict | None = None) -> PretrainingHead:

@@ -14,7 +14,9 @@ from pretrieve.models.backbones.roberta import RobertaBackbone, XLMRobertaBackbo
 BACKBONES: dict[str, type[Backbone]] = {b.name: b for b in (BertBackbone, RobertaBackbone, XLMRobertaBackbone,
                                                             ModernBertBackbone, LlamaBackbone, Qwen2Backbone,
                                                             Qwen3Backbone, MistralBackbone)}
-DECODER_LLMS = ", ".join(name for name, backbone in BACKBONES.items() if backbone.causal)  # for messages
+# for messages
+ENCODER_FAMILIES = ", ".join(name for name, backbone in BACKBONES.items() if not backbone.causal)
+DECODER_LLMS = ", ".join(name for name, backbone in BACKBONES.items() if backbone.causal)
 
 
 def backbone_named(name: str) -> type[Backbone]:

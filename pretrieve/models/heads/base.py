@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from pretrieve.models.encoder import HEAD_CONFIG, HEAD_WEIGHTS, MODEL_PREFIX, Encoder, read_weights
+from pretrieve.models.encoder import HEAD_WEIGHTS, MODEL_PREFIX, Encoder, export_meta, read_weights
 
 log = logging.getLogger(__name__)
 ENCODER_MODEL = "encoder." + MODEL_PREFIX  # the exported base model's keys in a head's state dict
@@ -48,8 +47,7 @@ class PretrainingHead(nn.Module):
         result = self.load_state_dict(state, strict=False)
         missing = [k for k in result.missing_keys if not k.startswith(ENCODER_MODEL)]
         if missing or result.unexpected_keys:
-            config = Path(path) / HEAD_CONFIG
-            trained_by = json.loads(config.read_text(encoding="utf-8")).get("method") if config.is_file() else None
+            trained_by = export_meta(path).get("method")
             if trained_by is not None and trained_by != method:
                 log.info("init_from %s (a %s export): head weights initialised %s, not used %s", path, trained_by,
                          missing, result.unexpected_keys)

@@ -232,7 +232,7 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     if model is not None:
         _check_model(model, options, data, manifests, problems)
         if method is not None:
-            _check_attention(model, method, problems)
+            _check_attention(model, method, options, problems)
     if method is not None and data is not None:
         _check_data_kind(method, data, manifests or {}, problems)
     problems.raise_any()
@@ -372,9 +372,9 @@ def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, ma
                      f"{model.max_position_embeddings}")
 
 
-def _check_attention(model: ModelOptions, method, problems: Problems) -> None:
+def _check_attention(model: ModelOptions, method, options: Any, problems: Problems) -> None:
     """A decoder LLM family (model.backbone, or init_from's) trains only under the heads made for it, causal or
-    bidirectional as each needs (PretrainingHead.decoder_llms)."""
+    bidirectional as each needs (PretrainingHead.decoder_llms), and a causal one pools no first token."""
     try:
         backbone = backbone_of(_init_config(model.init_from)) if model.init_from else backbone_named(model.backbone)
     except (ValueError, OSError):
@@ -396,6 +396,9 @@ def _check_attention(model: ModelOptions, method, problems: Problems) -> None:
     elif allowed == "causal" and model.bidirectional:
         problems.add(f"model.bidirectional: method {method.name} trains the LLM causal, as it was pre-trained "
                      "(its prompts' mask is its own): leave it false")
+    if getattr(options, "pooling", None) == "cls" and not model.bidirectional:
+        problems.add(f"method.pooling: cls on a causal {backbone.display_name} is its first token's state, which "
+                     "sees nothing of the text after it (every text gets the same vector): use last or mean")
 
 
 def _init_config(path: str):

@@ -71,7 +71,7 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
         count=getattr(collate, "count", count_texts),
         flops=lambda batch: train_flops(exp.method.name, exp.options, head.encoder.config, batch, adapters),
         # from the final checkpoint: ZeRO partitions consolidated, fp32 master weights under bf16/fp16
-        export=lambda run_dir: export_checkpoint(run_dir, run_dir / "export"),
+        export=lambda run_dir: export_checkpoint(run_dir, run_dir / "export", overwrite=True),
         tags=run_tags(exp.method.name, exp.data.corpora, head.encoder.config), validation=validation)
 
 
@@ -81,18 +81,21 @@ def count_texts(batch: dict) -> tuple[int, int, int]:
     return len(batch["input_ids"]), int(batch["attention_mask"].sum()), batch["attention_mask"].numel()
 
 
-def export_checkpoint(path: str | Path, out: str | Path, keep_adapter: bool | None = None) -> Path:
+def export_checkpoint(path: str | Path, out: str | Path, keep_adapter: bool | None = None,
+                      overwrite: bool = False) -> Path:
     """`pretrieve export CHECKPOINT OUT`: a pre-training checkpoint as an HF directory plus the head's weights and
     a model card. CHECKPOINT is a run directory (its latest checkpoint), its checkpoints/ directory, or one tag
     directory. The head is rebuilt from the run's config.yaml and encoder_config.json. A LoRA run's adapters are
-    merged, or written apart with `keep_adapter` (None: as the run's model.lora.keep_adapter says)."""
+    merged, or written apart with `keep_adapter` (None: as the run's model.lora.keep_adapter says). OUT may be
+    new, empty, or an earlier export that `overwrite` replaces (models.export.check_export_folder)."""
     from pretrieve.config import DataOptions, load_config, method_options, model_options, section
     from pretrieve.eval.model_card import write_model_card
     from pretrieve.models.encoder import Encoder
-    from pretrieve.models.export import export
+    from pretrieve.models.export import check_export_folder, export
     from pretrieve.models.lora import add_lora
 
     run_dir, ckpt_dir, tag = locate(Path(path))
+    check_export_folder(out, overwrite)
     config = load_config(run_dir / "config.yaml")
     method, options = method_options(config)
     head = method.head(Encoder.from_config_file(run_dir / ENCODER_CONFIG), options)

@@ -106,6 +106,8 @@ def _experiment(config: str, *overrides: str):
      r"model.bidirectional: method llama2vec trains the LLM causal, as it was pre-trained"),
     ("tiny-contrastive.yaml", ["model.bidirectional=true"],
      r"model.bidirectional: the BERT backbone attends both ways already"),
+    ("tiny-contrastive.yaml", ["model.backbone=qwen3", "method.pooling=cls"],
+     r"method.pooling: cls on a causal Qwen3 is its first token's state, which sees nothing of the text"),
 ])
 def test_heads_that_cannot_train_a_decoder_llm_refuse_it_naming_the_key(config, overrides, says):
     with pytest.raises(ConfigError, match=says):

@@ -33,7 +33,8 @@ def add_tokenizer(commands) -> None:
     flag("--max-documents", "train on the first N documents only", shown="all", type=at_least(1), metavar="N")
     flag("--model-max-length", "the longest input the tokenizer config declares", type=at_least(1))
     flag("--on-error", "bad records: stop with file:line (fail) or skip and count them", choices=("fail", "skip"))
-    train.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: off)")
+    train.add_argument("--overwrite", action="store_true", help="replace the tokenizer an earlier `tokenizer train` wrote to --out "
+                       "(a folder holding anything else is refused)")
     _reader_options(partial(option, train, ReaderOptions, shown="%(default)s"), queries=False)
 
 

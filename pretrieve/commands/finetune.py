@@ -92,6 +92,7 @@ def add_mine(commands) -> None:
     worker_options(p, MineOptions, "queries")
     flag("--seed", type=int)
     flag("--on-missing", choices=("fail", "skip"))
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (else refused)")
 
 
 def run_mine(args) -> int:
@@ -117,6 +118,7 @@ def add_teacher_scores(commands) -> None:
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
     option(p, TeacherOptions, "--max-length", type=int, help="tokens per query-passage pair")
     option(p, TeacherOptions, "--batch-size", type=at_least(1))
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (else refused)")
 
 
 def run_teacher_scores(args) -> int:

@@ -52,13 +52,17 @@ def add_export(commands) -> None:
     p.add_argument("--keep-adapter", action=argparse.BooleanOptionalAction, default=None,
                    help="a LoRA run: write its adapter apart (peft's files under OUT/adapter/) instead of merged; "
                         "default: the run's model.lora.keep_adapter (finetune.lora.keep_adapter)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the earlier export OUT holds (a folder holding anything else is refused)")
 
 
 def run_export(args) -> int:
     """export a training checkpoint as a HF directory (+ head weights)
 
     CHECKPOINT: a run directory (latest checkpoint), its checkpoints/ directory or a tag directory, of a
-    pre-training or a fine-tuning run (`pretrieve finetune`); ZeRO partitions are consolidated.
+    pre-training or a fine-tuning run (`pretrieve finetune`); ZeRO partitions are consolidated. OUT is written
+    whole (a temporary folder beside it, then a rename): a new or empty folder, or an earlier export with
+    --overwrite; a folder holding anything else is refused, and nothing in it is touched.
     """
     from pathlib import Path
 
@@ -71,7 +75,7 @@ def run_export(args) -> int:
         from pretrieve.finetune.run import export_finetuned as export_run
     else:
         from pretrieve.pretrain import export_checkpoint as export_run
-    out = export_run(args.checkpoint, args.out, args.keep_adapter)
+    out = export_run(args.checkpoint, args.out, args.keep_adapter, overwrite=args.overwrite)
     print(describe_export(out, source=f"{run_dir}, checkpoint {tag}"))
     return 0
 

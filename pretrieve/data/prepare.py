@@ -40,6 +40,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -57,7 +58,8 @@ from pretrieve.data.corpora import BadRecord, CorpusError, Cursor, Document, Rea
 from pretrieve.data.packing import pack_sentences, sentence_starts, sentence_token_bounds
 from pretrieve.data.shards import MANIFEST_FORMAT, ShardStats, ShardWriter, read_shard, token_extension
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, describe, load_backend
-from pretrieve.utils.run_lock import DirectoryLock
+from pretrieve.utils.output_folder import check_own_entries
+from pretrieve.utils.run_lock import LOCK_FILE, DirectoryLock
 
 MANIFEST = "manifest.json"
 STATE = ".prepare-state.json"
@@ -405,9 +407,12 @@ def holdout_side(doc_id: str, fraction: float) -> str:
 def _load_previous(out: Path, job_id: str, overwrite: bool) -> dict:
     """The resume state of an earlier run of the same job; refuses to mix different jobs in one directory."""
     manifest_path, state_path = out / MANIFEST, out / STATE
+    check_own_entries(out, "pretrieve prepare", _prepare_writes)  # --overwrite too: it removes only its own files
     if overwrite and out.exists():
-        for p in list(out.glob("*.tar")) + list(out.glob(".*.tmp")) + [manifest_path, state_path]:
-            p.unlink(missing_ok=True)
+        manifest_path.unlink(missing_ok=True)  # first: the old output stops being complete before any of it changes
+        for p in out.iterdir():
+            if p.name != LOCK_FILE:
+                p.unlink()
         return {}
     for path, what in ((manifest_path, "a complete prepare"), (state_path, "an unfinished prepare")):
         if path.exists():
@@ -424,6 +429,14 @@ def _load_previous(out: Path, job_id: str, overwrite: bool) -> dict:
     if out.exists() and any(out.glob("*.tar")):
         raise PrepareError(f"{out} holds shards but no manifest or resume state; use another --out or --overwrite")
     return {}
+
+
+def _prepare_writes(name: str) -> bool:
+    """The names a local prepare gives its files: shards, manifest, resume state, lock, temporary files."""
+    return name in (MANIFEST, STATE, LOCK_FILE) or re.fullmatch(_SHARD_NAME, name) is not None
+
+
+_SHARD_NAME = rf"\.?({'|'.join(map(re.escape, {*corpora.SOURCES, *pairs.PAIR_SOURCES}))})-\d{{6,}}\.tar(\.tmp)?|\..+\.tmp"
 
 
 class _ShardSequence:

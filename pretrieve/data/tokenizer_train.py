@@ -35,6 +35,7 @@ from typing import Iterator
 
 from pretrieve import __version__
 from pretrieve.data.corpora import SOURCES, BadRecord, CorpusError, ReaderOptions, read_corpus
+from pretrieve.utils.output_folder import check_whole_output, replace_directory, staging_folder
 
 KINDS = ("wordpiece", "bpe", "unigram", "llm")
 TRAINING_RECORD = "pretrieve_tokenizer.json"  # in the output: how the tokenizer was trained, on what
@@ -98,8 +99,8 @@ def train_tokenizer(opts: TokenizerTrainOptions) -> dict:
 
     opts.validate()
     out = Path(opts.out)
-    if out.exists() and any(out.iterdir()) and not opts.overwrite:
-        raise TokenizerTrainError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    check_whole_output(out, "tokenizer trained by pretrieve", lambda path: (path / TRAINING_RECORD).is_file(),
+                       opts.overwrite)
     started = time.perf_counter()
     tokenizer, trainer = _untrained(opts)
     counts: Counter = Counter()
@@ -206,15 +207,12 @@ def _write(tokenizer, opts: TokenizerTrainOptions, record: dict, out: Path) -> N
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=opts.model_max_length,
                                       **{f"{role}_token": token for role, token in roles.items()}, **extra)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_folder(out)
     try:
         wrapped.save_pretrained(str(tmp))
         Vocabulary.of_tokenizer(tmp)  # what pre-training will read: fails here, not on a cluster
         record["fingerprint"] = describe(tmp).fingerprint
         (tmp / TRAINING_RECORD).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        replace_directory(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

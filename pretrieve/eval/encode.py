@@ -25,7 +25,7 @@ import torch
 
 from pretrieve.eval.options import EncodeOptions
 from pretrieve.eval.prompt_pooling import PromptPooling
-from pretrieve.models.lora import merge_saved_adapter
+from pretrieve.models.export import load_base_model
 from pretrieve.models.poolings import PROMPT_POOLINGS, VOCAB_POOLINGS
 from pretrieve.models.representation import POOLINGS
 
@@ -55,7 +55,7 @@ def length_sorted_batches(tokenizer, texts: Iterable[str], options: EncodeOption
 
 class DenseEncoder:
     def __init__(self, model_dir: str | Path, options: EncodeOptions, device: str | None = None):
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if options.pooling not in (*POOLINGS, *PROMPT_POOLINGS):
             raise ValueError(f"pooling: {options.pooling!r} is not one of {', '.join((*POOLINGS, *PROMPT_POOLINGS))}")
@@ -70,9 +70,8 @@ class DenseEncoder:
             from pretrieve.models.encoder import load_encoder
 
             self.model = load_encoder(model_dir).to(self.device).eval()
-        else:  # a LoRA export's adapter kept apart (models/lora.py) is folded in
-            self.model = merge_saved_adapter(AutoModel.from_pretrained(model_dir), Path(model_dir))
-            self.model = self.model.to(self.device).eval()
+        else:  # as trained: a decoder LLM's attention and positions, an adapter kept apart folded in
+            self.model = load_base_model(model_dir).to(self.device).eval()
 
     def settings(self) -> dict:
         """What determines a document's vector."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pretrieve.eval.prompt_pooling import LLAMA2VEC_METHODS
 from pretrieve.models.backbones import BACKBONES
 from pretrieve.models.encoder import FINETUNE_META, HEAD_WEIGHTS
 from pretrieve.models.st_config import read_st_config
@@ -105,6 +106,11 @@ def _pretraining_facts(model_dir: Path, config: dict) -> dict:
     dense = ("" if method != "dupmae" else " DupMAE's joint representation (eq. 12) adds a vocabulary part to "
              "this [CLS] vector: sentence-transformers gets the dense part only, `pretrieve eval --pooling "
              "dupmae` both.")
+    if method in LLAMA2VEC_METHODS:  # what each loader pools, said plainly: only pretrieve applies the prompts
+        dense = (" The model was trained to be read through its prompts (Llama2Vec: the text, then the prompt, "
+                 "the mean of the prompt's special states): `pretrieve eval --model DIR --pooling llama2vec` "
+                 "reads it so. sentence-transformers and the plain last-token pooling of `pretrieve eval` read "
+                 "the text's last token without the prompts, which the model was not trained for.")
     vector = {"cls": "[CLS] vector", "last": "last token's state"}.get(read_st_config(model_dir).pooling,
                                                                       "pooled vector")
     return {"tag": method, "base_model": config.get("model", {}).get("init_from"), "datasets": datasets,
@@ -164,17 +170,29 @@ def _usage(model_dir: Path, files: Path, st) -> list[str]:
                 f'model = AutoModelForSequenceClassification.from_pretrained("{model_dir}")  # one logit per pair',
                 "```"]
     from pretrieve.eval.encode import has_query_experts
+    from pretrieve.models.hf_model_code import ADAPTER_DIR, CODE_FILE
 
-    encode = (['queries = model.encode(["a query"], prompt_name="query")',
-               'passages = model.encode(["a passage"], prompt_name="passage")'] if st.prompts
-              else ['vectors = model.encode(["a query", "a passage"])'])
+    # a prompt name only where the directory names that prompt: encode() refuses a name it does not know
+    encode = [f'{name}s = model.encode(["a {name}"]{f", prompt_name={name!r}" if name in st.prompts else ""})'
+              for name in ("query", "passage")]
     prompts = "".join(f" The {name} prompt, put before each {name}: `{text!r}`." for name, text in st.prompts.items())
+    own_code = (files / CODE_FILE).is_file()
     lines = ["```python", "from sentence_transformers import SentenceTransformer", "",
-             f'model = SentenceTransformer("{model_dir}")', *encode, "```", "",
+             f'model = SentenceTransformer("{model_dir}"{", trust_remote_code=True" if own_code else ""})', *encode,
+             "```", "",
              f"sentence-transformers reads {st.pooling} pooling{', a Dense layer' if st.dense else ''}"
              f"{', normalisation' if st.normalize else ''} and at most {st.max_length} tokens from this directory "
              f"(`modules.json`); `pretrieve eval --model {model_dir} ...` "
              f"{'scores with eq. (12) (pretrieve_finetune.json)' if st.dense else 'reads the same'}.{prompts}"]
+    if own_code:
+        config = _read_json(files / "config.json")
+        what = [*(["attends in both directions as trained"] if config.get("bidirectional") else []),
+                *([f"folds in the LoRA adapter of `{ADAPTER_DIR}/` (needs peft)"]
+                  if (files / ADAPTER_DIR).is_dir() else [])]
+        lines.append(f"The directory carries its own model class (`{CODE_FILE}`, named in config.json's auto_map), "
+                     f"which {' and '.join(what)}: load it with `trust_remote_code=True` (also "
+                     "`AutoModel.from_pretrained`); without it, the library's own class encodes otherwise than "
+                     "the model was trained.")
     if has_query_experts(files):
         lines.append("Queries and passages go through different experts in pretrieve (CoT-MoTE); "
                      "sentence-transformers encodes every text with the passage experts.")

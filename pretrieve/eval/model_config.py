@@ -3,7 +3,8 @@ and `finetune` use when no flag says.
 
 A model directory says how it encodes in, first to last: its sentence-transformers config (`modules.json`,
 `1_Pooling/config.json`, a Normalize module, `sentence_bert_config.json`'s max_seq_length), then
-`pretrieve_finetune.json` (a model fine-tuned by pretrieve), else nothing: [CLS], not normalised. A wrong
+`pretrieve_finetune.json` (a model fine-tuned by pretrieve), else nothing: [CLS] (a decoder LLM's last token),
+not normalised; [CLS] on a causal decoder LLM, whose first token sees nothing of the text, is refused. A wrong
 pooling or a missing normalisation changes the scores without any error (all-MiniLM-L6-v2 on SciFact:
 NDCG@10 0.6067 with mean pooling alone, 0.6451 as its config says), so the choice and its source are printed,
 and a flag that contradicts the model's own config is used but warned about. A model fine-tuned with pooling
@@ -11,8 +12,8 @@ dupmae scores with eq. (12), which sentence-transformers cannot express (its fil
 for it, pretrieve_finetune.json is read first.
 
 A folder that is not a model directory (a run directory, whose model is RUN/export) is refused saying so, and a
-maximum length past the model's learnt positions is refused when given, or cut to them (and said) when it came
-from the model's config or the default.
+maximum length past the model's positions (its learnt table, or the length a rotary model was made for) is
+refused when given, or cut to them (and said) when it came from the model's config or the default.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def check_model_dir(model_dir: str | Path) -> None:
 
 def position_limit(model_dir: str | Path) -> int | None:
     """The most tokens a text of the model may have: its learnt position table less the positions a backbone
-    keeps for itself (RoBERTa's padding offset); None for rotary positions or a config that does not say."""
+    keeps for itself (RoBERTa's padding offset), or with rotary positions the length it was made for (longer
+    texts would meet positions it never saw); None for a config that does not say."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     positions = config.get("max_position_embeddings")
     if not isinstance(positions, int):
@@ -110,7 +112,18 @@ def position_limit(model_dir: str | Path) -> int | None:
             config.get("pad_token_id") or 0)
     except ValueError:  # a model type pretrieve has no backbone for: its table as it is
         offset = 0
-    return None if offset is None else positions - offset
+    return positions if offset is None else positions - offset
+
+
+def is_decoder_llm(model_dir: str | Path, causal_only: bool = False) -> bool:
+    """Whether the model is a decoder LLM (with `causal_only`: one attending causally, whose first token sees
+    nothing after it)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    try:
+        decoder = backbone_of(SimpleNamespace(model_type=config.get("model_type"))).causal
+    except ValueError:  # a model type pretrieve has no backbone for
+        return False
+    return decoder and not (causal_only and config.get("bidirectional", False))
 
 
 def declared_encoding(model_dir: str | Path) -> DeclaredEncoding:
@@ -130,14 +143,17 @@ def declared_encoding(model_dir: str | Path) -> DeclaredEncoding:
     if tuned:
         return DeclaredEncoding(tuned.get("pooling", "cls"), bool(tuned.get("normalize", False)), tuned_length,
                                 str(model_dir / FINETUNE_META))
-    return DeclaredEncoding("cls", False, None, NO_CONFIG)
+    # a decoder LLM's text is read at its last token: its first sees nothing of the text (causal), or is a <bos>
+    return DeclaredEncoding("last" if is_decoder_llm(model_dir) else "cls", False, None, NO_CONFIG)
 
 
 def resolve_encoding(model_dir: str | Path, pooling: str | None = None, normalize: bool | None = None,
                      max_length: int | None = None, default_max_length: int = 256, announce: bool = True,
-                     query_prompt: str | None = None, passage_prompt: str | None = None) -> Encoding:
-    """The flags given (not None), else what the model says, else cls / not normalised / `default_max_length` /
-    no prompts (the sentence-transformers config's `prompts`: query, passage).
+                     query_prompt: str | None = None, passage_prompt: str | None = None,
+                     pooling_key: str = "--pooling") -> Encoding:
+    """The flags given (not None), else what the model says, else cls (last for a decoder LLM) / not normalised /
+    `default_max_length` / no prompts (the sentence-transformers config's `prompts`: query, passage).
+    `pooling_key`: how errors name a given pooling (the flag, or a config key).
     Printed to stderr once (rank 0) when `announce`; a dense pooling or a normalisation that contradicts the
     model's config is a warning. A config pretrieve cannot follow (a Dense layer, max pooling, ...) is an
     error unless --pooling is given."""
@@ -160,6 +176,11 @@ def resolve_encoding(model_dir: str | Path, pooling: str | None = None, normaliz
                "passage_prompt": declared.prompts.get("passage", "") if passage_prompt is None else passage_prompt}
     encoding = Encoding(pooling or declared.pooling, declared.normalize if normalize is None else normalize,
                         min(length, limit) if cut else length, declared.source, given, **prompts)
+    if encoding.pooling == "cls" and is_decoder_llm(model_dir, causal_only=True):
+        what = f"{pooling_key} cls" if pooling else f"pooling cls ({declared.source})"
+        raise ValueError(f"{what}: on a causal decoder LLM ({model_dir}) that is its first token's state, which "
+                         "sees nothing of the text after it (every text would get the same vector); pool with last "
+                         "(or mean)")
     if not announce or os.environ.get("RANK", "0") != "0":
         return encoding
     print(f"pretrieve: {model_dir}: {encoding.describe()}", file=sys.stderr)

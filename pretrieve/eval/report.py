@@ -21,6 +21,7 @@ from pathlib import Path
 from pretrieve.eval.report_html import cell_text, write_html
 from pretrieve.optional import MATPLOTLIB, available
 from pretrieve.utils.metric_names import metric_name
+from pretrieve.utils.output_folder import check_own_entries
 from pretrieve.utils.run_dir import write_atomic
 
 DEFAULT_METRICS = ("ndcg@10", "mrr@10", "recall@100")
@@ -93,12 +94,16 @@ def tables(records: list[dict], metrics=DEFAULT_METRICS) -> dict[str, list[list]
 
 def write_report(uri: str, out: str | Path, experiments: list[str] | None = None, metrics=DEFAULT_METRICS,
                  log_to_mlflow: bool = True) -> str:
-    """Write the tables, plots and HTML page (and log them to MLflow); returns the markdown of all tables."""
+    """Write the tables, plots and HTML page (and log them to MLflow); returns the markdown of all tables. OUT
+    may hold an earlier report, whose files are replaced; a folder holding anything else is refused."""
+    out = Path(out)
+    names = {"report.html", "mlflow.json", *(f"{m}.{ext}" for m in metrics for ext in ("md", "csv", "png"))}
+    check_own_entries(out, "pretrieve report", lambda name: name.removeprefix(".").removesuffix(".tmp") in names,
+                      earlier=lambda folder: (folder / "report.html").is_file())
     records = collect(uri, experiments)
     if not records:
         raise ValueError(f"{uri}: no evaluation runs (run `pretrieve farm`, or log `pretrieve eval` folders with "
                          "`pretrieve track`)")
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     markdown = []
     metric_tables = tables(records, metrics)

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from itertools import chain, count, islice
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from pretrieve.utils.output_folder import check_own_entries
 from pretrieve.utils.run_dir import record_settings, write_atomic
 
 DEFAULT_SHARD_SIZE = 100_000
@@ -120,6 +122,7 @@ def encode_corpus_shards(encoder, documents: Iterable[tuple[str, str]], out: str
     if dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     out = Path(out)
+    check_own_entries(out, "pretrieve encode", _encode_writes)
     out.mkdir(parents=True, exist_ok=True)
     record_settings(out / "encode.json", {**encoder.settings(), "shard_size": shard_size, "dtype": dtype}, "vectors")
 
@@ -141,6 +144,11 @@ def encode_corpus_shards(encoder, documents: Iterable[tuple[str, str]], out: str
             os.replace(tmp, stem(number).with_suffix(".npy"))
             write_atomic(stem(number).with_suffix(".ids"), "".join(f"{d}\n" for d in ids))
     return mine, documents_seen
+
+
+def _encode_writes(name: str) -> bool:
+    """The names `encode_corpus_shards` gives its files, and their temporary names while being written."""
+    return re.fullmatch(r"encode\.json|\.encode\.json\.\d+\.tmp|\.?corpus-\d{5,}\.(npy|ids)(\.tmp)?", name) is not None
 
 
 def open_corpus_vectors(folder: str | Path, settings: dict, doc_ids: list[str] | None = None) -> ShardedVectors:

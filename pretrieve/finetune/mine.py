@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from pretrieve.finetune.examples import Example, write_examples
+from pretrieve.utils.output_folder import check_file_output
 
 PASSAGE_MAX_LENGTH = 144  # passage tokens when neither a flag nor the model says (CoT-MoTE's fine-tuning length)
 
@@ -60,6 +61,7 @@ class MineOptions:
     worker: int = 0
     workers: int = 1
     seed: int = 42
+    overwrite: bool = False  # replace an existing OUT (else refused)
     progress: bool = True
 
 
@@ -80,6 +82,7 @@ def mine(opts: MineOptions) -> dict:
     from pretrieve.eval.model_config import resolve_encoding
 
     _check(opts)
+    check_file_output(opts.out, "mined examples", opts.overwrite)
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)  # now, not after hours of encoding
     encoding = resolve_encoding(opts.model, opts.pooling, opts.normalize, opts.max_length, PASSAGE_MAX_LENGTH)
     if opts.embeddings and encoding.pooling in VOCAB_POOLINGS:
@@ -87,7 +90,7 @@ def mine(opts: MineOptions) -> dict:
                          f"({encoding.source}) searches by its vocabulary vectors, which mining computes itself")
     source = _mining_data(opts)
     settings = {**asdict(opts), "pooling": encoding.pooling, "normalize": encoding.normalize,
-                "max_length": encoding.max_length, "progress": None, "worker": None, "queries": len(source.queries)}
+                "max_length": encoding.max_length, "progress": None, "worker": None, "overwrite": None, "queries": len(source.queries)}
     part = _part(opts) if opts.workers > 1 else Path(opts.out)
     if opts.workers > 1:
         from pretrieve.utils.run_dir import record_settings
@@ -223,6 +226,7 @@ class TeacherOptions:
     out: str
     max_length: int = 176
     batch_size: int = 64
+    overwrite: bool = False  # replace an existing OUT (else refused)
     progress: bool = True
 
 
@@ -234,6 +238,7 @@ def teacher_scores(opts: TeacherOptions) -> dict:
     from pretrieve.finetune.examples import read_all
     from pretrieve.progress import track
 
+    check_file_output(opts.out, "scored examples", opts.overwrite)
     examples = read_all(opts.data)
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

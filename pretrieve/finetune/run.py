@@ -99,8 +99,8 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
         if Path(options.init_from or "").is_dir() and options.model in ("dual", "cross") and not problems.messages:
             try:
                 options, config = _with_model_encoding(options, config)  # reads init_from
-            except ValueError as e:
-                problems.add(f"finetune.init_from: {e}")
+            except ValueError as e:  # what init_from says about itself, or a key that does not fit it
+                problems.add(str(e) if str(e).startswith("finetune.") else f"finetune.init_from: {e}")
             else:
                 _check_encoding(options, problems)
     problems.raise_any()
@@ -175,7 +175,7 @@ def _with_model_encoding(options: FinetuneOptions, config: DictConfig) -> tuple[
     if options.model == "dual":
         encoding = resolve_encoding(options.init_from, options.pooling, options.normalize, options.passage_max_len,
                                     PASSAGE_MAX_LENGTH, query_prompt=options.query_prompt,
-                                    passage_prompt=options.passage_prompt)
+                                    passage_prompt=options.passage_prompt, pooling_key="finetune.pooling")
         filled = {"pooling": encoding.pooling, "normalize": encoding.normalize, "passage_max_len": encoding.max_length,
                   "query_prompt": encoding.query_prompt, "passage_prompt": encoding.passage_prompt}
     else:
@@ -255,7 +255,7 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
     tags = {**run_tags(f"finetune-{o.model}", None, config), "stage_loss": o.loss, "init_from": str(o.init_from)}
     return TrainingJob(name=f"finetune {o.loss}" if o.model == "dual" else "finetune teacher", module=module,
                        loader=loader, position=loader, count=count, flops=flops,
-                       export=lambda run_dir: export_finetuned(run_dir, run_dir / "export"), tags=tags)
+                       export=lambda run_dir: export_finetuned(run_dir, run_dir / "export", overwrite=True), tags=tags)
 
 
 def build_model(o: FinetuneOptions, config_file: Path | None = None):
@@ -312,12 +312,11 @@ def _meta(module, o: FinetuneOptions) -> dict:
     return meta
 
 
-def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | None = None) -> Path:
+def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | None = None,
+                     overwrite: bool = False) -> Path:
     """The latest checkpoint of a fine-tuning run (or the checkpoint `run_dir` names) as a model directory (see
     the module docstring). LoRA adapters are merged, or written apart with `keep_adapter` (None: as the run's
-    finetune.lora.keep_adapter says)."""
-    import shutil
-
+    finetune.lora.keep_adapter says). OUT may be new, empty, or an earlier export that `overwrite` replaces."""
     from omegaconf import OmegaConf
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
@@ -326,13 +325,15 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
     from pretrieve.eval.model_card import write_model_card
     from pretrieve.finetune.mine import PASSAGE_MAX_LENGTH
     from pretrieve.models.encoder import HEAD_WEIGHTS
-    from pretrieve.models.export import replace_directory
+    from pretrieve.models.export import check_export_folder, write_model_code
     from pretrieve.models.heads.base import ENCODER_MODEL
     from pretrieve.models.lora import unadapt_for_saving
     from pretrieve.models.st_config import write_st_config
+    from pretrieve.utils.output_folder import replace_directory, staging_folder
     from pretrieve.utils.run_dir import locate
 
     run_dir, ckpt_dir, tag = locate(Path(run_dir))
+    check_export_folder(out, overwrite)
     meta = json.loads((run_dir / FINETUNE_META).read_text())
     options = section(OmegaConf.load(run_dir / "config.yaml"), "finetune", FinetuneOptions)
     # config.yaml of a run started before it recorded them: what the run trained with, and the old default length
@@ -342,14 +343,14 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
     module = build_model(options, config_file=run_dir / MODEL_CONFIG)
     load_checkpoint_weights(module, ckpt_dir, tag)
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_folder(out)
     if options.model == "cross":
         module.model.save_pretrained(str(tmp))
     else:
         unadapt_for_saving(module.encoder.model, tmp, lora_of(options).keep_adapter if keep_adapter is None
                            else keep_adapter)
         module.encoder.model.save_pretrained(str(tmp))
+        write_model_code(tmp, module.encoder.model)
         # MLM head, query experts (`load_encoder` reads them back), W^cls and LPU (`load_joint`)
         extra = {k: v.detach().contiguous() for k, v in module.state_dict().items()
                  if not k.startswith(ENCODER_MODEL)}

@@ -6,26 +6,77 @@ MLM head, decoder, projections) and `pretrieve_head.json` (method name and optio
 sentence-transformers model (models.st_config): [CLS] pooling (the last token's on a decoder LLM), not
 normalised, texts cut at the pre-training length, the representation every method here pre-trains (DupMAE's
 joint representation: its dense part; the contrastive method's own pooling and normalisation). It is
-written to a temporary directory and renamed, so an export is complete or absent.
+written to a temporary directory beside OUT and renamed, so an export is complete or absent; OUT may be new,
+empty or an earlier export, which `--overwrite` replaces (utils/output_folder.py).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 from pretrieve import __version__
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
-from pretrieve.models.encoder import (EXPORT_FORMAT, HEAD_CONFIG, HEAD_WEIGHTS, ModelOptions, export_meta,
-                                      finetune_meta)
+from pretrieve.models.encoder import (EXPORT_FORMAT, FINETUNE_META, HEAD_CONFIG, HEAD_WEIGHTS, ModelOptions,
+                                      export_meta, finetune_meta)
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import METHODS, get_method
 from pretrieve.models.lora import unadapt_for_saving
 from pretrieve.models.st_config import write_st_config
+from pretrieve.utils.output_folder import check_whole_output, replace_directory, staging_folder
 
+
+def is_export(path: Path) -> bool:
+    """Whether `path` holds an export of pretrieve's: a pre-training head's or a fine-tuning run's."""
+    return (path / HEAD_CONFIG).is_file() or (path / FINETUNE_META).is_file()
+
+
+def check_export_folder(out: str | Path, overwrite: bool) -> None:
+    """`pretrieve export`'s OUT before any work: new, empty, or an earlier export with `overwrite`."""
+    check_whole_output(out, "pretrieve export", is_export, overwrite)
+
+
+def write_model_code(out: Path, model) -> bool:
+    """Give the model directory `out` its own model class (models/hf_model_code.py, named in config.json's
+    auto_map) where HF's class would encode it otherwise than it was trained: a decoder LLM made bidirectional,
+    or one whose adapter is kept apart in `out`/adapter/. Returns whether it did."""
+    from pretrieve.models import hf_model_code
+    from pretrieve.models.backbones.registry import backbone_of
+
+    adapter = (out / hf_model_code.ADAPTER_DIR / "adapter_config.json").is_file()
+    if not backbone_of(model.config).causal or not (getattr(model.config, "bidirectional", False) or adapter):
+        return False
+    source = Path(hf_model_code.__file__).read_text(encoding="utf-8")
+    default = f'BASE_MODEL = "{hf_model_code.BASE_MODEL}"'
+    assert default in source, f"{hf_model_code.__file__}: no {default} line to name the family's class in"
+    base = type(model).__name__
+    (out / hf_model_code.CODE_FILE).write_text(source.replace(default, f'BASE_MODEL = "{base}"'), encoding="utf-8")
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    config["auto_map"] = {"AutoModel": f"{Path(hf_model_code.CODE_FILE).stem}.{hf_model_code.CLASS_NAME}"}
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return True
+
+
+def load_base_model(path: str | Path):
+    """An exported model's HF base model, encoding as it was trained: a decoder LLM through its class in
+    models/hf_model_code.py (causal or bidirectional as its config says; its own copy in the directory is not
+    run), any other through AutoModel; an adapter kept apart folded in."""
+    from transformers import AutoConfig, AutoModel
+
+    from pretrieve.models.backbones.registry import backbone_of
+    from pretrieve.models.hf_model_code import hf_model_class
+    from pretrieve.models.lora import merge_saved_adapter
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    try:
+        backbone = backbone_of(config)
+    except ValueError:  # a model type pretrieve does not train: HF's own class
+        backbone = None
+    if backbone is not None and backbone.causal:
+        return hf_model_class(backbone.model_class).from_pretrained(str(path), local_files_only=True)
+    return merge_saved_adapter(AutoModel.from_pretrained(str(path), local_files_only=True), Path(path))
 
 
 def method_name(head: PretrainingHead) -> str:
@@ -45,10 +96,10 @@ def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAU
     from transformers import AutoTokenizer
 
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_folder(out)
     unadapt_for_saving(head.encoder.model, tmp, keep_adapter)
     head.encoder.model.save_pretrained(str(tmp))
+    write_model_code(tmp, head.encoder.model)
     AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).save_pretrained(str(tmp))
     save_file(head.extra_state(), str(tmp / HEAD_WEIGHTS))
     meta = {"format": EXPORT_FORMAT, "method": method_name(head), "options": asdict(head.options),
@@ -63,19 +114,6 @@ def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAU
     if before_rename is not None:
         before_rename(tmp)
     return replace_directory(tmp, out)
-
-
-def replace_directory(tmp: Path, out: Path) -> Path:
-    """Move the finished directory `tmp` to `out`, replacing what was there (never a half-written `out`)."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out)
-    return out
 
 
 def describe_export(out: str | Path, source: str | None = None) -> str:

@@ -58,8 +58,10 @@ from pretrieve.engine.tracking import experiment_id_of, store_location
 from pretrieve.eval.track import STAGES, log_eval_run
 from pretrieve.orchestrate.finetune_stages import done as finetuned
 from pretrieve.progress import Progress
+from pretrieve.utils.output_folder import check_own_entries
 from pretrieve.utils.run_dir import write_atomic
 
+FARM_RECORD = ".pretrieve-farm"  # in `out`: the folder is a farm's, which adds to it and removes nothing
 EVAL_KEYS = ("max_length", "depth", "index", "nprobe", "ef_search", "batch_size", "contrastive_entropy",
              "ce_temperature", "ce_seed")
 ENTRY_KEYS = {"checkpoints": ("name", "model", "bm25", "pooling", "normalize", "run_dir"),
@@ -175,6 +177,17 @@ def jobs_of(farm: dict) -> list[Job]:
             if s == "zero-shot" or not c.get("bm25")]  # BM25 has nothing to fine-tune
 
 
+def claim_out(farm: dict) -> None:
+    """The farm's `out`, before any job: new, a farm's own (its record, FARM_RECORD), or holding only what a farm
+    writes there (a folder per checkpoint, the default MLflow store); then marked with the record."""
+    out = Path(farm["out"])
+    names = {c["name"] for c in farm["checkpoints"]} | {"mlflow.db", "mlartifacts", FARM_RECORD}
+    check_own_entries(out, "pretrieve farm", lambda name: name in names or name.startswith("mlflow.db-"),
+                      earlier=lambda folder: (folder / FARM_RECORD).is_file())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / FARM_RECORD).touch()
+
+
 def finetune_dir(out: Path, checkpoint: dict) -> Path:
     return out / checkpoint["name"] / "finetune"
 
@@ -222,6 +235,7 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
     """Run (or, with `slurm_jobs`, list) the pending fine-tuning chains, then the pending evaluation jobs; log
     every done job to MLflow once."""
     farm = load_farm(path)
+    claim_out(farm)
     jobs = jobs_of(farm)
     pending = [job for job in jobs if not job.done()]
     chains = chains_of(farm, pending)

@@ -270,12 +270,25 @@ def _cost(study: dict, points: list[Point], where: str) -> None:
         point.C = flops * point.grad_accum * point.world_size * point.steps
 
 
+# what a study writes in its `run.out`: the plan, the study's record, each point's run, the farm's file and folder,
+# and the default MLflow store
+STUDY_WRITES = ("plan.json", "study.json", "points", "eval", "farm.yaml", "mlflow.db", "mlartifacts")
+
+
 def write_plan(study: dict, points: list[Point]) -> Path:
     from pretrieve.utils.run_dir import write_atomic
 
+    from pretrieve.utils.output_folder import OutputInUse, check_own_entries
+
     out = study_out(study)
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "plan.json"
+    earlier = json.loads(path.read_text()).get("study") if path.is_file() else None
+    if earlier not in (None, study["name"]):
+        raise OutputInUse(f"{path}: {out} holds the plan of study {earlier!r}, not {study['name']!r}; give this "
+                          "study its own run.out")
+    check_own_entries(out, "scaling study", lambda name: name in STUDY_WRITES or name.startswith("mlflow.db-")
+                      or name.startswith("."), earlier=lambda folder: earlier is not None)
+    out.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps({"study": study["name"], "points": [asdict(p) for p in points]}, indent=1))
     return path
 

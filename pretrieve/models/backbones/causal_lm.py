@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
-
 from pretrieve.models.backbones.base import Backbone
+from pretrieve.models.hf_model_code import encoder_forward
 
 
 class CausalLMBackbone(Backbone):
@@ -42,16 +41,9 @@ class CausalLMBackbone(Backbone):
 
     @staticmethod
     def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # 0 at each text's first real token
-        if not getattr(model.config, "bidirectional", False):
-            return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).last_hidden_state
-        embeds = model.get_input_embeddings()(input_ids)
-        window = getattr(model.config, "sliding_window", None)
-        build = create_bidirectional_sliding_window_mask if window else create_bidirectional_mask
-        # a prepared [B, 1, L, L] mask: the families' own mask functions pass it through unchanged
-        mask = build(model.config, embeds, attention_mask, allow_is_bidirectional_skip=False)
-        return model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
-                     is_causal=False).last_hidden_state
+        # the same forward as an export's own model class (models/hf_model_code.py), which loaders outside
+        # pretrieve run
+        return encoder_forward(model, model, input_ids, attention_mask).last_hidden_state
 
     @staticmethod
     def masked_forward(model, input_ids: torch.Tensor, visible: torch.Tensor,

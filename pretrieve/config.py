@@ -22,6 +22,7 @@ from pretrieve.data.shard_check import CHECKS as SHARD_CHECKS
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 from pretrieve.models.backbones import DECODER_LLMS, ENCODER_FAMILIES, backbone_named, backbone_of
 from pretrieve.models.encoder import ModelOptions
+from pretrieve.models.vocab_loss import vocab_loss_problem
 from pretrieve.utils.options import ConfigError, Problems, options_of
 from pretrieve.utils.run_dir import latest_checkpoint
 
@@ -70,6 +71,7 @@ def method_options(config: DictConfig) -> tuple[Any, Any]:
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("linear", "cosine", "constant", "wsd")  # engine/lr_schedule.py
+OPTIMIZERS = ("auto", "deepspeed", "torch-fused")  # engine/optimizer.py
 
 
 @dataclass
@@ -116,6 +118,9 @@ class TrainOptions:
     decay_ratio: float = 0.2  # wsd: the share of max_steps that decays, at the end
     weight_decay: float = 0.01
     grad_clip: float = 1.0
+    # which AdamW steps: one of OPTIMIZERS (engine/optimizer.py): the ds_config's (deepspeed), torch's fused
+    # kernel (torch-fused), auto = deepspeed; the same updates within float rounding
+    optimizer: str = "auto"
     precision: str = "fp32"
     zero_stage: int = 0  # selects ds_configs/zero<N>.json unless ds_config is given
     ds_config: str | None = None
@@ -350,6 +355,8 @@ def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, ma
                  problems: Problems) -> None:
     if model.init_from and not Path(model.init_from).is_dir():
         problems.add(f"model.init_from: {model.init_from} is not a directory")
+    if (problem := vocab_loss_problem(model.vocab_loss)) is not None:
+        problems.add(problem)
     if model.init_from:
         _check_checkpoint_positions(model, getattr(options, "max_len", None), problems)
         return
@@ -456,6 +463,8 @@ def _check_train(train: TrainOptions, world_size: int, problems: Problems) -> No
                      f"{train.micro_batch_size} x grad_accum {train.grad_accum} x world size {world_size} = {implied}")
     if train.lr_schedule not in LR_SCHEDULES:
         problems.add(f"train.lr_schedule: {train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+    if train.optimizer not in OPTIMIZERS:
+        problems.add(f"train.optimizer: {train.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if train.lr_schedule == "wsd" and not (0 < train.decay_ratio <= 1 - train.warmup_ratio):
         problems.add(f"train.decay_ratio: {train.decay_ratio} must be > 0 and leave room for the warm-up "
                      f"(<= 1 - warmup_ratio = {1 - train.warmup_ratio:g})")

@@ -446,6 +446,7 @@ def test_only_deepspeeds_own_cpu_adam_is_prebuilt_for_an_offloaded_optimizer():
     # torch's AdamW (the ds_configs' "torch_adam": true) steps the CPU copy: no C++ op to compile (100+ s here)
     assert "CPUAdamBuilder" not in _jit_ops({**offload, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}})
     assert "CPUAdamBuilder" in _jit_ops({**offload, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+    assert "CPUAdamBuilder" not in _jit_ops(offload)  # no section: a client optimizer steps (train.optimizer)
     assert "CPUAdamBuilder" not in _jit_ops({"optimizer": {"type": "AdamW", "params": {}}})
 
 

@@ -213,8 +213,9 @@ def _jit_ops(ds_config: dict) -> list[str]:
     names = ["ShareMemCommBuilder"] if get_accelerator().device_name() == "cpu" else []  # CPU collectives
     offload = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
     # offloaded, DeepSpeed's Adam steps with its C++ CPU Adam, unless "torch_adam" asks for torch's (the ds_configs')
-    torch_adam = (ds_config.get("optimizer") or {}).get("params", {}).get("torch_adam", False)
-    if offload.get("device") == "cpu" and not torch_adam:
+    # or there is no "optimizer" section: a client optimizer steps (train.optimizer torch-fused, engine/optimizer.py)
+    optimizer = ds_config.get("optimizer")
+    if offload.get("device") == "cpu" and optimizer and not optimizer.get("params", {}).get("torch_adam", False):
         names.append("CPUAdamBuilder")
     return names
 

@@ -28,6 +28,7 @@ from pretrieve.engine.determinism import deterministic
 from pretrieve.engine.flops import device_peak
 from pretrieve.engine.lr_schedule import LRSchedule
 from pretrieve.engine.metrics import MetricsWindow, plain_grad_norm, truncate_metrics
+from pretrieve.engine.optimizer import client_optimizer
 from pretrieve.engine.ops import environment_ops
 from pretrieve.engine.preemption import StopFlag, Stopped, prebuild_ops, retryable_startup, shield_children
 from pretrieve.engine.resume_check import check_resume, record_changes, saved_config
@@ -152,15 +153,16 @@ def _initialize(exp: RunExperiment, job: TrainingJob, start: _Start):
     import deepspeed
 
     ds_config = deepspeed_config(exp)
+    parameters = [p for p in job.module.parameters() if p.requires_grad]
+    optimizer = client_optimizer(exp.train, ds_config, parameters)  # train.optimizer; None: the ds_config's
     if start.tag is not None and is_universal(exp.run_dir / "checkpoints" / start.tag):  # any world size
         ds_config["checkpoint"] = {"load_universal": True}
     with environment_ops():  # this environment's extension cache and ninja (engine/ops.py)
         prebuild_ops(ds_config)
         with shield_children(), retryable_startup("joining the job (deepspeed.initialize)",
                                                   exp.train.startup_timeout, on_failure=forget_cpu_allreduce_buffer):
-            engine, _, _, _ = deepspeed.initialize(model=job.module, config=ds_config, model_parameters=[
-                p for p in job.module.parameters() if p.requires_grad],
-                lr_scheduler=LRSchedule.of(exp.train).scheduler)
+            engine, _, _, _ = deepspeed.initialize(model=job.module, config=ds_config, model_parameters=parameters,
+                                                   optimizer=optimizer, lr_scheduler=LRSchedule.of(exp.train).scheduler)
             unlink_cpu_allreduce_buffer()
     return engine, ds_config
 

@@ -22,7 +22,7 @@ from pretrieve.models import unpadding
 from pretrieve.models.backbones import backbone_named, backbone_of
 from pretrieve.models.backbones.base import TextTypes
 from pretrieve.models.lora import LoraOptions, lora_options, merge_saved_adapter
-from pretrieve.models.vocab_projection import linear_cross_entropy
+from pretrieve.models.vocab_loss import vocab_cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,9 @@ class ModelOptions:
     bidirectional: bool = False
     # LoRA adapters on the base model, whose own weights stay frozen (models/lora.py); r = 0: every weight trains
     lora: LoraOptions = field(default_factory=LoraOptions)
+    # how vocabulary-projection losses are computed (models/vocab_loss.py): auto | chunked | plain | liger; the
+    # same loss and gradients within float rounding, at different speeds and memory
+    vocab_loss: str = "auto"
 
     def __post_init__(self):
         if self.lora is None:  # `lora: null`: none
@@ -90,6 +93,7 @@ class Encoder(nn.Module):
         self.query_experts: nn.ModuleList | None = None  # MoTE (cot-mote.txt §3.1): see add_query_experts
         self.text_types = TextTypes()  # which texts of the running batch are queries, for the experts
         self.unpad = False  # see enable_unpadding
+        self.vocab_loss = "auto"  # model.vocab_loss: the path of token_loss (models/vocab_loss.py)
         self.register_load_state_dict_pre_hook(_rename_old_keys)
 
     # rename_old_keys(state_dict, prefix): the load hook's renaming in place, also for a universal checkpoint's
@@ -108,6 +112,7 @@ class Encoder(nn.Module):
             encoder.config.bidirectional = True
         if options.unpad:
             encoder.enable_unpadding()
+        encoder.vocab_loss = options.vocab_loss
         return encoder
 
     @classmethod
@@ -223,9 +228,9 @@ class Encoder(nn.Module):
         selected = labels != -100
         if not selected.any():
             return hidden.sum() * 0.0  # a batch of pad samples: zero loss, graph kept
-        # == F.cross_entropy(self.mlm_logits(hidden[selected]), ...), without the [positions, vocab] logits
-        return linear_cross_entropy(self.mlm_transform(hidden[selected]), self.word_embeddings.weight,
-                                    self.mlm_bias, labels[selected])
+        # == F.cross_entropy(self.mlm_logits(hidden[selected]), ...), by the path model.vocab_loss names
+        return vocab_cross_entropy(self.mlm_transform(hidden[selected]), self.word_embeddings.weight,
+                                   self.mlm_bias, labels[selected], self.vocab_loss)
 
 
 def _rename_old_keys(module, state_dict, prefix, *args) -> None:

@@ -1,12 +1,16 @@
 """Two-stream masked attention on a GPU: fused Triton kernel vs eager vs SDPA with a dense mask.
 
     python benchmarks/two_stream_attention.py [--lengths 128 256 512 1024] [--out benchmarks/results/two_stream_attention.json]
+        [--update-table]
+    python benchmarks/two_stream_attention.py --update-table --from RESULT.json   # a result measured elsewhere
 
 B = 32, H = 12, D = 64, bf16; masks from the RetroMAE collator's compact form (pool of min(L, 256) rows,
 half of the words hidden). Per implementation and L: forward+backward time (CUDA events, median of 20
 after 5 warm-ups), peak memory allocated during the call, and the mask bytes copied host -> device (the
 compact pool + row index for every path, since the dense mask is expanded on the device; the official
-collator ships an L x L int64 tensor). Needs CUDA; exits with a message otherwise.
+collator ships an L x L int64 tensor), and the winner of fused and SDPA. Needs CUDA; exits with a message
+otherwise. --update-table merges the per-length times into the table `method.attention_impl: auto` reads
+(pretrieve/assets/decoder_attention.json, kernels/choice.py), replacing this device's entries at these lengths.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import numpy as np
 import torch
 
 from pretrieve.data.masking import decoder_mask_pool
-from pretrieve.kernels import CompactMask, two_stream_attention
+from pretrieve.kernels import CompactMask, choice, two_stream_attention
 
 B, H, D = 32, 12, 64
 
@@ -63,18 +67,14 @@ def time_impl(impl: str, q, k, v, mask) -> dict:
             "peak_mib": round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024])
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "two_stream_attention.json"))
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/two_stream_attention.py needs a CUDA GPU (the fused kernel's CPU path is the "
-                 "Triton interpreter, which checks correctness only)")
+def measure(lengths: list[int]) -> dict:
     device = torch.device("cuda")
+    import triton
+
     report = {"setup": {"batch": B, "heads": H, "head_dim": D, "dtype": "bfloat16",
-                        "device": torch.cuda.get_device_name(), "torch": torch.__version__}, "lengths": {}}
-    for length in args.lengths:
+                        "device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+                        "torch": torch.__version__, "triton": triton.__version__}, "lengths": {}}
+    for length in lengths:
         mask, host_bytes = compact_mask(length, device)
         q, k, v = (torch.randn(B, H, length, D, device=device, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
@@ -85,11 +85,37 @@ def main() -> None:
             print(length, impl, row[impl], flush=True)
         row["fused_speedup_vs_eager"] = round(row["eager"]["fwd_bwd_ms"] / row["fused"]["fwd_bwd_ms"], 2)
         row["fused_speedup_vs_sdpa"] = round(row["sdpa"]["fwd_bwd_ms"] / row["fused"]["fwd_bwd_ms"], 2)
+        row["winner"] = min(choice.CANDIDATES, key=lambda impl: row[impl]["fwd_bwd_ms"])
         report["lengths"][str(length)] = row
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({L: (r["fused_speedup_vs_eager"], r["fused_speedup_vs_sdpa"]) for L, r in report["lengths"].items()}))
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "two_stream_attention.json"))
+    parser.add_argument("--update-table", action="store_true",
+                        help="merge the times into pretrieve/assets/decoder_attention.json (what auto reads)")
+    parser.add_argument("--from", dest="source", help="with --update-table: a result JSON to merge, no timing")
+    args = parser.parse_args()
+    if args.source:
+        if not args.update_table:
+            sys.exit("--from only feeds --update-table")
+        report, source = json.loads(Path(args.source).read_text()), args.source
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("benchmarks/two_stream_attention.py needs a CUDA GPU (the fused kernel's CPU path is the "
+                     "Triton interpreter, which checks correctness only)")
+        report, source = measure(args.lengths), args.out
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(json.dumps({L: (r["fused_speedup_vs_eager"], r["fused_speedup_vs_sdpa"], r["winner"])
+                          for L, r in report["lengths"].items()}))
+    if args.update_table:
+        entries = choice.entries_from_benchmark(report, source)
+        choice.write_table(choice.merged(choice.load_table(), entries))
+        print(f"{choice.TABLE}: {len(entries)} measurements of {report['setup']['device']} merged")
 
 
 if __name__ == "__main__":

@@ -223,6 +223,7 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     """The validated experiment; every error names its key, and all of them are reported at once."""
     problems = Problems()
     problems.parse(unknown_top_level, config, {*SECTIONS, *PLAIN_KEYS})
+    settings_elsewhere(config, problems)
     model = model_options(config, problems)
     method, options = problems.parse(method_options, config) or (None, None)
     data = section(config, "data", DataOptions, problems)
@@ -248,6 +249,23 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     return Experiment(seed=int(config.get("seed", 42)), run_dir=Path(config.get("run_dir") or f"runs/{method.name}"),
                       resume=resume, train=train, checkpoint=checkpoint, tracking=tracking, raw=config,
                       init_checkpoint=init_checkpoint, model=model, method=method, options=options, data=data)
+
+
+# keys a user may look for in the wrong section -> the key that holds the setting, and what it is
+ELSEWHERE = {
+    "model.decoder_attention": ("method.attention_impl", "auto | fused | sdpa | eager, the two-stream decoder's "
+                                "attention of retromae and dupmae, beside method.decoder_attention_dropout"),
+    "method.decoder_attention": ("method.attention_impl", "auto | fused | sdpa | eager"),
+}
+
+
+def settings_elsewhere(config: DictConfig, problems: Problems) -> None:
+    """An ELSEWHERE key is an error naming the key that holds its setting (not just an unknown key)."""
+    for key, (real, what) in ELSEWHERE.items():
+        section, name = key.split(".")
+        if isinstance(config.get(section), DictConfig) and name in config[section]:
+            problems.add(f"{key}: this setting is {real} ({what})")
+            problems.bad_keys.add(key)
 
 
 def unknown_top_level(config: DictConfig, known: set[str]) -> None:

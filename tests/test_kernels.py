@@ -1,6 +1,7 @@
 """The fused two-stream attention against the reference: outputs and dq/dk/dv, ragged lengths, L not a block
-multiple, head dims 16-64, fp32 and fp16. Without a GPU the Triton kernels run under the interpreter
-(TRITON_INTERPRET=1, set in conftest.py); bf16 needs a GPU (the interpreter has no bf16 arithmetic)."""
+multiple, head dims 16-64, fp32 and fp16, and each tile width of the in-kernel mask words (16-128 keys) on pools
+of random bits. Without a GPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set in
+conftest.py); bf16 needs a GPU (the interpreter has no bf16 arithmetic)."""
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 from pretrieve.data.masking import decoder_mask_pool
 from pretrieve.kernels import CompactMask, resolve, two_stream_attention
+from pretrieve.kernels import fused
 from pretrieve.kernels.fused import available
 
 pytestmark = [pytest.mark.skipif(not available(), reason="triton is installed by `make install` ([dev])"),
@@ -23,9 +25,20 @@ def _mask(lengths, width, seed=0, pool_size=256):
     return CompactMask(torch.from_numpy(pool), torch.from_numpy(rows), torch.from_numpy(lengths))
 
 
-def _parity(batch, heads, width, head_dim, lengths, dtype, atol, seed=0):
+def _random_mask(lengths, width, pool_size, seed=0):
+    """Pool rows of random bits, padding and every row's own position included, so that the kernel's own j != i
+    and j < length do the hiding (a collated pool never shows padding). Keys 0 and 1 stay visible, so every
+    query row sees one at least (the reference gives NaN for a row that sees nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randint(0, 256, (len(lengths), pool_size, -(-width // 8)), generator=gen, dtype=torch.uint8)
+    pool[..., 0] |= 0b11
+    rows = torch.randint(0, pool_size, (len(lengths), width), generator=gen).to(torch.int16)
+    return CompactMask(pool, rows, torch.tensor(lengths))
+
+
+def _parity(batch, heads, width, head_dim, lengths, dtype, atol, seed=0, mask=None):
     torch.manual_seed(seed)
-    mask = _mask(lengths, width, seed)
+    mask = _mask(lengths, width, seed) if mask is None else mask
     q, k, v = (torch.randn(batch, heads, width, head_dim).to(dtype).requires_grad_() for _ in range(3))
     grad = torch.randn(batch, heads, width, head_dim).to(dtype)
     out = two_stream_attention(q, k, v, mask, impl="fused")
@@ -49,6 +62,30 @@ def test_fused_matches_reference_fp32(width, head_dim, lengths):
     _parity(2, 2, width, head_dim, lengths, torch.float32, atol=2e-5)
 
 
+@pytest.mark.parametrize("tile,width,lengths", [
+    (fused.Launch(16, 16, 1, 1), 37, [37, 20, 2]),  # 32-bit shifts, one word
+    (fused.Launch(16, 32, 1, 1), 70, [70, 33, 64]),  # a length at a word's end
+    (fused.Launch(32, 64, 1, 1), 150, [150, 77, 65]),  # 64-bit shifts, a whole word a tile
+    (fused.Launch(16, 128, 1, 1), 150, [150, 128, 9]),  # two words a tile; a length at the second's end
+], ids=lambda value: "{}x{}".format(*value) if isinstance(value, fused.Launch) else None)
+def test_fused_mask_words_match_reference(monkeypatch, tile, width, lengths):
+    """Forward and backward of every tile width against eager, batch 3, L not a multiple of the tile, random
+    pools (bits past the length and on the diagonal set: the kernel hides them) and rows drawn from 5."""
+    monkeypatch.setattr(fused, "INTERPRETER", tile)
+    _parity(3, 2, width, 16, lengths, torch.float32, atol=2e-5, mask=_random_mask(lengths, width, 5, seed=3))
+
+
+def test_pool_words_keep_every_bit():
+    """The uint8 pool as the kernel's int64 words: bit j of a row is bit j % 64 of word j // 64, any offset."""
+    pool = torch.randint(0, 256, (3, 4, 10), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    words = fused.pool_words(pool[1:])
+    assert words.dtype == torch.int64 and words.shape == (2, 4, 2)
+    j = torch.arange(80)
+    bits = (words[..., j // 64] >> (j % 64)) & 1
+    expected = (pool[1:, :, j // 8] >> (j % 8)) & 1
+    assert torch.equal(bits, expected.long())
+
+
 def test_fused_matches_reference_fp16():
     _parity(2, 2, 40, 32, [40, 23], torch.float16, atol=5e-3)
 
@@ -68,6 +105,7 @@ def test_fused_on_a_collated_batch(wiki_samples, vocab):
 def test_dispatch_rules():
     cpu = torch.device("cpu")
     assert resolve("auto", cpu) == "sdpa"
+    assert resolve("auto", cpu, length=512) == "sdpa"
     assert resolve("fused", cpu) == "fused"
     with pytest.raises(ValueError, match="no attention dropout"):
         resolve("fused", cpu, dropout_p=0.1)

@@ -3,7 +3,8 @@ pretrieve/kernels/fused.py at every launch candidate of fused.LAUNCHES (so every
 sm90 (H100), in bf16, fp16 and fp32. Each must compile (the interpreter of test_kernels.py accepts programs the
 compiler rejects, and the reverse), fit the target's shared memory per block, and in fp16 / bf16 run without
 register spills (registers and spills read from the cubin with cuobjdump). Two deliberately over-large tiles
-show the checks catch a configuration that does not fit.
+show the checks catch a configuration that does not fit. The mask pool reaches the kernels as int64 words
+(fused.pool_words).
 
 The suite imports triton in interpreter mode (conftest.py), where @triton.jit yields interpreter functions, so
 the compiler runs in subprocesses without TRITON_INTERPRET: this file is also their script."""
@@ -28,7 +29,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 SHARED_PER_BLOCK = {80: 163 * 1024, 90: 227 * 1024}
 REGISTERS_PER_BLOCK = 64 * 1024
 # the element types FusedTwoStreamAttention passes besides q/k/v and their gradients
-POINTEE = {"LSE": "fp32", "DELTA": "fp32", "POOL": "u8", "ROW": "i16", "LEN": "i32"}
+POINTEE = {"LSE": "fp32", "DELTA": "fp32", "POOL": "i64", "ROW": "i16", "LEN": "i32"}
 # tiles that cannot fit: fp32 128x128 needs over twice the A100's shared memory; bf16 64x128 spills on sm80
 OVERSIZED = ("_forward", 80, "fp32", 128, fused.Launch(128, 128, 8, 3))
 SPILLING = ("_backward_q", 80, "bf16", 64, fused.Launch(64, 128, 8, 2))
@@ -144,6 +145,8 @@ def test_every_kernel_and_head_dim_has_candidates():
     for kernel, by_dim in fused.LAUNCHES.items():
         assert sorted(by_dim) == [16, 32, 64, 128]
         for head_dim, launches in by_dim.items():
+            # BLOCK_N is the key side in all three: a tile the 64-bit mask words cover (one, or two at 128)
+            assert all(launch.block_n in fused.KEY_TILES for launch in launches), (kernel, head_dim)
             for first_only in (False, True):  # torch's deterministic mode: the first candidate, untimed
                 configs = fused._tuned(kernel, head_dim, first_only).configs
                 assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in configs] \

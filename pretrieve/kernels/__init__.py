@@ -5,7 +5,8 @@
 q from the query stream, k and v from the context stream, all [B, heads, L, d]. Implementations:
 `fused` (Triton kernel, kernels/fused.py; CUDA, or CPU under TRITON_INTERPRET=1), `sdpa` (PyTorch
 scaled_dot_product_attention with the dense boolean mask), `eager` (matmul, softmax, matmul: the
-reference). `auto` = fused on CUDA when triton is installed and no attention dropout is asked for, else sdpa.
+reference). `auto` = the faster of fused and sdpa as measured on this device at about this length
+(kernels/choice.py and its table); sdpa on CPU, under attention dropout, or where nothing was measured.
 The fused kernel has no attention-probability dropout: asking for both is an error.
 """
 
@@ -25,13 +26,17 @@ class CompactMask:
     lengths: torch.Tensor  # [B] sequence lengths (special tokens included)
 
 
-def resolve(impl: str, device: torch.device, dropout_p: float = 0.0) -> str:
+def resolve(impl: str, device: torch.device, dropout_p: float = 0.0, length: int | None = None) -> str:
+    """The implementation a call runs; `length`: its sequence length L (auto without one: sdpa)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
     if impl == "auto":
+        from pretrieve.kernels import choice
         from pretrieve.kernels.fused import available
 
-        return "fused" if device.type == "cuda" and available() and dropout_p == 0 else "sdpa"
+        if length is None:
+            return choice.DEFAULT
+        return choice.auto(device, length, dropout_p, available())
     if impl == "fused" and dropout_p > 0:
         raise ValueError("the fused two-stream attention has no attention dropout; set the decoder's attention "
                          "dropout to 0 or use attention_impl sdpa/eager")
@@ -42,7 +47,7 @@ def two_stream_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
                          impl: str = "auto", dropout_p: float = 0.0) -> torch.Tensor:
     from pretrieve.kernels import reference
 
-    impl = resolve(impl, q.device, dropout_p)
+    impl = resolve(impl, q.device, dropout_p, q.shape[-2])
     if impl == "fused":
         from pretrieve.kernels.fused import fused_two_stream_attention
 

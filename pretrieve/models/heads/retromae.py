@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pretrieve.data.collators import RetroMAECollator
-from pretrieve.kernels import CompactMask, resolve, two_stream_attention
+from pretrieve.kernels import IMPLEMENTATIONS, CompactMask, resolve, two_stream_attention
 from pretrieve.models.flops import labelled, layer_flops, vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.decoder import Decoder
@@ -24,7 +24,8 @@ class RetroMAEOptions(MethodOptions):
     # share of words each decoder mask row hides (eq. 5's sample s(X))
     decoder_hide_ratio: float = option(0.50, at_least=0, at_most=1)
     decoder_pool_size: int = option(256, at_least=1)  # mask rows sampled per text: min(L, 256), official collator
-    attention_impl: str = "auto"  # decoder attention: fused (Triton) | sdpa | eager | auto (see pretrieve.kernels)
+    # the decoder's attention: fused (Triton) | sdpa | eager | auto, the faster as measured (pretrieve.kernels)
+    attention_impl: str = option("auto", choices=IMPLEMENTATIONS)
     # None: the encoder's; the fused kernel needs 0
     decoder_attention_dropout: float | None = option(None, at_least=0, below=1)
     # H1 of eq. (2): "position" = h + p_i (paper, official RetroMAE code); "embeddings" = h through the embedding

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from pretrieve.data.remote import ReadOptions, is_remote, local_path
 from pretrieve.data.shard_check import CHECKS as SHARD_CHECKS
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
-from pretrieve.models.backbones import DECODER_LLMS, ENCODER_FAMILIES, backbone_named, backbone_of
+from pretrieve.models.backbones import DECODER_LLMS, ENCODER_FAMILIES, UNPADDING, backbone_named, backbone_of
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.utils.options import ConfigError, Problems, options_of
 from pretrieve.utils.run_dir import latest_checkpoint
@@ -359,7 +359,7 @@ def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, ma
         problems.add(str(e))
     else:
         if model.unpad and not backbone.unpads:
-            problems.add(f"model.unpad: the {model.backbone} backbone has no unpadded path (modernbert has)")
+            problems.add(f"model.unpad: the {model.backbone} backbone has no unpadded path ({UNPADDING} have)")
     # an id past the embedding table fails steps later, deep in a CUDA or CPU kernel (remote manifests: not read)
     for i, manifest in (manifests or {}).items():
         vocab = (manifest.get("tokenizer") or {}).get("vocab_size", 0)

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from pretrieve.data.remote import ReadOptions, is_remote, local_path
 from pretrieve.data.shard_check import CHECKS as SHARD_CHECKS
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
-from pretrieve.models.backbones import DECODER_LLMS, ENCODER_FAMILIES, backbone_named, backbone_of
+from pretrieve.models.backbones import DECODER_LLMS, ENCODER_FAMILIES, UNPADDING, backbone_named, backbone_of
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.models.vocab_loss import vocab_loss_problem
 from pretrieve.utils.options import ConfigError, Problems, options_of
@@ -127,6 +127,9 @@ class TrainOptions:
     log_every: int = 10
     eval_every: int | None = None  # held-out loss every N steps (and at the end) when data.validation is given
     activation_checkpointing: bool = False  # recompute encoder layers in backward: less memory, ~1/3 more compute
+    # torch.compile each encoder and decoder layer on its own (models/regional_compile.py): how a step runs, not
+    # what the model is (the checkpoints and the export are the eager model's), hence train., beside the above
+    compile: bool = False
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step on the CPU (zero_stage >= 1)
     offload_params: bool = False  # ZeRO-Infinity: the parameters too, fetched layer by layer (zero_stage 3)
     max_runtime: float | None = None  # seconds of wall clock; then checkpoint and exit 85, as on SIGTERM
@@ -384,7 +387,7 @@ def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, ma
         problems.add(str(e))
     else:
         if model.unpad and not backbone.unpads:
-            problems.add(f"model.unpad: the {model.backbone} backbone has no unpadded path (modernbert has)")
+            problems.add(f"model.unpad: the {model.backbone} backbone has no unpadded path ({UNPADDING} have)")
     # an id past the embedding table fails steps later, deep in a CUDA or CPU kernel (remote manifests: not read)
     for i, manifest in (manifests or {}).items():
         vocab = (manifest.get("tokenizer") or {}).get("vocab_size", 0)
@@ -499,6 +502,10 @@ def _check_train(train: TrainOptions, world_size: int, problems: Problems) -> No
         problems.add("train.offload_optimizer: needs train.zero_stage 1, 2 or 3 (ZeRO-Offload)")
     if train.offload_params and train.zero_stage != 3:
         problems.add("train.offload_params: needs train.zero_stage 3 (only ZeRO 3 partitions the parameters)")
+    if train.compile and train.zero_stage == 3:  # measured on CPU: the recompile limit hit at the first step
+        problems.add("train.compile: ZeRO 3 gathers each layer's parameters by hooks inside it, on which "
+                     "torch.compile recompiles layer after layer until its limit, then runs them eager; use "
+                     "train.zero_stage 0, 1 or 2")
     if train.ds_config is not None and not Path(train.ds_config).is_file():
         problems.add(f"train.ds_config: {train.ds_config} not found")
 

@@ -1,7 +1,7 @@
 """Unpadded batches on a GPU (`make test-gpu`; skipped without CUDA): ModernBERT's packed stack takes torch's
-varlen FlashAttention kernel by cu_seqlens, global and sliding-window layers alike, and gives the padded
-batch's states and gradients within bf16's precision; under attention dropout or in fp32 it takes padded
-attention."""
+varlen FlashAttention kernel by cu_seqlens, global and sliding-window layers alike, and so do BERT's and
+RoBERTa's (positions from padding_idx + 1), each giving the padded batch's states and gradients within bf16's
+precision; under attention dropout or in fp32 it takes padded attention."""
 
 import pytest
 import torch
@@ -12,12 +12,14 @@ from pretrieve.models.encoder import Encoder, ModelOptions
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def encoders(dropout: float = 0.0):
-    """A padded and an unpadding copy of one ModernBERT (3 layers: global, local, local; a 16-token window)."""
-    config = ModelOptions(backbone="modernbert", vocab_size=1000, hidden_size=128, num_layers=3, num_heads=2,
+def encoders(dropout: float = 0.0, backbone: str = "modernbert"):
+    """A padded and an unpadding copy of one encoder (ModernBERT: 3 layers, global, local, local; a 16-token
+    window)."""
+    config = ModelOptions(backbone=backbone, vocab_size=1000, hidden_size=128, num_layers=3, num_heads=2,
                           intermediate_size=256, max_position_embeddings=256, dropout=dropout,
                           pad_token_id=0).hf_config()
-    config.local_attention = 16
+    if backbone == "modernbert":
+        config.local_attention = 16
     torch.manual_seed(0)
     padded = Encoder(config).cuda()
     unpadded = Encoder(config).cuda()
@@ -34,10 +36,11 @@ def batch(rows: int = 8, width: int = 200):
     return ids.cuda(), mask.cuda()
 
 
-def test_varlen_states_and_gradients_equal_the_padded():
+@pytest.mark.parametrize("backbone", ["modernbert", "bert", "roberta"])
+def test_varlen_states_and_gradients_equal_the_padded(backbone):
     if unpadding.varlen_attn is None:
         pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen")
-    padded, unpadded = encoders()
+    padded, unpadded = encoders(backbone=backbone)
     ids, mask = batch()
     packed = unpadding.Packed.of(mask)
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -38,6 +38,7 @@ from omegaconf import DictConfig
 from pretrieve.config import (RUN_KEYS, RUN_SECTIONS, CheckpointOptions, Problems, RunExperiment, TrainOptions,
                               resume_of, run_sections, section, unknown_top_level)
 from pretrieve.models.encoder import FINETUNE_META, checkpoint_activations
+from pretrieve.models.regional_compile import compile_layers
 
 MODEL_CONFIG = "model_config.json"  # in the run directory: the architecture, for the export
 TOKENIZER = "tokenizer"  # in the run directory
@@ -230,6 +231,8 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
         tokenizer.save_pretrained(str(exp.run_dir / TOKENIZER))  # the export's, even if init_from moves
     if exp.train.activation_checkpointing:
         checkpoint_activations(module.encoder.model if o.model == "dual" else module.model)
+    if exp.train.compile:
+        compile_layers(module)
     loader_class = GroupLoader if o.model == "dual" else PairLoader
     loader = loader_class(load_examples(o), tokenizer, exp.train.micro_batch_size, o.negatives, o.query_max_len,
                           o.passage_max_len, exp.seed, rank, int(os.environ.get("WORLD_SIZE", 1)),

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrieve.models import unpadding
-from pretrieve.models.backbones import backbone_named, backbone_of
+from pretrieve.models.backbones import UNPADDING, backbone_named, backbone_of
 from pretrieve.models.backbones.base import TextTypes
 from pretrieve.models.lora import LoraOptions, lora_options, merge_saved_adapter
 from pretrieve.models.vocab_loss import vocab_cross_entropy
@@ -52,7 +52,7 @@ class ModelOptions:
     # with init_from: the positions of a text after growing the checkpoint's learnt position table, its new rows
     # copies of the old ones in order (Longformer's initialisation; BGE-M3 grew XLM-R's to 8,192 this way)
     extend_positions: int | None = None
-    # pack each batch's texts into one row, no compute on padding (backbones with a varlen path: ModernBERT)
+    # pack each batch's texts into one row, no compute on padding (the encoder families; not decoder LLMs)
     unpad: bool = False
     # a decoder LLM family attending both ways, padding still hidden (LLM2Vec); with init_from too
     bidirectional: bool = False
@@ -170,7 +170,7 @@ class Encoder(nn.Module):
         at real tokens equal the padded batch's; at padding they are zeros."""
         if not self.backbone.unpads:
             raise ValueError(f"model.unpad: the {self.backbone.display_name} backbone has no unpadded path "
-                             "(ModernBERT has)")
+                             f"({UNPADDING} have)")
         self.model.set_attn_implementation(unpadding.ATTENTION)
         self.unpad = True
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, create_bidirectional_mask, sdpa_mask
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -65,6 +65,14 @@ class Packed:
         rows, width = self.real.shape
         flat = x.new_zeros(rows * width, *x.shape[2:]).index_copy(0, self.index, x[0])
         return flat.view(rows, width, *x.shape[2:])
+
+
+def padded_mask(model, attention_mask: torch.Tensor, build=create_bidirectional_mask) -> torch.Tensor | None:
+    """The padded batch's [B, 1, L, L] mask as `build` (an HF mask function) makes it for `model`, from its
+    [B, L] padding mask (None: no padding): what attention takes where it runs padded. A prepared 4D mask is
+    passed through by HF's models, so the stack sees it and not a mask of the packed row."""
+    shape = torch.empty(*attention_mask.shape, 0, dtype=model.dtype, device=attention_mask.device)
+    return build(model.config, shape, attention_mask)
 
 
 def unpadded_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,

@@ -1,5 +1,6 @@
 """BERT (Devlin et al. 2019): post-norm layers, learnt absolute positions, the MLM head's transform before the
-tied decoder. RoBERTa and XLM-R (roberta.py) share all of it but their position offset."""
+tied decoder. RoBERTa and XLM-R (roberta.py) share all of it but their position offset, the unpadded path
+(model.unpad, models/unpadding.py) included."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from transformers import BertConfig, BertModel
 from transformers.models.bert.modeling_bert import BertLayer, BertPredictionHeadTransform
 
 from pretrieve.models.backbones.base import Attend, Backbone
+from pretrieve.models.unpadding import padded_mask
 
 
 class BertFamilyStreams:
@@ -50,6 +52,17 @@ class BertBackbone(Backbone):
     feed_forward_modules = ("intermediate", "output")
     has_pooler = True
     decoder_layer_class = BertDecoderLayer
+    unpads = True
+
+    @classmethod
+    def packed_forward(cls, model, input_ids, packed, attention_mask):
+        """The stack on one packed row: positions restart at each text, from the family's offset (RoBERTa's
+        padding_idx + 1), and the token types, read from HF's buffer at those positions, are each text's own
+        (all 0). Attention runs by cu_seqlens on the varlen kernel where it can, else padded under the padded
+        batch's mask."""
+        positions = packed.position_ids + cls.position_offset(model.config.pad_token_id)
+        return model(input_ids=input_ids, attention_mask=padded_mask(model, attention_mask), position_ids=positions,
+                     packed=packed).last_hidden_state
 
     @classmethod
     def config(cls, options, pad_token_id: int):

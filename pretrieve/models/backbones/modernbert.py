@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import ModernBertConfig, ModernBertModel
-from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
+from transformers.masking_utils import create_bidirectional_sliding_window_mask
 from transformers.models.modernbert.modeling_modernbert import (
     ModernBertEncoderLayer,
     ModernBertPredictionHead,
@@ -27,6 +27,7 @@ from transformers.models.modernbert.modeling_modernbert import (
 
 from pretrieve.models.backbones.base import Attend, Backbone
 from pretrieve.models.backbones.bert import heads
+from pretrieve.models.unpadding import padded_mask
 
 GLOBAL = "full_attention"  # the layer type of ModernBERT's global-attention layers (layer 0 is one)
 LOCAL = "sliding_attention"  # ... and of its local (sliding-window) ones
@@ -81,9 +82,8 @@ class ModernBertBackbone(Backbone):
         """ModernBERT's stack on one packed row, positions restarting at each text (RoPE). Attention runs by
         cu_seqlens on the varlen kernel where it can, else padded under the padded batch's global and local
         masks."""
-        shape = torch.empty(*attention_mask.shape, 0, dtype=model.dtype, device=attention_mask.device)
-        masks = {GLOBAL: create_bidirectional_mask(model.config, shape, attention_mask),
-                 LOCAL: create_bidirectional_sliding_window_mask(model.config, shape, attention_mask)}
+        masks = {GLOBAL: padded_mask(model, attention_mask),
+                 LOCAL: padded_mask(model, attention_mask, create_bidirectional_sliding_window_mask)}
         return model(input_ids=input_ids, attention_mask=masks, position_ids=packed.position_ids,
                      packed=packed).last_hidden_state
 

@@ -17,6 +17,7 @@ BACKBONES: dict[str, type[Backbone]] = {b.name: b for b in (BertBackbone, Robert
 # for messages
 ENCODER_FAMILIES = ", ".join(name for name, backbone in BACKBONES.items() if not backbone.causal)
 DECODER_LLMS = ", ".join(name for name, backbone in BACKBONES.items() if backbone.causal)
+UNPADDING = ", ".join(name for name, backbone in BACKBONES.items() if backbone.unpads)  # model.unpad
 
 
 def backbone_named(name: str) -> type[Backbone]:

@@ -118,9 +118,10 @@ test-gpu: install
 gpu-bundle:
 	$(PYTHON) tools/gpu_bundle.py --out $(GPU_BUNDLE) --data $(QUALITY_DATA)
 
-# the whole job of one short GPU allocation, on the node: the offline install, then correctness, attention, MFU
-# and the quality study at --scale gpu-short, each in its own time box inside BUDGET seconds, each stage's JSON
-# into OUT as soon as it ends; DRY_RUN=1 prints the plan against the budget (tools/gpu_check.py)
+# the whole job of one short GPU allocation, on the node: the offline install, then (by default) the GPU tests of
+# the kernels, a profile of the speed ladder's ends and the ladder with its peers (STAGES= the quality study, the
+# recipe, ...), each in its own time box inside BUDGET seconds, each stage's JSON into OUT as soon as it ends;
+# DRY_RUN=1 prints the plan against the budget (tools/gpu_check.py)
 gpu-check:
 	$(PYTHON) tools/gpu_check.py --out $(OUT) --budget $(BUDGET) --bundle $(GPU_BUNDLE) $(if $(STAGES),--stages $(STAGES)) \
 	    $(if $(SEEDS),--seeds $(SEEDS)) $(if $(DRY_RUN),--dry-run)

@@ -58,6 +58,8 @@ setup(
         # decoder-attention kernel; liger-kernel (Triton, pure Python): model.vocab_loss liger
         "gpu": ["faiss-gpu-cu12>=1.9; platform_system == 'Linux'", "triton>=3.4; platform_system == 'Linux'",
                 LIGER],
+        # the speed switches' kernels that are not torch's (model.vocab_loss liger); a GPU job installs this extra
+        "speed": [LIGER],
         "plots": PLOTS,
         "mlflow": MLFLOW_SERVER,
         # the test suites and the docs; faiss comes from `cpu` or `gpu` beside it (`make install`: dev,cpu).

@@ -9,14 +9,20 @@ over the steps after `--warmup`. Sizes: tiny = hidden 64, 2 layers, 2 heads, FFN
 1536; base = BERT-base; vocab 30,522. Decoder LLM methods (llama2vec, ebae, ebar, mntp) take qwen3-0.6b (Qwen3-0.6B's
 shape, vocabulary 151,669) or qwen3-tiny, shards made with a byte-level BPE trained here; `--lora R` trains
 rank-R adapters instead of every weight. fp32 with `--threads` torch threads on CPU (default 2, as the anchors),
-bf16 on a GPU. `ratio_to_anchor` compares with the official RetroMAE code measured on this kind of machine
+bf16 on a GPU. `--set KEY=VALUE` adds a config override (a speed switch: docs/training.md, "Speed switches") and
+`--rung NAME` names the record's settings; every record carries the device, torch, CUDA, the date and the peak
+memory. `ratio_to_anchor` compares with the official RetroMAE code measured on this kind of machine
 (transformers 4.34, fp32, AdamW, 2 threads; the figures the engine issue gives). `--baseline` also times,
 in the same run and on the same batches, the official RetroMAE model re-stated (`OfficialRetroMAE`: HF
 BertForMaskedLM with MLM logits over all 30,522 words at every position, the decoder layer with a dense
-L x L additive mask and eager attention, logits at every decoder position, torch AdamW, no DeepSpeed) and
-reports `ratio_to_baseline`; the anchor figures came from a faster machine than this one can be at times.
+L x L additive mask and eager attention, logits at every decoder position, torch AdamW, no DeepSpeed; bf16
+autocast on a GPU) and reports `ratio_to_baseline` (`--baseline-only`: that model alone); the anchor figures
+came from a faster machine than this one can be at times.
 `--profile FILE` runs the training under torch.profiler and writes where the time went: the ops by self device
-time on a GPU (self CPU time on CPU), their share, and the host syncs counted (docs/benchmarks.md, the MFU work).
+time on a GPU (self CPU time on CPU), their share, the host syncs counted, and on a GPU the timed steps' device
+time by kernel kind (GEMM, attention, elementwise, copies) and idle (docs/benchmarks.md, the MFU work).
+`--ladder` runs every speed switch one after another, each in its own process, and the peers
+(benchmarks/throughput_ladder.py; docs/benchmarks.md, "The speed ladder").
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import argparse
 import contextlib
 import json
 import platform
+import sys
 import tempfile
 from pathlib import Path
 
@@ -68,7 +75,7 @@ class OfficialRetroMAE(torch.nn.Module):
         ids = batch["dec_input_ids"]
         embeddings = self.lm.bert.embeddings
         keys = torch.cat([cls, embeddings(input_ids=ids)[:, 1:]], dim=1)
-        query = embeddings.position_embeddings(torch.arange(ids.shape[1]))[None] + cls
+        query = embeddings.position_embeddings(torch.arange(ids.shape[1], device=ids.device))[None] + cls
         additive = (~expand_decoder_mask(batch))[:, None].float() * torch.finfo(torch.float32).min
 
         def attend(q, k, v, dropout_p):  # eager: scores, + mask, softmax, dropout, x V
@@ -81,7 +88,8 @@ class OfficialRetroMAE(torch.nn.Module):
 
 
 def time_official(size: dict, seq_len: int, batch_size: int, steps: int, warmup: int, manifest: Path) -> float:
-    """Tokens/s of OfficialRetroMAE on the engine's data (collated by the retromae collator), fp32."""
+    """Tokens/s of OfficialRetroMAE on the engine's data (collated by the retromae collator): fp32 on CPU, bf16
+    autocast on a GPU (as the official code's fp16 / bf16 Trainer runs it)."""
     import time
     from itertools import islice
 
@@ -95,30 +103,86 @@ def time_official(size: dict, seq_len: int, batch_size: int, steps: int, warmup:
     options = method.options_from({"max_len": seq_len, "decoder_pool_size": min(seq_len, 256)})
     collate = method.collator.from_options(options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)))
     samples = list(islice(iter(ShardStream([manifest], seed=0, shuffle_buffer=64)), steps * batch_size))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    model = OfficialRetroMAE(ModelOptions(**size).hf_config()).train()
+    model = OfficialRetroMAE(ModelOptions(**size).hf_config()).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     tokens, started = 0, None
     for step in range(steps):
         if step == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             tokens, started = 0, time.perf_counter()
-        batch = collate(samples[step * batch_size:(step + 1) * batch_size])
-        model(batch).backward()
+        batch = {k: v.to(device, non_blocking=True) for k, v in
+                 collate(samples[step * batch_size:(step + 1) * batch_size]).items()}
+        with autocast:
+            loss = model(batch)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
         tokens += int(batch["attention_mask"].sum())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return tokens / (time.perf_counter() - started)
 
 
 # the calls that make the host wait for the device, counted in a profile
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item",
          "aten::_local_scalar_dense")
+# a device kernel's kind by its name, the first match wins: attention (SDPA's flash / memory-efficient kernels, the
+# fused two-stream kernel's _forward / _backward_*), matrix products (cuBLAS, CUTLASS, Hopper's nvjet / wgmma),
+# copies; anything else is elementwise (norms, activations, softmax, the optimizer, reductions)
+KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "_forward", "_backward_kv", "_backward_q")),
+                ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "matmul", "mm_", "_mm")),
+                ("memcpy", ("memcpy", "memset")))
+OPTIMIZER_KERNELS = ("adam", "multi_tensor_apply")  # their last launch ends a step
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in lower for m in marks)), "elementwise")
+
+
+def device_shares(kernels: list[tuple[str, float, float]], timed_steps: int) -> dict:
+    """The share of the device's time in each kernel kind and idle, over the last `timed_steps` steps: from the
+    end of the optimizer's launches `timed_steps` steps before the last to the end of the last. `kernels`: (name,
+    start, end) in microseconds. Steps are told apart by the optimizer's kernels; without them (no step found),
+    the whole profiled span, said so."""
+    kernels = sorted(kernels, key=lambda k: k[1])
+    step_ends: list[float] = []  # a step's optimizer launches run back to back: the step ends with the run's last
+    in_run = False
+    for name, _, end in kernels:
+        optimizer = any(m in name.lower() for m in OPTIMIZER_KERNELS)
+        if optimizer and in_run:
+            step_ends[-1] = max(step_ends[-1], end)
+        elif optimizer:
+            step_ends.append(end)
+        in_run = optimizer
+    window = "the timed steps"
+    if len(step_ends) > timed_steps:
+        start, stop = step_ends[-timed_steps - 1], step_ends[-1]
+    else:
+        start, stop, window = kernels[0][1], kernels[-1][2], "the whole profiled span (no optimizer steps found)"
+    busy = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"elementwise": 0.0}
+    covered, cursor = 0.0, start  # the union of kernel intervals: streams may overlap
+    for name, begin, end in kernels:
+        begin, end = max(begin, start), min(end, stop)
+        if end <= begin:
+            continue
+        busy[kernel_kind(name)] += end - begin
+        covered += max(0.0, end - max(begin, cursor))
+        cursor = max(cursor, end)
+    span = stop - start
+    shares = {kind: round(t / span, 4) for kind, t in busy.items()}
+    return {"window": window, "span_ms": round(span / 1e3, 3), **shares, "idle": round(1 - covered / span, 4)}
 
 
 @contextlib.contextmanager
-def profiled(path: str | None, gpu: bool, top: int = 40):
-    """torch.profiler around the block when `path` is given; the summary goes to `path` as JSON."""
+def profiled(path: str | None, gpu: bool, timed_steps: int, top: int = 40):
+    """torch.profiler around the block when `path` is given; the summary goes to `path` as JSON: the ops by self
+    device time, the host syncs, and on a GPU the timed steps' device time by kernel kind and idle."""
     if not path:
         yield
         return
@@ -130,11 +194,19 @@ def profiled(path: str | None, gpu: bool, top: int = 40):
     key = "self_device_time_total" if gpu else "self_cpu_time_total"
     timed = sorted(((getattr(e, key), e) for e in prof.key_averages()), key=lambda pair: pair[0], reverse=True)
     total = sum(us for us, _ in timed) or 1
-    rows = [{"name": e.key, "calls": e.count, "self_ms": round(us / 1e3, 3), "share": round(us / total, 4),
-             "cpu_total_ms": round(e.cpu_time_total / 1e3, 3)} for us, e in timed[:top]]
+    rows = [{"name": e.key, "kind": kernel_kind(e.key), "calls": e.count, "self_ms": round(us / 1e3, 3),
+             "share": round(us / total, 4), "cpu_total_ms": round(e.cpu_time_total / 1e3, 3)}
+            for us, e in timed[:top]]
     summary = {"sorted_by": key, "scope": "the whole training call: start-up and warm-up steps included",
                "total_ms": round(total / 1e3, 3), "top": rows,
                "syncs": {e.key: e.count for _, e in timed if e.key in SYNCS}}
+    if gpu:
+        from torch.autograd import DeviceType
+
+        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA]
+        if kernels:
+            summary["device_time"] = device_shares(kernels, timed_steps)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(summary, indent=1) + "\n")
 
@@ -161,12 +233,30 @@ def main() -> None:
     p.add_argument("--zero-stage", type=int, default=0)
     p.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R (model.lora.r)")
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--baseline", action="store_true", help="also time OfficialRetroMAE in this run (CPU)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override of the run (repeatable): a speed switch, e.g. model.vocab_loss=plain")
+    p.add_argument("--rung", help="the record's name for this run's settings (the ladder names its rungs)")
+    p.add_argument("--baseline", action="store_true", help="also time OfficialRetroMAE in this run")
+    p.add_argument("--baseline-only", action="store_true", help="time OfficialRetroMAE alone (a ladder's peer)")
+    p.add_argument("--ladder", action="store_true",
+                   help="every speed switch one after another, each in its own process, and the peers "
+                        "(benchmarks/throughput_ladder.py); --methods, --ends-only, --no-peers")
+    p.add_argument("--methods", nargs="+", default=["mlm", "retromae", "dupmae"],
+                   help="--ladder: the first climbs every rung, the others take the baseline and the top")
+    p.add_argument("--ends-only", action="store_true", help="--ladder: every method takes the baseline and the top")
+    p.add_argument("--no-peers", dest="peers", action="store_false", help="--ladder: without the peers")
+    p.add_argument("--skip", nargs="+", default=(), metavar="RUNG", help="--ladder: leave out these rungs")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pretrain_throughput.json"))
     p.add_argument("--profile", metavar="FILE", help="also profile the run (torch.profiler) into this JSON summary")
     args = p.parse_args()
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
+    if args.ladder:
+        from throughput_ladder import run_ladder
+
+        shared = ["--size", args.size, "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup",
+                  str(args.warmup), "--out", args.out]
+        sys.exit(run_ladder(args, shared + ["--threads", str(args.threads), "--zero-stage", str(args.zero_stage)]))
     from pretrieve.config import experiment, load_config
     from pretrieve.data.prepare import PrepareOptions, prepare
     from pretrieve.pretrain import train
@@ -182,6 +272,10 @@ def main() -> None:
         prepare(PrepareOptions(source="wikipedia", inputs=[str(SAMPLES / "wikipedia")], out=str(shards), workers=0,
                                progress=False, **({"tokenizer": tokenizer} if llm else {})))
         size = SIZES[args.size]
+        if args.baseline_only:
+            record(args, gpu, {"peer": "official-retromae", "tokens_per_s": round(time_official(
+                size, args.seq_len, args.batch, args.steps, args.warmup, shards / "manifest.json"), 1)})
+            return
         overrides = [f"model.{k}={v}" for k, v in size.items()] + [
             *([f"data.tokenizer={tokenizer}"] if llm else []), f"model.lora.r={args.lora}",
             f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
@@ -194,19 +288,17 @@ def main() -> None:
             overrides.append(f"method.decoder_pool_size={min(args.seq_len, 256)}")
         # the baseline first: train() tunes this process's allocator (engine.allocator); the official code did not
         baseline = (time_official(size, args.seq_len, args.batch, args.steps, args.warmup, shards / "manifest.json")
-                    if args.baseline and not gpu else None)
-        with profiled(args.profile, gpu):
-            train(experiment(load_config(ROOT / "configs" / "pretrain" / f"{args.method}.yaml", overrides)))
+                    if args.baseline else None)
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
+        with profiled(args.profile, gpu, args.steps - args.warmup):
+            train(experiment(load_config(ROOT / "configs" / "pretrain" / f"{args.method}.yaml",
+                                         overrides + args.set)))
         records = [json.loads(line) for line in (Path(work) / "run" / "metrics.jsonl").read_text().splitlines()]
     timed = records[args.warmup:]
     tokens_per_s = sum(r["tokens_per_s"] for r in timed) / len(timed)
     samples_per_s = sum(r["samples_per_s"] for r in timed) / len(timed)
     result = {
-        "method": args.method, "size": args.size, "seq_len": args.seq_len, "batch": args.batch,
-        "steps": args.steps, "warmup": args.warmup, "zero_stage": args.zero_stage, "lora": args.lora,
-        "activation_checkpointing": args.activation_checkpointing,
-        "device": torch.cuda.get_device_name() if gpu else f"cpu x{args.threads} threads ({platform.processor() or platform.machine()})",
-        "precision": "bf16" if gpu else "fp32",
         "tokens_per_s": round(tokens_per_s, 1), "s_per_step": round(args.batch / samples_per_s, 4),
         "tflops_per_device": round(sum(r["tflops_per_device"] for r in timed) / len(timed), 4),
         "mfu": round(sum(r.get("mfu", 0.0) for r in timed) / len(timed), 4),
@@ -216,11 +308,39 @@ def main() -> None:
     anchor = None if gpu else ANCHORS.get((args.size, args.seq_len, args.batch))
     if anchor:
         result.update(anchor_tokens_per_s=anchor, ratio_to_anchor=round(tokens_per_s / anchor, 3))
-    print(json.dumps(result))
-    out = Path(args.out)
+    record(args, gpu, result)
+
+
+def record(args, gpu: bool, measured: dict) -> None:
+    """Print the run's record and append it to --out, with what it ran: method, shape, switches, device, versions,
+    date, peak memory (the device's allocator on a GPU, the process's resident set on CPU)."""
+    import datetime as dt
+    import resource
+
+    peak = (torch.cuda.max_memory_allocated() if gpu
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+    result = {
+        "method": args.method, "size": args.size, "seq_len": args.seq_len, "batch": args.batch,
+        "steps": args.steps, "warmup": args.warmup, "zero_stage": args.zero_stage, "lora": args.lora,
+        "activation_checkpointing": args.activation_checkpointing,
+        **({"rung": args.rung} if args.rung else {}), **({"overrides": args.set} if args.set else {}),
+        "device": torch.cuda.get_device_name() if gpu else f"cpu x{args.threads} threads ({platform.processor() or platform.machine()})",
+        "precision": "bf16" if gpu else "fp32", "torch": torch.__version__, "cuda": torch.version.cuda,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **measured, "peak_memory_gib": round(peak / 2**30, 3),
+    }
+    append_record(Path(args.out), result)
+
+
+def append_record(out: Path, result: dict) -> None:
+    """Print `result` as one JSON line and append it to the JSON list in `out`, written whole (a ladder's job may
+    be killed at any moment)."""
+    print(json.dumps(result), flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     history = json.loads(out.read_text()) if out.is_file() else []
-    out.write_text(json.dumps(history + [result], indent=1) + "\n")
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(history + [result], indent=1) + "\n")
+    tmp.replace(out)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ allocation"), made on a machine with network.
 
     python tools/gpu_bundle.py --out gpu-bundle --data ../shared/data [--have "torch==2.11.*,..."] [--wiki-mib 18]
 
-    gpu-bundle/wheelhouse/     the wheels the node lacks, for its Python and platform (tools/wheelhouse.py), no
-                               extras: exact search needs no faiss
+    gpu-bundle/wheelhouse/     the wheels the node lacks, for its Python and platform (tools/wheelhouse.py), with
+                               the speed extra (Liger-Kernel) alone: exact search needs no faiss
     gpu-bundle/data.tar.gz     the quality study's data in `benchmarks/quality.py --data` form: the BEIR
                                collections (SciFact, CACM, Cranfield), the books, and the first Wikipedia articles
                                of the sample that fit --wiki-mib compressed (the study repeats its text anyway)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, str(ROOT / "tools" / "wheelhouse.py"), "--out", str(args.out / "wheelhouse"),
                         "--project", str(ROOT), "--python-version", args.python_version, "--platform", args.platform,
                         "--have", args.have, "--target-has", str(ROOT / "tools" / "gpu_node_packages.txt"),
-                        "--extras", ""], check=True)
+                        "--extras", "speed"], check=True)
     record = data_archive(args.data, args.out, args.wiki_mib)
     record["wheelhouse_mib"] = round(tree_mib(args.out / "wheelhouse"), 2)
     (args.out / "bundle.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -59,17 +59,21 @@ class Stage:
     results: dict = field(default_factory=dict)
 
 
-# what a job runs unless told: the first job (benchmarks/results/gpu-check/2026-11-27-h100) measured attention and
-# mfu, and all five stages overrun the default budget at their measured times
-DEFAULT_STAGES = ("install", "correctness", "quality")
+# what a job runs unless told: the speed ladder's job (the first job, benchmarks/results/gpu-check/2026-11-27-h100,
+# measured 9.1 % MFU); the quality and recipe stages follow in the job after
+DEFAULT_STAGES = ("install", "correctness", "profile", "mfu")
+# the ladder's BERT-base L512 runs (benchmarks/throughput_ladder.py): mlm climbs every rung, retromae takes the
+# baseline and the top; the 128 micro-batch and the alternatives of the other methods wait for the next job
+LADDER_METHODS = ("mlm", "retromae")
+LADDER_SKIP = ("batch-128", "decoder-fused")
 
 
 def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: str) -> list[Stage]:
     """The stages in priority order. `python` runs everything after the install (the job's venv)."""
     wheelhouse = bundle / "wheelhouse"
-    # no extras (exact search needs no faiss), no DeepSpeed CPU op (the node trains on its GPU), and the wheels as
+    # the speed extra alone (Liger-Kernel; exact search needs no faiss), no DeepSpeed CPU op (the node trains on its GPU), and the wheels as
     # they are: a resolution against the image's own versions fails where one is below a wheel's floor
-    make_install = ["make", "install", f"PYTHON={sys.executable}", "EXTRAS=", "DS_CPU_OP=0", "NO_DEPS=1"]
+    make_install = ["make", "install", f"PYTHON={sys.executable}", "EXTRAS=speed", "DS_CPU_OP=0", "NO_DEPS=1"]
     if wheelhouse.is_dir():
         make_install.append(f"WHEELHOUSE={wheelhouse}")
     unpack = [Command(["tar", "-xzf", str(bundle / "data.tar.gz"), "-C", str(bundle)])] \
@@ -79,9 +83,13 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
     merge_into = [Command(["cp", str(committed), str(work / "quality-gpu.json")])] if committed.is_file() else []
     recipe = recipe_commands(python, work, bundle, quality_seeds)
     pytest = [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
-    bert_base = [python, "benchmarks/pretrain_throughput.py", "--size", "base", "--seq-len", "512", "--batch", "32",
-                 "--steps", "12", "--warmup", "4"]
+    bert_base_at = [python, "benchmarks/pretrain_throughput.py", "--size", "base", "--seq-len", "512", "--steps", "12",
+                    "--warmup", "4"]
+    bert_base = bert_base_at + ["--batch", "32"]
     throughput = bert_base + ["--out", str(work / "pretrain_throughput_gpu.json")]
+    ladder = bert_base + ["--ladder", "--methods", *LADDER_METHODS, "--skip", *LADDER_SKIP,
+                          "--out", str(work / "pretrain_throughput_gpu.json")]
+    ends = ladder_ends()
     qwen3 = [python, "benchmarks/pretrain_throughput.py", "--method", "llama2vec", "--size", "qwen3-0.6b", "--seq-len",
              "512", "--batch", "8", "--steps", "12", "--warmup", "4", "--zero-stage", "1",
              "--out", str(work / "pretrain_throughput_gpu.json")]
@@ -91,21 +99,38 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
               ([Command(make_install)] if install else []) + unpack
               + [Command([python, str(Path(__file__)), "--sanity", str(work / "sanity.json")],
                          results=str(work / "sanity.json"))], needs_cuda=False),
-        # the fp16 variants repeat the bf16 ones' paths with loss scaling, and the sync-site census is profiling:
-        # left to `make test-gpu` (the first job spent 123 s on the engine file's first two tests)
-        Stage("correctness", "kernel tests, unpadded varlen against padded, an engine bf16 step and a bit-exact "
-              "resume with CUDA RNG, the farm's device placement", 200, 240,
+        # the kernels' and the unpadded path's GPU tests (the fused kernel is new since the first job); the engine's
+        # bf16 step and resume, the farm's placement and the fp16 variants are left to `make test-gpu` (the first
+        # job spent 123 s on the engine file's first two tests and ran out of its box)
+        Stage("correctness", "the fused decoder-attention kernel against eager in bf16 on real shapes, unpadded "
+              "varlen against padded", 90, 120,
               [Command(pytest + ["tests/test_kernels_gpu.py"]),
-               Command(pytest + ["tests/test_unpadding_gpu.py"]),
-               Command(pytest + ["tests/test_engine_gpu.py", "-k", "not fp16 and not wait_for_the_device"]),
-               Command(pytest + ["tests/test_farm_gpu.py"])]),
+               Command(pytest + ["tests/test_unpadding_gpu.py"])]),
         Stage("attention", "fused two-stream attention at L512, forward and backward, against eager and SDPA", 15, 45,
               [Command([python, "benchmarks/two_stream_attention.py", "--lengths", "512",
                         "--out", str(work / "two_stream_attention.json")],
                        results=str(work / "two_stream_attention.json"))]),
-        # the Qwen3-0.6B runs (issue 40 §5) estimated from the BERT-base ones: ~4x the FLOPs a step, 60 s each
-        Stage("mfu", "BERT-base L512 bf16 throughput and MFU of mlm, retromae, dupmae; ModernBERT-base unpadded "
-              "against padded; a Qwen3-0.6B-shaped llama2vec at L512, full and LoRA r 16", 250, 300,
+        # where the device time goes at the ladder's two ends (mlm), and the decoder attention kernels timed (the
+        # table `auto` reads); estimated from the first job's 34 s a BERT-base run, the profiler's slowdown added
+        Stage("profile", "torch.profiler over BERT-base L512 bf16 mlm at the ladder's baseline and top: kernels by "
+              "device time, the share of GEMMs, attention, elementwise, copies and idle; the decoder attention "
+              "timed", 85, 120,
+              [Command(bert_base_at + ["--method", "mlm", "--rung", name, *[a for o in overrides for a in ("--set", o)],
+                                       "--batch", str(batch), "--profile", str(work / f"profile_{name}.json"),
+                                    "--out", str(work / "profiled_throughput.json")],  # slowed by the profiler
+                       results=str(work / f"profile_{name}.json")) for name, overrides, batch in ends]
+              + [Command([python, "benchmarks/two_stream_attention.py", "--lengths", "512",
+                          "--out", str(work / "two_stream_attention.json")],
+                         results=str(work / "two_stream_attention.json"))]),
+        # each run ~30 s (the first job: 34 s for a 12-step run, start-up included), the compiled rung more
+        Stage("mfu", "the speed ladder at BERT-base L512 bf16 (each switch on top of the ones before, each rung "
+              f"its own process: {', '.join(LADDER_METHODS)}) and its peers, HF's Trainer with BertForMaskedLM and "
+              "the official RetroMAE model re-stated", 330, 360,
+              [Command(ladder, results=str(work / "pretrain_throughput_gpu.json"))]),
+        # the first ladder-less job's mlm / retromae / dupmae runs, ModernBERT unpadded, a Qwen3-0.6B llama2vec
+        Stage("mfu-models", "BERT-base L512 bf16 throughput and MFU of mlm, retromae, dupmae at the defaults; "
+              "ModernBERT-base unpadded against padded; a Qwen3-0.6B-shaped llama2vec at L512, full and LoRA r 16",
+              250, 300,
               [Command(throughput + ["--method", m], results=str(work / "pretrain_throughput_gpu.json"))
                for m in ("mlm", "retromae", "dupmae")]
               + [Command([python, "benchmarks/unpadding.py", "--size", "base", "--out", str(work / "unpadding_gpu.json")],
@@ -124,14 +149,17 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
         Stage("recipe", "BGE's recipe at --scale gpu-short: the contrastive budget curve of `none`, or, once the "
               "budget is fixed from it, the arms: pre-training -> contrastive -> fine-tuning -> eval, [CLS] and mean",
               400, 480, recipe),
-        # the MFU work's first look (issue order: after stages 1-4 have run): where the retromae step's device
-        # time goes, and the host syncs; a summary, since a trace of 12 BERT-base steps exceeds what a job returns
-        Stage("profile", "torch.profiler over the BERT-base L512 bf16 retromae run: ops by self device time, host "
-              "syncs", 60, 120,
-              [Command(bert_base + ["--method", "retromae", "--profile", str(work / "profile_retromae.json"),
-                                    "--out", str(work / "profiled_throughput.json")],  # slowed by the profiler
-                       results=str(work / "profile_retromae.json"))]),
     ]
+
+
+def ladder_ends() -> list[tuple[str, list[str], int]]:
+    """(name, overrides, micro-batch) of the ladder's baseline and top rungs as the default job runs them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from throughput_ladder import plan as ladder_plan
+
+    runs = [(name, overrides, batch) for method, name, overrides, batch in
+            ladder_plan([LADDER_METHODS[0]], 32, full=False, skip=LADDER_SKIP).runs if method == LADDER_METHODS[0]]
+    return [runs[0], runs[1]]
 
 
 def recipe_commands(python: str, work: Path, bundle: Path, seeds: str,

@@ -1,0 +1,120 @@
+"""The speed ladder: every speed switch of the pre-training step turned on one after another, each rung in its own
+process, beside the peers a user would compare with (`pretrain_throughput.py --ladder`, docs/benchmarks.md).
+
+A rung is `pretrain_throughput.py` with the config overrides of every rung up to it (LADDER), so its tokens/s,
+TFLOP/s, MFU and peak memory say what the switches so far buy together, and the step from the rung before it what
+the last one buys. ALTERNATIVES are measured once on top of the whole ladder: a choice that replaces a rung's
+(Liger-Kernel's fused loss for the plain one) or changes what is computed (the fused decoder attention, which has
+no attention dropout). The first method climbs every rung; the others take the baseline and the top, so that
+their ratio to the first is measured at both ends. The peers: HF's Trainer with `BertForMaskedLM` (hf_trainer_mlm.py)
+and the official RetroMAE model re-stated (`--baseline`), at the same size, length and batch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    overrides: tuple[str, ...] = ()
+    batch: int | None = None  # the micro-batch from this rung on (None: the one before)
+    methods: tuple[str, ...] = ()  # an alternative's methods (empty: every method)
+
+
+# cumulative, in the order the issue's anchors suggest: first what is paid every step (the loss, the optimizer),
+# then what removes work (padding), then the compiler, then the batch that fills the device
+LADDER = (
+    Rung("baseline", ("model.vocab_loss=chunked", "train.optimizer=deepspeed", "model.unpad=false",
+                      "train.compile=false")),
+    Rung("vocab-plain", ("model.vocab_loss=plain",)),  # bf16 F.linear + cross-entropy on the masked positions
+    Rung("fused-adamw", ("train.optimizer=torch-fused",)),
+    Rung("unpad", ("model.unpad=true",)),  # varlen attention, no compute on padding
+    Rung("compile", ("train.compile=true",)),  # regional torch.compile of each layer
+    Rung("batch-64", batch=64),
+    Rung("batch-128", batch=128),
+)
+ALTERNATIVES = (
+    Rung("vocab-liger", ("model.vocab_loss=liger",), methods=("mlm",)),
+    Rung("decoder-fused", ("method.attention_impl=fused", "method.decoder_attention_dropout=0"),
+         methods=("retromae", "dupmae")),
+)
+
+
+@dataclass
+class Plan:
+    """What one ladder job runs: (method, rung name, overrides, batch) per pretrain_throughput.py process."""
+    runs: list[tuple[str, str, list[str], int]] = field(default_factory=list)
+
+
+def plan(methods: list[str], batch: int, full: bool = True, skip: tuple[str, ...] = ()) -> Plan:
+    """The runs for `methods`: the first climbs every rung (`full`), the others take the baseline and the top;
+    then the alternatives of each method, on top of the whole ladder. Rungs and alternatives named in `skip` are
+    left out (a short job's cut)."""
+    unknown = set(skip) - {r.name for r in (*LADDER, *ALTERNATIVES)} - {"baseline"}
+    if unknown or "baseline" in skip:
+        raise ValueError(f"--skip: {', '.join(sorted(unknown) or ['baseline'])}: not a rung one can skip (rungs: "
+                         f"{', '.join(r.name for r in (*LADDER[1:], *ALTERNATIVES))})")
+    out = Plan()
+    settings: dict[str, str] = {}  # key -> value: a later rung's value of a key replaces an earlier one's
+    steps = []
+    for rung in (r for r in LADDER if r.name not in skip):
+        settings = {**settings, **_pairs(rung.overrides)}
+        batch = rung.batch or batch
+        steps.append((rung.name, [f"{k}={v}" for k, v in settings.items()], batch))
+    for i, method in enumerate(methods):
+        climbed = steps if (i == 0 and full) else [steps[0], steps[-1]]
+        out.runs += [(method, name, o, b) for name, o, b in climbed]
+        out.runs += [(method, alt.name, [f"{k}={v}" for k, v in {**settings, **_pairs(alt.overrides)}.items()],
+                      steps[-1][2])
+                     for alt in ALTERNATIVES if (not alt.methods or method in alt.methods) and alt.name not in skip]
+    return out
+
+
+def _pairs(overrides) -> dict[str, str]:
+    return dict(o.split("=", 1) for o in overrides)
+
+
+def run_ladder(args, base_argv: list[str]) -> int:
+    """Each run of the plan in its own process (pretrain_throughput.py with `base_argv`, its size, length, steps
+    and output), then the peers. A failing rung (an alternative the device cannot run, an out-of-memory batch) is
+    recorded and the ladder goes on; returns 1 if any run failed."""
+    failed = []
+    runs = plan(args.methods, args.batch, not args.ends_only, args.skip).runs
+    peers = [("hf-trainer", [sys.executable, str(HERE / "hf_trainer_mlm.py"), *_shared(base_argv), "--batch",
+                             str(args.batch)])]
+    if "retromae" in args.methods:  # the official RetroMAE model re-stated, timed beside the engine's baseline rung
+        peers.append(("official-retromae", [sys.executable, str(HERE / "pretrain_throughput.py"), *base_argv,
+                                            "--method", "retromae", "--batch", str(args.batch), "--rung",
+                                            "official-retromae", "--baseline-only"]))
+    first = [r for r in runs if r[0] == args.methods[0]]
+    # the first method's ladder, then the peers, then the other methods: a job cut short keeps the ratios to peers
+    for item in [*first, *(peers if args.peers else []), *runs[len(first):]]:
+        if isinstance(item[1], list):  # a peer: (name, argv)
+            name, argv = item
+        else:
+            method, rung, overrides, batch = item
+            name = f"{method}/{rung}"
+            argv = [sys.executable, str(HERE / "pretrain_throughput.py"), *base_argv, "--method", method,
+                    "--batch", str(batch), "--rung", rung, *[a for o in overrides for a in ("--set", o)]]
+        print(f"ladder: {name}: {' '.join(argv[2:])}", flush=True)
+        if subprocess.run(argv).returncode != 0:
+            failed.append(name)
+    if failed:
+        print(f"ladder: failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _shared(argv: list[str]) -> list[str]:
+    """The flags of `argv` that hf_trainer_mlm.py shares: size, length, steps, warm-up, output."""
+    keep, out = {"--size", "--seq-len", "--steps", "--warmup", "--out"}, []
+    for flag, value in zip(argv[::2], argv[1::2]):
+        if flag in keep:
+            out += [flag, value]
+    return out

@@ -1,0 +1,103 @@
+"""The speed ladder (benchmarks/throughput_ladder.py, `pretrain_throughput.py --ladder`): its plan, the profile's
+device-time arithmetic, and the whole ladder with its peers at the tiny size on CPU (integration), so that the
+job a GPU allocation runs cannot rot between allocations."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from pretrain_throughput import device_shares, kernel_kind  # noqa: E402
+from throughput_ladder import ALTERNATIVES, LADDER, plan  # noqa: E402
+
+
+def _settings(overrides: list[str]) -> dict:
+    return dict(o.split("=", 1) for o in overrides)
+
+
+def test_the_first_method_climbs_every_rung_with_the_switches_before_it():
+    runs = plan(["mlm", "retromae"], batch=32).runs
+    mlm = [r for r in runs if r[0] == "mlm"]
+    assert [r[1] for r in mlm] == [*(rung.name for rung in LADDER), "vocab-liger"]
+    assert _settings(mlm[0][2]) == {"model.vocab_loss": "chunked", "train.optimizer": "deepspeed",
+                                    "model.unpad": "false", "train.compile": "false"}
+    # each rung keeps the ones before it; a key set again takes its new value, once
+    assert _settings(mlm[4][2]) == {"model.vocab_loss": "plain", "train.optimizer": "torch-fused",
+                                    "model.unpad": "true", "train.compile": "true"}
+    assert all(len(r[2]) == len(_settings(r[2])) for r in runs)
+    assert [r[3] for r in mlm] == [32, 32, 32, 32, 32, 64, 128, 128]
+    assert _settings(mlm[-1][2])["model.vocab_loss"] == "liger"
+    retromae = [r for r in runs if r[0] == "retromae"]
+    assert [r[1] for r in retromae] == ["baseline", "batch-128", "decoder-fused"]  # the ends, its alternative
+    assert _settings(retromae[2][2])["method.attention_impl"] == "fused"
+    assert _settings(retromae[2][2])["method.decoder_attention_dropout"] == "0"
+
+
+def test_a_short_job_skips_rungs_but_never_the_baseline():
+    runs = plan(["mlm"], batch=32, skip=("batch-128", "vocab-liger")).runs
+    assert [r[1] for r in runs] == [rung.name for rung in LADDER if rung.name != "batch-128"]
+    assert [r[1] for r in plan(["dupmae", "mlm"], 32, full=False).runs] == \
+        ["baseline", "batch-128", "decoder-fused", "baseline", "batch-128", "vocab-liger"]
+    for skip in (("baseline",), ("batch-256",)):
+        with pytest.raises(ValueError, match="--skip: .*not a rung one can skip"):
+            plan(["mlm"], 32, skip=skip)
+    assert {alt.name for alt in ALTERNATIVES} == {"vocab-liger", "decoder-fused"}
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", "gemm"), ("ampere_bf16_s16816gemm_bf16_128x64", "gemm"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"), ("_backward_kv", "attention"),
+    ("Memcpy HtoD (Pageable -> Device)", "memcpy"), ("Memset (Device)", "memcpy"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "elementwise"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "elementwise"),
+])
+def test_kernels_are_told_apart_by_their_names(name, kind):
+    assert kernel_kind(name) == kind
+
+
+def test_device_time_is_measured_over_the_timed_steps_only():
+    """Three steps, each: a GEMM, an attention kernel, an elementwise one, a gap, then the optimizer's two
+    launches; a long start-up gap before the first. Over the last two steps the shares add up to one."""
+    kernels, t = [("Memcpy HtoD", 0, 50)], 10_000  # start-up: its copies and a long gap, outside the window
+    for _ in range(3):
+        kernels += [("sm90_gemm", t, t + 40), ("flash_fwd_kernel", t + 40, t + 60), ("gelu_kernel", t + 60, t + 70),
+                    ("multi_tensor_apply_kernel<Adam>", t + 80, t + 90), ("multi_tensor_apply_kernel<Adam>", t + 90, t + 100)]
+        t += 100
+    shares = device_shares(kernels, timed_steps=2)
+    assert shares["window"] == "the timed steps" and shares["span_ms"] == pytest.approx(0.2)
+    assert shares["gemm"] == pytest.approx(0.4) and shares["attention"] == pytest.approx(0.2)
+    assert shares["elementwise"] == pytest.approx(0.3) and shares["memcpy"] == 0 and shares["idle"] == pytest.approx(0.1)
+    whole = device_shares(kernels, timed_steps=5)  # more steps asked than profiled: the whole span, said so
+    assert whole["window"].startswith("the whole profiled span") and whole["idle"] > 0.9
+
+
+@pytest.mark.integration
+def test_the_ladder_and_its_peers_run_at_the_tiny_size_on_cpu(tmp_path):
+    out = tmp_path / "ladder.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TRITON_INTERPRET": "1"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_throughput.py"), "--ladder",
+                           "--size", "tiny", "--seq-len", "64", "--batch", "4", "--steps", "3", "--warmup", "1",
+                           "--threads", "1", "--methods", "mlm", "retromae", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = json.loads(out.read_text())
+    ran = [(r.get("method"), r.get("rung") or r.get("peer")) for r in records]
+    expected = [*(("mlm", r[1]) for r in plan(["mlm", "retromae"], 4).runs if r[0] == "mlm"),
+                ("mlm", "hf-trainer"), ("retromae", "official-retromae"),
+                *(("retromae", r[1]) for r in plan(["mlm", "retromae"], 4).runs if r[0] == "retromae")]
+    assert ran == expected
+    for r in records:
+        assert r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0, r
+        if "rung" in r and r.get("peer") is None:
+            assert r["overrides"] == next(o for m, n, o, _ in plan(["mlm", "retromae"], 4).runs
+                                          if (m, n) == (r["method"], r["rung"]))

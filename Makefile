@@ -40,7 +40,23 @@ XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist $(1))
 PIP_FROM := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)))
 OFFLINE_AS_IS := $(and $(NO_DEPS),$(WHEELHOUSE))
 
-.PHONY: install wheelhouse demo test test-integration test-cluster test-gpu gpu-bundle gpu-check bench docs clean
+.PHONY: help install wheelhouse demo test test-integration test-cluster test-gpu gpu-bundle gpu-check bench docs clean
+
+# the targets, a line each (the comments above each target say more); a bare `make` installs
+.DEFAULT_GOAL := install
+help:
+	@echo "make install           .venv: torch (the local CPU build where none is importable), pretrieve -e .[EXTRAS]"
+	@echo "make wheelhouse        the wheels of an install with no network, for PY= PLATFORM= (docs/offline.md)"
+	@echo "make demo              the whole pipeline on the bundled samples, on CPU, into DEMO_OUT (demo-out)"
+	@echo "make test              the CPU test suite on TEST_JOBS pytest-xdist workers"
+	@echo "make test-integration  the slow end-to-end tests"
+	@echo "make test-cluster      the tests on real cluster parts (SLURM, network namespaces); needs root"
+	@echo "make test-gpu          the GPU tests and benchmarks, on a machine with an NVIDIA GPU"
+	@echo "make gpu-bundle        what a short offline GPU job carries: the wheelhouse and the studies' data"
+	@echo "make gpu-check         the job of one short GPU allocation (DRY_RUN=1: its plan against BUDGET)"
+	@echo "make bench             the data pipeline and evaluation throughput benchmarks, JSON into benchmarks/results/"
+	@echo "make docs              the documentation site into site/"
+	@echo "make clean             remove DEMO_OUT and the test caches"
 
 install: $(VENV)/.installed
 

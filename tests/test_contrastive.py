@@ -129,6 +129,30 @@ def test_pad_samples_are_neither_anchors_nor_candidates():
     assert padded["loss"].item() == pytest.approx(alone["loss"].item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_ranks_with_uneven_anchors_average_to_the_global_mean(symmetric):
+    """An epoch's tail: 15 pairs on 2 ranks of 8, the second rank's last sample a pad (a copy of a real pair).
+    The ranks' losses and accuracies, averaged as DeepSpeed and the engine average them, are the 15 pairs' mean
+    on one rank, not the mean of the ranks' means ((1/8 + 1/7) / 2 instead of 2/15). The pad's row masks its twin
+    as a false negative of the same text, which is not counted."""
+    torch.manual_seed(2)
+    q = torch.nn.functional.normalize(torch.randn(16, 8, dtype=torch.float64), dim=-1)
+    d = torch.nn.functional.normalize(torch.randn(16, 8, dtype=torch.float64), dim=-1)
+    q[15], d[15] = q[3], d[3]  # the stream's pad repeats a real pair
+    text, pad = torch.arange(16), torch.zeros(16, dtype=torch.bool)
+    text[15], pad[15] = 3, True
+    meta = PairMeta(text + 100, torch.arange(16), pad, text, torch.arange(16), pad)
+    options, scale = ContrastiveOptions(temperature=0.1, symmetric=symmetric), torch.tensor(10.0, dtype=torch.float64)
+    ranks = [pair_loss(q[r * 8:r * 8 + 8], d[r * 8:r * 8 + 8], meta, r * 8, r * 8, scale, options, q, d, world_size=2)
+             for r in (0, 1)]
+    one = pair_loss(q[:15], d[:15], PairMeta(*(t[:15] for t in (text + 100, torch.arange(16), pad, text,
+                                                                   torch.arange(16), pad))),
+                    0, 0, scale, options, q[:15], d[:15])
+    for key in ("loss", "qd", "accuracy"):
+        assert (ranks[0][key] + ranks[1][key]).item() / 2 == pytest.approx(one[key].item(), rel=1e-12), key
+    assert sum(int(r["masked_text"]) for r in ranks) == int(one["masked_text"]) == 0  # no duplicate among the 15
+
+
 def test_head_trains_on_pairs_with_negatives_and_learnt_temperature(vocab):
     method, options, model = tiny_contrastive(negatives=2, symmetric=True, learn_temperature=True)
     head = method.build(options, model, seed=0)

@@ -289,3 +289,10 @@ def test_the_site_check_finds_links_the_site_cannot_serve(tmp_path):
     (site / "index.html").write_text('<a href="page/">ok</a>')
     assert site_link_problems(site) == ["page/index.html: ../../launchers/README.md: no such file in the site",
                                         "page/index.html: ../missing/: no such file in the site"]
+
+
+def test_make_help_names_every_target():
+    phony = next(line for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith(".PHONY:"))
+    done = subprocess.run(["make", "-s", "-C", str(ROOT), "help"], capture_output=True, text=True, check=True)
+    listed = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("make ")}
+    assert listed == set(phony.split()[1:]) - {"help"}, done.stdout

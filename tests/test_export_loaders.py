@@ -134,3 +134,22 @@ def test_a_llama2vec_card_says_which_pooling_each_loader_gets(llm, tmp_path):
     summary = _pretraining_facts(out, {})["summary"]
     assert "`pretrieve eval --model DIR --pooling llama2vec` reads it so" in summary
     assert "sentence-transformers and the plain last-token pooling" in summary
+
+
+def test_a_contrastive_decoder_card_says_what_the_model_is(llm, tmp_path):
+    """The card of a contrastive export on a decoder LLM: normalised as trained, its parameters' embeddings
+    counted (a decoder's are `embed_tokens`), its samples pairs, and a BEIR collection named as such."""
+    import json
+
+    from pretrieve.eval.model_card import _dataset_names, _parameter_counts, _pretraining_facts
+
+    out = export(_head(llm, "contrastive", bidirectional=False), tmp_path / "export", tokenizer=llm[0])
+    manifest = tmp_path / "pairs" / "manifest.json"
+    manifest.parent.mkdir()
+    manifest.write_text(json.dumps({"source": "beir", "inputs": [{"path": "/data/beir/scifact/corpus.jsonl"}]}))
+    facts = _pretraining_facts(out, {"data": {"manifests": [str(manifest)], "corpora": ["beir"]}})
+    assert "normalised (cosine)" in facts["summary"] and "not normalised" not in facts["summary"]
+    assert facts["samples"] == "pairs" and facts["datasets"] == ["scifact"]
+    counts = _parameter_counts(out)
+    assert 0 < counts["embeddings"] < counts["encoder"]
+    assert _dataset_names({"manifests": [str(tmp_path / "gone.json")], "corpora": ["wikipedia"]}) == ["wikipedia"]

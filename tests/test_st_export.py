@@ -67,6 +67,15 @@ def _front_matter(card: str) -> tuple[dict, str]:
     return yaml.safe_load(meta), body
 
 
+def _run_card_snippet(card: str, expect_dim: int) -> None:
+    """The card's Python snippet, run as a user would paste it: it loads the model and encodes without error."""
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    check = "\nimport numpy\nfor name, value in dict(locals()).items():\n    if isinstance(value, numpy.ndarray):\n" \
+            f"        assert value.shape[-1] == {expect_dim}, (name, value.shape)\nprint('snippet ok')\n"
+    done = subprocess.run([sys.executable, "-c", code + check], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "snippet ok" in done.stdout, code + done.stderr[-2000:]
+
+
 def test_finetuned_export_is_a_sentence_transformers_model_with_a_card(tmp_path, tiny_encoder, mini_beir):
     run_dir = tmp_path / "ft"
     done = subprocess.run([sys.executable, "-m", "pretrieve", "finetune", str(CONFIGS / "finetune" / "tiny.yaml"),
@@ -89,6 +98,7 @@ def test_finetuned_export_is_a_sentence_transformers_model_with_a_card(tmp_path,
         in body
     assert f"| tokens seen | {result['tokens']:,} (non-padding) |" in body
     assert "mean pooling, normalised (cosine)" in body and "No evaluation logged yet" in body
+    _run_card_snippet(body, expect_dim=64)
 
 
 def test_pretraining_export_card_and_its_farm_evaluation(tmp_path, wiki_shards, books_shards, mini_beir):
@@ -115,6 +125,8 @@ def test_pretraining_export_card_and_its_farm_evaluation(tmp_path, wiki_shards, 
     assert meta["library_name"] == "sentence-transformers" and "dupmae" in meta["tags"]
     assert meta["datasets"] == ["wikipedia"] and "base_model" not in meta
     assert "pre-trained with **dupmae**" in body and "dense part only" in body
+    assert "[CLS] vector is the text's representation, not normalised" in body
+    _run_card_snippet(body, expect_dim=64)
     assert "| steps | 2 of 2 (checkpoint step00000002) |" in body
     assert f"| tokens seen | {result['tokens']:,} (non-padding) |" in body
     validation = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()

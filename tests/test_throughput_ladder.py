@@ -87,17 +87,18 @@ def test_the_ladder_and_its_peers_run_at_the_tiny_size_on_cpu(tmp_path):
         env.pop(key, None)
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_throughput.py"), "--ladder",
                            "--size", "tiny", "--seq-len", "64", "--batch", "4", "--steps", "3", "--warmup", "1",
-                           "--threads", "1", "--methods", "mlm", "retromae", "--out", str(out)],
+                           "--threads", "1", "--methods", "mlm", "retromae", "--out", str(out),
+                           # the Triton interpreter runs the fused decoder kernel at seconds a text: small batches
+                           "--skip", "batch-64", "batch-128"],
                           env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = json.loads(out.read_text())
     ran = [(r.get("method"), r.get("rung") or r.get("peer")) for r in records]
-    expected = [*(("mlm", r[1]) for r in plan(["mlm", "retromae"], 4).runs if r[0] == "mlm"),
-                ("mlm", "hf-trainer"), ("retromae", "official-retromae"),
-                *(("retromae", r[1]) for r in plan(["mlm", "retromae"], 4).runs if r[0] == "retromae")]
+    runs = plan(["mlm", "retromae"], 4, skip=("batch-64", "batch-128")).runs
+    expected = [*(("mlm", r[1]) for r in runs if r[0] == "mlm"), ("mlm", "hf-trainer"),
+                ("retromae", "official-retromae"), *(("retromae", r[1]) for r in runs if r[0] == "retromae")]
     assert ran == expected
     for r in records:
         assert r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0, r
         if "rung" in r and r.get("peer") is None:
-            assert r["overrides"] == next(o for m, n, o, _ in plan(["mlm", "retromae"], 4).runs
-                                          if (m, n) == (r["method"], r["rung"]))
+            assert r["overrides"] == next(o for m, n, o, _ in runs if (m, n) == (r["method"], r["rung"]))

@@ -45,6 +45,9 @@ def test_mlflow_run_contents_and_resume(tmp_path, wiki_shards):
             "padding_fraction"} <= set(run.data.metrics)
     assert 0 < run.data.metrics["mfu"] < 1 and run.data.metrics["grad_norm"] > 0
     assert any(name.startswith("system/cpu_utilization") for name in run.data.metrics)  # MLflow's system metrics
+    # the experiment keeps its artifacts beside the store (farm evaluations nest under this run), not in ./mlruns
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.artifact_location == (tmp_path / "runs" / "mlartifacts").as_uri()
 
 
 def test_dead_tracking_server_does_not_stop_training(tmp_path, wiki_shards):

@@ -15,7 +15,8 @@ def add_tokenizer(commands) -> None:
     from pretrieve.data.corpora import SOURCES, ReaderOptions
     from pretrieve.data.tokenizer_train import KINDS, TokenizerTrainOptions
 
-    p = commands.add_parser("tokenizer", help="train a WordPiece, BPE or Unigram tokenizer on raw corpora")
+    p = commands.add_parser("tokenizer", help="train a WordPiece, BPE, Unigram or decoder LLM's (--kind llm) "
+                                              "tokenizer on raw corpora")
     actions = p.add_subparsers(dest="tokenizer_command", metavar="ACTION", required=True)
     train = command(actions, "train", run_tokenizer_train)
     flag = partial(option, train, TokenizerTrainOptions, shown="%(default)s")

@@ -88,7 +88,7 @@ class Tracker:
         uri = options.uri or f"sqlite:///{run_dir.resolve().parent / 'mlflow.db'}"
         run_file = run_dir / "run.json"
         try:
-            from pretrieve.utils.mlflow_store import mlflow_client
+            from pretrieve.utils.mlflow_store import artifact_root, mlflow_client
 
             self.client = mlflow_client(uri)
             previous = json.loads(run_file.read_text()) if run_file.is_file() else {}
@@ -100,7 +100,7 @@ class Tracker:
                 self.run_id = previous["run_id"]  # resume: continue the same run
                 self.client.update_run(self.run_id, status="RUNNING")
             else:
-                experiment_id = experiment_id_of(self.client, options.experiment)
+                experiment_id = experiment_id_of(self.client, options.experiment, artifact_root(uri))
                 tags = {**tags, **{k: str(v) for k, v in (options.tags or {}).items()}}
                 if options.parent_run_id:
                     tags["mlflow.parentRunId"] = options.parent_run_id

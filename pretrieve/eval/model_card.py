@@ -102,7 +102,7 @@ def _pretraining_facts(model_dir: Path, config: dict) -> dict:
     head = export_meta(model_dir)
     method = head.get("method") or config.get("method", {}).get("name", "unknown")
     data = config.get("data", {})
-    datasets = data.get("corpora") or [Path(m).parent.name for m in data.get("manifests", [])]
+    datasets = _dataset_names(data)
     dense = ("" if method != "dupmae" else " DupMAE's joint representation (eq. 12) adds a vocabulary part to "
              "this [CLS] vector: sentence-transformers gets the dense part only, `pretrieve eval --pooling "
              "dupmae` both.")
@@ -111,15 +111,17 @@ def _pretraining_facts(model_dir: Path, config: dict) -> dict:
                  "the mean of the prompt's special states): `pretrieve eval --model DIR --pooling llama2vec` "
                  "reads it so. sentence-transformers and the plain last-token pooling of `pretrieve eval` read "
                  "the text's last token without the prompts, which the model was not trained for.")
-    vector = {"cls": "[CLS] vector", "last": "last token's state"}.get(read_st_config(model_dir).pooling,
-                                                                      "pooled vector")
+    st = read_st_config(model_dir)
+    vector = {"cls": "[CLS] vector", "last": "last token's state", "mean": "mean token state"}.get(st.pooling,
+                                                                                                  "pooled vector")
+    norm = "normalised (cosine)" if st.normalize else "not normalised (inner product)"
     return {"tag": method, "base_model": config.get("model", {}).get("init_from"), "datasets": datasets,
             "summary": f"A {_family(model_dir)} encoder pre-trained with **{method}** by pretrieve; its {vector} "
-                       f"is the text's representation, not normalised (inner product).{dense}"
+                       f"is the text's representation, {norm}.{dense}"
                        f"{_lora_note(model_dir, config.get('model', {}).get('lora') or {})}",
             "method": f"pre-training, {method}", "options_title": f"Method options ({method})",
             "options": head.get("options") or config.get("method", {}), "data": _data_sources(data),
-            "samples": "samples (token blocks)"}
+            "samples": "pairs" if method == "contrastive" else "samples (token blocks)"}
 
 
 def _lora_note(model_dir: Path, lora: dict) -> str:
@@ -313,7 +315,9 @@ def _parameter_counts(model_dir: Path) -> dict:
                     counts["head"] += size
                 else:
                     counts["encoder"] += size
-                    counts["embeddings"] += size if ".embeddings." in f".{key}" else 0
+                    # BERT's embeddings module, a decoder LLM's embed_tokens
+                    counts["embeddings"] += size if any(m in f".{key}" for m in (".embeddings.", ".embed_tokens.")) \
+                        else 0
     return counts
 
 
@@ -322,6 +326,21 @@ def _data_sources(data: dict) -> str:
     names = data.get("corpora") or []
     return ", ".join(names) + (f" ({len(manifests)} manifest{'s' if len(manifests) != 1 else ''})" if manifests
                                else "")
+
+
+def _dataset_names(data: dict) -> list[str]:
+    """The data a run read, a name per manifest: its corpus, or for a retrieval collection (BEIR, MS MARCO:
+    the corpus is `beir`) the collection's folder, where its first input file lies."""
+    names = []
+    for i, manifest in enumerate(data.get("manifests") or []):
+        record = _read_json(Path(manifest)) if "://" not in str(manifest) else {}
+        corpora = data.get("corpora") or []
+        name = corpora[i] if i < len(corpora) else record.get("source") or Path(manifest).parent.name
+        inputs = record.get("inputs") or []
+        if record.get("source") in ("beir", "msmarco", "msmarco-passage", "msmarco-doc") and inputs:
+            name = Path(inputs[0]["path"]).parent.name
+        names.append(name)
+    return names
 
 
 def _read_json(path: Path) -> dict:

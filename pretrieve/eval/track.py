@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pretrieve.engine.tracking import experiment_id_of
 from pretrieve.utils.metric_names import metric_name
+from pretrieve.utils.mlflow_store import artifact_root
 
 EVAL_FILES = ("metrics.json", "run.trec", "per_query.jsonl")
 STAGES = ("zero-shot", "stage1", "stage2", "stage3")  # what an evaluation comes after (the farm's `stages`)
@@ -107,13 +108,6 @@ def eval_folders(folders: list[str], checkpoint: str | None = None, dataset: str
             own = checkpoint if checkpoint is not None and path == Path(given) else path.resolve().name
             found.append(EvalFolder(path.resolve(), metrics, own, str(name), stage))
     return found
-
-
-def artifact_root(uri: str) -> str | None:
-    """Artifacts of an experiment `track` creates: beside a sqlite store, not in ./mlruns under the caller's cwd."""
-    if uri.startswith("sqlite:///"):
-        return (Path(uri[len("sqlite:///"):]).resolve().parent / "mlartifacts").as_uri()
-    return None  # a server or file store chooses
 
 
 def track(folders: list[str], uri: str, experiment: str = "pretrieve-eval", checkpoint: str | None = None,

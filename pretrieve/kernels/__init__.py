@@ -49,9 +49,14 @@ def two_stream_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 
     impl = resolve(impl, q.device, dropout_p, q.shape[-2])
     if impl == "fused":
-        from pretrieve.kernels.fused import fused_two_stream_attention
-
-        return fused_two_stream_attention(q, k, v, mask.dec_pool, mask.dec_row, mask.lengths)
+        return _fused(q, k, v, mask)
     if impl == "sdpa":
         return reference.two_stream_attention(q, k, v, mask.dec_pool, mask.dec_row, mask.lengths, dropout_p)
     return reference.eager_two_stream_attention(q, k, v, mask.dec_pool, mask.dec_row, mask.lengths, dropout_p)
+
+
+@torch.compiler.disable  # a compiled decoder layer (train.compile) runs the kernel as it is, a graph break:
+def _fused(q, k, v, mask: CompactMask) -> torch.Tensor:  # dynamo traces neither its launch nor the CPU interpreter
+    from pretrieve.kernels.fused import fused_two_stream_attention
+
+    return fused_two_stream_attention(q, k, v, mask.dec_pool, mask.dec_row, mask.lengths)

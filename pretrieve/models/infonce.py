@@ -7,7 +7,9 @@ by the temperature. Candidates left out of C (false negatives, padding) are mask
 Negatives across ranks: every rank's candidates, concatenated in rank order, with gradients. The backward of
 torch.distributed.nn's all_gather sums every rank's gradient for a rank's slot and hands each rank its own
 slot's: each rank's rows get the gradient of every rank's loss, so the ranks' mean gradient (what DeepSpeed
-applies) is the gradient of the global batch's mean loss.
+applies) is the gradient of the global batch's mean loss, once each rank divides its anchors' sum by the global
+batch's anchors over the world size (heads/contrastive.py pair_loss: ranks may hold different numbers of anchors
+at an epoch's tail).
 """
 
 from __future__ import annotations

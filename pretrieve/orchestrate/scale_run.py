@@ -70,13 +70,14 @@ def study_parent(study: dict) -> str:
     """The study's parent run id: the latest top-level run tagged with its name, created when there is none."""
     from pretrieve.engine.tracking import experiment_id_of
     from pretrieve.scale.study import parent_run_id
-    from pretrieve.utils.mlflow_store import mlflow_client
+    from pretrieve.utils.mlflow_store import artifact_root, mlflow_client
 
     try:
         return parent_run_id(study)
     except ValueError:
-        client = mlflow_client(study["tracking"]["uri"])
-        experiment = experiment_id_of(client, study["tracking"]["experiment"])
+        uri = study["tracking"]["uri"]
+        client = mlflow_client(uri)
+        experiment = experiment_id_of(client, study["tracking"]["experiment"], artifact_root(uri))
         run = client.create_run(experiment, run_name=study["name"],
                                 tags={STUDY_TAG: study["name"], KIND_TAG: "study"})
         return run.info.run_id

@@ -74,3 +74,12 @@ def empty_store() -> Path:
 def _staged(path: Path) -> Path:
     """A hidden name beside PATH, this process's own, for a file written before it is put in place."""
     return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+
+
+def artifact_root(uri: str) -> str | None:
+    """Where a new experiment of the store `uri` keeps its artifacts: beside a sqlite store (its folder's
+    mlartifacts/), not in ./mlruns under the caller's working directory (MLflow's default); a server or file
+    store chooses its own."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).resolve().parent / "mlartifacts").as_uri()
+    return None

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -29,7 +30,7 @@ from pretrieve.models.flops import layer_flops
 from pretrieve.models.grad_cache import encode_in_chunks, grad_cache_of
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
-from pretrieve.models.infonce import gather_candidates, info_nce
+from pretrieve.models.infonce import gather_candidates, info_nce, world
 
 
 @dataclass
@@ -67,10 +68,12 @@ class PairMeta:
 
 def masked_candidates(similarity: torch.Tensor, target: torch.Tensor, anchor_hash: torch.Tensor,
                       anchor_doc: torch.Tensor, cand_hash: torch.Tensor, cand_doc: torch.Tensor,
-                      cand_off: torch.Tensor, options: ContrastiveOptions) -> tuple[torch.Tensor, dict]:
+                      cand_off: torch.Tensor, options: ContrastiveOptions,
+                      counted: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """(excluded [A, C], counts by reason) for anchors against candidates; `similarity` [A, C] detached, before
     the temperature; `anchor_hash` [A] the hash of each anchor's positive (the text the candidates must not
-    repeat). A candidate is counted under the first reason that masks it."""
+    repeat). A candidate is counted under the first reason that masks it, in the rows of `counted` [A] (the real
+    anchors: a pad sample's row, a copy of a real one, would count its twin as a false negative)."""
     rows = torch.arange(len(target), device=target.device)
     own = torch.zeros_like(similarity, dtype=torch.bool)
     own[rows, target] = True
@@ -84,39 +87,44 @@ def masked_candidates(similarity: torch.Tensor, target: torch.Tensor, anchor_has
     excluded = cand_off[None, :] & ~own
     for name, on, rule in reasons:
         hit = left & rule() if on else torch.zeros_like(left)
-        counts[name] = hit.sum()
+        counts[name] = (hit if counted is None else hit & counted[:, None]).sum()
         excluded, left = excluded | hit, left & ~hit
     return excluded, counts
 
 
 def pair_loss(q: torch.Tensor, d: torch.Tensor, meta: PairMeta, first_q: int, first_d: int, scale: torch.Tensor,
-              options: ContrastiveOptions, all_q: torch.Tensor, all_d: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The loss of this rank's anchors: q [B, d] its queries, d [B, d] its positives; all_q / all_d the global
-    batch's queries and passages (this rank's at first_q / first_d), `scale` 1 / tau. Pad samples are no anchors."""
+              options: ContrastiveOptions, all_q: torch.Tensor, all_d: torch.Tensor, world_size: int = 1,
+              anchors_total: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """This rank's share of the global batch's mean loss: q [B, d] its queries, d [B, d] its positives; all_q /
+    all_d the global batch's queries and passages (this rank's at first_q / first_d), `scale` 1 / tau. Pad samples
+    are no anchors. DeepSpeed averages the `world_size` ranks' gradients (and the engine their logged values), so
+    each rank's sum over its anchors is divided by the global batch's anchors over `world_size`: the average is
+    the global mean also when the ranks hold different numbers of anchors (an epoch's tail). `anchors_total`: the
+    global batch's anchors when `meta` holds this rank's rows alone (no cross-rank negatives)."""
     b = len(q)
     anchors = ~meta.q_pad[first_q:first_q + b]
+    total = (~meta.q_pad).sum() if anchors_total is None else anchors_total
+    share = world_size / total.clamp(min=1)
     similarity = q @ all_d.T  # [B, Nd]
     target = first_d + torch.arange(b, device=q.device)
     excluded, counts = masked_candidates(similarity.detach(), target, meta.d_hash[first_d:first_d + b],
-                                         meta.doc[first_q:first_q + b], meta.d_hash, meta.d_doc, meta.d_off, options)
+                                         meta.doc[first_q:first_q + b], meta.d_hash, meta.d_doc, meta.d_off, options,
+                                         anchors)
     qd = info_nce(similarity * scale, target, excluded)
-    out = {"qd": _mean(qd, anchors)}
+    out = {"qd": (qd * anchors).sum() * share}
     accuracy = (similarity.detach().masked_fill(excluded, float("-inf")).argmax(dim=-1) == target).float()
-    out["accuracy"] = _mean(accuracy, anchors)
+    out["accuracy"] = (accuracy * anchors).sum() * share
     loss = out["qd"]
     if options.symmetric:
         back = d @ all_q.T  # [B, Nq]
         target = first_q + torch.arange(b, device=q.device)
         excluded, more = masked_candidates(back.detach(), target, meta.q_hash[first_q:first_q + b],
-                                           meta.doc[first_q:first_q + b], meta.q_hash, meta.doc, meta.q_pad, options)
-        out["dq"] = _mean(info_nce(back * scale, target, excluded), anchors)
+                                           meta.doc[first_q:first_q + b], meta.q_hash, meta.doc, meta.q_pad, options,
+                                           anchors)
+        out["dq"] = (info_nce(back * scale, target, excluded) * anchors).sum() * share
         counts = {k: counts[k] + more[k] for k in counts}
         loss = (out["qd"] + out["dq"]) / 2
     return {"loss": loss, **{k: v.detach() for k, v in out.items()}, **{k: v.float() for k, v in counts.items()}}
-
-
-def _mean(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    return (values * keep).sum() / keep.sum().clamp(min=1)
 
 
 class ContrastiveHead(PretrainingHead):
@@ -163,7 +171,12 @@ class ContrastiveHead(PretrainingHead):
         meta = PairMeta(*(gather_candidates(t, cross)[0] for t in (batch["q_hash"], batch["doc_hash"], pad, d_hash,
                                                                      d_doc, d_off)))
         scale = self.log_scale.exp()[0]
-        out = pair_loss(q, d, meta, first_q, first_d, scale, self.options, all_q, all_d)
+        rank_count = world()[1]
+        total = None  # the gathered pads count the global batch's anchors; without them, a sum over the ranks
+        if rank_count > 1 and not cross:
+            total = (~pad).sum()
+            dist.all_reduce(total)
+        out = pair_loss(q, d, meta, first_q, first_d, scale, self.options, all_q, all_d, rank_count, total)
         if self.options.learn_temperature:
             out["temperature"] = (1 / scale).detach()
         return out

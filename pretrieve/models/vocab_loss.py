@@ -12,7 +12,7 @@ Each path computes that loss and its gradients for x, weight and bias; they diff
   liger    Liger-Kernel's fused linear cross-entropy (Triton kernels, chunked, bf16 GEMMs into an fp32
            gradient): needs a CUDA device, or the Triton interpreter (TRITON_INTERPRET=1: tests on CPU)
   auto     chunked on CPU, plain on CUDA (until the GPU ladder has measured them)
-Only the labelled positions are projected, whichever path.
+The heads pass the labelled positions alone; rows labelled -100 are dropped (chunked) or ignored (plain, liger).
 """
 
 from __future__ import annotations
@@ -60,14 +60,16 @@ def vocab_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """Mean cross-entropy of the logits x @ weight.T + bias [N, V] against labels [N], over the labels that are
     not IGNORE_INDEX, computed by path `impl` (VOCAB_LOSSES)."""
     path = resolve(impl, x.device)
-    keep = labels != IGNORE_INDEX
-    x, labels = x[keep], labels[keep]
-    if path == "chunked":
-        return linear_cross_entropy(x, weight, bias, labels)
+    if path == "chunked":  # a CPU path: dropping the unlabelled rows costs no device sync there
+        keep = labels != IGNORE_INDEX
+        return linear_cross_entropy(x[keep], weight, bias, labels[keep])
+    # the GPU paths skip unlabelled rows by ignore_index: a boolean index would make the host wait for the device
+    # (the heads pass the labelled positions alone anyway)
     if path == "liger":
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-        return liger_fused_linear_cross_entropy(x, weight, labels, bias, accum_dtype=torch.float32)
+        return liger_fused_linear_cross_entropy(x, weight, labels, bias, ignore_index=IGNORE_INDEX,
+                                                accum_dtype=torch.float32)
     logits = F.linear(x, weight, bias)
     # log-softmax and its sums in fp32, as the chunked path: a bf16 loss would keep 3 significant digits
     return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)

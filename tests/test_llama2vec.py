@@ -76,6 +76,44 @@ def test_a_row_is_the_text_then_each_prompt_ending_in_its_reserved_tokens(llm):
         method.collator.from_options(options, no_reserved)
 
 
+def test_bags_judge_a_byte_level_token_by_the_text_it_decodes_to(llm):
+    """A byte-level vocabulary stores bytes as printable stand-ins that look like letters (a newline is "Ċ",
+    "—" is "âĢĶ", "°" is "Â°", a non-breaking space "Âł"): the bags leave those out as punctuation, as LLARA
+    removes punctuation from its targets' words; every token of a bag decodes to a letter or digit."""
+    from pretrieve.data.spans import word_candidates
+
+    method, options, _, vocab, _ = _setup(llm)
+    tokenizer = load_tokenizer(llm[0])
+    text = ("The river froze in winter.\nIts banks \u2014 wide and flat \u2014 lay 5\u00b0 below the town\u2019s "
+            "old walls.\nMills stood idle\u00a0for weeks.\nThe thaw came late.")
+    ids = np.array(tokenizer(text, add_special_tokens=False)["input_ids"])
+    stand_ins = {".Ċ", "âĢĶ", "Â°", "âĢĻ", "Âł"}
+    assert stand_ins <= {vocab.tokens[i] for i in ids}  # the text has them, as single tokens
+    batch = method.collator.from_options(options, vocab)([{"ids": ids}])
+    decoded = {int(i): vocab.backend.decode([int(i)]) for i in ids}
+    for task in ("ebae", "ebar"):
+        bag = [int(t) for t in batch[f"{task}_targets"][0] if t >= 0]
+        assert len(bag) >= 3 and all(any(c.isalnum() for c in decoded[t]) for t in bag), [decoded[t] for t in bag]
+    candidates = word_candidates(vocab)
+    assert not any(candidates[vocab.tokens.index(token)] for token in stand_ins)
+    assert candidates[[vocab.tokens.index(token) for token in ("wide", "weeks", "late")]].all()
+
+
+def test_ebae_asks_for_the_words_of_the_text_as_read(llm):
+    """A block longer than the row's room: the text is cut, and EBAE's bag holds the words of what the LLM read,
+    not those cut off (LLARA's targets reach past the cut; the paper's EBAE reconstructs the input: why pretrieve
+    differs, docs/methods.md)."""
+    method, _, _, vocab, samples = _setup(llm, name="ebae", max_len=64)
+    collate = method.collator.from_options(method.options_from({"max_len": 64}), vocab)
+    block = np.concatenate([samples[0]["ids"], samples[2]["ids"]])
+    batch = collate([{"ids": block}])
+    read = batch["input_ids"][0, batch["mlm_labels"][0] != -100].numpy()
+    assert len(read) == collate.room < len(block)
+    bag = set(batch["ebae_targets"][0, batch["ebae_targets"][0] >= 0].tolist())
+    cut = {int(t) for t in block[len(read):] if collate.candidates[t]} - set(read.tolist())
+    assert bag == {int(t) for t in read if collate.candidates[t]} and cut and not bag & cut
+
+
 def test_the_losses_by_hand(llm):
     """L = L_lm + (L_ebae + L_ebar) / 2 on a tiny Qwen3, each computed here from states under a mask built
     entry by entry: L_lm the mean cross-entropy of each text token from the state before it; L_task 0.1 x the

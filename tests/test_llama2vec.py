@@ -365,3 +365,15 @@ def test_an_untied_lm_head_survives_training_checkpoint_export_and_init_from(llm
     assert again.encoder.load_report == [] and torch.equal(again.encoder.lm_head.weight, trained)
     with torch.no_grad():
         torch.testing.assert_close(again(batch)["loss"], loss, rtol=1e-6, atol=1e-6)
+
+
+def test_lora_keeps_an_untied_lm_head_frozen_as_tied_embeddings_are(llm, tmp_path):
+    """With LoRA, the base model's weights are frozen, the word embeddings with them; an untied LM head is the
+    checkpoint's too, and stays frozen: only the adapters train."""
+    from pretrieve.models.lora import LoraOptions
+
+    path = released_checkpoint(llm, tmp_path / "released", "mistral", tied=False)
+    method, options, _, _, _ = _setup(llm)
+    head = method.build(options, ModelOptions(init_from=str(path), lora=LoraOptions(r=4)), seed=0)
+    trained = {name for name, p in head.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in name for name in trained) and not head.encoder.lm_head.weight.requires_grad

@@ -66,8 +66,9 @@ def test_padding_is_hidden_and_last_token_pooling_finds_each_texts_end(backbone,
 @pytest.mark.parametrize("backbone", FAMILIES)
 def test_init_from_a_released_checkpoint_of_each_family_computes_what_it_computed(backbone, tmp_path):
     """A checkpoint as the family's models are released (its *ForCausalLM with the LM head, tied or not, and a
-    bos/eos the new configs leave out): `init_from` takes its base model, and the encoder's states under padding
-    equal HF's own model's on the unpadded text."""
+    bos/eos the new configs leave out): `init_from` takes its base model and its LM head (nothing missing or
+    left unused), the encoder's states under padding equal HF's own model's on the unpadded text, and its token
+    logits the *ForCausalLM's."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     config = tiny(backbone).config.to_dict()
@@ -80,10 +81,26 @@ def test_init_from_a_released_checkpoint_of_each_family_computes_what_it_compute
     assert encoder.backbone.name == backbone and not encoder.config.bidirectional
     text = torch.tensor([[5, 17, 42, 8, 99, 3]])
     padded, mask = torch.tensor([[5, 17, 42, 8, 99, 3, 0, 0]]), torch.tensor([[1] * 6 + [0] * 2])
+    assert encoder.load_report == [] and (encoder.lm_head is None) == (backbone != "mistral")
     with torch.no_grad():
         ours = encoder(padded, mask)[:, :6]
         theirs = AutoModel.from_pretrained(tmp_path / "released").eval()(input_ids=text).last_hidden_state
+        logits = AutoModelForCausalLM.from_pretrained(tmp_path / "released").eval()(input_ids=text).logits
+        torch.testing.assert_close(encoder.mlm_logits(ours), logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_init_from_reports_what_a_checkpoint_lacks_and_what_it_holds_unused(tmp_path):
+    """A sequence-classification checkpoint (its `score` head, no LM head) of an untied Llama: the load report
+    names the LM head it lacks (initialised) and the score head nothing takes (not used)."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = tiny("llama").config
+    config.tie_word_embeddings = False
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "scorer")
+    encoder = Encoder.from_pretrained(tmp_path / "scorer")
+    assert encoder.load_report == [f"MLM head (lm_head.weight): not in {tmp_path / 'scorer'}, initialised",
+                                   f"score.weight: in {tmp_path / 'scorer'}, not used"]
 
 
 def _experiment(config: str, *overrides: str):
@@ -155,7 +172,7 @@ def test_a_tiny_qwen3_pretrains_contrastively_with_last_token_pooling(tmp_path):
 
 def test_mntp_predicts_each_masked_token_from_the_state_before_it(vocab):
     """LLM2Vec's loss by hand on a tiny bidirectional Qwen3: for each masked position i, the cross-entropy of
-    its token under softmax(h_{i-1} E^T + b), averaged over the masked positions."""
+    its token under softmax(h_{i-1} E^T), averaged over the masked positions."""
     from pretrieve.models.heads import get_method
 
     method = get_method("mntp")
@@ -171,8 +188,9 @@ def test_mntp_predicts_each_masked_token_from_the_state_before_it(vocab):
     with torch.no_grad():
         loss = head(batch)["loss"]
         hidden = head.encoder(batch["input_ids"], batch["attention_mask"])
-        weight, bias = head.encoder.word_embeddings.weight, head.encoder.mlm_bias
-        terms = [torch.log_softmax(hidden[b, i - 1] @ weight.T + bias, -1)[labels[b, i]].neg()
+        weight = head.encoder.word_embeddings.weight  # the LM head: tied, no bias
+        assert head.encoder.lm_head is None and head.encoder.mlm_bias is None
+        terms = [torch.log_softmax(hidden[b, i - 1] @ weight.T, -1)[labels[b, i]].neg()
                  for b, i in (labels != -100).nonzero().tolist()]
     torch.testing.assert_close(loss, torch.stack(terms).mean(), rtol=1e-5, atol=1e-6)
     # not BERT's MLM, which reads the state at i itself

@@ -76,6 +76,44 @@ def test_a_row_is_the_text_then_each_prompt_ending_in_its_reserved_tokens(llm):
         method.collator.from_options(options, no_reserved)
 
 
+def test_bags_judge_a_byte_level_token_by_the_text_it_decodes_to(llm):
+    """A byte-level vocabulary stores bytes as printable stand-ins that look like letters (a newline is "Ċ",
+    "—" is "âĢĶ", "°" is "Â°", a non-breaking space "Âł"): the bags leave those out as punctuation, as LLARA
+    removes punctuation from its targets' words; every token of a bag decodes to a letter or digit."""
+    from pretrieve.data.spans import word_candidates
+
+    method, options, _, vocab, _ = _setup(llm)
+    tokenizer = load_tokenizer(llm[0])
+    text = ("The river froze in winter.\nIts banks \u2014 wide and flat \u2014 lay 5\u00b0 below the town\u2019s "
+            "old walls.\nMills stood idle\u00a0for weeks.\nThe thaw came late.")
+    ids = np.array(tokenizer(text, add_special_tokens=False)["input_ids"])
+    stand_ins = {".Ċ", "âĢĶ", "Â°", "âĢĻ", "Âł"}
+    assert stand_ins <= {vocab.tokens[i] for i in ids}  # the text has them, as single tokens
+    batch = method.collator.from_options(options, vocab)([{"ids": ids}])
+    decoded = {int(i): vocab.backend.decode([int(i)]) for i in ids}
+    for task in ("ebae", "ebar"):
+        bag = [int(t) for t in batch[f"{task}_targets"][0] if t >= 0]
+        assert len(bag) >= 3 and all(any(c.isalnum() for c in decoded[t]) for t in bag), [decoded[t] for t in bag]
+    candidates = word_candidates(vocab)
+    assert not any(candidates[vocab.tokens.index(token)] for token in stand_ins)
+    assert candidates[[vocab.tokens.index(token) for token in ("wide", "weeks", "late")]].all()
+
+
+def test_ebae_asks_for_the_words_of_the_text_as_read(llm):
+    """A block longer than the row's room: the text is cut, and EBAE's bag holds the words of what the LLM read,
+    not those cut off (LLARA's targets reach past the cut; the paper's EBAE reconstructs the input: why pretrieve
+    differs, docs/methods.md)."""
+    method, _, _, vocab, samples = _setup(llm, name="ebae", max_len=64)
+    collate = method.collator.from_options(method.options_from({"max_len": 64}), vocab)
+    block = np.concatenate([samples[0]["ids"], samples[2]["ids"]])
+    batch = collate([{"ids": block}])
+    read = batch["input_ids"][0, batch["mlm_labels"][0] != -100].numpy()
+    assert len(read) == collate.room < len(block)
+    bag = set(batch["ebae_targets"][0, batch["ebae_targets"][0] >= 0].tolist())
+    cut = {int(t) for t in block[len(read):] if collate.candidates[t]} - set(read.tolist())
+    assert bag == {int(t) for t in read if collate.candidates[t]} and cut and not bag & cut
+
+
 def test_the_losses_by_hand(llm):
     """L = L_lm + (L_ebae + L_ebar) / 2 on a tiny Qwen3, each computed here from states under a mask built
     entry by entry: L_lm the mean cross-entropy of each text token from the state before it; L_task 0.1 x the
@@ -202,3 +240,140 @@ def test_eval_pools_a_llama2vec_export_after_its_prompts(llm, tmp_path):
                                    torch.stack(expected).numpy(), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="no export of llama2vec, ebae, ebar"):
         DenseEncoder(llm[0], EncodeOptions("llama2vec"))
+
+
+def released_checkpoint(llm, out: Path, family: str, tied: bool) -> Path:
+    """A tiny `*ForCausalLM` of `family` saved as such models are released: the LM head tied to the word
+    embeddings (not saved) or untied (`lm_head.weight`, as LLaMA-2-7B, Mistral-7B and Qwen3 >= 4B ship it)."""
+    from transformers import AutoModelForCausalLM
+
+    vocab = Vocabulary.of_tokenizer(llm[0])
+    config = ModelOptions(backbone=family, vocab_size=vocab.size, hidden_size=32, num_layers=2, num_heads=2,
+                          intermediate_size=64, pad_token_id=vocab.pad_id, dropout=0.0).hf_config()
+    config.tie_word_embeddings = tied
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
+
+
+def llara_loss(lm, batch: dict, pad_id: int) -> torch.Tensor:
+    """LLARA's loss (FlagEmbedding research/LLARA/pretrain/modeling.py, PreLlamaModel.forward) restated on the
+    released `lm` (its own LM head) for pretrieve's `batch`, laid out as LLARA lays it out: each row left-padded,
+    ending in the EBAE prompt (S tokens) then the EBAR prompt (P tokens); position ids counted from the row's
+    first column, the last P copied from the S + P before the last S; a causal mask over real tokens whose last
+    P rows do not see the S columns before them. Logits are the LM head's, in fp32. L_ar: the mean next-token
+    cross-entropy over the labelled tokens. Per task: the 8 special logits (EBAE: the 8 before the last P
+    columns, EBAR: the last 8) max-pooled, log-softmax, minus the mean over the bag's distinct ids; averaged over
+    the rows with a bag, / 10; a task with no bag in the batch is 0. L = L_ar + the mean of the tasks that are
+    not 0, or L_ar alone. (LLARA's bags are its targets' ids > 2, Llama 2's specials left out; pretrieve's
+    bags are given here.)"""
+    real = batch["attention_mask"].bool()
+    size, width = len(real), int(real.sum(1).max())
+    summary, predict = int((batch["segments"][0] == SUMMARY).sum()), int((batch["segments"][0] == PREDICT).sum())
+    ids = torch.full((size, width), pad_id)
+    labels = torch.full((size, width), -100)
+    attention = torch.zeros(size, width, dtype=torch.long)
+    for b in range(size):
+        n = int(real[b].sum())
+        ids[b, width - n:], labels[b, width - n:] = batch["input_ids"][b, :n], batch["mlm_labels"][b, :n]
+        attention[b, width - n:] = 1
+    positions = torch.arange(width).repeat(size, 1)
+    positions[:, -predict:] = positions[:, -predict - summary:-summary].clone()
+    low = torch.finfo(torch.float32).min
+    mask = torch.full((width, width), low).triu(1)[None, None].repeat(size, 1, 1, 1)
+    mask = mask.masked_fill(attention[:, None, None, :] == 0, low)
+    mask[:, :, -predict:, -predict - summary:-predict] = low
+    hidden = lm.model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+    logits = lm.lm_head(hidden).float()
+    ar = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+    bows = []
+    for task, special in (("ebae", logits[:, -predict - 8:-predict]), ("ebar", logits[:, -8:])):
+        logp = special.max(dim=1).values.log_softmax(dim=1)
+        loss, rows = 0, 0
+        for p, bag in zip(logp, batch[f"{task}_targets"]):
+            bag = torch.unique(bag[bag >= 0])
+            if len(bag) > 0:
+                loss, rows = loss - p[bag].mean(), rows + 1
+        bows.append(loss / rows / 10 if rows else 0)
+    bow = [loss for loss in bows if torch.is_tensor(loss) and loss > 0]
+    return ar + sum(bow) / len(bow) if bow else ar
+
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("mistral", False), ("qwen3", True)])
+@pytest.mark.parametrize("targets", ["both", "ebae", "ebar"])
+def test_loss_and_gradients_are_llaras_on_a_released_checkpoint(llm, tmp_path, family, tied, targets):
+    """`llama2vec` from `model.init_from` a released-style checkpoint, tied or untied (LLaMA-2-7B's kind), on
+    batches whose bags are all there or hold one task's targets only (the other's emptied): its loss and every
+    gradient equal LLARA's loss restated above on HF's own *ForCausalLM of the same checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    path = released_checkpoint(llm, tmp_path / "released", family, tied)
+    method, options, _, vocab, samples = _setup(llm)
+    head = method.build(options, ModelOptions(init_from=str(path)), seed=0).eval()
+    assert (head.encoder.lm_head is None) == tied and head.encoder.mlm_bias is None
+    batch = method.collator.from_options(options, vocab)(samples)
+    for task in {"ebae": ["ebar"], "ebar": ["ebae"], "both": []}[targets]:
+        batch[f"{task}_targets"] = torch.full_like(batch[f"{task}_targets"], -1)  # a batch without that task's
+    ours = head(batch)["loss"]
+    ours.backward()
+    lm = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert (lm.lm_head.weight is lm.model.embed_tokens.weight) == tied
+    theirs = llara_loss(lm, batch, vocab.pad_id)
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=2e-6)
+    grads = {f"model.{name}": p.grad for name, p in lm.model.named_parameters()}
+    if not tied:
+        grads["lm_head.weight"] = lm.lm_head.weight.grad
+    mine = {name: p.grad for name, p in head.encoder.named_parameters()}
+    assert sorted(mine) == sorted(grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(mine[name], grad, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_an_untied_lm_head_survives_training_checkpoint_export_and_init_from(llm, tmp_path):
+    """The untied LM head a checkpoint ships is read by init_from (the load report names nothing), trained,
+    kept by a run's checkpoint (read back into the head rebuilt from the run's encoder config, as `pretrieve
+    export RUN` does), exported beside the base model, and read again by init_from of the export: the same
+    weights and the same loss at each stage."""
+    from pretrieve.engine.checkpoint import load_checkpoint_weights
+    from pretrieve.models.encoder import HEAD_WEIGHTS, Encoder, read_weights
+    from pretrieve.models.export import export
+
+    path = released_checkpoint(llm, tmp_path / "released", "llama", tied=False)
+    released = read_weights(path)["lm_head.weight"]
+    method, options, _, vocab, samples = _setup(llm)
+    head = method.build(options, ModelOptions(init_from=str(path)), seed=0)
+    assert head.encoder.load_report == [] and torch.equal(head.encoder.lm_head.weight, released)
+    batch = method.collator.from_options(options, vocab)(samples)
+    head.train()
+    adamw_steps(head, batch, steps=2, lr=1e-2)
+    trained = head.encoder.lm_head.weight.detach().clone()
+    assert not torch.equal(trained, released)
+    head.eval()
+    with torch.no_grad():
+        loss = head(batch)["loss"]
+
+    head.encoder.config.to_json_file(tmp_path / "encoder_config.json")  # a run's checkpoint, ZeRO 0's layout
+    (tmp_path / "checkpoints" / "step2").mkdir(parents=True)
+    torch.save({"module": head.state_dict()}, tmp_path / "checkpoints" / "step2" / "mp_rank_00_model_states.pt")
+    rebuilt = method.head(Encoder.from_config_file(tmp_path / "encoder_config.json"), options)
+    load_checkpoint_weights(rebuilt, tmp_path / "checkpoints", "step2")
+    assert torch.equal(rebuilt.encoder.lm_head.weight, trained)
+    export(rebuilt.eval(), tmp_path / "export", tokenizer=llm[0])
+    assert torch.equal(read_weights(tmp_path / "export", HEAD_WEIGHTS)["encoder.lm_head.weight"], trained)
+    again = method.build(options, ModelOptions(init_from=str(tmp_path / "export")), seed=1).eval()
+    assert again.encoder.load_report == [] and torch.equal(again.encoder.lm_head.weight, trained)
+    with torch.no_grad():
+        torch.testing.assert_close(again(batch)["loss"], loss, rtol=1e-6, atol=1e-6)
+
+
+def test_lora_keeps_an_untied_lm_head_frozen_as_tied_embeddings_are(llm, tmp_path):
+    """With LoRA, the base model's weights are frozen, the word embeddings with them; an untied LM head is the
+    checkpoint's too, and stays frozen: only the adapters train."""
+    from pretrieve.models.lora import LoraOptions
+
+    path = released_checkpoint(llm, tmp_path / "released", "mistral", tied=False)
+    method, options, _, _, _ = _setup(llm)
+    head = method.build(options, ModelOptions(init_from=str(path), lora=LoraOptions(r=4)), seed=0)
+    trained = {name for name, p in head.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in name for name in trained) and not head.encoder.lm_head.weight.requires_grad

@@ -7,11 +7,13 @@ A row, right-padded:
     |------ segment 0 (text) -------|------- segment 1 (EBAE) ---------------|------- segment 2 (EBAR) -------|
     positions 0 .. T-1              | T .. T+S-1                             | T .. T+P-1 (EBAE's again)
 
-EBAE's targets are the text's own words, EBAR's those of the text that follows it: the block is cut at the word
-start nearest its middle, the first half is the text, the second its "next passage" (LLARA reads the two from a
-prepared file). Both bags hold each token once and leave out stop words, punctuation and special tokens: LLARA
-removes NLTK's English stop words and punctuation word by word before tokenising; pretrieve drops the same kinds
-of token (data/spans.py's list). `ebae` or `ebar` alone appends its own prompt only, with ordinary positions.
+EBAE's targets are the text's own words as the row holds it (LLARA's reach past the input's cut:
+docs/methods.md), EBAR's those of the text that follows it: the block is cut at the word start nearest its
+middle, the first half is the text, the second its "next passage" (LLARA reads the two from a prepared file).
+Both bags hold each token once and leave out stop words, punctuation and special tokens: LLARA removes NLTK's
+English stop words and punctuation word by word before tokenising; pretrieve drops the same kinds of token, each
+judged by the text it decodes to (data/spans.py's list and rule). `ebae` or `ebar` alone appends its own prompt
+only, with ordinary positions.
 
 The prompts' special tokens are the tokenizer's reserved ones: `<|reserved_special_token_0..15|>` of
 `pretrieve tokenizer train --kind llm`, else BERT's `[unused0..15]`.

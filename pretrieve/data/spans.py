@@ -32,11 +32,26 @@ shouldn't wasn wasn't weren weren't won won't wouldn wouldn't
 
 
 def word_candidates(vocab: Vocabulary) -> np.ndarray:
-    """bool [vocab]: a one-token word with this token may be sampled at word level (tokens are compared without
-    their word-start marker, so RoBERTa's "Ġthe" is a stopword too)."""
-    ordinary = np.array([t.lower() not in STOPWORDS and any(c.isalnum() for c in t)
-                         and not (t.startswith("[") and t.endswith("]")) for t in vocab.tokens], dtype=bool)
+    """bool [vocab]: a one-token word with this token may be sampled at word level, and is a bag-of-words target
+    (data/llama2vec.py). Tokens are judged by the text they decode to, without surrounding spaces, so RoBERTa's
+    "Ġthe" is a stopword too, and a byte-level ".Ċ" (".\n"), "âĢĶ" ("—") or "Â°" ("°") has no letter or digit;
+    nor has a token holding only part of a character's bytes (it decodes to U+FFFD): a piece of a character is
+    not a word."""
+    ordinary = np.array([text.strip().lower() not in STOPWORDS and any(c.isalnum() for c in text)
+                         and not (t.startswith("[") and t.endswith("]"))
+                         for t, text in zip(vocab.tokens, token_texts(vocab))], dtype=bool)
     return ordinary & ~vocab.special
+
+
+def token_texts(vocab: Vocabulary) -> list[str]:
+    """The text each token stands for, by the tokenizer's decoder (byte-level BPE stores bytes as printable
+    stand-ins: a newline is "Ċ"; SentencePiece's byte fallback stores "<0x0A>"); the stored strings without a
+    decoder."""
+    decoder = getattr(vocab.backend, "decoder", None)
+    if decoder is None:
+        return list(vocab.tokens)
+    backend = vocab.backend
+    return [decoder.decode([backend.id_to_token(i)]) for i in range(vocab.size)]
 
 
 def sample_spans(ids: np.ndarray, lengths: np.ndarray, words: np.ndarray, vocab: Vocabulary,

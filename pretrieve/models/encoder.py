@@ -2,7 +2,9 @@
 XLM-R, ModernBERT: models/backbones) plus the family's MLM head.
 
 The MLM head (transform + output bias, output weights tied to the word embeddings, as in BERT) lives here
-because several methods use it beyond MLM (RetroMAE's decoder predictions, DupMAE's OT projection).
+because several methods use it beyond MLM (RetroMAE's decoder predictions, DupMAE's OT projection). On a
+decoder LLM it is the checkpoint's LM head: no transform, no bias, and its own output weights (`lm_head`) where
+the config unties them from the word embeddings (backbones/causal_lm.py).
 Logits are computed only where a loss needs them (`mlm_logits` takes any [..., hidden] selection), not over
 the whole [B, L, vocab] grid.
 """
@@ -31,6 +33,7 @@ HEAD_CONFIG = "pretrieve_head.json"  # ... and the method and options that train
 EXPORT_FORMAT = "pretrieve-export/1"  # HEAD_CONFIG's "format"
 FINETUNE_META = "pretrieve_finetune.json"  # beside a fine-tuned export: what it is and how it pools
 MODEL_PREFIX = "model."  # the exported base model's keys in an Encoder's state dict
+TOKEN_HEAD = ("mlm_", "lm_head.")  # the token predictions' head in an Encoder's state dict (beside the embeddings)
 _OLD_MODEL_PREFIX = "bert."  # ... in checkpoints written before backbones other than BERT
 
 
@@ -87,9 +90,16 @@ class Encoder(nn.Module):
         if self.backbone.has_pooler:  # kept, so that an export is a complete BertModel; pre-training never uses it
             self.model.pooler.requires_grad_(False)
         self.mlm_transform = self.backbone.mlm_transform(config)
-        self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
+        if self.backbone.mlm_bias:
+            self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
+        else:
+            self.register_parameter("mlm_bias", None)
         self.init_new(self.mlm_transform)
-        self.load_report: list[str] = []  # what init_from did not provide (and was initialised)
+        # an untied LM head's output weights (a decoder LLM's *ForCausalLM `lm_head`); None: the word embeddings
+        self.lm_head = self.backbone.output_projection(config)
+        if self.lm_head is not None:
+            self.init_new(self.lm_head)
+        self.load_report: list[str] = []  # what init_from did not provide (and was initialised), and did not use
         self.query_experts: nn.ModuleList | None = None  # MoTE (cot-mote.txt §3.1): see add_query_experts
         self.text_types = TextTypes()  # which texts of the running batch are queries, for the experts
         self.unpad = False  # see enable_unpadding
@@ -137,23 +147,32 @@ class Encoder(nn.Module):
                                                            **backbone.model_kwargs)
         model = merge_saved_adapter(model, path)  # an export whose LoRA adapter was kept apart
         encoder = cls(model.config, model=model)
-        report = [f"{key}: not in {path}, initialised" for key in info["missing_keys"]]
+        report = [f"{key}: not in {path}, initialised" for key in sorted(info["missing_keys"])]
         # only the MLM head's tensors: from_pretrained above has read the rest already
         hf_keys = backbone.hf_mlm_keys
         hf_head = read_weights(path, prefixes=tuple(hf_keys))
-        head = {new + key[len(old):]: value for key, value in hf_head.items()
-                for old, new in hf_keys.items() if key.startswith(old)}
-        head.update({key[len("encoder."):]: value
-                     for key, value in read_weights(path, HEAD_WEIGHTS, prefixes=("encoder.mlm_",)).items()})
-        missing = [k for k in ("mlm_bias", *(f"mlm_transform.{n}" for n, _ in encoder.mlm_transform.named_parameters()))
-                   if k not in head]
-        encoder.load_state_dict(head, strict=False)
+        mapped = {key: new + key[len(old):] for key in hf_head for old, new in hf_keys.items() if key.startswith(old)}
+        head = {mapped[key]: value for key, value in hf_head.items() if key in mapped}
+        head.update({key[len("encoder."):]: value for key, value in read_weights(
+            path, HEAD_WEIGHTS, prefixes=tuple(f"encoder.{name}" for name in TOKEN_HEAD)).items()})
+        own = [name for name, _ in encoder.token_head_parameters()]
+        missing = [k for k in own if k not in head]
+        encoder.load_state_dict({k: v for k, v in head.items() if k in own}, strict=False)
         if missing:
             report.append(f"MLM head ({', '.join(missing)}): not in {path}, initialised")
+        # what the checkpoint holds and nothing here takes: its heads for other tasks, a tied LM head's copy
+        unused = sorted({key for key in info["unexpected_keys"] if key not in mapped}
+                        | {key for key, name in mapped.items() if name not in own})
+        report += [f"{key}: in {path}, not used" for key in unused]
         for line in report:
             log.warning("init_from %s", line)
         encoder.load_report = report
         return encoder
+
+    def token_head_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) of the token predictions' head beyond the word embeddings: the MLM transform and bias,
+        or a decoder LLM's untied LM head."""
+        return [(name, p) for name, p in self.named_parameters() if name.startswith(TOKEN_HEAD)]
 
     def init_new(self, module: nn.Module) -> None:
         """The backbone's initialisation (BERT's: normal(0, initializer_range), LayerNorm 1/0) for a module added
@@ -219,9 +238,14 @@ class Encoder(nn.Module):
         hidden = self.backbone.packed_forward(self.model, packed.pack(input_ids), packed, attention_mask)
         return packed.unpack(hidden)
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the token predictions' output weights, an untied LM head's or the word embeddings."""
+        return self.word_embeddings.weight if self.lm_head is None else self.lm_head.weight
+
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., vocab] logits of BERT's MLM head for hidden states [..., hidden]."""
-        return F.linear(self.mlm_transform(hidden), self.word_embeddings.weight, self.mlm_bias)
+        """[..., vocab] logits of BERT's MLM head (a decoder LLM's LM head) for hidden states [..., hidden]."""
+        return F.linear(self.mlm_transform(hidden), self.output_weight, self.mlm_bias)
 
     def token_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the MLM head over the positions whose label is not -100 (only those are projected)."""
@@ -229,7 +253,7 @@ class Encoder(nn.Module):
         if not selected.any():
             return hidden.sum() * 0.0  # a batch of pad samples: zero loss, graph kept
         # == F.cross_entropy(self.mlm_logits(hidden[selected]), ...), by the path model.vocab_loss names
-        return vocab_cross_entropy(self.mlm_transform(hidden[selected]), self.word_embeddings.weight,
+        return vocab_cross_entropy(self.mlm_transform(hidden[selected]), self.output_weight,
                                    self.mlm_bias, labels[selected], self.vocab_loss)
 
 

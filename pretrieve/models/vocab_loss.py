@@ -55,10 +55,10 @@ def resolve(impl: str, device: torch.device) -> str:
     return impl
 
 
-def vocab_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, labels: torch.Tensor,
+def vocab_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                         impl: str = "auto") -> torch.Tensor:
     """Mean cross-entropy of the logits x @ weight.T + bias [N, V] against labels [N], over the labels that are
-    not IGNORE_INDEX, computed by path `impl` (VOCAB_LOSSES)."""
+    not IGNORE_INDEX, computed by path `impl` (VOCAB_LOSSES); bias None: none."""
     path = resolve(impl, x.device)
     if path == "chunked":  # a CPU path: dropping the unlabelled rows costs no device sync there
         keep = labels != IGNORE_INDEX

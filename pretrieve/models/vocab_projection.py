@@ -49,7 +49,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 grad_weight_bias[:, 0] += grad.sum(dim=0)
         grad_weight = grad_weight_bias[:, :-1].to(weight.dtype) if trains_weight else None
-        ctx.save_for_backward(grad_x, grad_weight, grad_weight_bias[:, -1].to(bias.dtype))
+        grad_bias = None if bias is None else grad_weight_bias[:, -1].to(bias.dtype)
+        ctx.save_for_backward(grad_x, grad_weight, grad_bias)
         return total / n
 
     @staticmethod
@@ -57,13 +58,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_x, grad_weight, grad_bias = ctx.saved_tensors
         scale = grad_loss / grad_x.shape[0]  # the mean over positions
         return (grad_x * scale.to(grad_x.dtype), None if grad_weight is None else grad_weight * scale,
-                grad_bias * scale, None)
+                None if grad_bias is None else grad_bias * scale, None)
 
 
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of logits x @ weight.T + bias [N, V] against labels [N] (every label a real class)."""
-    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad or bias.requires_grad):
+    """Mean cross-entropy of logits x @ weight.T + bias [N, V] against labels [N] (every label a real class); bias
+    None: none (a decoder LLM's LM head)."""
+    trains = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    if not torch.is_grad_enabled() or not trains:
         logits = F.linear(x, weight, bias)  # evaluation: no gradients to keep; fp32 at least, as below
         return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
     return _LinearCrossEntropy.apply(x, weight, bias, labels)

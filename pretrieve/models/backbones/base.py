@@ -4,7 +4,8 @@ A backbone names the HF model and config classes, and answers, for a model of th
 - the embedding module (`model.embeddings`: token ids or input vectors -> the first layer's input) and the
   position vectors p_i that RetroMAE's query stream adds to h (eq. 2), or None where positions are rotary;
 - the stack of layers, and each layer's feed-forward block (CoT-MoTE's experts);
-- the MLM head's transform (its output weights are the tied word embeddings) and where HF checkpoints keep it;
+- the MLM head's transform and bias (its output weights are the tied word embeddings; a decoder LLM's are its
+  own LM head when its config unties them) and where HF checkpoints keep them;
 - the decoder layer of the auto-encoding heads: the family's own layer class, given a query stream and a
   key/value stream (called as `layer(h1, h2, attend)`), and the norm after the decoder stack (pre-norm
   families need one).
@@ -75,6 +76,14 @@ class Backbone:
     @staticmethod
     def mlm_transform(config) -> nn.Module:
         raise NotImplementedError
+
+    mlm_bias: bool = True  # the MLM head adds an output bias (BERT's); a decoder LLM's LM head has none
+
+    @staticmethod
+    def output_projection(config) -> nn.Module | None:
+        """The token predictions' own output weights [vocab, hidden] (an untied LM head), or None: the word
+        embeddings, tied."""
+        return None
 
     @classmethod
     def extend_positions(cls, model, positions: int) -> None:

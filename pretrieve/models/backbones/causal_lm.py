@@ -6,8 +6,11 @@ states a head pools, e.g. at the last token (models/dense_pooling.py).
   still hides padding, recorded in the HF config (`bidirectional`) so that an export keeps it.
 - Positions are rotary and count from each text's first real token, so right and left padding give a text the
   same position ids, and the same states up to rounding.
-- The token predictions some heads make go through the tied word embeddings plus a bias (an identity
-  transform), as the small Qwen3 models tie theirs.
+- The token predictions some heads make (Llama2Vec's, MNTP's) go through the checkpoint's own LM head, with no
+  transform and no bias, as its *ForCausalLM computes them: the word embeddings where the config ties them (new
+  models here, the small Qwen3 ones), else the untied `lm_head.weight` (LLaMA-2-7B, Mistral-7B, Qwen3 >= 4B),
+  which init_from reads and the encoder keeps beside the base model (`Encoder.lm_head`, exported with the head's
+  weights).
 - The auto-encoding heads' decoder layer (RetroMAE, DupMAE, ...) is not defined for these families: those heads
   refuse them when the config is read (PretrainingHead.decoder_llms).
 """
@@ -25,7 +28,8 @@ class CausalLMBackbone(Backbone):
     feed_forward_modules = ("post_attention_layernorm", "mlp")
     ffn_matrices = 3  # SwiGLU: gate and up (h x f), down (f x h)
     ffn_activations = 4  # gate and up projections, SiLU(gate), and its product with up (the down projection's input)
-    hf_mlm_keys = {}  # an LM head is the tied word embeddings: nothing of a HF checkpoint to map
+    hf_mlm_keys = {"lm_head.": "lm_head."}  # a *ForCausalLM's untied LM head (a tied one is not saved)
+    mlm_bias = False  # an LM head has no bias
     default_pad_token_id = 0  # these families define none; the training tokenizer's pad id is used
     config_kwargs: dict = {}  # the family's own settings of a new model's HF config
 
@@ -64,6 +68,13 @@ class CausalLMBackbone(Backbone):
     @staticmethod
     def mlm_transform(config) -> nn.Module:
         return nn.Identity()
+
+    @staticmethod
+    def output_projection(config) -> nn.Module | None:
+        """The *ForCausalLM's `lm_head` where the config unties it from the word embeddings; None where tied."""
+        if getattr(config, "tie_word_embeddings", True):
+            return None
+        return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @classmethod
     def extend_positions(cls, model, positions: int) -> None:

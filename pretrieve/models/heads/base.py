@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pretrieve.models.encoder import HEAD_WEIGHTS, MODEL_PREFIX, Encoder, export_meta, read_weights
+from pretrieve.models.encoder import HEAD_WEIGHTS, MODEL_PREFIX, TOKEN_HEAD, Encoder, export_meta, read_weights
 
 log = logging.getLogger(__name__)
 ENCODER_MODEL = "encoder." + MODEL_PREFIX  # the exported base model's keys in a head's state dict
@@ -40,7 +40,8 @@ class PretrainingHead(nn.Module):
         share load, the rest of this head starts fresh and the other's are left: said in one line, not warned."""
         state = read_weights(Path(path), HEAD_WEIGHTS)
         if not state:
-            missing = [k for k in self.extra_state() if not k.startswith("encoder.mlm_")]
+            # the MLM / LM head comes with the encoder (Encoder.from_pretrained, which reports it)
+            missing = [k for k in self.extra_state() if not k.startswith(tuple(f"encoder.{n}" for n in TOKEN_HEAD))]
             if missing:
                 log.warning("init_from %s: no %s, head weights initialised: %s", path, HEAD_WEIGHTS, ", ".join(missing))
             return missing

@@ -135,8 +135,8 @@ class ContrastiveHead(PretrainingHead):
 
     def __init__(self, encoder, options):
         super().__init__(encoder, options)
-        encoder.mlm_transform.requires_grad_(False)
-        encoder.mlm_bias.requires_grad_(False)
+        for _, param in encoder.token_head_parameters():  # the MLM transform and bias, or an untied LM head
+            param.requires_grad_(False)
         self.pool = POOLINGS[options.pooling]
         # log(1 / tau), CLIP's logit scale; one element, not a scalar (DeepSpeed broadcasts weights as bytes)
         self.log_scale = nn.Parameter(torch.full((1,), math.log(1 / options.temperature)),

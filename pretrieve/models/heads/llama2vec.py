@@ -16,8 +16,10 @@ the text alone, as if each were the only prompt.
 Each task's loss: the LM head's logits at its k special states, max-pooled over the k positions, then
 log-softmax over the vocabulary; minus the mean log-probability of the distinct words of its target (stop
 words and punctuation left out), averaged over the texts that have any, times `bow_scale` (LLARA divides by
-10). `llama2vec` averages the two tasks' losses. The text's own next-token loss is added (`lm_weight`, 1 as in
-LLARA), which keeps the LLM a language model while its prompts learn to summarise.
+10). `llama2vec` averages the two tasks' losses over the tasks with a target in the batch (LLARA's: a batch
+whose EBAR bags are all empty trains EBAE alone, at full weight). The text's own next-token loss is added
+(`lm_weight`, 1 as in LLARA), which keeps the LLM a language model while its prompts learn to summarise. The
+logits are the checkpoint's LM head's, untied or tied, with no bias (backbones/causal_lm.py).
 
 The retrieval embedding is the mean of the k special states of one prompt, normalised (LLARA's usage: passages
 with the summarise prompt, queries with the predict one).
@@ -57,7 +59,8 @@ class EBAROptions(Llama2VecOptions):
 
 
 class Llama2VecHead(PretrainingHead):
-    """L = lm_weight L_lm + mean over tasks of L_task (module docstring); a decoder LLM, causal."""
+    """L = lm_weight L_lm + mean over the tasks with targets of L_task (module docstring); a decoder LLM,
+    causal."""
 
     decoder_llms = "causal"  # LLARA's mask is causal but where it hides EBAE's prompt from EBAR's
 
@@ -67,9 +70,12 @@ class Llama2VecHead(PretrainingHead):
         lm = self.encoder.token_loss(hidden[:, :-1], batch["mlm_labels"][:, 1:])  # token i from the state at i-1
         out = {"lm": lm.detach()}
         tasks = [task for task in ("ebae", "ebar") if f"{task}_slots" in batch]
+        trained = []  # per task, whether any text of the batch has a target (a tensor: no host read)
         for task in tasks:
             out[task] = self.bag_of_words_loss(hidden, batch[f"{task}_slots"], batch[f"{task}_targets"])
-        out["loss"] = self.options.lm_weight * lm + sum(out[task] for task in tasks) / len(tasks)
+            trained.append((batch[f"{task}_targets"] >= 0).any())
+        bow = sum(out[task] for task in tasks) / torch.stack(trained).sum().clamp(min=1)
+        out["loss"] = self.options.lm_weight * lm + bow
         for task in tasks:
             out[task] = out[task].detach()
         return out
@@ -77,7 +83,8 @@ class Llama2VecHead(PretrainingHead):
     def bag_of_words_loss(self, hidden: torch.Tensor, slots: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """bow_scale x the mean over texts with targets of -mean_{w in bag} log softmax(max_k logits_k)[w]."""
         states = hidden.gather(1, slots[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, k, h]
-        logp = self.encoder.mlm_logits(states).float().amax(dim=1).log_softmax(dim=-1)  # [B, V]
+        # max, not amax: a tie (a word whose output row is zero) sends its gradient to one position, as LLARA's
+        logp = self.encoder.mlm_logits(states).float().max(dim=1).values.log_softmax(dim=-1)  # [B, V]
         present = targets >= 0
         picked = logp.gather(1, targets.clamp(min=0)) * present
         per_text = -picked.sum(dim=1) / present.sum(dim=1).clamp(min=1)  # 0 for a text with no target (a pad)

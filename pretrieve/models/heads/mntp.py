@@ -3,8 +3,9 @@
 A decoder LLM made bidirectional (`model.bidirectional: true`) learns to use its right context the way it was
 pre-trained to predict: a fraction of the text is masked as in BERT (80 % the mask token, 10 % a random one,
 10 % kept), and the token at a masked position i is predicted from the state at i - 1, as next-token
-prediction reads it, not from the state at i as BERT's MLM does. The prediction goes through the model's
-output embeddings (tied to the input ones here, plus a bias: backbones/causal_lm.py).
+prediction reads it, not from the state at i as BERT's MLM does. The prediction goes through the model's own
+LM head, as LLM2Vec's does: the word embeddings where tied, its untied `lm_head` otherwise, no bias
+(backbones/causal_lm.py).
 
 Where pretrieve differs from LLM2Vec's code: its collator masks single tokens, pretrieve's masks whole words
 (the MLM collator's rule); the ratio is LLM2Vec's 20 %.

@@ -132,6 +132,8 @@ class Method:
             head.load_extra_weights(model.init_from, self.name)
         if model.lora.r:  # after the head: its new weights (decoders, projections) are not frozen
             add_lora(head.encoder.model, model.lora)
+            if head.encoder.lm_head is not None:  # an untied LM head stays the checkpoint's, as tied embeddings do
+                head.encoder.lm_head.requires_grad_(False)
         return head
 
 

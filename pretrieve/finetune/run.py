@@ -61,7 +61,9 @@ class FinetuneOptions:
     normalize: bool | None = None  # cosine similarity instead of inner product (None: as init_from says, else off)
     pooling: str | None = None  # cls | mean | last | dupmae (eq. 12; init_from: a DupMAE model); None: init_from's
     # put before each query / passage (an instruction: E5-Mistral, Qwen3-Embedding); None: init_from's
-    # sentence-transformers prompts, else none. The export carries them (sentence-transformers' prompts)
+    # sentence-transformers prompts, else none. The export carries them (sentence-transformers' prompts).
+    # query_max_len counts the query's tokens after its prompt; passage_max_len counts the prompt too
+    # (finetune/batches.py)
     query_prompt: str | None = None
     passage_prompt: str | None = None
     cls_dim: int | None = None  # dupmae: d' of eq. 10 (default 384, or the hidden size if smaller)
@@ -96,6 +98,8 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
     resume = problems.parse(resume_of, config)
     if options is not None:
         _check_options(options, problems)
+        if sections is not None and options.model == "dual":
+            _check_grad_cache(options, sections[0], problems)
         # the model is read once the options are sound; a folder that is no model is init_from's error
         if Path(options.init_from or "").is_dir() and options.model in ("dual", "cross") and not problems.messages:
             try:
@@ -104,6 +108,8 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
                 problems.add(str(e) if str(e).startswith("finetune.") else f"finetune.init_from: {e}")
             else:
                 _check_encoding(options, problems)
+                if not problems.messages:
+                    _check_passage_prompt(options, problems)
     problems.raise_any()
     train, checkpoint, tracking = sections
     return FinetuneExperiment(seed=int(config.get("seed", 42)), run_dir=Path(config.get("run_dir") or
@@ -146,6 +152,22 @@ def _check_options(options: FinetuneOptions, problems: Problems) -> None:
                      "learns with the softmax over each group (leave loss at contrastive)")
 
 
+def _check_grad_cache(options: FinetuneOptions, train: TrainOptions, problems: Problems) -> None:
+    """The chunk must split the micro-batch's passages (B x (1 + negatives) texts, its largest group)."""
+    from pretrieve.models.grad_cache import whole_batch_problem
+
+    group = 1 + max(options.negatives, 0)
+    rows = train.micro_batch_size * group
+    try:
+        problem = whole_batch_problem(options.grad_cache, "finetune", rows, f"the {rows} passages of a micro-batch "
+                                      f"(train.micro_batch_size {train.micro_batch_size} x (1 + finetune.negatives "
+                                      f"{group - 1}))")
+    except ValueError:  # a malformed grad_cache: _check_options names it
+        return
+    if problem:
+        problems.add(problem)
+
+
 def lora_of(options: FinetuneOptions):
     """`finetune.lora` as LoraOptions (r 0: none); errors name their key."""
     from pretrieve.models.lora import lora_options
@@ -163,6 +185,22 @@ def _check_encoding(options: FinetuneOptions, problems: Problems) -> None:
         problems.add(f"finetune.pooling: {options.pooling!r} is not one of {', '.join(DUAL_POOLINGS)}")
     if options.pooling == "dupmae" and options.normalize:
         problems.add("finetune.normalize: pooling dupmae scores with eq. (12), an unnormalised inner product")
+
+
+def _check_passage_prompt(options: FinetuneOptions, problems: Problems) -> None:
+    """A passage prompt must leave room for the passage in passage_max_len, which counts the prompt (the
+    export's sentence-transformers max_seq_length; finetune/batches.py). query_max_len counts the query's own
+    tokens, so a query prompt of any length leaves it its room."""
+    if not options.passage_prompt:
+        return
+    from transformers import AutoTokenizer
+
+    tokens = len(AutoTokenizer.from_pretrained(options.init_from)(options.passage_prompt)["input_ids"])
+    if tokens >= options.passage_max_len:
+        problems.add(f"finetune.passage_prompt: takes {tokens} tokens (the tokenizer's special ones included) of "
+                     f"the {options.passage_max_len} of finetune.passage_max_len, which counts the prompt as the "
+                     "export's max_seq_length does, and leaves none of a passage: raise finetune.passage_max_len, "
+                     "or shorten the prompt")
 
 
 def _with_model_encoding(options: FinetuneOptions, config: DictConfig) -> tuple[FinetuneOptions, DictConfig]:

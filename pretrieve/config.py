@@ -232,6 +232,12 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     problems.parse(unknown_top_level, config, {*SECTIONS, *PLAIN_KEYS})
     settings_elsewhere(config, problems)
     model = model_options(config, problems)
+    if isinstance(config.get("model"), DictConfig) and not any(m.startswith("model.lora") for m in problems.messages):
+        from pretrieve.models.lora import settings_without_lora
+
+        for message in settings_without_lora(OmegaConf.to_container(config.model, resolve=True).get("lora"),
+                                             "model.lora"):
+            problems.add(message)
     method, options = problems.parse(method_options, config) or (None, None)
     data = section(config, "data", DataOptions, problems)
     sections = problems.parse(run_sections, config, world_size)

@@ -214,6 +214,8 @@ def test_finetune_config_errors_name_the_key(tmp_path):
                             ({"finetune": {"lora": {"rank": 8}}}, r"finetune.lora.rank: unknown key \(known: alpha"),
                             ({"finetune": {"lora": {"r": -1}}}, r"^finetune.lora.r: must be >= 0"),
                             ({"finetune": {"lora": 8}}, "finetune.lora: expected"),
+                            ({"finetune": {"lora": {"r": 0, "targets": ["q_proj"]}}},
+                             r"^finetune.lora.targets: set, but finetune.lora.r is 0: no LoRA, every weight"),
                             ({"finetune": {"model": "cross", "lora": {"r": 8}}}, "finetune.lora: for the dual encoder"),
                             ({"method": {"name": "mlm"}}, "method: unknown top-level key")):
         config = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(change))

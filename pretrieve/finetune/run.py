@@ -75,7 +75,8 @@ class FinetuneOptions:
     on_missing: str = "fail"  # msmarco / beir qrels naming absent ids: fail | skip
     grad_cache: dict | None = None  # {chunk: N}: the dual encoder's texts N at a time, by GradCache
     # {r, alpha, dropout, targets, keep_adapter} (models/lora.py): LoRA adapters on the dual encoder's base model,
-    # whose own weights stay frozen (a decoder LLM's usual fine-tuning: LLARA, E5-Mistral); r 0 or null: all train
+    # whose own weights stay frozen (a decoder LLM's usual fine-tuning: LLARA, E5-Mistral); null or r 0 alone:
+    # every weight trains (r 0 beside other lora keys is refused: they would do nothing)
     lora: dict | None = None
 
 
@@ -145,6 +146,11 @@ def _check_options(options: FinetuneOptions, problems: Problems) -> None:
     if options.grad_cache is not None and options.model != "dual":
         problems.add("finetune.grad_cache: for the dual encoder (model: dual); the cross-encoder scores pairs")
     lora = problems.parse(lora_of, options)
+    if lora is not None:
+        from pretrieve.models.lora import settings_without_lora
+
+        for message in settings_without_lora(options.lora, "finetune.lora"):
+            problems.add(message)
     if lora is not None and lora.r and options.model != "dual":
         problems.add("finetune.lora: for the dual encoder (model: dual); the cross-encoder teacher trains whole")
     if options.model == "cross" and options.loss != "contrastive":
@@ -335,7 +341,7 @@ def build_model(o: FinetuneOptions, config_file: Path | None = None):
                        joint=joint, grad_cache=o.grad_cache["chunk"] if o.grad_cache else None)
     lora = lora_of(o)
     if lora.r:  # the base model's layers only: DupMAE's W^cls and LPU, CoT-MoTE's query experts train whole
-        add_lora(dual.encoder.model, lora)
+        add_lora(dual.encoder.model, lora, "finetune.lora")
     return dual
 
 
@@ -381,6 +387,10 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
     options = replace(options, pooling=options.pooling or meta["pooling"],
                       normalize=meta["normalize"] if options.normalize is None else options.normalize,
                       passage_max_len=options.passage_max_len or PASSAGE_MAX_LENGTH)
+    if keep_adapter and (options.model == "cross" or not lora_of(options).r):
+        from pretrieve.models.lora import no_adapter
+
+        raise ValueError(no_adapter(run_dir, "finetune.lora"))
     module = build_model(options, config_file=run_dir / MODEL_CONFIG)
     load_checkpoint_weights(module, ckpt_dir, tag)
     out = Path(out)

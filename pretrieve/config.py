@@ -34,14 +34,18 @@ def load_config(path: str | Path, overrides: list[str] | None = None,
         raise ConfigError(f"config file not found: {path}")
     try:
         config = OmegaConf.load(path)
-        for item in overrides or []:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r}: expected key=value")
-        config = OmegaConf.merge(config, OmegaConf.from_dotlist(list(overrides or [])))
-    except ConfigError:
-        raise
     except Exception as e:  # omegaconf/yaml raise many types for bad syntax
         raise ConfigError(f"{path}: {e}") from e
+    for item in overrides or []:  # each parsed alone: an error names the override, not the file
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        try:
+            config = OmegaConf.merge(config, OmegaConf.from_dotlist([item]))
+        except Exception as e:
+            key = item.split("=", 1)[0]
+            raise ConfigError(f"override {item!r}: {str(e).splitlines()[0]}; the value is read as YAML: a text "
+                              f"holding ': ', '#' or brackets needs quotes inside the argument, in a shell "
+                              f"'{key}=\"...\"' (docs/finetuning.md)") from e
     for section in required:
         if section not in config:
             raise ConfigError(f"{path}: missing section {section!r}")
@@ -228,6 +232,12 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     problems.parse(unknown_top_level, config, {*SECTIONS, *PLAIN_KEYS})
     settings_elsewhere(config, problems)
     model = model_options(config, problems)
+    if isinstance(config.get("model"), DictConfig) and not any(m.startswith("model.lora") for m in problems.messages):
+        from pretrieve.models.lora import settings_without_lora
+
+        for message in settings_without_lora(OmegaConf.to_container(config.model, resolve=True).get("lora"),
+                                             "model.lora"):
+            problems.add(message)
     method, options = problems.parse(method_options, config) or (None, None)
     data = section(config, "data", DataOptions, problems)
     sections = problems.parse(run_sections, config, world_size)
@@ -244,6 +254,8 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
             _check_attention(model, method, options, problems)
     if method is not None and data is not None:
         _check_data_kind(method, data, manifests or {}, problems)
+    if options is not None and sections is not None:
+        _check_grad_cache(options, sections[0], problems)
     problems.raise_any()
     config = OmegaConf.merge(config, {"data": {"corpora": data.corpora}})  # config.yaml names them: the model card
     if model.pad_token_id is None and not model.init_from:  # the model pads as the shards do
@@ -252,6 +264,25 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     return Experiment(seed=int(config.get("seed", 42)), run_dir=Path(config.get("run_dir") or f"runs/{method.name}"),
                       resume=resume, train=train, checkpoint=checkpoint, tracking=tracking, raw=config,
                       init_checkpoint=init_checkpoint, model=model, method=method, options=options, data=data)
+
+
+def _check_grad_cache(options: Any, train: TrainOptions, problems: Problems) -> None:
+    """A GradCache chunk must split the micro-batch: its largest group is the pairs' negatives (B x negatives
+    texts) when there are more than one a pair, else the B queries and the B passages."""
+    from pretrieve.models.grad_cache import whole_batch_problem
+
+    if getattr(options, "grad_cache", None) is None:
+        return
+    per = max(1, getattr(options, "negatives", 0))
+    rows = train.micro_batch_size * per
+    what = (f"the {rows} texts of the micro-batch's largest group (train.micro_batch_size "
+            f"{train.micro_batch_size}{f' x method.negatives {per}' if per > 1 else ''})")
+    try:
+        problem = whole_batch_problem(options.grad_cache, "method", rows, what)
+    except ValueError:  # a malformed grad_cache: the method's own check says so
+        return
+    if problem:
+        problems.add(problem)
 
 
 # keys a user may look for in the wrong section -> the key that holds the setting, and what it is

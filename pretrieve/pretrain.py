@@ -95,14 +95,16 @@ def export_checkpoint(path: str | Path, out: str | Path, keep_adapter: bool | No
     from pretrieve.eval.model_card import write_model_card
     from pretrieve.models.encoder import Encoder
     from pretrieve.models.export import check_export_folder, export
-    from pretrieve.models.lora import add_lora
+    from pretrieve.models.lora import add_lora, no_adapter
 
     run_dir, ckpt_dir, tag = locate(Path(path))
     check_export_folder(out, overwrite)
     config = load_config(run_dir / "config.yaml")
+    lora = model_options(config).lora
+    if keep_adapter and not lora.r:
+        raise ValueError(no_adapter(run_dir, "model.lora"))
     method, options = method_options(config)
     head = method.head(Encoder.from_config_file(run_dir / ENCODER_CONFIG), options)
-    lora = model_options(config).lora
     if lora.r:  # the checkpoint holds the adapted layout: the export merges the adapters (or keeps them apart)
         add_lora(head.encoder.model, lora)
     load_checkpoint_weights(head, ckpt_dir, tag)

@@ -79,17 +79,21 @@ class Progress:
         print(line, file=self.stream, flush=True)
         self.last_time, self.last_done = time.monotonic(), self.done
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """The last line (the bar left in place on a terminal); none when `failed`: the error is the last word,
+        and a generator closed after its consumer's error must not print below it."""
         if self.bar is not None:
+            if failed:
+                self.bar.leave = False
             self.bar.close()
-        elif self.enabled and self.done > self.initial and self.done != self.last_done:
+        elif self.enabled and not failed and self.done > self.initial and self.done != self.last_done:
             self._log()
 
     def __enter__(self) -> "Progress":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(failed=exc_type is not None)  # GeneratorExit too: a generator its consumer gave up on
 
 
 def track(items: Iterable[T], desc: str, unit: str = "it", total: int | None = None, enabled: bool = True,

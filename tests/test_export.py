@@ -131,3 +131,54 @@ def test_init_from_another_methods_export_says_which_head_weights_start_fresh(tm
     assert again.log_scale.item() != 3.0
     assert [r.levelname for r in caplog.records if "init_from" in r.getMessage()] == ["WARNING"], caplog.text
     assert "missing ['log_scale']" in caplog.text
+
+
+def _run_without_checkpoint(run, config: str) -> None:
+    """A run directory as a run leaves it before its first checkpoint: config.yaml and an empty checkpoints/."""
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(config)
+
+
+def test_export_says_a_run_has_no_checkpoint_yet_and_a_path_is_missing(tmp_path, capsys):
+    import re
+
+    from pretrieve.cli import main
+    from pretrieve.utils.run_dir import locate
+
+    run = tmp_path / "run"
+    _run_without_checkpoint(run, "seed: 1\n")
+    for path in (run, run / "checkpoints"):
+        with pytest.raises(FileNotFoundError, match=f"^{re.escape(str(path))}: a run with no checkpoint yet"):
+            locate(path)
+    assert main(["export", str(run), str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == (f"pretrieve export: error: {run}: a run with no checkpoint yet (it stopped, "
+                                       "or is, before its first: checkpoint.every steps); nothing to export until "
+                                       "it has one\n")
+    with pytest.raises(FileNotFoundError, match="nowhere: no such run directory, checkpoints directory or "
+                                                "checkpoint tag$"):
+        locate(tmp_path / "nowhere")
+    (tmp_path / "other").mkdir()
+    with pytest.raises(FileNotFoundError, match="other: not a run directory"):
+        locate(tmp_path / "other")
+
+
+def test_keep_adapter_on_a_run_without_lora_is_refused(tmp_path, capsys):
+    """`pretrieve export --keep-adapter` of a pre-training or fine-tuning run trained without LoRA: an error, not
+    an export that silently has no adapter."""
+    import json
+    from pathlib import Path
+
+    from pretrieve.cli import main
+    from pretrieve.models.encoder import FINETUNE_META
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "pretrain" / "tiny-contrastive.yaml"
+    pretrain, finetune = tmp_path / "pretrain", tmp_path / "finetune"
+    _run_without_checkpoint(pretrain, config.read_text())
+    _run_without_checkpoint(finetune, "finetune: {init_from: model, data: [train.jsonl]}\n")
+    (finetune / FINETUNE_META).write_text(json.dumps({"model": "dual", "pooling": "cls", "normalize": False}))
+    for run, key in ((pretrain, "model.lora"), (finetune, "finetune.lora")):
+        (run / "checkpoints" / "step2").mkdir()
+        (run / "checkpoints" / "latest").write_text("step2")
+        assert main(["export", str(run), str(tmp_path / "out"), "--keep-adapter"]) == 1
+        assert capsys.readouterr().err == (f"pretrieve export: error: --keep-adapter: {run} trained without LoRA "
+                                           f"({key}.r is 0): it has no adapter to keep apart; leave the flag out\n")

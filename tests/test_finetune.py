@@ -214,6 +214,8 @@ def test_finetune_config_errors_name_the_key(tmp_path):
                             ({"finetune": {"lora": {"rank": 8}}}, r"finetune.lora.rank: unknown key \(known: alpha"),
                             ({"finetune": {"lora": {"r": -1}}}, r"^finetune.lora.r: must be >= 0"),
                             ({"finetune": {"lora": 8}}, "finetune.lora: expected"),
+                            ({"finetune": {"lora": {"r": 0, "targets": ["q_proj"]}}},
+                             r"^finetune.lora.targets: set, but finetune.lora.r is 0: no LoRA, every weight"),
                             ({"finetune": {"model": "cross", "lora": {"r": 8}}}, "finetune.lora: for the dual encoder"),
                             ({"method": {"name": "mlm"}}, "method: unknown top-level key")):
         config = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(change))
@@ -227,6 +229,62 @@ def test_finetune_config_errors_name_the_key(tmp_path):
         "train.lr", "finetune.query_max_len", "finetune.temperature", "finetune.loss"]
     with pytest.raises(ConfigError, match=r"finetune.init_from: .*: not a model directory"):
         finetune_experiment(OmegaConf.create(base))  # sound options: the folder is read, and is no model
+
+
+def test_a_query_prompt_longer_than_query_max_len_leaves_each_query_its_own_tokens(tokenizer):
+    """query_max_len counts a query's tokens after its prompt: an instruction longer than it does not make every
+    query the same truncated prompt (the loss at ln 8, without a word)."""
+    from pretrieve.finetune.batches import prompt_tokens
+
+    examples = read_examples(FLAG)
+    prompt = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: "
+    assert prompt_tokens(tokenizer, prompt) > 8
+    loader = GroupLoader(examples, tokenizer, 4, 1, 8, 16, seed=0, prompts=(prompt, ""))
+    queries = _texts(loader.collate([0, 1, 2, 3]), tokenizer)
+    said = tokenizer.decode(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    for text, example in zip(queries, examples[:4], strict=True):  # the prompt, then 8 - [CLS] - [SEP] of its own
+        own = tokenizer.decode(tokenizer(example.query, add_special_tokens=False)["input_ids"][:6])
+        assert text == f"{said} {own}", text
+    assert len(set(queries)) == 4
+
+
+def test_a_passage_prompt_that_leaves_no_room_is_refused(tiny_encoder):
+    prompt = "Represent this passage of a scientific article for retrieving it: "  # 13 tokens, 15 with [CLS] [SEP]
+    base = {"finetune": {"init_from": str(tiny_encoder), "data": [str(FLAG)], "passage_max_len": 15,
+                         "query_max_len": 8, "query_prompt": prompt}}
+    finetune_experiment(OmegaConf.create(base))  # the query prompt: on top of query_max_len
+    with pytest.raises(ConfigError, match=r"^finetune.passage_prompt: takes 15 tokens \(the tokenizer's special "
+                                          r"ones included\) of the 15 of finetune.passage_max_len, which counts "
+                                          r"the prompt"):
+        finetune_experiment(OmegaConf.merge(OmegaConf.create(base), {"finetune": {"passage_prompt": prompt}}))
+    finetune_experiment(OmegaConf.merge(OmegaConf.create(base), {"finetune": {"passage_prompt": prompt,
+                                                                              "passage_max_len": 16}}))
+
+
+def test_the_prompt_override_of_the_docs_works_in_a_shell_and_a_bad_one_is_named():
+    """docs/finetuning.md's command-line prompt, through bash as written, gives the prompt; the unquoted form
+    (what a shell leaves of `finetune.query_prompt="Instruct: ...\nQuery: "`) is an error naming the override,
+    not the config file."""
+    import re
+    import subprocess
+
+    from pretrieve.config import load_config
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "finetune" / "tiny.yaml"
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "finetuning.md").read_text()
+    written = re.search(r"`('finetune\.query_prompt=\"[^`]*\"')`", docs).group(1)
+    argument = subprocess.run(["bash", "-c", f"printf %s {written}"], capture_output=True, text=True,
+                              check=True).stdout
+    loaded = load_config(config, [argument], required=("finetune",))
+    assert loaded.finetune.query_prompt == ("Instruct: Given a web search query, retrieve relevant passages that "
+                                            "answer the query\nQuery: ")
+    unquoted = subprocess.run(["bash", "-c", 'printf %s finetune.query_prompt="Instruct: a task\\nQuery: "'],
+                              capture_output=True, text=True, check=True).stdout
+    with pytest.raises(ConfigError) as raised:
+        load_config(config, [unquoted], required=("finetune",))
+    assert str(raised.value).startswith("override 'finetune.query_prompt=Instruct: a task\\\\nQuery: ': mapping "
+                                        "values are not allowed in this context; the value is read as YAML")
+    assert "tiny.yaml" not in str(raised.value)
 
 
 def _epoch_losses(run_dir: Path) -> dict:

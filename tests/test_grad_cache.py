@@ -205,3 +205,53 @@ def test_fine_tuning_dual_encoder_with_grad_cache_equals_the_batch():
     assert runs[0][1].keys() == runs[1][1].keys() and len(runs[0][1]) > 30
     for name in runs[0][1]:
         torch.testing.assert_close(runs[1][1][name], runs[0][1][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _problems(run, config) -> list[str]:
+    from pretrieve.utils.options import ConfigError
+
+    try:
+        run(config)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+def test_a_chunk_that_splits_no_micro_batch_is_refused_naming_its_key(tiny_bert):
+    """A chunk as large as the micro-batch's largest group encodes every text twice for nothing: refused, in
+    pre-training (B queries, or B x negatives texts) and fine-tuning (B x (1 + negatives) passages); an error of
+    the method's own check names its key once (not `method: method.grad_cache...`)."""
+    from omegaconf import OmegaConf
+
+    from conftest import SAMPLES
+    from pretrieve.config import experiment, load_config
+    from pretrieve.finetune.run import finetune_experiment
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "pretrain" / "tiny-contrastive.yaml"
+
+    def pretrain(*overrides):  # the tiny config's manifests are absent: that error comes too, and is left out
+        problems = _problems(experiment, load_config(config, ["train.micro_batch_size=16", *overrides]))
+        return [p for p in problems if not p.startswith("data.manifests")]
+
+    assert pretrain("method.grad_cache.chunk=16") == [
+        "method.grad_cache.chunk: 16 >= the 16 texts of the micro-batch's largest group (train.micro_batch_size "
+        "16): no chunk would split the micro-batch, and GradCache would encode every text twice for nothing; give "
+        "a chunk below 16, or leave method.grad_cache out"]
+    assert pretrain("method.grad_cache.chunk=15") == []
+    assert pretrain("method.grad_cache.chunk=16", "method.negatives=2") == []  # 32 negatives: split in two
+    assert pretrain("method.grad_cache.chunk=32", "method.negatives=2")[0].startswith(
+        "method.grad_cache.chunk: 32 >= the 32 texts of the micro-batch's largest group (train.micro_batch_size "
+        "16 x method.negatives 2)")
+    assert pretrain("method.grad_cache.chunk=0") == ["method.grad_cache.chunk: must be an integer >= 1, got 0"]
+
+    def finetune(chunk):
+        return _problems(finetune_experiment, OmegaConf.create({
+            "finetune": {"init_from": str(tiny_bert), "negatives": 1, "grad_cache": {"chunk": chunk},
+                         "data": [str(SAMPLES / "finetune" / "embedder_retrieval_msmarco.jsonl")]},
+            "train": {"micro_batch_size": 4}}))
+
+    assert finetune(8) == [
+        "finetune.grad_cache.chunk: 8 >= the 8 passages of a micro-batch (train.micro_batch_size 4 x (1 + "
+        "finetune.negatives 1)): no chunk would split the micro-batch, and GradCache would encode every text twice "
+        "for nothing; give a chunk below 8, or leave finetune.grad_cache out"]
+    assert finetune(7) == []

@@ -113,6 +113,12 @@ def _copy_encoder(head):
     ("model.lora.dropout=1.5", "model.lora.dropout: must be in [0, 1), got 1.5"),
     ("model.lora.targets=[]", "model.lora.targets: empty: null adapts every linear layer"),
     ("model.lora=8", "model.lora: expected a mapping of r, alpha, dropout, targets, keep_adapter; got 8"),
+    # r 0 trains every weight: the adapters' other settings would do nothing, and are refused by name
+    ("model.lora.alpha=8", "model.lora.alpha: set, but model.lora.r is 0: no LoRA, every weight of the model "
+                           "trains; give model.lora.r > 0 for adapters, or leave alpha out (model.lora=null: no LoRA)"),
+    ("model.lora={r: 0, keep_adapter: true}", "model.lora.keep_adapter: set, but model.lora.r is 0: no LoRA, every "
+                                              "weight of the model trains; give model.lora.r > 0 for adapters, or "
+                                              "leave keep_adapter out (model.lora=null: no LoRA)"),
 ])
 def test_bad_lora_options_name_their_key(llm, override, message):
     with pytest.raises(ConfigError, match=f"^{_escaped(message)}$"):
@@ -131,6 +137,8 @@ def test_targets_that_name_no_layer_are_named(llm):
                                          r"linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, "
                                          r"v_proj\)"):
         _head(llm, lora=replace(LORA, targets=["query"]))
+    with pytest.raises(ValueError, match=r"^model.lora.targets: \['v_prj'\] adapt no layer of this model"):
+        _head(llm, lora=replace(LORA, targets=["q_proj", "v_prj"]))  # a typo beside a valid name: not dropped
     head, _ = _head(llm, lora=replace(LORA, targets=["q_proj", "v_proj"]))
     assert sorted({n.split(".")[-4] for n, p in head.named_parameters() if ".lora_" in n}) == ["q_proj", "v_proj"]
 

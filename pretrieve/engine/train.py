@@ -250,10 +250,10 @@ def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWi
                 if not boundary:
                     continue
                 step = engine.global_steps
-                bar.update(1)
-                if log_now:
+                if log_now:  # before the count: the line the count may print shows this step's loss
                     record = window.log(step, lr, grad_norm)
                     bar.postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+                bar.update(1)
                 if job.validation is not None and (step % eval_every == 0 or step == exp.train.max_steps):
                     window.write({"step": step, **job.validation.evaluate(engine, engine.device)})
                 stopping = (world == 1 or log_now or step % exp.checkpoint.every == 0 or step == last_step) \

@@ -10,6 +10,13 @@ they do not depend on the order of iteration either. The last incomplete global 
 Batch keys: query_input_ids / query_attention_mask [B, Lq], passage_input_ids / passage_attention_mask
 [B x G, Lp] (G = 1 + negatives: the positive first, then the negatives of the same query), and with teacher
 scores teacher_scores [B, G].
+
+Prompts (`finetune.query_prompt` / `passage_prompt`) are put before the texts. `query_max_len` counts the
+query's own tokens: a query is cut at query_max_len plus its prompt's tokens, so an instruction longer than
+query_max_len does not crowd the query out (every query the same prompt, the loss at log(group)).
+`passage_max_len` is the model's maximum length, which sentence-transformers and `pretrieve eval` apply to the
+prompt and the text together: a passage prompt that leaves no room is refused by the config's checks
+(finetune/run.py).
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ class GroupLoader:
         self.query_max_len, self.passage_max_len, self.teacher_scores = query_max_len, passage_max_len, teacher_scores
         self.epoch, self.taken = 0, 0
         self.query_prompt, self.passage_prompt = prompts  # put before each query / passage (finetune options)
+        # a query's tokens: query_max_len of its own after the prompt's (the module docstring)
+        self.query_length = query_max_len + prompt_tokens(tokenizer, self.query_prompt)
 
     def state_dict(self) -> dict:
         """The epoch and the examples of it every rank together has taken: valid at any world size."""
@@ -84,7 +93,7 @@ class GroupLoader:
 
     def collate(self, rows: list[int]) -> dict[str, torch.Tensor]:
         groups = [self.group(row) for row in rows]
-        queries = self.tokenizer([g[0] for g in groups], truncation=True, max_length=self.query_max_len,
+        queries = self.tokenizer([g[0] for g in groups], truncation=True, max_length=self.query_length,
                                  padding=True, return_tensors="pt")
         passages = self.tokenizer([p for g in groups for p in g[1]], truncation=True,
                                   max_length=self.passage_max_len, padding=True, return_tensors="pt")
@@ -102,7 +111,12 @@ class PairLoader(GroupLoader):
     def collate(self, rows: list[int]) -> dict[str, torch.Tensor]:
         groups = [self.group(row) for row in rows]
         pairs = self.tokenizer([g[0] for g in groups for _ in g[1]], [p for g in groups for p in g[1]],
-                               truncation=True, max_length=self.query_max_len + self.passage_max_len,
+                               truncation=True, max_length=self.query_length + self.passage_max_len,
                                padding=True, return_tensors="pt")
         return {"pair_input_ids": pairs["input_ids"], "pair_attention_mask": pairs["attention_mask"],
                 "pair_token_type_ids": pairs["token_type_ids"]}
+
+
+def prompt_tokens(tokenizer, prompt: str) -> int:
+    """The tokens `prompt` takes before a text, without the tokenizer's special tokens."""
+    return len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if prompt else 0

@@ -61,7 +61,9 @@ class FinetuneOptions:
     normalize: bool | None = None  # cosine similarity instead of inner product (None: as init_from says, else off)
     pooling: str | None = None  # cls | mean | last | dupmae (eq. 12; init_from: a DupMAE model); None: init_from's
     # put before each query / passage (an instruction: E5-Mistral, Qwen3-Embedding); None: init_from's
-    # sentence-transformers prompts, else none. The export carries them (sentence-transformers' prompts)
+    # sentence-transformers prompts, else none. The export carries them (sentence-transformers' prompts).
+    # query_max_len counts the query's tokens after its prompt; passage_max_len counts the prompt too
+    # (finetune/batches.py)
     query_prompt: str | None = None
     passage_prompt: str | None = None
     cls_dim: int | None = None  # dupmae: d' of eq. 10 (default 384, or the hidden size if smaller)
@@ -73,7 +75,8 @@ class FinetuneOptions:
     on_missing: str = "fail"  # msmarco / beir qrels naming absent ids: fail | skip
     grad_cache: dict | None = None  # {chunk: N}: the dual encoder's texts N at a time, by GradCache
     # {r, alpha, dropout, targets, keep_adapter} (models/lora.py): LoRA adapters on the dual encoder's base model,
-    # whose own weights stay frozen (a decoder LLM's usual fine-tuning: LLARA, E5-Mistral); r 0 or null: all train
+    # whose own weights stay frozen (a decoder LLM's usual fine-tuning: LLARA, E5-Mistral); null or r 0 alone:
+    # every weight trains (r 0 beside other lora keys is refused: they would do nothing)
     lora: dict | None = None
 
 
@@ -96,6 +99,8 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
     resume = problems.parse(resume_of, config)
     if options is not None:
         _check_options(options, problems)
+        if sections is not None and options.model == "dual":
+            _check_grad_cache(options, sections[0], problems)
         # the model is read once the options are sound; a folder that is no model is init_from's error
         if Path(options.init_from or "").is_dir() and options.model in ("dual", "cross") and not problems.messages:
             try:
@@ -104,6 +109,8 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
                 problems.add(str(e) if str(e).startswith("finetune.") else f"finetune.init_from: {e}")
             else:
                 _check_encoding(options, problems)
+                if not problems.messages:
+                    _check_passage_prompt(options, problems)
     problems.raise_any()
     train, checkpoint, tracking = sections
     return FinetuneExperiment(seed=int(config.get("seed", 42)), run_dir=Path(config.get("run_dir") or
@@ -139,11 +146,32 @@ def _check_options(options: FinetuneOptions, problems: Problems) -> None:
     if options.grad_cache is not None and options.model != "dual":
         problems.add("finetune.grad_cache: for the dual encoder (model: dual); the cross-encoder scores pairs")
     lora = problems.parse(lora_of, options)
+    if lora is not None:
+        from pretrieve.models.lora import settings_without_lora
+
+        for message in settings_without_lora(options.lora, "finetune.lora"):
+            problems.add(message)
     if lora is not None and lora.r and options.model != "dual":
         problems.add("finetune.lora: for the dual encoder (model: dual); the cross-encoder teacher trains whole")
     if options.model == "cross" and options.loss != "contrastive":
         problems.add(f"finetune.loss: {options.loss} is for the dual encoder; the cross-encoder teacher "
                      "learns with the softmax over each group (leave loss at contrastive)")
+
+
+def _check_grad_cache(options: FinetuneOptions, train: TrainOptions, problems: Problems) -> None:
+    """The chunk must split the micro-batch's passages (B x (1 + negatives) texts, its largest group)."""
+    from pretrieve.models.grad_cache import whole_batch_problem
+
+    group = 1 + max(options.negatives, 0)
+    rows = train.micro_batch_size * group
+    try:
+        problem = whole_batch_problem(options.grad_cache, "finetune", rows, f"the {rows} passages of a micro-batch "
+                                      f"(train.micro_batch_size {train.micro_batch_size} x (1 + finetune.negatives "
+                                      f"{group - 1}))")
+    except ValueError:  # a malformed grad_cache: _check_options names it
+        return
+    if problem:
+        problems.add(problem)
 
 
 def lora_of(options: FinetuneOptions):
@@ -163,6 +191,22 @@ def _check_encoding(options: FinetuneOptions, problems: Problems) -> None:
         problems.add(f"finetune.pooling: {options.pooling!r} is not one of {', '.join(DUAL_POOLINGS)}")
     if options.pooling == "dupmae" and options.normalize:
         problems.add("finetune.normalize: pooling dupmae scores with eq. (12), an unnormalised inner product")
+
+
+def _check_passage_prompt(options: FinetuneOptions, problems: Problems) -> None:
+    """A passage prompt must leave room for the passage in passage_max_len, which counts the prompt (the
+    export's sentence-transformers max_seq_length; finetune/batches.py). query_max_len counts the query's own
+    tokens, so a query prompt of any length leaves it its room."""
+    if not options.passage_prompt:
+        return
+    from transformers import AutoTokenizer
+
+    tokens = len(AutoTokenizer.from_pretrained(options.init_from)(options.passage_prompt)["input_ids"])
+    if tokens >= options.passage_max_len:
+        problems.add(f"finetune.passage_prompt: takes {tokens} tokens (the tokenizer's special ones included) of "
+                     f"the {options.passage_max_len} of finetune.passage_max_len, which counts the prompt as the "
+                     "export's max_seq_length does, and leaves none of a passage: raise finetune.passage_max_len, "
+                     "or shorten the prompt")
 
 
 def _with_model_encoding(options: FinetuneOptions, config: DictConfig) -> tuple[FinetuneOptions, DictConfig]:
@@ -297,7 +341,7 @@ def build_model(o: FinetuneOptions, config_file: Path | None = None):
                        joint=joint, grad_cache=o.grad_cache["chunk"] if o.grad_cache else None)
     lora = lora_of(o)
     if lora.r:  # the base model's layers only: DupMAE's W^cls and LPU, CoT-MoTE's query experts train whole
-        add_lora(dual.encoder.model, lora)
+        add_lora(dual.encoder.model, lora, "finetune.lora")
     return dual
 
 
@@ -343,6 +387,10 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
     options = replace(options, pooling=options.pooling or meta["pooling"],
                       normalize=meta["normalize"] if options.normalize is None else options.normalize,
                       passage_max_len=options.passage_max_len or PASSAGE_MAX_LENGTH)
+    if keep_adapter and (options.model == "cross" or not lora_of(options).r):
+        from pretrieve.models.lora import no_adapter
+
+        raise ValueError(no_adapter(run_dir, "finetune.lora"))
     module = build_model(options, config_file=run_dir / MODEL_CONFIG)
     load_checkpoint_weights(module, ckpt_dir, tag)
     out = Path(out)

@@ -49,6 +49,17 @@ def grad_cache_of(value, where: str) -> GradCache | None:
     return GradCache(chunk)
 
 
+def whole_batch_problem(value, where: str, rows: int, what: str) -> str | None:
+    """The error of a chunk that splits nothing: `rows` texts in the micro-batch's largest group (`what` says
+    which and why), all in one chunk, each encoded twice for nothing. None for a chunk below that."""
+    cache = grad_cache_of(value, where)
+    if cache is None or cache.chunk < rows:
+        return None
+    return (f"{where}.grad_cache.chunk: {cache.chunk} >= {what}: no chunk would split the micro-batch, and "
+            f"GradCache would encode every text twice for nothing; give a chunk below {rows}, or leave "
+            f"{where}.grad_cache out")
+
+
 def encode_in_chunks(encode: Encode, groups: Sequence[tuple[torch.Tensor, ...]], chunk: int | None,
                      params: Sequence[torch.nn.Parameter], cache: bool = True) -> list[torch.Tensor]:
     """Each group's representations: `encode(*group)` with `chunk` None; with a chunk, `encode` on `chunk` rows

@@ -11,7 +11,7 @@ the base weights and the adapter apart, the adapter in peft's own files under `a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from torch import nn
@@ -60,11 +60,36 @@ def lora_options(values: dict, where: str) -> LoraOptions:
         raise ConfigError("; ".join(named), named) from None
 
 
-def add_lora(model: nn.Module, options: LoraOptions) -> int:
+def settings_without_lora(values, where: str) -> list[str]:
+    """The errors of a `lora:` mapping whose r is 0 (no LoRA: every weight trains) but which sets the adapters'
+    other keys: they would do nothing, so each is refused by name. A config switches LoRA off with `lora: null`
+    or `r: 0` alone."""
+    if not isinstance(values, dict) or values.get("r", 0) != 0:
+        return []
+    return [f"{where}.{key}: set, but {where}.r is 0: no LoRA, every weight of the model trains; give "
+            f"{where}.r > 0 for adapters, or leave {key} out ({where}=null: no LoRA)"
+            for key in sorted(values) if key != "r" and key in {f.name for f in fields(LoraOptions)}]
+
+
+def no_adapter(run_dir: Path, key: str) -> str:
+    """The error of `pretrieve export --keep-adapter` on a run without LoRA (`key`: its section's lora)."""
+    return (f"--keep-adapter: {run_dir} trained without LoRA ({key}.r is 0): it has no adapter to keep apart; "
+            "leave the flag out")
+
+
+def add_lora(model: nn.Module, options: LoraOptions, where: str = "model.lora") -> int:
     """Inject the adapters into `model` (an HF base model) in place, and freeze every other weight of it;
-    returns the number of adapter parameters. A target that names no layer is an error naming the key."""
+    returns the number of adapter parameters. A target that names no layer of the model is an error naming the
+    key (`where`.targets), also beside targets that do."""
     from peft import LoraConfig, inject_adapter_in_model
 
+    if options.targets:  # peft adapts the targets it finds and drops the others without a word
+        names = [name for name, _ in model.named_modules()]
+        missing = [t for t in options.targets if not any(n == t or n.endswith("." + t) for n in names)]
+        if missing:
+            linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+            raise ValueError(f"{where}.targets: {missing} adapt no layer of this model (its linear layers: "
+                             f"{', '.join(linear)})")
     targets = options.targets or sorted(name for name, module in model.named_modules()
                                         if isinstance(module, nn.Linear) and not name.startswith("pooler."))
     config = LoraConfig(r=options.r, lora_alpha=options.alpha, lora_dropout=options.dropout, target_modules=targets,
@@ -73,7 +98,7 @@ def add_lora(model: nn.Module, options: LoraOptions) -> int:
         inject_adapter_in_model(config, model)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"model.lora.targets: {options.targets} adapt no layer of this model (its linear layers: "
+        raise ValueError(f"{where}.targets: {options.targets} adapt no layer of this model (its linear layers: "
                          f"{', '.join(linear)}): {e}") from None
     for name, param in model.named_parameters():  # peft freezes the rest already; said here, where it is relied on
         param.requires_grad_(".lora_" in name)

@@ -76,10 +76,17 @@ def options_of(cls, values: dict[str, Any], where: str, noun: str = "key", probl
         problems.messages += e.problems
         return None
     except (TypeError, ValueError) as e:
+        message = _under(where, str(e))
         if problems is None:
-            raise ConfigError(f"{where}: {e}") from e
-        problems.add(f"{where}: {e}")
+            raise ConfigError(message) from e
+        problems.add(message)
         return None
+
+
+def _under(where: str, message: str) -> str:
+    """`message` under section `where`: prefixed with it unless it names its key in that section already
+    (`method.grad_cache.chunk: ...`, not `method: method.grad_cache.chunk: ...`)."""
+    return message if message.startswith((f"{where}.", f"{where}:")) else f"{where}: {message}"
 
 
 def default_of(owner, name: str) -> Any:

@@ -60,11 +60,19 @@ def latest_checkpoint(run_dir: Path) -> str | None:
 
 
 def locate(path: Path) -> tuple[Path, Path, str]:
-    """(run_dir, checkpoints dir, tag) of a run directory, its checkpoints/ directory or one tag directory."""
+    """(run_dir, checkpoints dir, tag) of a run directory, its checkpoints/ directory or one tag directory. A
+    missing path, and a run that has no checkpoint yet, are errors that say so."""
+    given = path
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such run directory, checkpoints directory or checkpoint tag")
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     if (path / LATEST).is_file():
         return path.parent, path, (path / LATEST).read_text().strip()
     if path.is_dir() and path.name.startswith("step"):
         return path.parent.parent, path.parent, path.name
-    raise FileNotFoundError(f"{path}: not a run directory, checkpoints directory or checkpoint tag")
+    run_dir = path.parent if path.name == "checkpoints" else path
+    if (run_dir / TAG_CONFIG).is_file():  # a run's config.yaml, written when it starts
+        raise FileNotFoundError(f"{given}: a run with no checkpoint yet (it stopped, or is, before its first: "
+                                "checkpoint.every steps); nothing to export until it has one")
+    raise FileNotFoundError(f"{given}: not a run directory, checkpoints directory or checkpoint tag")

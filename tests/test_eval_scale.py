@@ -273,9 +273,11 @@ def test_mine_with_embeddings_over_workers_gives_the_negatives_of_one_process(tm
         assert example.pos == [data.doc_text(d) for d, rel in data.qrels[qid].items() if rel > 0]
         assert len(example.neg) == 4 and not set(example.neg) & set(example.pos)
 
-    mine(MineOptions(out=str(split), worker=0, workers=2, **{**common, "negatives": 3}))
+    with pytest.raises(ValueError, match="hard.jsonl: exists; pass --overwrite"):  # a finished file stays
+        mine(MineOptions(out=str(split), worker=0, workers=2, **common))
+    mine(MineOptions(out=str(split), worker=0, workers=2, overwrite=True, **{**common, "negatives": 3}))
     with pytest.raises(ValueError, match="mined parts made with"):  # a worker started with other settings
-        mine(MineOptions(out=str(split), worker=1, workers=2, **common))
+        mine(MineOptions(out=str(split), worker=1, workers=2, overwrite=True, **common))
     with pytest.raises(ValueError, match="vectors made with"):  # vectors of other settings than the model's
         mine(MineOptions(out=str(tmp_path / "x.jsonl"), embeddings=str(vectors / "float32"),
                          **{**common, "max_length": 32}))

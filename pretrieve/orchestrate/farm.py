@@ -177,13 +177,17 @@ def jobs_of(farm: dict) -> list[Job]:
             if s == "zero-shot" or not c.get("bm25")]  # BM25 has nothing to fine-tune
 
 
-def claim_out(farm: dict) -> None:
-    """The farm's `out`, before any job: new, a farm's own (its record, FARM_RECORD), or holding only what a farm
-    writes there (a folder per checkpoint, the default MLflow store); then marked with the record."""
-    out = Path(farm["out"])
+def check_out(farm: dict) -> None:
+    """The farm's `out`, before anything is written: new, a farm's own (its record, FARM_RECORD), or holding only
+    what a farm writes there (a folder per checkpoint, the default MLflow store)."""
     names = {c["name"] for c in farm["checkpoints"]} | {"mlflow.db", "mlartifacts", FARM_RECORD}
-    check_own_entries(out, "pretrieve farm", lambda name: name in names or name.startswith("mlflow.db-"),
+    check_own_entries(farm["out"], "pretrieve farm", lambda name: name in names or name.startswith("mlflow.db-"),
                       earlier=lambda folder: (folder / FARM_RECORD).is_file())
+
+
+def mark_out(farm: dict) -> None:
+    """`out` made the farm's, when its first jobs start: a later farm with other checkpoints may add to it."""
+    out = Path(farm["out"])
     out.mkdir(parents=True, exist_ok=True)
     (out / FARM_RECORD).touch()
 
@@ -235,7 +239,7 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
     """Run (or, with `slurm_jobs`, list) the pending fine-tuning chains, then the pending evaluation jobs; log
     every done job to MLflow once."""
     farm = load_farm(path)
-    claim_out(farm)
+    check_out(farm)
     jobs = jobs_of(farm)
     pending = [job for job in jobs if not job.done()]
     chains = chains_of(farm, pending)
@@ -248,6 +252,7 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
                 "pending_chains": len(chains), "logged": logged}
     ranks = int(farm.get("finetune", {}).get("nproc", 1))  # a fine-tuning chain's devices
     devices, at_once = _placement(farm, path, ranks if chains else 1)
+    mark_out(farm)
     bar = Progress(len(chains) + len(pending), "farm", unit="job", enabled=progress)
     stopped: list[str] = []  # cut off by a stop signal, or not started after it: not done
 

@@ -175,8 +175,8 @@ def _usage(model_dir: Path, files: Path, st) -> list[str]:
     from pretrieve.models.hf_model_code import ADAPTER_DIR, CODE_FILE
 
     # a prompt name only where the directory names that prompt: encode() refuses a name it does not know
-    encode = [f'{name}s = model.encode(["a {name}"]{f", prompt_name={name!r}" if name in st.prompts else ""})'
-              for name in ("query", "passage")]
+    prompt_names = {name: f', prompt_name="{name}"' if name in st.prompts else "" for name in ("query", "passage")}
+    encode = [f'{name}s = model.encode(["a {name}"]{prompt})' for name, prompt in prompt_names.items()]
     prompts = "".join(f" The {name} prompt, put before each {name}: `{text!r}`." for name, text in st.prompts.items())
     own_code = (files / CODE_FILE).is_file()
     lines = ["```python", "from sentence_transformers import SentenceTransformer", "",

@@ -102,6 +102,20 @@ def test_a_config_pretrieve_cannot_follow_is_refused_unless_a_pooling_is_given(t
         declared_encoding(model)
 
 
+def test_last_on_an_encoder_is_refused_unless_asked_for_or_trained_so(tmp_path, tiny_encoder):
+    from pretrieve.models.st_config import write_st_config
+
+    model = _bert_dir(tmp_path, tiny_encoder, "last")
+    write_st_config(model, "last", False, 128)  # a sentence-transformers config that pools BERT's closing [SEP]
+    with pytest.raises(ValueError, match=r"pooling last \(sentence-transformers config .*closing separator.*give "
+                                         r"finetune.pooling last to use it anyway"):
+        resolve_encoding(model, pooling_key="finetune.pooling")
+    assert resolve_encoding(model, pooling="last").pooling == "last"  # asked for
+    # a pretrieve export trained with last (contrastive pre-training's method.pooling: last) encodes as trained
+    (model / "pretrieve_finetune.json").write_text(json.dumps({"pooling": "last", "normalize": False}))
+    assert resolve_encoding(model).pooling == "last"
+
+
 def test_a_run_directory_or_a_folder_that_is_no_model_is_named_so(tmp_path, tiny_encoder):
     """Not transformers' "install sentencepiece or tiktoken": what the folder is, and where a run's model is."""
     run = tmp_path / "run"

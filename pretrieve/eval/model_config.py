@@ -4,7 +4,8 @@ and `finetune` use when no flag says.
 A model directory says how it encodes in, first to last: its sentence-transformers config (`modules.json`,
 `1_Pooling/config.json`, a Normalize module, `sentence_bert_config.json`'s max_seq_length), then
 `pretrieve_finetune.json` (a model fine-tuned by pretrieve), else nothing: [CLS] (a decoder LLM's last token),
-not normalised; [CLS] on a causal decoder LLM, whose first token sees nothing of the text, is refused. A wrong
+not normalised; [CLS] on a causal decoder LLM, whose first token sees nothing of the text, is refused, and so
+is `last` on an encoder (its closing separator) unless a flag asks for it or pretrieve trained the model so. A wrong
 pooling or a missing normalisation changes the scores without any error (all-MiniLM-L6-v2 on SciFact:
 NDCG@10 0.6067 with mean pooling alone, 0.6451 as its config says), so the choice and its source are printed,
 and a flag that contradicts the model's own config is used but warned about. A model fine-tuned with pooling
@@ -26,7 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from pretrieve.models.backbones import backbone_of
-from pretrieve.models.encoder import FINETUNE_META, finetune_meta
+from pretrieve.models.encoder import FINETUNE_META, export_meta, finetune_meta
 from pretrieve.models.poolings import DENSE_POOLINGS, PROMPT_POOLINGS
 from pretrieve.models.st_config import read_st_config
 
@@ -115,15 +116,29 @@ def position_limit(model_dir: str | Path) -> int | None:
     return positions if offset is None else positions - offset
 
 
+def _family_is_decoder(model_dir: str | Path) -> bool | None:
+    """Whether the model's family is a decoder LLM's (False: an encoder's); None for a model type pretrieve has
+    no backbone for."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    try:
+        return backbone_of(SimpleNamespace(model_type=config.get("model_type"))).causal
+    except ValueError:
+        return None
+
+
 def is_decoder_llm(model_dir: str | Path, causal_only: bool = False) -> bool:
     """Whether the model is a decoder LLM (with `causal_only`: one attending causally, whose first token sees
     nothing after it)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    try:
-        decoder = backbone_of(SimpleNamespace(model_type=config.get("model_type"))).causal
-    except ValueError:  # a model type pretrieve has no backbone for
+    if not _family_is_decoder(model_dir):
         return False
-    return decoder and not (causal_only and config.get("bidirectional", False))
+    bidirectional = json.loads((Path(model_dir) / "config.json").read_text()).get("bidirectional", False)
+    return not (causal_only and bidirectional)
+
+
+def trained_pooling(model_dir: str | Path) -> str | None:
+    """The pooling pretrieve trained the model with, as its export records it (pretrieve_finetune.json, or the
+    pre-training method's options in pretrieve_head.json); None when it records none."""
+    return finetune_meta(model_dir).get("pooling") or export_meta(model_dir).get("options", {}).get("pooling")
 
 
 def declared_encoding(model_dir: str | Path) -> DeclaredEncoding:
@@ -181,6 +196,11 @@ def resolve_encoding(model_dir: str | Path, pooling: str | None = None, normaliz
         raise ValueError(f"{what}: on a causal decoder LLM ({model_dir}) that is its first token's state, which "
                          "sees nothing of the text after it (every text would get the same vector); pool with last "
                          "(or mean)")
+    if (encoding.pooling == "last" and pooling is None and _family_is_decoder(model_dir) is False
+            and trained_pooling(model_dir) != "last"):
+        raise ValueError(f"pooling last ({declared.source}): on an encoder ({model_dir}) the last token is the "
+                         f"closing separator, which pretrieve never trained this model to pool; give {pooling_key} "
+                         "last to use it anyway, or cls / mean")
     if not announce or os.environ.get("RANK", "0") != "0":
         return encoding
     print(f"pretrieve: {model_dir}: {encoding.describe()}", file=sys.stderr)

@@ -45,7 +45,7 @@ def pretrain_env(**extra: str) -> dict:
 
 def json_lines(stdout: str) -> list:
     """The JSON objects a subprocess printed, one per line, skipping every other line (DeepSpeed and the
-    launchers print per rank: "op built successfully", warnings)."""
+    launchers print per rank: warnings)."""
     found = []
     for line in stdout.splitlines():
         if line.startswith("{"):

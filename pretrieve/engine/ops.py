@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -107,6 +108,39 @@ def clear_build_lock(build_dir: str | Path, wait: float = BUILD_LOCK_WAIT_S) -> 
             raise TimeoutError(f"{lock}: a DeepSpeed op build has held this lock for over {wait:g} s ({held}); "
                                "if no build is running any more, remove the file")
         time.sleep(1.0)
+
+
+class _LinesWithout:
+    """A text stream that passes every line on to `stream` but those `drop` matches."""
+
+    def __init__(self, stream, drop: re.Pattern):
+        self.stream, self.drop, self.pending = stream, drop, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        kept = "".join(line + "\n" for line in lines if not self.drop.fullmatch(line))
+        if kept:
+            self.stream.write(kept)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name):  # fileno, encoding, isatty, ...: the stream's
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def without_op_load_notice():
+    """Within: DeepSpeed's 'DeepSpeed <op> built successfully', which its communication backend prints on stdout
+    each time it loads the CPU op, built or not, is left out (prebuild_ops says when an op really builds)."""
+    filtered = _LinesWithout(sys.stdout, re.compile(r"DeepSpeed \S+ built successfully"))
+    with contextlib.redirect_stdout(filtered):
+        try:
+            yield
+        finally:
+            if filtered.pending:
+                filtered.stream.write(filtered.pending)
 
 
 def build_directory(builder) -> Path:

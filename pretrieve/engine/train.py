@@ -29,7 +29,7 @@ from pretrieve.engine.flops import device_peak
 from pretrieve.engine.lr_schedule import LRSchedule
 from pretrieve.engine.metrics import MetricsWindow, plain_grad_norm, truncate_metrics
 from pretrieve.engine.optimizer import client_optimizer
-from pretrieve.engine.ops import environment_ops
+from pretrieve.engine.ops import environment_ops, without_op_load_notice
 from pretrieve.engine.preemption import StopFlag, Stopped, prebuild_ops, retryable_startup, shield_children
 from pretrieve.engine.resume_check import check_resume, record_changes, saved_config
 from pretrieve.engine.rng import seed_everything
@@ -159,8 +159,9 @@ def _initialize(exp: RunExperiment, job: TrainingJob, start: _Start):
         ds_config["checkpoint"] = {"load_universal": True}
     with environment_ops():  # this environment's extension cache and ninja (engine/ops.py)
         prebuild_ops(ds_config)
-        with shield_children(), retryable_startup("joining the job (deepspeed.initialize)",
-                                                  exp.train.startup_timeout, on_failure=forget_cpu_allreduce_buffer):
+        with shield_children(), without_op_load_notice(), retryable_startup(
+                "joining the job (deepspeed.initialize)", exp.train.startup_timeout,
+                on_failure=forget_cpu_allreduce_buffer):
             engine, _, _, _ = deepspeed.initialize(model=job.module, config=ds_config, model_parameters=parameters,
                                                    optimizer=optimizer, lr_scheduler=LRSchedule.of(exp.train).scheduler)
             unlink_cpu_allreduce_buffer()

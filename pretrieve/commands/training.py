@@ -64,12 +64,19 @@ def run_export(args) -> int:
     whole (a temporary folder beside it, then a rename): a new or empty folder, or an earlier export with
     --overwrite; a folder holding anything else is refused, and nothing in it is touched.
     """
+    import os
     from pathlib import Path
+
+    from transformers.utils import logging as transformers_logging
 
     from pretrieve.models.encoder import FINETUNE_META
     from pretrieve.models.export import describe_export
     from pretrieve.utils.run_dir import locate
 
+    # an export reads and writes weights on the CPU: no accelerator to look for (DeepSpeed warns when it finds
+    # none), and no progress bar for a one-file write
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    transformers_logging.disable_progress_bar()
     run_dir, _, tag = locate(Path(args.checkpoint))
     if (run_dir / FINETUNE_META).is_file():
         from pretrieve.finetune.run import export_finetuned as export_run

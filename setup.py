@@ -15,6 +15,8 @@ PLOTS = ["matplotlib>=3.7"]  # the report's and the scaling fit's figures
 MLFLOW_SERVER = ["mlflow>=3.0,<4"]
 # Liger-Kernel's fused linear cross-entropy (model.vocab_loss liger); it depends on torch and triton only
 LIGER = "liger-kernel>=0.8,<1; platform_system == 'Linux'"
+# MTEB 2.x: its task registry, custom tasks and result format (2.26 tested); its torch range never pulls another
+MTEB = ["mteb>=2,<3"]
 
 setup(
     name="pretrieve",
@@ -73,6 +75,8 @@ setup(
                 "sentence-transformers>=3", *PLOTS, *MLFLOW_SERVER,
                 # tests/test_corpora.py reads parquet and save_to_disk data through datasets, beside pretrieve
                 "datasets>=4.0",
+                # tests/test_mteb.py: `pretrieve eval --mteb` (the `mteb` extra)
+                *MTEB,
                 # tests/test_remote_shards.py: s3:// against moto's S3 server on 127.0.0.1
                 "moto[server]>=5", "s3fs>=2023.12",
                 # `make docs` and tests/test_docs.py: the documentation site (mkdocs.yml)
@@ -80,6 +84,8 @@ setup(
         # shards and manifests on object storage: s3:// and gs:// through fsspec
         "s3": ["s3fs>=2023.12"],
         "gcs": ["gcsfs>=2023.12"],
+        # `pretrieve eval --mteb`: MTEB's own evaluation and result files (pretrieve/eval/mteb_eval.py)
+        "mteb": MTEB,
         # benchmarks/eval_throughput.py compares encoding with sentence-transformers' encode
         "bench": ["sentence-transformers>=3"],
     },

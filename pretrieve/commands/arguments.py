@@ -93,17 +93,26 @@ def training_data(p, what: str) -> None:
     p.add_argument("--split", default="train", help="qrels split of --msmarco / --beir (default train)")
 
 
-def retrieval_set(p, split: bool = True) -> None:
-    """--beir / --msmarco, and with `split` the qrels split (encode reads the corpus alone: it has none)."""
+def retrieval_set(p, split: bool = True, mteb: bool = False) -> None:
+    """--beir / --msmarco (or with `mteb`, --mteb), and with `split` the qrels split (encode reads the corpus alone:
+    it has none)."""
     data = p.add_mutually_exclusive_group(required=True)
     data.add_argument("--beir", default=None, metavar="DIR", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/")
     data.add_argument("--msmarco", default=None, metavar="DIR",
                       help="MS MARCO folder: collection.tsv or msmarco-docs.tsv, queries.SPLIT.tsv, qrels.SPLIT.tsv")
+    if mteb:
+        data.add_argument("--mteb", default=None, metavar="TASK[,TASK...]",
+                          help="MTEB's own evaluation (the mteb package, offline from the Hugging Face cache) of "
+                               "MTEB tasks (SciFact), benchmarks' retrieval tasks (\"MTEB(eng, v2)\", BEIR) or BEIR "
+                               "folders as local tasks; MTEB's results in OUT/mteb/")
     if split:
-        p.add_argument("--split", default=None, help="qrels split (default: test for BEIR, dev for MS MARCO)")
+        p.add_argument("--split", default=None,
+                       help="qrels split (default: test for BEIR, dev for MS MARCO, each MTEB task's own)")
 
 
-def qrels_split(args) -> str:
+def qrels_split(args) -> str | None:
+    if getattr(args, "mteb", None):
+        return args.split  # None: each task's own (a BEIR folder's: test)
     return args.split or ("test" if args.beir else "dev")
 
 

@@ -62,7 +62,7 @@ def add_eval(commands) -> None:
 
     p = command(commands, "eval", run_eval)
     p.add_argument("--model", default=None, metavar="DIR", help="HF encoder directory (`pretrieve export` output)")
-    retrieval_set(p)
+    retrieval_set(p, mteb=True)
     p.add_argument("--pooling", choices=EVAL_POOLINGS, default=None,
                    help="cls / mean / last: dense; llama2vec: a Llama2Vec export's prompt pooling; dupmae (eq. 12: "
                         "a DupMAE export or a model fine-tuned with dupmae), "
@@ -110,7 +110,7 @@ def run_eval(args) -> int:
     if args.model and args.bm25:  # the result line is the model's: BM25's numbers beside it (stdout stays one line)
         print(baseline_table(args.out), file=sys.stderr)
     print(json.dumps({k: result[k] for k in ("ndcg@10", "mrr@10", "recall@100", "map", "contrastive_entropy",
-                                             "dataset", "retriever") if k in result}))
+                                             "mteb_main_score", "dataset", "retriever") if k in result}))
     return 0
 
 

@@ -39,7 +39,7 @@ from pretrieve.eval.options import EvalOptions
 from pretrieve.eval.search import (IndexOptions, dense_search, hybrid_search, index_recall, pair_scorer,
                                    sparse_search)
 from pretrieve.eval.vectors import encode_corpus, open_corpus_vectors
-from pretrieve.models.poolings import DENSE_POOLINGS, VOCAB_POOLINGS
+from pretrieve.models.poolings import DENSE_POOLINGS, PROMPT_POOLINGS, VOCAB_POOLINGS
 from pretrieve.utils.run_dir import write_atomic
 
 EXACT_HYBRID_DOCS = 100_000  # up to here hybrid / DupMAE scores are exact over the corpus; beyond, candidates
@@ -51,6 +51,8 @@ def run_eval(opts: EvalOptions) -> dict:
     """Evaluate; returns the model's metrics.json content (BM25's when there is no model)."""
     if opts.model is None and not opts.bm25:
         raise ValueError("give --model DIR, or --bm25 for the BM25 baseline")
+    if opts.mteb is not None and opts.model is None:
+        raise ValueError("--mteb evaluates a model: give --model DIR")
     if opts.contrastive_entropy is not None and opts.model is None:
         raise ValueError("--contrastive-entropy scores a model's own similarities: give --model DIR (BM25 scores "
                          "share no scale with a softmax over inner products, so the BM25 baseline has none)")
@@ -60,6 +62,8 @@ def run_eval(opts: EvalOptions) -> dict:
                                     query_prompt=opts.query_prompt, passage_prompt=opts.passage_prompt)
         opts = replace(opts, pooling=encoding.pooling, normalize=encoding.normalize, max_length=encoding.max_length,
                        query_prompt=encoding.query_prompt, passage_prompt=encoding.passage_prompt)
+    if opts.mteb is not None:
+        return _mteb(opts, encoding)
     if opts.contrastive_entropy is not None:  # the settings now; K against the corpus once its size is known
         check_options(opts.contrastive_entropy, opts.ce_temperature)
     out = Path(opts.out)
@@ -81,6 +85,27 @@ def run_eval(opts: EvalOptions) -> dict:
                                                        "seconds": round(time.perf_counter() - started, 1)})
             result = result or bm25_result
     return result
+
+
+def _mteb(opts: EvalOptions, encoding) -> dict:
+    """`--mteb`: MTEB searches and scores with the model's dense vectors; what only pretrieve's search does is
+    refused, naming the flag."""
+    from pretrieve.optional import MTEB, require
+
+    require(MTEB, "pretrieve eval --mteb")
+    given = [flag for flag, on in (("--beir / --msmarco", opts.beir or opts.msmarco),
+                                   ("--bm25", opts.bm25), ("--embeddings", opts.embeddings),
+                                   ("--contrastive-entropy", opts.contrastive_entropy is not None),
+                                   (f"--index {opts.index}", opts.index != "flat")) if on]
+    if given:
+        raise ValueError(f"--mteb: MTEB encodes, searches (exactly) and scores a model's dense vectors itself; drop "
+                         f"{', '.join(given)}")
+    if encoding.pooling not in (*DENSE_POOLINGS, *PROMPT_POOLINGS):
+        raise ValueError(f"--mteb: pooling {encoding.pooling} ({encoding.source}) is not a dense pooling; MTEB "
+                         "scores dense vectors (give --pooling cls, mean, last or llama2vec)")
+    from pretrieve.eval.mteb_eval import run_mteb
+
+    return run_mteb(opts, encoding)
 
 
 def read_set_once(opts: EvalOptions, bm25_index: IndexWriter | None = None):

@@ -8,7 +8,9 @@ farm (after logging an evaluation of a run's export) write it again with them.
 
 Sources: the run's config.yaml, metrics.jsonl (the last training record; the last `val_*` record), run.json
 (the MLflow run and store), the checkpoint's counters (tokens and samples seen) and the export itself
-(config.json, weights, pretrieve_head.json / pretrieve_finetune.json, sentence-transformers files).
+(config.json, weights, pretrieve_head.json / pretrieve_finetune.json, sentence-transformers files). MTEB's scores
+(`pretrieve eval --mteb`, logged by the farm or `pretrieve track`) are marked as such, and named `MTEB <task>` in
+`model-index`.
 """
 
 from __future__ import annotations
@@ -235,21 +237,26 @@ def _evaluation_lines(evaluations: list[dict], run_dir: Path) -> list[str]:
         return [f"No evaluation logged yet. `pretrieve card {run_dir}` writes this card again with those the farm "
                 "has logged since (the farm does it itself after evaluating this export)."]
     shown = [m for m in CARD_METRICS if any(metric_name(m) in e["metrics"] for e in evaluations)]
+    mteb = (" (MTEB): scored by the mteb package (`pretrieve eval --mteb`), MTEB's own result files beside "
+            "the evaluation" if any(e.get("mteb") for e in evaluations) else "")
     lines = ["Logged by `pretrieve farm` (the latest run of each dataset and stage; zero-shot: this model as it "
-             "is, stage1-3: this model after the farm's fine-tuning stages).", "",
+             f"is, stage1-3: this model after the farm's fine-tuning stages){mteb}.", "",
              "| dataset | split | stage | " + " | ".join(shown) + " | MLflow run |",
              "|---|---|---|" + "---|" * len(shown) + "---|"]
     for e in evaluations:
         values = [e["metrics"].get(metric_name(m)) for m in shown]
         stage = e["stage"] if e["this_model"] else f"{e['stage']} (fine-tuned from this model)"
-        lines.append(f"| {e['dataset']} | {e['split'] or '–'} | {stage} | "
+        dataset = f"{e['dataset']} (MTEB)" if e.get("mteb") else e["dataset"]
+        lines.append(f"| {dataset} | {e['split'] or '–'} | {stage} | "
                      + " | ".join("–" if v is None else f"{v:.4f}" for v in values) + f" | `{e['run_id']}` |")
     return lines
 
 
 def _model_index_result(evaluation: dict) -> dict:
+    """A `model-index` result; an MTEB score names its dataset as MTEB's own cards do (`MTEB <task>`)."""
+    name = f"MTEB {evaluation['dataset']}" if evaluation.get("mteb") else evaluation["dataset"]
     return {"task": {"type": "retrieval", "name": "Retrieval"},
-            "dataset": {"type": evaluation["dataset"], "name": evaluation["dataset"],
+            "dataset": {"type": evaluation["dataset"], "name": name,
                         **({"split": evaluation["split"]} if evaluation["split"] else {})},
             "metrics": [{"type": metric_name(m), "value": round(evaluation["metrics"][metric_name(m)], 6), "name": m}
                         for m in CARD_METRICS if metric_name(m) in evaluation["metrics"]]}

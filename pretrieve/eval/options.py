@@ -15,7 +15,7 @@ class EvalOptions:
     model: str | None = None
     beir: str | None = None
     msmarco: str | None = None
-    split: str = "test"
+    split: str | None = "test"  # None with mteb: each task's own
     pooling: str | None = None  # None: what the model says (eval.model_config), else cls
     max_length: int | None = None  # None: what the model says, else 256
     normalize: bool | None = None  # None: what the model says, else off
@@ -32,6 +32,7 @@ class EvalOptions:
     sparse_weight: float = 1.0  # hybrid: weight of the sparse score
     candidates: int | None = None  # hybrid / dupmae: per query (None: exact up to evaluate.EXACT_HYBRID_DOCS)
     embeddings: str | None = None  # dense: the corpus vectors `pretrieve encode` wrote there
+    mteb: str | None = None  # MTEB tasks, benchmarks or BEIR folders, comma-separated (eval.mteb_eval)
     contrastive_entropy: int | None = None  # K negatives per judged pair (eval.contrastive); None: not computed
     ce_temperature: float = 1.0  # contrastive entropy: scores / tau (1.0: the raw inner product, as Fang et al.)
     ce_seed: int = 0  # contrastive entropy: the negatives' seed (the same for every model compared)

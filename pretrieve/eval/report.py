@@ -46,8 +46,8 @@ def evaluations_of(uri: str, model_dir: str | Path, run_id: str | None = None) -
     """The farm's evaluations of one model, the latest per (dataset, stage), by dataset, zero-shot first: the
     runs tagged with its directory (`model_dir`, the farm's tag) and, when `run_id` is its pre-training run,
     the runs nested under it (the checkpoint zero-shot, and fine-tuned by the farm's stages). Each record: dataset,
-    stage, split, this_model (False: a model fine-tuned from it), run_id, start (ms), metrics ({MLflow
-    name: value})."""
+    stage, split, mteb (scored by MTEB), this_model (False: a model fine-tuned from it), run_id, start (ms), metrics
+    ({MLflow name: value})."""
     from pretrieve.utils.mlflow_store import mlflow_client
 
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
@@ -66,6 +66,7 @@ def evaluations_of(uri: str, model_dir: str | Path, run_id: str | None = None) -
         if this_model or (nested and not zero_shot):
             latest[(tags["dataset"], tags["stage"])] = {
                 "dataset": tags["dataset"], "stage": tags["stage"], "split": r.data.params.get("split"),
+                "mteb": r.data.params.get("retriever") == "mteb",  # scored by the mteb package (eval --mteb)
                 "this_model": this_model, "run_id": r.info.run_id, "start": r.info.start_time,
                 "metrics": dict(r.data.metrics)}
     return sorted(latest.values(), key=lambda e: (e["dataset"], e["stage"] != "zero-shot", e["stage"]))

@@ -13,6 +13,7 @@ on this machine or handed to SLURM, each logged as an MLflow run.
     datasets:
       - {name: scifact, beir: ../shared/data/beir/scifact, split: test}
       - {name: marco-dev, msmarco: data/msmarco, split: dev}
+      - {name: mteb-scifact, mteb: SciFact}   # an MTEB task (`pretrieve eval --mteb`: its own split, offline)
     stages: [zero-shot, stage1, stage2, stage3]
     finetune:                          # needed by stage1-3: `pretrieve finetune-stages` per checkpoint
       config: configs/finetune/stage1.yaml     # base config of every fine-tuning run
@@ -65,7 +66,8 @@ FARM_RECORD = ".pretrieve-farm"  # in `out`: the folder is a farm's, which adds 
 EVAL_KEYS = ("max_length", "depth", "index", "nprobe", "ef_search", "batch_size", "contrastive_entropy",
              "ce_temperature", "ce_seed")
 ENTRY_KEYS = {"checkpoints": ("name", "model", "bm25", "pooling", "normalize", "run_dir"),
-              "datasets": ("name", "beir", "msmarco", "split")}
+              "datasets": ("name", "beir", "msmarco", "mteb", "split")}
+DATASET_KINDS = ("beir", "msmarco", "mteb")  # a dataset names one: `pretrieve eval --beir / --msmarco / --mteb`
 FINETUNE_KEYS = ("config", "data", "msmarco", "beir", "split", "negatives", "depth", "teacher_init", "nproc",
                  "overrides")
 
@@ -100,7 +102,7 @@ class Job:
             args = ["eval", "--bm25", "--out", str(self.out)]
         else:
             args = ["eval", "--model", str(self.model), "--out", str(self.out), *encoding_args(self.checkpoint)]
-        kind = "beir" if "beir" in self.dataset else "msmarco"
+        kind = next(k for k in DATASET_KINDS if k in self.dataset)
         args += [f"--{kind}", str(self.dataset[kind])]
         if self.dataset.get("split"):
             args += ["--split", str(self.dataset["split"])]
@@ -144,8 +146,13 @@ def load_farm(path: str | Path) -> dict:
             if entry["name"] in names:
                 raise ValueError(f"{path}: {section}[{i}]: name {entry['name']!r} used twice")
             names.add(entry["name"])
-            if section == "datasets" and ("beir" in entry) == ("msmarco" in entry):
-                raise ValueError(f"{path}: datasets[{i}]: give one of beir: or msmarco:")
+            if section == "datasets" and sum(kind in entry for kind in DATASET_KINDS) != 1:
+                raise ValueError(f"{path}: datasets[{i}]: give one of beir:, msmarco: or mteb:")
+    mteb = [d["name"] for d in farm["datasets"] if "mteb" in d]
+    bm25 = [c["name"] for c in farm["checkpoints"] if c.get("bm25")]
+    if mteb and bm25:
+        raise ValueError(f"{path}: datasets {', '.join(mteb)}: MTEB evaluates models, and checkpoints "
+                         f"{', '.join(bm25)} are BM25; give the MTEB tasks in a farm without them")
     for i, stage in enumerate(farm.setdefault("stages", ["zero-shot"])):
         if stage not in STAGES:
             raise ValueError(f"{path}: stages[{i}]: {stage!r} is not one of {', '.join(STAGES)}")

@@ -1,0 +1,118 @@
+"""`pretrieve eval --mteb`: the mteb package's evaluation of an export, offline. A task built from local files (a
+BEIR folder cut from the bundled SciFact sample, as an MTEB custom task) scores what pretrieve's own BEIR
+evaluation scores; a named task whose data is not cached fails at once naming it; a farm dataset can be an MTEB
+task, logged to MLflow and shown on the model card as MTEB's."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import beir_subset
+
+from pretrieve.cli import main as cli
+
+pytest.importorskip("mteb")
+
+ENCODING = ["--pooling", "mean", "--normalize", "--max-length", "64"]
+
+
+@pytest.fixture(scope="module")
+def local_task(tmp_path_factory):
+    return beir_subset(tmp_path_factory.mktemp("mteb") / "scifact-mini", queries=30, other_docs=60)
+
+
+def _read(folder):
+    metrics = json.loads((folder / "metrics.json").read_text())
+    per_query = {r["query_id"]: r for r in map(json.loads, (folder / "per_query.jsonl").read_text().splitlines())}
+    return metrics, per_query
+
+
+def test_mteb_on_a_local_task_scores_what_the_beir_evaluation_scores(tmp_path, tiny_encoder, local_task):
+    """MTEB's NDCG@10 (its own result file, 5 decimals) is pretrieve's to 1e-4; its ranking is pretrieve's, so each
+    query's metrics are the same."""
+    assert cli(["eval", "--model", str(tiny_encoder), "--beir", str(local_task), *ENCODING,
+                "--out", str(tmp_path / "beir")]) == 0
+    assert cli(["eval", "--model", str(tiny_encoder), "--mteb", str(local_task), *ENCODING,
+                "--out", str(tmp_path / "mteb")]) == 0
+    ours, ours_per_query = _read(tmp_path / "beir")
+    theirs, theirs_per_query = _read(tmp_path / "mteb")
+    result = tmp_path / "mteb" / "mteb" / "results" / f"pretrieve__{tiny_encoder.name}" / "local" / "scifact-mini.json"
+    scores = json.loads(result.read_text())["scores"]["test"][0]  # MTEB's own result format
+    assert scores["ndcg_at_10"] == theirs["ndcg@10"] == theirs["mteb_main_score"]
+    for metric in ("ndcg@10", "mrr@10", "recall@100", "map"):
+        assert abs(theirs[metric] - ours[metric]) <= 1e-4, metric
+    assert 0 < ours["ndcg@10"] < 1 and theirs["queries"] == ours["queries"] == 30
+    assert theirs_per_query.keys() == ours_per_query.keys()
+    for query, metrics in ours_per_query.items():
+        assert theirs_per_query[query]["ndcg@10"] == pytest.approx(metrics["ndcg@10"], abs=1e-6), query
+    assert theirs["retriever"] == "mteb" and theirs["dataset"] == "scifact-mini" and theirs["normalize"] is True
+
+
+def test_a_task_whose_data_is_not_cached_fails_at_once_naming_it(tmp_path, tiny_encoder):
+    """No HF_HUB_OFFLINE in the environment: pretrieve sets it, so an empty cache is an error naming the task and
+    its dataset, not a wait on the network."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env["HF_HOME"] = str(tmp_path / "hf")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pretrieve", "eval", "--model", str(tiny_encoder), "--mteb",
+                           "SciFact,NFCorpus", *ENCODING, "--out", str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    error = done.stderr.strip().splitlines()[-1]
+    assert "not in the Hugging Face cache" in error and str(tmp_path / "hf") in error, error
+    assert "SciFact: mteb/scifact (revision " in error and "NFCorpus: mteb/nfcorpus" in error, error
+    assert "mteb.get_tasks(tasks=['SciFact', 'NFCorpus'])" in error, error
+    assert time.monotonic() - started < 120 and not (tmp_path / "out" / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--mteb", "Banking77Classification"], "a Classification task; pretrieve evaluates retrievers"),
+    (["--mteb", "Scifact"], "no such MTEB task or benchmark (KeyError: 'Scifact' not found. Did you mean: 'SciFact'?)"),
+    (["--mteb", "SciFact", "--bm25"], "drop --bm25"),
+    (["--mteb", "SciFact", "--index", "hnsw"], "drop --index hnsw"),
+])
+def test_what_mteb_cannot_run_is_refused_naming_it(tmp_path, tiny_encoder, flags, message, capsys):
+    assert cli(["eval", "--model", str(tiny_encoder), *flags, *ENCODING, "--out", str(tmp_path / "out")]) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_a_benchmark_runs_its_retrieval_tasks_and_says_which_it_leaves_out(capsys):
+    from pretrieve.eval.mteb_tasks import requested_tasks
+
+    tasks = requested_tasks("MTEB(eng, v2),SciFact")
+    names = [t.name for t in tasks]
+    assert "ArguAna" in names and names[-1] == "SciFact" and "Banking77Classification" not in names
+    assert "its 10 Retrieval tasks are evaluated" in capsys.readouterr().err
+    cqadupstack = next(t for t in requested_tasks("BEIR") if t.name == "CQADupstackRetrieval")
+    assert cqadupstack.aggregate is not None and len(cqadupstack.tasks) == 12  # its subtasks, combined after
+
+
+@pytest.mark.integration  # a farm job's own process: about 35 s on 2 cores
+def test_a_farm_dataset_can_be_an_mteb_task_logged_and_on_the_card(tmp_path, tiny_encoder, local_task):
+    from pretrieve.eval.model_card import _evaluation_lines, _model_index_result
+    from pretrieve.eval.report import evaluations_of
+    from pretrieve.orchestrate.farm import load_farm, run_farm
+
+    farm = tmp_path / "farm.yaml"
+    spec = {"out": str(tmp_path / "farm"), "eval": {"max_length": 64},
+            "checkpoints": [{"name": "tiny", "model": str(tiny_encoder), "pooling": "mean", "normalize": True}],
+            "datasets": [{"name": "mini", "mteb": str(local_task)}]}
+    farm.write_text(json.dumps(spec))
+    result = run_farm(farm, progress=False)
+    assert result["failed"] == {} and result["logged"] == ["tiny/mini/zero-shot"]
+    metrics = json.loads((tmp_path / "farm" / "tiny" / "mini" / "zero-shot" / "metrics.json").read_text())
+    assert metrics["retriever"] == "mteb"
+    [evaluation] = evaluations_of(f"sqlite:///{tmp_path / 'farm' / 'mlflow.db'}", tiny_encoder)
+    assert evaluation["mteb"] and evaluation["metrics"]["ndcg_at_10"] == metrics["ndcg@10"]
+    assert evaluation["metrics"]["mteb_main_score"] == metrics["ndcg@10"]
+    assert any(line.startswith("| mini (MTEB) | – | zero-shot | ") for line in _evaluation_lines([evaluation],
+                                                                                                   tmp_path))
+    assert _model_index_result(evaluation)["dataset"]["name"] == "MTEB mini"
+
+    spec["checkpoints"].append({"name": "bm25", "bm25": True})
+    farm.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="datasets mini: MTEB evaluates models, and checkpoints bm25 are BM25"):
+        load_farm(farm)

@@ -80,7 +80,19 @@ def add_prepare(commands) -> None:
     flag = partial(option, p, PrepareOptions, shown="%(default)s")
     p.add_argument("--source", choices=sorted(set(SOURCES) | set(PAIR_SOURCES)),
                    help="the corpus format (needed unless --combine; msmarco with --pairs only)")
-    p.add_argument("--input", nargs="+", metavar="PATH", help="files or directories (needed unless --combine)")
+    p.add_argument("--input", nargs="+", metavar="PATH",
+                   help="files or directories (needed unless --hf-dataset or --combine)")
+    flag("--hf-dataset", "a Hugging Face dataset streamed in place of --input: a Hub name (wikimedia/wikipedia), a "
+         "local folder (of data files, or from save_to_disk), or a builder with --hf-data-files (parquet, json)",
+         shown="none", metavar="NAME")
+    flag("--hf-config", "--hf-dataset: its configuration (subset), e.g. 20231101.en", shown="none", metavar="C")
+    flag("--hf-split", "--hf-dataset: the split to read", metavar="S")
+    flag("--hf-data-files", "--hf-dataset: the data files a builder reads (paths or glob patterns)", shown="none",
+         nargs="+", metavar="FILE")
+    p.add_argument("--fields", nargs="+", default=None, metavar="KEY=COLUMN",
+                   help="which column holds what: text, title, id, queries (documents), query, pos, neg (--pairs "
+                        "records); a dotted path reaches into nested columns, COLUMN[MASK] keeps the items whose "
+                        "MASK item is true ([!MASK]: false) (default: the --*-field flags, query, pos, neg)")
     p.add_argument("--out", required=True, metavar="DIR", help="a folder, or a URL (s3://, gs://, file://)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="local HF tokenizer directory "
                    "(default: the bundled bert-base-uncased WordPiece vocabulary)")
@@ -127,21 +139,24 @@ def run_prepare(args) -> int:
     Re-running resumes. Split over jobs: --part I --parts N in each (own --out), then --combine.
     """
     from pretrieve.data.combine import combine
+    from pretrieve.data.fields import parse_fields
     from pretrieve.data.prepare import PrepareOptions, prepare
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
     from pretrieve.utils.options import default_of
 
     if args.combine:
-        if args.source or args.input:
-            raise ValueError("--combine joins prepared parts; it takes no --source or --input")
+        if args.source or args.input or args.hf_dataset:
+            raise ValueError("--combine joins prepared parts; it takes no --source, --input or --hf-dataset")
         _print_prepared(args.out, combine(args.combine, args.out))
         return 0
-    if not args.source or not args.input:
-        raise ValueError("--source and --input are needed (or --combine PART... to join the parts of a split run)")
+    if not args.source or not (args.input or args.hf_dataset):
+        raise ValueError("--source and --input (or --hf-dataset) are needed (or --combine PART... to join the parts "
+                         "of a split run)")
+    fields = {"title_field": args.title_field or None, "queries_field": args.queries_field or None,
+              **{f"{key}_field": column for key, column in parse_fields(args.fields).items()}}
     _print_prepared(args.out, prepare(options_from(
-        PrepareOptions, args, inputs=args.input, tokenizer=args.tokenizer or DEFAULT_TOKENIZER,
-        title_field=args.title_field or None, queries_field=args.queries_field or None,
-        workers=default_of(PrepareOptions, "workers") if args.workers is None else args.workers)))
+        PrepareOptions, args, inputs=args.input or [], tokenizer=args.tokenizer or DEFAULT_TOKENIZER,
+        workers=default_of(PrepareOptions, "workers") if args.workers is None else args.workers, **fields)))
     return 0
 
 

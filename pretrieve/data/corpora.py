@@ -10,6 +10,10 @@ caller does not want are counted without being parsed, and reading can start aga
 parsing what comes before it: plain files seek to the byte, `.gz` / `.bz2` decompress up to it (their formats
 have no random access), parquet starts at the row group holding it, arrow skips whole record batches, a book
 is read again from its start.
+
+A Hugging Face dataset (`hf_datasets.HFDataset`) is an input of its own: its rows are records, read with the
+field mapping of `ReaderOptions` (fields.py), and a cursor's `file` / `offset` are the stream's shard and the row
+in it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from functools import partial
 from typing import Callable, Generator, Iterable, Iterator, NamedTuple
+
+from pretrieve.data import hf_datasets
+from pretrieve.data.fields import MISSING, FieldError, field_value
+from pretrieve.data.hf_datasets import HFDataset
 
 SOURCES = ("wikipedia", "books", "msmarco-passage", "msmarco-doc", "beir", "jsonl")
 ARROW_SUFFIXES = (".parquet", ".arrow")
@@ -66,6 +74,10 @@ class ReaderOptions:
     title_field: str | None = "title"
     queries_field: str | None = "queries"  # jsonl / parquet: optional list of pseudo-queries per document
     books_format: str = "file"  # file: paragraphs separated by blank lines | lines: one sentence per line
+    # pairs (--pair-method records): the query, the positive(s) and the negatives
+    query_field: str = "query"
+    pos_field: str = "pos"
+    neg_field: str = "neg"
 
 
 def read_corpus(source: str, inputs: Iterable[str | os.PathLike], options: ReaderOptions = ReaderOptions()) -> Iterator[Record]:
@@ -76,10 +88,30 @@ def read_corpus(source: str, inputs: Iterable[str | os.PathLike], options: Reade
         yield record
 
 
-def read_records(source: str, files: list[Path], options: ReaderOptions = ReaderOptions(), start: Cursor = Cursor(),
-                 wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[int, Cursor, Record | None]]:
+def read_records(source: str, files: list[Path] | HFDataset, options: ReaderOptions = ReaderOptions(),
+                 start: Cursor = Cursor(), wanted: Callable[[int], bool] | None = None
+                 ) -> Iterator[tuple[int, Cursor, Record | None]]:
     """(index, cursor, record) of every record of `files` from `start` on; the cursor re-reads the record. A
     record whose index `wanted` refuses comes as None, counted but not parsed."""
+    if isinstance(files, HFDataset):  # every source's rows are documents of the field mapping
+        return read_rows(files, lambda row, where: _from_mapping(row, options, where), start, wanted)
+    return _read_files(source, files, options, start, wanted)
+
+
+def read_rows(dataset: HFDataset, to_record: Callable[[dict, str], object], start: Cursor = Cursor(),
+              wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[int, Cursor, object]]:
+    """`read_records` over a Hugging Face dataset's rows: `to_record(row, "dataset:shard K row R")` makes each
+    record. Rows that `wanted` refuses are read (a stream has no other way past them) but not converted."""
+    wanted = wanted or _every_record
+    index = start.record
+    for shard, row, obj in hf_datasets.rows(dataset, start.file, start.offset):
+        record = to_record(obj, f"{dataset}:shard {shard} row {row + 1}") if wanted(index) else None
+        yield index, Cursor(shard, row, 0, index), record
+        index += 1
+
+
+def _read_files(source: str, files: list[Path], options: ReaderOptions, start: Cursor,
+                wanted: Callable[[int], bool] | None) -> Iterator[tuple[int, Cursor, Record | None]]:
     wanted = wanted or _every_record
     next_index = start.record
     for k, path in enumerate(files[start.file:], start.file):
@@ -238,14 +270,17 @@ def _json_record(line: str, where: str, options: ReaderOptions) -> Record:
 def _from_mapping(obj, options: ReaderOptions, where: str) -> Record:
     if not isinstance(obj, dict):
         return BadRecord("bad_json", where, f"expected a JSON object, got {type(obj).__name__}")
-    text = obj.get(options.text_field)
+    try:
+        text, doc_id, title, queries = (
+            field_value(obj, column) if column else None
+            for column in (options.text_field, options.id_field, options.title_field, options.queries_field))
+    except FieldError as e:
+        return BadRecord("bad_row", where, str(e))
     if not isinstance(text, str):
         return BadRecord("missing_field", where, f"no string field {options.text_field!r} (keys: {', '.join(obj)})")
-    doc_id = obj.get(options.id_field)
-    if doc_id is None:
+    if doc_id is None or doc_id is MISSING:
         doc_id = where.rsplit("/", 1)[-1]  # "file:line" keeps ids unique when the corpus has none
-    title = obj.get(options.title_field) if options.title_field else None
-    queries = obj.get(options.queries_field, ()) if options.queries_field else ()
+    queries = () if queries is None or queries is MISSING else queries
     if not isinstance(queries, (list, tuple)) or not all(isinstance(q, str) for q in queries):
         return BadRecord("bad_row", where, f"field {options.queries_field!r} must be a list of strings")
     record = _document(doc_id, _join_title(title if isinstance(title, str) else None, text), where)

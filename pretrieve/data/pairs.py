@@ -16,7 +16,9 @@ machinery (shards, manifest, sha256, resume). Each source and what a record give
   qrels.<split>.tsv: each judged query -> its relevant passage.
 - `beir`: a BEIR folder's corpus.jsonl, queries.jsonl and qrels/<split>.tsv, the same way.
 - `jsonl` (`--pair-method records`): JSON lines {"query": str, "pos": str | [str], "neg": [str]} (the
-  fine-tuning format): a pair per positive, each with all the record's negatives.
+  fine-tuning format, and BGE's), or a Hugging Face dataset's rows, under the field names of `--fields`: a
+  pair per positive, each with all the record's negatives. A row whose positives a mask leaves empty
+  (`microsoft/ms_marco`'s queries without a selected passage) gives no pair and is counted.
 
 Qrels sources read the corpus in file order: a passage judged relevant to k queries is one record of k pairs,
 so resuming, parts of the corpus and the reader's cursor work as for text.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -38,6 +41,8 @@ import numpy as np
 
 from pretrieve.data import corpora
 from pretrieve.data.corpora import BadRecord, CorpusError, Cursor, Document, ReaderOptions
+from pretrieve.data.fields import MISSING, FieldError, field_value
+from pretrieve.data.hf_datasets import HFDataset
 from pretrieve.data.packing import pack_sentences
 from pretrieve.data.retrieval import load_retrieval_set
 
@@ -88,14 +93,16 @@ def input_files(source: str, inputs: list[str], split: str) -> tuple[list[Path],
     return [corpus], extra
 
 
-def read_pair_records(source: str, method: str, files: list[Path], split: str, reader: ReaderOptions,
+def read_pair_records(source: str, method: str, files: list[Path] | HFDataset, split: str, reader: ReaderOptions,
                       start: Cursor, wanted: Callable[[int], bool] | None, on_error: str,
                       skipped: dict) -> Iterator[tuple[int, Cursor, PairRecord | BadRecord | None]]:
     """(index, cursor, record) as corpora.read_records numbers them; a record that gives no pair comes as None.
     Qrels lines naming a missing query or document stop the run (file:line) or, with on_error=skip, are
     counted into `skipped`."""
     if method == "records":
-        return corpora.read_line_records(files, _jsonl_pair, start, wanted)
+        if isinstance(files, HFDataset):
+            return corpora.read_rows(files, partial(_mapping_pair, fields=reader), start, wanted)
+        return corpora.read_line_records(files, partial(_jsonl_pair, fields=reader), start, wanted)
     if method == "qrels":
         return _qrels_pairs(source, files, split, start, wanted, on_error, skipped)
     text_source = {"wikipedia": "wikipedia", "books": "books", "jsonl": "jsonl"}[source]
@@ -106,23 +113,35 @@ def read_pair_records(source: str, method: str, files: list[Path], split: str, r
     return ((i, c, _wikipedia_pairs(r) if isinstance(r, Document) else r) for i, c, r in documents)
 
 
-def _jsonl_pair(line: str, where: str) -> PairRecord | BadRecord:
+def _jsonl_pair(line: str, where: str, fields: ReaderOptions) -> PairRecord | BadRecord:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         return BadRecord("bad_json", where, f"malformed JSON ({e.msg} at column {e.colno})")
+    return _mapping_pair(obj, where, fields)
+
+
+def _mapping_pair(obj, where: str, fields: ReaderOptions) -> PairRecord | BadRecord:
+    """The pairs of a record {query, pos, neg} under the field names of `fields`."""
     if not isinstance(obj, dict):
         return BadRecord("bad_json", where, f"expected a JSON object, got {type(obj).__name__}")
-    query, pos, neg = obj.get("query"), obj.get("pos"), obj.get("neg", [])
+    try:
+        query, pos, neg, doc_id = (field_value(obj, column) for column in
+                                   (fields.query_field, fields.pos_field, fields.neg_field, fields.id_field))
+    except FieldError as e:
+        return BadRecord("bad_row", where, str(e))
     pos = [pos] if isinstance(pos, str) else pos
+    neg = [] if neg is MISSING or neg is None else neg
     if not isinstance(query, str) or not query.strip():
-        return BadRecord("missing_field", where, "no non-empty string field 'query'")
-    if not isinstance(pos, list) or not pos or not all(isinstance(p, str) and p.strip() for p in pos):
-        return BadRecord("missing_field", where, "'pos' must be a non-empty string or list of non-empty strings")
+        return BadRecord("missing_field", where, f"no non-empty string field {fields.query_field!r}")
+    masked = "[" in fields.pos_field  # a mask that selects no positive: a query without a judged passage
+    if not isinstance(pos, list) or not (pos or masked) or not all(isinstance(p, str) and p.strip() for p in pos):
+        return BadRecord("missing_field", where, f"{fields.pos_field!r} must be a non-empty string or list of "
+                                                 "non-empty strings")
     if not isinstance(neg, list) or not all(isinstance(n, str) for n in neg):
-        return BadRecord("bad_row", where, "'neg' must be a list of strings")
+        return BadRecord("bad_row", where, f"{fields.neg_field!r} must be a list of strings")
     negs = tuple(n for n in neg if n.strip())
-    doc_id = obj.get("id", where.rsplit("/", 1)[-1])
+    doc_id = where.rsplit("/", 1)[-1] if doc_id is MISSING or doc_id is None else doc_id
     return PairRecord(str(doc_id), where, tuple(TextPair(query, p, negs, "record") for p in pos))
 
 

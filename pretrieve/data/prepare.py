@@ -28,6 +28,10 @@ Held-out splits (`--holdout FRACTION --split train|validation`): a document is o
 the hash of its id falls below FRACTION (`holdout_side`), so the two invocations, one per side, split the
 corpus by document, disjointly and the same way on every machine; records of the other side are not tokenized.
 
+Hugging Face datasets (`--hf-dataset NAME` in place of `--input`): hf_datasets.py streams the rows, each a record
+read with the field mapping (`--fields`); the cursor is (the stream's shard, the row in it), so a resume starts at
+that shard. The manifest's `inputs` names the dataset, its config and split.
+
 Pairs (`--pairs`): the records are read by pairs.py's readers (the same cursors, so the same resume) and each
 gives (query, positive, negatives) samples instead of blocks; the manifest says `"kind": "pairs"`. A pair
 whose query and positive tokens an earlier pair had is dropped and counted (`duplicate_pairs`); a resumed run
@@ -55,9 +59,11 @@ import numpy as np
 from pretrieve import __version__
 from pretrieve.data import corpora, pairs, remote
 from pretrieve.data.corpora import BadRecord, CorpusError, Cursor, Document, ReaderOptions
+from pretrieve.data.hf_datasets import HFDataset
 from pretrieve.data.packing import pack_sentences, sentence_starts, sentence_token_bounds
 from pretrieve.data.shards import MANIFEST_FORMAT, ShardStats, ShardWriter, read_shard, token_extension
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, describe, load_backend
+from pretrieve.utils.options import default_of
 from pretrieve.utils.output_folder import check_own_entries
 from pretrieve.utils.run_lock import LOCK_FILE, DirectoryLock
 
@@ -105,6 +111,19 @@ class PrepareOptions:
     crop_ratio_max: float = 0.5
     ict_keep_prob: float = 0.1  # ict: how often the sentence stays in its context (Lee et al. 2019: 0.1)
     qrels_split: str = "train"  # msmarco / beir: the qrels the pairs come from
+    query_field: str = "query"  # records: the fields of a pair (--fields query=... pos=... neg=...)
+    pos_field: str = "pos"
+    neg_field: str = "neg"
+    # a Hugging Face dataset streamed in place of `inputs` (hf_datasets.py)
+    hf_dataset: str | None = None  # what datasets.load_dataset takes: a Hub name, a folder, or a builder
+    hf_config: str | None = None
+    hf_split: str = "train"
+    hf_data_files: list[str] | None = None
+
+    def dataset(self) -> HFDataset | None:
+        if self.hf_dataset is None:
+            return None
+        return HFDataset(self.hf_dataset, self.hf_config, self.hf_split, tuple(self.hf_data_files or ()))
 
     def resolved_packing(self) -> str:
         return self.packing or ("passage" if self.source in PASSAGE_SOURCES else "sentences")
@@ -113,6 +132,10 @@ class PrepareOptions:
         return (self.pair_method or pairs.default_method(self.source)) if self.pairs else None
 
     def validate(self) -> None:
+        if bool(self.inputs) == (self.hf_dataset is not None):
+            raise PrepareError("give the corpus as --input PATH... or as --hf-dataset NAME, one of the two")
+        if self.hf_dataset is None and (self.hf_config or self.hf_data_files):
+            raise PrepareError("--hf-config and --hf-data-files go with --hf-dataset")
         if self.pairs:
             self._validate_pairs()
         elif self.source not in corpora.SOURCES:
@@ -153,6 +176,9 @@ class PrepareOptions:
                                f"{self.crop_ratio_max}")
         if not 0.0 <= self.ict_keep_prob <= 1.0:
             raise PrepareError(f"--ict-keep-prob must be in [0, 1], got {self.ict_keep_prob}")
+        if self.hf_dataset is not None and self.resolved_pair_method() == "qrels":
+            raise PrepareError(f"--pairs --source {self.source} joins a folder's corpus, queries and qrels; it "
+                               "reads --input FOLDER, not --hf-dataset (prepare the rows as --source jsonl)")
         if self.parts > 1:  # duplicates are dropped over the whole input, which no part sees
             raise PrepareError("--pairs prepares in one job (--parts 1): duplicate pairs are dropped over the "
                                "whole input")
@@ -169,6 +195,9 @@ class PrepareOptions:
         for key in ("workers", "progress", "overwrite", "out", "stage"):
             args.pop(key)
         args["packing"] = self.resolved_packing()
+        for key in _LATER_KEYS:  # jobs that do not use them keep the ids they had before these existed
+            if args[key] == default_of(PrepareOptions, key):
+                args.pop(key)
         pair_keys = ("pairs", "pair_method", "span_method", "crop_ratio_min", "crop_ratio_max", "ict_keep_prob",
                      "qrels_split")
         if not self.pairs:  # text jobs keep the ids they had before pairs existed
@@ -181,6 +210,9 @@ class PrepareOptions:
     def span_options(self) -> pairs.SpanOptions:
         return pairs.SpanOptions(self.span_method, self.crop_ratio_min, self.crop_ratio_max, self.ict_keep_prob,
                                  self.seed)
+
+
+_LATER_KEYS = ("query_field", "pos_field", "neg_field", "hf_dataset", "hf_config", "hf_split", "hf_data_files")
 
 
 def prepare(opts: PrepareOptions) -> dict:
@@ -207,7 +239,8 @@ def _prepare_local(opts: PrepareOptions, out: Path) -> dict:
     resume = state.get("next", {"record": 0, "block": 0, "cursor": [0, 0, 0, 0]})
     cursor = Cursor(*resume["cursor"])
     reader = ReaderOptions(text_field=opts.text_field, id_field=opts.id_field, title_field=opts.title_field,
-                           queries_field=opts.queries_field, books_format=opts.books_format)
+                           queries_field=opts.queries_field, books_format=opts.books_format,
+                           query_field=opts.query_field, pos_field=opts.pos_field, neg_field=opts.neg_field)
     if opts.pairs:
         qrels_skipped: dict = {}  # qrels lines naming a missing query or document (--on-error skip)
         read = pairs.read_pair_records(opts.source, opts.resolved_pair_method(), files, opts.qrels_split, reader, cursor,
@@ -225,7 +258,7 @@ def _prepare_local(opts: PrepareOptions, out: Path) -> dict:
     if opts.pairs:
         output.skipped.update({f"qrels: {k}": v for k, v in qrels_skipped.items()})
     if output.num_samples == 0 and opts.parts == 1:
-        raise PrepareError(f"no samples produced from {', '.join(map(str, opts.inputs))} "
+        raise PrepareError(f"no samples produced from {opts.dataset() or ', '.join(map(str, opts.inputs))} "
                            f"(skipped: {dict(output.skipped) or 'none'})")
     if output.num_samples == 0:
         groups = -(-records.count // opts.group_records)
@@ -341,13 +374,16 @@ def job_id_of(arguments: dict, inputs: list[dict], fingerprint: str) -> str:
 def _job(opts: PrepareOptions) -> tuple:
     """(input files, tokenizer backend, its description, input list, job id, other files read whole): what
     identifies the output."""
-    if opts.pairs:
+    if opts.hf_dataset is not None:
+        files, extra = opts.dataset(), []
+    elif opts.pairs:
         files, extra = pairs.input_files(opts.source, opts.inputs, opts.qrels_split)
     else:
         files, extra = corpora.list_input_files(opts.source, opts.inputs), []
     backend = load_backend(opts.tokenizer)
     info = describe(opts.tokenizer, backend)
-    inputs = [{"path": str(p), "bytes": p.stat().st_size} for p in files + extra]
+    inputs = [files.as_input()] if opts.hf_dataset is not None else \
+        [{"path": str(p), "bytes": p.stat().st_size} for p in files + extra]
     return files, backend, info, inputs, job_id_of(opts.output_arguments(), inputs, info.fingerprint), extra
 
 

@@ -13,7 +13,8 @@ is read again from its start.
 
 A Hugging Face dataset (`hf_datasets.HFDataset`) is an input of its own: its rows are records, read with the
 field mapping of `ReaderOptions` (fields.py), and a cursor's `file` / `offset` are the stream's shard and the row
-in it.
+in it. An input at a URL (`hf://datasets/...`, `https://`, `s3://`) is read as a local file, through fsspec
+(url_inputs.py).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from pathlib import Path
 from functools import partial
 from typing import Callable, Generator, Iterable, Iterator, NamedTuple
 
-from pretrieve.data import hf_datasets
+from pretrieve.data import hf_datasets, remote
 from pretrieve.data.fields import MISSING, FieldError, field_value
 from pretrieve.data.hf_datasets import HFDataset
+from pretrieve.data.url_inputs import UrlFile, UrlInputError, list_url_files
 
 SOURCES = ("wikipedia", "books", "msmarco-passage", "msmarco-doc", "beir", "jsonl")
 ARROW_SUFFIXES = (".parquet", ".arrow")
@@ -166,16 +168,24 @@ DIRECTORY_PATTERNS = {
 }
 
 
-def list_input_files(source: str, inputs: Iterable[str | os.PathLike]) -> list[Path]:
-    """Expand directories (sorted recursive walk, hidden files ignored); every named input must exist."""
-    paths = [Path(p) for p in inputs]
-    if not paths:
+def list_input_files(source: str, inputs: Iterable[str | os.PathLike]) -> list[Path | UrlFile]:
+    """Expand directories (sorted recursive walk, hidden files ignored) and URLs (url_inputs.py); every named
+    input must exist."""
+    inputs = list(inputs)
+    if not inputs:
         raise CorpusError("no input given")
-    missing = [str(p) for p in paths if not p.exists()]
+    paths = [p if remote.is_remote(p) else Path(remote.local_path(p)) for p in inputs]
+    missing = [str(p) for p in paths if isinstance(p, Path) and not p.exists()]
     if missing:
         raise CorpusError(f"input not found: {', '.join(missing)}")
-    files: list[Path] = []
+    files: list[Path | UrlFile] = []
     for p in paths:
+        if not isinstance(p, Path):
+            try:
+                files.extend(list_url_files(str(p), DIRECTORY_PATTERNS[source]))
+            except UrlInputError as e:
+                raise CorpusError(str(e)) from e
+            continue
         if not p.is_dir():
             files.append(p)
             continue
@@ -189,12 +199,17 @@ def list_input_files(source: str, inputs: Iterable[str | os.PathLike]) -> list[P
     return files
 
 
-def _open_binary(path: Path):
+def _open_binary(path: Path | UrlFile):
+    raw = path.open() if isinstance(path, UrlFile) else path
     if path.suffix == ".gz":
-        return gzip.open(path, "rb")
+        return gzip.open(raw, "rb")
     if path.suffix == ".bz2":
-        return bz2.open(path, "rb")
-    return open(path, "rb")
+        return bz2.open(raw, "rb")
+    return raw if isinstance(path, UrlFile) else open(path, "rb")
+
+
+def file_size(path: Path | UrlFile) -> int:
+    return path.bytes if isinstance(path, UrlFile) else path.stat().st_size
 
 
 def numbered_lines(path: Path) -> Iterator[tuple[str, str | BadRecord]]:
@@ -352,14 +367,15 @@ def _arrow_batches(path: Path, from_row: int) -> tuple[int, Iterator]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    source = path.open() if isinstance(path, UrlFile) else path  # ranged reads of the row groups wanted
     if path.suffix == ".parquet":
-        parquet = pq.ParquetFile(path)
+        parquet = pq.ParquetFile(source)
         group, row = 0, 0
         while group < parquet.num_row_groups and row + parquet.metadata.row_group(group).num_rows <= from_row:
             row += parquet.metadata.row_group(group).num_rows
             group += 1
         return row, parquet.iter_batches(batch_size=1024, row_groups=range(group, parquet.num_row_groups))
     try:
-        return 0, iter(pa.ipc.open_stream(path))  # what `datasets.save_to_disk` writes
+        return 0, iter(pa.ipc.open_stream(source))  # what `datasets.save_to_disk` writes
     except pa.ArrowInvalid:
-        return 0, iter(pa.ipc.open_file(path))
+        return 0, iter(pa.ipc.open_file(path.open() if isinstance(path, UrlFile) else path))

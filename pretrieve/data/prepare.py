@@ -383,7 +383,7 @@ def _job(opts: PrepareOptions) -> tuple:
     backend = load_backend(opts.tokenizer)
     info = describe(opts.tokenizer, backend)
     inputs = [files.as_input()] if opts.hf_dataset is not None else \
-        [{"path": str(p), "bytes": p.stat().st_size} for p in files + extra]
+        [{"path": str(p), "bytes": corpora.file_size(p)} for p in files + extra]
     return files, backend, info, inputs, job_id_of(opts.output_arguments(), inputs, info.fingerprint), extra
 
 

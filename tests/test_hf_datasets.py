@@ -153,7 +153,9 @@ def test_arguments_are_checked(tmp_path):
     folder = write_parquet_shards(tmp_path / "d", PAIRS, [10])
     for kwargs, message in (({"inputs": ["x.jsonl"], "hf_dataset": str(folder)}, "one of the two"),
                             ({}, "one of the two"), ({"inputs": ["x"], "hf_config": "c"}, "go with --hf-dataset"),
-                            ({"source": "beir", "pairs": True, "hf_dataset": str(folder)}, "reads --input FOLDER")):
+                            ({"source": "beir", "pairs": True, "hf_dataset": str(folder)}, "reads --input FOLDER"),
+                            ({"pairs": True, "hf_dataset": str(folder), "hf_rows_per_document": 2}, "is one row"),
+                            ({"hf_dataset": str(folder), "hf_rows_per_document": 0}, "must be positive")):
         with pytest.raises(PrepareError, match=message):
             run(tmp_path / "o", **{"source": "jsonl", **kwargs})
     with pytest.raises(DatasetError, match=r"hf-dataset .*/d/test: .*test"):
@@ -231,3 +233,30 @@ def test_inputs_at_urls_read_as_local_files(tmp_path):
             [(i, c, r.doc_id) for i, c, r in corpora.read_records("wikipedia", local, ReaderOptions(), start)]
         with pytest.raises(CorpusError, match="input not found: http://.*/missing.parquet"):
             corpora.list_input_files("wikipedia", [server.url("missing.parquet")])
+
+
+def test_without_datasets_the_error_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as Python sees an uninstalled module
+    with pytest.raises(ModuleNotFoundError, match=r"--hf-dataset needs datasets, .*pip install 'pretrieve\[hf\]'"):
+        run(tmp_path / "o", source="jsonl", hf_dataset=str(tmp_path))
+
+
+def test_rows_of_one_sentence_join_into_documents(tmp_path):
+    """BookCorpus's layout, a sentence a row: the two sample books as rows, one shard each, with
+    --hf-rows-per-document at least the longer book's lines give the shards of the books read one sentence a line
+    (no group spans two shards). A bad row is skipped and counted, the rest of its document kept."""
+    books = sorted((SAMPLES / "books").glob("*.txt"))
+    lines = [[line.strip() for line in book.read_text(encoding="utf-8").splitlines() if line.strip()] for book in books]
+    rows_of = [[{"id": book.stem, "text": line} for line in book_lines] for book, book_lines in zip(books, lines)]
+    folder = write_parquet_shards(tmp_path / "sentences", rows_of[0] + rows_of[1], [len(r) for r in rows_of])
+    reference = run(tmp_path / "books", source="books", inputs=[str(b) for b in books], books_format="lines",
+                    shard_size=8)
+    longest = max(map(len, lines))
+    same_output(run(tmp_path / "joined", source="books", hf_dataset=str(folder), hf_rows_per_document=longest,
+                    shard_size=8), reference)
+    rows_of[1][3]["text"] = None
+    folder = write_parquet_shards(tmp_path / "bad", rows_of[0] + rows_of[1], [len(r) for r in rows_of])
+    m = run(tmp_path / "skipped", source="books", hf_dataset=str(folder), hf_rows_per_document=longest,
+            on_error="skip")
+    assert m["skipped"] == {"missing_field": 1} and m["num_documents"] == 2 and m["num_records"] == 3
+    assert m["inputs"][0]["rows_per_document"] == longest

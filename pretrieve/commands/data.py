@@ -89,6 +89,8 @@ def add_prepare(commands) -> None:
     flag("--hf-split", "--hf-dataset: the split to read", metavar="S")
     flag("--hf-data-files", "--hf-dataset: the data files a builder reads (paths or glob patterns)", shown="none",
          nargs="+", metavar="FILE")
+    flag("--hf-rows-per-document", "--hf-dataset: consecutive rows that make one document, their texts its lines "
+         "(a dataset of one sentence a row: BookCorpus)", type=at_least(1), metavar="N")
     p.add_argument("--fields", nargs="+", default=None, metavar="KEY=COLUMN",
                    help="which column holds what: text, title, id, queries (documents), query, pos, neg (--pairs "
                         "records); a dotted path reaches into nested columns, COLUMN[MASK] keeps the items whose "

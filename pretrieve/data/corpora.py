@@ -103,13 +103,29 @@ def read_records(source: str, files: list[Path] | HFDataset, options: ReaderOpti
 def read_rows(dataset: HFDataset, to_record: Callable[[dict, str], object], start: Cursor = Cursor(),
               wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[int, Cursor, object]]:
     """`read_records` over a Hugging Face dataset's rows: `to_record(row, "dataset:shard K row R")` makes each
-    record. Rows that `wanted` refuses are read (a stream has no other way past them) but not converted."""
+    record. Rows that `wanted` refuses are read (a stream has no other way past them) but not converted. With
+    `rows_per_document` > 1, a group of rows is one document after a record for each of its bad rows (dropped
+    from the document, as a book's lines that are not UTF-8); every record's cursor is the group's first row."""
     wanted = wanted or _every_record
     index = start.record
-    for shard, row, obj in hf_datasets.rows(dataset, start.file, start.offset):
-        record = to_record(obj, f"{dataset}:shard {shard} row {row + 1}") if wanted(index) else None
-        yield index, Cursor(shard, row, 0, index), record
-        index += 1
+    for shard, row, group in hf_datasets.rows(dataset, start.file, start.offset):
+        cursor = Cursor(shard, row, 0, index)
+        where = [f"{dataset}:shard {shard} row {row + k + 1}" for k in range(len(group))]
+        if dataset.rows_per_document == 1:
+            records = [to_record(group[0], where[0]) if wanted(index) else None]
+        else:
+            records = _one_document([to_record(obj, at) for obj, at in zip(group, where)])
+        for record in records:
+            yield index, cursor, record if wanted(index) else None
+            index += 1
+
+
+def _one_document(records: list[Record]) -> list[Record]:
+    """The bad records of a group of rows, then one document of the others' texts as its lines."""
+    documents = [r for r in records if isinstance(r, Document)]
+    joined = [Document(documents[0].doc_id, "\n".join(d.text for d in documents), documents[0].where)] \
+        if documents else []
+    return [r for r in records if isinstance(r, BadRecord)] + joined
 
 
 def _read_files(source: str, files: list[Path], options: ReaderOptions, start: Cursor,

@@ -6,6 +6,9 @@ arrive as they are read): a dataset of the Hub (`wikimedia/wikipedia` with `--hf
 folder of data files, or a packaged builder with `--hf-data-files` (`parquet`, `json`, `csv`). A folder written
 by `Dataset.save_to_disk` is read with `load_from_disk`, one shard per arrow file.
 
+A dataset of one sentence a row (BookCorpus) has no document to pack sentences within: `rows_per_document`
+consecutive rows of a shard then make one document, their texts its lines.
+
 Rows are read shard by shard (`IterableDataset.shard`, contiguous, in order: a shard is one data file for the
 file builders), which is the order of the whole stream. A row's position is (shard, row within it): a resumed
 `prepare` starts at that shard and skips the rows before the position in it (`IterableDataset.skip`), so no
@@ -13,6 +16,7 @@ earlier shard is read again. datasets' own `state_dict` resumes at a batch of ro
 
 Without a network (a compute node), the Hub is not reached: set `HF_HUB_OFFLINE=1` and a dataset not in the
 cache is an error at once; with a network that fails, datasets retries for about 20 s before the error.
+`datasets` comes with the `hf` extra.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Iterator
+
+from pretrieve.optional import DATASETS, require
 
 
 class DatasetError(ValueError):
@@ -32,6 +38,7 @@ class HFDataset:
     config: str | None = None
     split: str = "train"
     data_files: tuple[str, ...] = ()
+    rows_per_document: int = 1
 
     def __str__(self) -> str:
         named = [self.name] + ([self.config] if self.config else []) + [self.split]
@@ -42,28 +49,37 @@ class HFDataset:
         entry = {"hf_dataset": self.name, "config": self.config, "split": self.split}
         if self.data_files:
             entry["data_files"] = list(self.data_files)
+        if self.rows_per_document > 1:
+            entry["rows_per_document"] = self.rows_per_document
         return entry
 
 
-def rows(dataset: HFDataset, shard: int = 0, row: int = 0) -> Iterator[tuple[int, int, dict]]:
-    """(shard, row, record) of every row from position (shard, row) on, in the stream's order."""
+def rows(dataset: HFDataset, shard: int = 0, row: int = 0) -> Iterator[tuple[int, int, list[dict]]]:
+    """(shard, first row, rows) of every group of `rows_per_document` rows from position (shard, row) on, in the
+    stream's order; a shard's last group may be shorter, and no group spans two shards."""
     stream = open_stream(dataset)
+    size = dataset.rows_per_document
     for k in range(shard, stream.num_shards):
         part = stream.shard(num_shards=stream.num_shards, index=k, contiguous=True)
         first = row if k == shard else 0
         if first:
             part = part.skip(first)
+        group: list[dict] = []
         try:
-            for at, record in enumerate(part, first):
-                yield k, at, record
+            for record in part:
+                group.append(record)
+                if len(group) == size:
+                    yield k, first, group
+                    first, group = first + size, []
+            if group:
+                yield k, first, group
         except (OSError, ValueError) as e:  # a damaged or unreachable data file: datasets names it
             raise DatasetError(f"{dataset}: cannot read shard {k} ({type(e).__name__}: {e})") from e
 
 
 def open_stream(dataset: HFDataset):
     """The dataset as a `datasets.IterableDataset` (module docstring); a clear error when it cannot be opened."""
-    import datasets
-
+    datasets = require(DATASETS, "--hf-dataset")
     datasets.disable_progress_bars()  # prepare draws its own
     local = os.path.isdir(dataset.name)
     try:

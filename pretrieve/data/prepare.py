@@ -119,11 +119,13 @@ class PrepareOptions:
     hf_config: str | None = None
     hf_split: str = "train"
     hf_data_files: list[str] | None = None
+    hf_rows_per_document: int = 1  # consecutive rows that make one document (a dataset of one sentence a row)
 
     def dataset(self) -> HFDataset | None:
         if self.hf_dataset is None:
             return None
-        return HFDataset(self.hf_dataset, self.hf_config, self.hf_split, tuple(self.hf_data_files or ()))
+        return HFDataset(self.hf_dataset, self.hf_config, self.hf_split, tuple(self.hf_data_files or ()),
+                         self.hf_rows_per_document)
 
     def resolved_packing(self) -> str:
         return self.packing or ("passage" if self.source in PASSAGE_SOURCES else "sentences")
@@ -134,8 +136,10 @@ class PrepareOptions:
     def validate(self) -> None:
         if bool(self.inputs) == (self.hf_dataset is not None):
             raise PrepareError("give the corpus as --input PATH... or as --hf-dataset NAME, one of the two")
-        if self.hf_dataset is None and (self.hf_config or self.hf_data_files):
-            raise PrepareError("--hf-config and --hf-data-files go with --hf-dataset")
+        if self.hf_dataset is None and (self.hf_config or self.hf_data_files or self.hf_rows_per_document != 1):
+            raise PrepareError("--hf-config, --hf-data-files and --hf-rows-per-document go with --hf-dataset")
+        if self.hf_rows_per_document < 1:
+            raise PrepareError(f"--hf-rows-per-document must be positive, got {self.hf_rows_per_document}")
         if self.pairs:
             self._validate_pairs()
         elif self.source not in corpora.SOURCES:
@@ -179,6 +183,8 @@ class PrepareOptions:
         if self.hf_dataset is not None and self.resolved_pair_method() == "qrels":
             raise PrepareError(f"--pairs --source {self.source} joins a folder's corpus, queries and qrels; it "
                                "reads --input FOLDER, not --hf-dataset (prepare the rows as --source jsonl)")
+        if self.hf_rows_per_document != 1 and self.resolved_pair_method() == "records":
+            raise PrepareError("--hf-rows-per-document joins rows into documents; a pair record is one row")
         if self.parts > 1:  # duplicates are dropped over the whole input, which no part sees
             raise PrepareError("--pairs prepares in one job (--parts 1): duplicate pairs are dropped over the "
                                "whole input")
@@ -212,7 +218,8 @@ class PrepareOptions:
                                  self.seed)
 
 
-_LATER_KEYS = ("query_field", "pos_field", "neg_field", "hf_dataset", "hf_config", "hf_split", "hf_data_files")
+_LATER_KEYS = ("query_field", "pos_field", "neg_field", "hf_dataset", "hf_config", "hf_split", "hf_data_files",
+               "hf_rows_per_document")
 
 
 def prepare(opts: PrepareOptions) -> dict:

@@ -164,14 +164,18 @@ def test_arguments_are_checked(tmp_path):
 
 
 def test_rows_resume_anywhere(tmp_path):
-    """`rows` from any (shard, row) yields exactly the rest of the stream."""
+    """`rows` from any (shard, row) yields exactly the rest of the stream; groups of rows stay within a shard."""
     folder = write_parquet_shards(tmp_path / "d", WIKI[:12], [5, 4, 3])
     every = list(rows(HFDataset(str(folder))))
     assert [(s, r) for s, r, _ in every] == [(0, r) for r in range(5)] + [(1, r) for r in range(4)] + [
         (2, r) for r in range(3)]
-    assert [rec["id"] for _, _, rec in every] == [w["id"] for w in WIKI[:12]]
+    assert [group[0]["id"] for _, _, group in every] == [w["id"] for w in WIKI[:12]]
     for k, (shard, row, _) in enumerate(every):
         assert list(rows(HFDataset(str(folder)), shard, row)) == every[k:]
+    pairs = list(rows(HFDataset(str(folder), rows_per_document=2)))
+    assert [(s, r, len(g)) for s, r, g in pairs] == [(0, 0, 2), (0, 2, 2), (0, 4, 1), (1, 0, 2), (1, 2, 2),
+                                                     (2, 0, 2), (2, 2, 1)]
+    assert list(rows(HFDataset(str(folder), rows_per_document=2), 1, 2)) == pairs[4:]
 
 
 def offline_prepare(tmp_path, *args, **env):

@@ -89,6 +89,15 @@ def test_pairs_from_a_dataset_and_the_field_mapping(tmp_path):
                 "--fields", "query=question", "pos=positives", "neg=negatives", "id=key"]) == 0
     same_output(json.loads((tmp_path / "r/manifest.json").read_text()), reference)
 
+    # sentence-transformers' triplets: one positive and one negative, strings
+    triplets = [{"id": r["id"], "anchor": r["query"], "positive": r["pos"][0], "negative": r["neg"][0]} for r in PAIRS]
+    first = [{"id": r["id"], "query": r["query"], "pos": r["pos"][:1], "neg": r["neg"][:1]} for r in PAIRS]
+    assert digests(run(tmp_path / "triplets", source="jsonl", pairs=True, shard_size=4, query_field="anchor",
+                       pos_field="positive", neg_field="negative",
+                       hf_dataset=str(write_parquet_shards(tmp_path / "t", triplets, [10])))) == \
+        digests(run(tmp_path / "first", source="jsonl", pairs=True, shard_size=4,
+                    inputs=[str(write_jsonl(tmp_path / "first.jsonl", first))]))
+
     # microsoft/ms_marco: passages {is_selected, passage_text}; the 4th query has no passage selected
     marco = [{"query_id": r["id"], "query": r["query"], "passages": {
         "is_selected": [1] * len(r["pos"]) * (i != 3) + [0] * len(r["pos"]) * (i == 3) + [0] * len(r["neg"]),

@@ -15,8 +15,8 @@ machinery (shards, manifest, sha256, resume). Each source and what a record give
 - `msmarco` (`--pair-method qrels`): a folder with collection.tsv (or msmarco-docs.tsv), queries.<split>.tsv and
   qrels.<split>.tsv: each judged query -> its relevant passage.
 - `beir`: a BEIR folder's corpus.jsonl, queries.jsonl and qrels/<split>.tsv, the same way.
-- `jsonl` (`--pair-method records`): JSON lines {"query": str, "pos": str | [str], "neg": [str]} (the
-  fine-tuning format, and BGE's), or a Hugging Face dataset's rows, under the field names of `--fields`: a
+- `jsonl` (`--pair-method records`): JSON lines {"query": str, "pos": str | [str], "neg": str | [str]} (the
+  fine-tuning format, BGE's, and sentence-transformers' triplets), or a Hugging Face dataset's rows, under the field names of `--fields`: a
   pair per positive, each with all the record's negatives. A row whose positives a mask leaves empty
   (`microsoft/ms_marco`'s queries without a selected passage) gives no pair and is counted.
 
@@ -131,7 +131,7 @@ def _mapping_pair(obj, where: str, fields: ReaderOptions) -> PairRecord | BadRec
     except FieldError as e:
         return BadRecord("bad_row", where, str(e))
     pos = [pos] if isinstance(pos, str) else pos
-    neg = [] if neg is MISSING or neg is None else neg
+    neg = [] if neg is MISSING or neg is None else [neg] if isinstance(neg, str) else neg  # a triplet's: one
     if not isinstance(query, str) or not query.strip():
         return BadRecord("missing_field", where, f"no non-empty string field {fields.query_field!r}")
     masked = "[" in fields.pos_field  # a mask that selects no positive: a query without a judged passage
@@ -139,7 +139,7 @@ def _mapping_pair(obj, where: str, fields: ReaderOptions) -> PairRecord | BadRec
         return BadRecord("missing_field", where, f"{fields.pos_field!r} must be a non-empty string or list of "
                                                  "non-empty strings")
     if not isinstance(neg, list) or not all(isinstance(n, str) for n in neg):
-        return BadRecord("bad_row", where, f"{fields.neg_field!r} must be a list of strings")
+        return BadRecord("bad_row", where, f"{fields.neg_field!r} must be a string or a list of strings")
     negs = tuple(n for n in neg if n.strip())
     doc_id = where.rsplit("/", 1)[-1] if doc_id is MISSING or doc_id is None else doc_id
     return PairRecord(str(doc_id), where, tuple(TextPair(query, p, negs, "record") for p in pos))

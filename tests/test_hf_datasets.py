@@ -273,3 +273,15 @@ def test_rows_of_one_sentence_join_into_documents(tmp_path):
             on_error="skip")
     assert m["skipped"] == {"missing_field": 1} and m["num_documents"] == 2 and m["num_records"] == 3
     assert m["inputs"][0]["rows_per_document"] == longest
+
+
+def test_parts_of_a_dataset_combine_into_the_single_job(tmp_path):
+    from pretrieve.data.combine import combine
+
+    folder = write_parquet_shards(tmp_path / "wiki", WIKI[:12], [5, 4, 3])
+    opts = dict(source="wikipedia", hf_dataset=str(folder), shard_size=32, group_records=4)
+    single = run(tmp_path / "single", **opts)
+    for part in range(2):
+        run(tmp_path / f"part-{part}", part=part, parts=2, **opts)
+    combined = combine([str(tmp_path / f"part-{part}") for part in range(2)], str(tmp_path / "combined"))
+    assert [s["sha256"] for s in combined["shards"]] == digests(single) and combined["job_id"] == single["job_id"]

@@ -280,7 +280,7 @@ def test_combine_refuses_missing_repeated_and_foreign_parts(tmp_path, capsys):
     assert cli(["prepare", "--combine", parts[0], str(tmp_path / "q1"), "--out", str(tmp_path / "x")]) == 1
     assert "are parts of different runs: parts differ" in capsys.readouterr().err
     assert cli(["prepare", "--combine", parts[0], "--source", "wikipedia", "--out", str(tmp_path / "x")]) == 1
-    assert "takes no --source or --input" in capsys.readouterr().err
+    assert "takes no --source, --input or --hf-dataset" in capsys.readouterr().err
     assert cli(["prepare", "--source", "wikipedia", "--input", wiki, "--part", "4", "--parts", "4",
                 "--out", str(tmp_path / "x")]) == 1
     assert "--part must be in [0, --parts), got part 4 of 4" in capsys.readouterr().err

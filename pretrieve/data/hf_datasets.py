@@ -12,10 +12,11 @@ consecutive rows of a shard then make one document, their texts its lines.
 Rows are read shard by shard (`IterableDataset.shard`, contiguous, in order: a shard is one data file for the
 file builders), which is the order of the whole stream. A row's position is (shard, row within it): a resumed
 `prepare` starts at that shard and skips the rows before the position in it (`IterableDataset.skip`), so no
-earlier shard is read again. datasets' own `state_dict` resumes at a batch of rows, not at a row.
+earlier shard is read again. The position is two numbers, kept in prepare's resume state as a file's cursor is
+(datasets' own `state_dict`, a nested record of its iterators, would resume as exactly but is not one).
 
-Without a network (a compute node), the Hub is not reached: set `HF_HUB_OFFLINE=1` and a dataset not in the
-cache is an error at once; with a network that fails, datasets retries for about 20 s before the error.
+Without a network (a compute node), the Hub is not reached: with `HF_HUB_OFFLINE=1` a Hub dataset is an error at
+once (streaming reads the Hub, not the cache); with a network that fails, datasets retries for about 20 s first.
 `datasets` comes with the `hf` extra.
 """
 
@@ -92,7 +93,7 @@ def open_stream(dataset: HFDataset):
             return saved.to_iterable_dataset(num_shards=max(1, len(saved.cache_files)))
         return datasets.load_dataset(dataset.name, dataset.config, split=dataset.split, streaming=True,
                                      data_files=list(dataset.data_files) or None)
-    except ConnectionError as e:  # no network, or HF_HUB_OFFLINE=1 and not in the cache
+    except ConnectionError as e:  # no network, or HF_HUB_OFFLINE=1
         raise DatasetError(
             f"{dataset}: cannot reach the Hugging Face Hub ({e}). Without a network, stream it on a machine "
             "that has one (a login node) into shards, and train from the shards") from e

@@ -16,7 +16,7 @@ earlier shard is read again. The position is two numbers, kept in prepare's resu
 (datasets' own `state_dict`, a nested record of its iterators, would resume as exactly but is not one).
 
 Without a network (a compute node), the Hub is not reached: with `HF_HUB_OFFLINE=1` a Hub dataset is an error at
-once (streaming reads the Hub, not the cache); with a network that fails, datasets retries for about 20 s first.
+once (streaming reads its data files from the Hub); with a network that fails, datasets retries for about 20 s first.
 `datasets` comes with the `hf` extra.
 """
 

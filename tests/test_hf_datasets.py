@@ -285,3 +285,14 @@ def test_parts_of_a_dataset_combine_into_the_single_job(tmp_path):
         run(tmp_path / f"part-{part}", part=part, parts=2, **opts)
     combined = combine([str(tmp_path / f"part-{part}") for part in range(2)], str(tmp_path / "combined"))
     assert [s["sha256"] for s in combined["shards"]] == digests(single) and combined["job_id"] == single["job_id"]
+
+
+def test_jobs_without_the_new_options_keep_their_ids():
+    """A file job's arguments (its job id, which an earlier output's resume matches) leave out the dataset and
+    pair-field options while they hold their defaults, so outputs prepared before these options resume."""
+    later = {"query_field", "pos_field", "neg_field", "hf_dataset", "hf_config", "hf_split", "hf_data_files",
+             "hf_rows_per_document"}
+    for pairs in (False, True):
+        assert not later & set(PrepareOptions(source="jsonl", inputs=["x"], out="o", pairs=pairs).output_arguments())
+    assert PrepareOptions(source="jsonl", inputs=[], out="o", pairs=True, hf_dataset="d",
+                          pos_field="p").output_arguments()["pos_field"] == "p"

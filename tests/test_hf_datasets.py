@@ -4,6 +4,7 @@ the field mapping; exact resume at a row of a later shard; bad rows; the Hub unr
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 
@@ -190,7 +191,7 @@ def test_rows_resume_anywhere(tmp_path):
 def offline_prepare(tmp_path, *args, **env):
     result = subprocess.run([sys.executable, "-m", "pretrieve", "prepare", "--source", "wikipedia", *args,
                              "--out", str(tmp_path / "o"), "--workers", "0"],
-                            capture_output=True, text=True, timeout=120, env={**__import__("os").environ, **env})
+                            capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "o").exists()
     return result.stderr

@@ -1,15 +1,20 @@
 """Contrastive pre-training's memory and time against the batch size, with GradCache and without.
 
     python benchmarks/contrastive.py [--size tiny|small|base] [--batches 8,16,32,64,128] [--chunk 8]
-                                     [--max-len 64] [--steps 2]
+                                     [--max-len 64] [--steps 2] [--time-steps 6]
 
-Each (batch size, GradCache on/off) point runs in a process of its own: the contrastive head of `--size` on random
-pairs of `--max-len`-token texts (queries and passages), `--steps` timed training steps (forward, backward, SGD)
-after one warm-up step. Memory is the steps' peak above what the process held before them: on CPU the peak RSS
+Memory: each (batch size, GradCache on/off) point runs in a process of its own: the contrastive head of `--size`
+on random pairs of `--max-len`-token texts (queries and passages), `--steps` training steps (forward, backward,
+SGD) after one warm-up step; the steps' peak above what the process held before them: on CPU the peak RSS
 (ru_maxrss) less the RSS after building the model and batch; on a GPU torch.cuda.max_memory_allocated less the
 allocation then. With GradCache the peak should stay flat as the batch grows (one chunk's activations
-plus the representations); without it, it grows with the batch. Time: seconds per pair, and GradCache's over
-the plain step's at the same batch size (its extra forward: about 4/3 expected).
+plus the representations); without it, it grows with the batch.
+
+Time: per batch size, one process times the same head and batch with GradCache and without, step by step in
+turn (`--time-steps` each, after a warm-up step of each; the order swaps every round), so that both see the same
+load; the ratio is of the two medians. GradCache's extra is one forward without a graph: with backward about
+twice a forward, (F + F + 2F) / (F + 2F) = 4/3, once each chunk fills the device (a chunk too small to keep
+it busy pays its fixed costs per chunk instead).
 
 Prints one JSON line and appends it to benchmarks/results/contrastive.json.
 """
@@ -36,8 +41,9 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def point(args) -> dict:
-    """One (batch, grad_cache) point, in this process."""
+def _head_and_batch(args, grad_cache: bool):
+    """The contrastive head of `--size` (GradCache with `--chunk` when `grad_cache`), its batch of `--batch`
+    random full-length pairs, an SGD optimiser, and the device."""
     import numpy as np
     import torch
 
@@ -50,7 +56,7 @@ def point(args) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     method = get_method("contrastive")
     options = method.options_from({"max_len": args.max_len, "query_max_len": args.max_len,
-                                   "grad_cache": {"chunk": args.chunk} if args.grad_cache else None})
+                                   "grad_cache": {"chunk": args.chunk} if grad_cache else None})
     head = method.build(options, ModelOptions(**SIZES[args.size], dropout=0.1, pad_token_id=0), seed=0).to(device)
     head.train()
     rng = np.random.default_rng(0)
@@ -59,12 +65,24 @@ def point(args) -> dict:
     batch = {k: v.to(device) for k, v in method.collator.from_options(
         options, Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER)))(samples).items()}
     optimizer = torch.optim.SGD([p for p in head.parameters() if p.requires_grad], lr=1e-4)
+    return head, batch, optimizer, device
 
+
+def _stepper(head, batch, optimizer):
     def step():
         optimizer.zero_grad(set_to_none=True)
         head(batch)["loss"].backward()
         optimizer.step()
+    return step
 
+
+def point(args) -> dict:
+    """One (batch, grad_cache) point's memory, in this process."""
+    import torch
+
+    head, batch, optimizer, device = _head_and_batch(args, args.grad_cache)
+    cuda = device.type == "cuda"
+    step = _stepper(head, batch, optimizer)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -82,6 +100,46 @@ def point(args) -> dict:
             "device": torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"}
 
 
+def interleaved_times(args) -> dict:
+    """Seconds per step with GradCache and without, on one head and batch, step by step in turn."""
+    import statistics
+
+    import torch
+
+    head, batch, optimizer, device = _head_and_batch(args, grad_cache=True)
+    step = _stepper(head, batch, optimizer)
+    times = {False: [], True: []}
+
+    def timed(grad_cache: bool) -> float:
+        head.chunk = args.chunk if grad_cache else None  # the same weights and batch, chunked or whole
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    timed(False), timed(True)  # warm-up
+    for round_ in range(args.time_steps):
+        for grad_cache in ((False, True) if round_ % 2 == 0 else (True, False)):
+            times[grad_cache].append(timed(grad_cache))
+    plain, cached = statistics.median(times[False]), statistics.median(times[True])
+    return {"batch": args.batch, "chunk": args.chunk, "steps_each": args.time_steps,
+            "seconds_per_step": {"plain": plain, "grad_cache": cached}, "grad_cache_time_ratio": cached / plain,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else
+            f"cpu ({torch.get_num_threads()} threads)"}
+
+
+def _child(args, *extra: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--size", args.size, "--chunk", str(args.chunk), "--max-len",
+           str(args.max_len), "--steps", str(args.steps), "--time-steps", str(args.time_steps), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps(record), file=sys.stderr)
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -89,23 +147,21 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--time-steps", type=int, default=6)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--times", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--grad-cache", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "contrastive.json"))
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(point(args)))
+        print(json.dumps(interleaved_times(args) if args.times else point(args)))
         return
-    points = []
+    points, times = [], []
     for batch in (int(b) for b in args.batches.split(",")):
         for grad_cache in (False, True):
-            cmd = [sys.executable, __file__, "--child", "--size", args.size, "--chunk", str(args.chunk), "--max-len",
-                   str(args.max_len), "--steps", str(args.steps), "--batch", str(batch)]
-            done = subprocess.run(cmd + (["--grad-cache"] if grad_cache else []), capture_output=True, text=True,
-                                  check=True, cwd=ROOT)
-            points.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(json.dumps(points[-1]), file=sys.stderr)
+            points.append(_child(args, "--batch", str(batch), *(["--grad-cache"] if grad_cache else [])))
+        times.append(_child(args, "--batch", str(batch), "--times"))
     by = {(p["batch"], p["grad_cache"]): p for p in points}
     batches = sorted({p["batch"] for p in points})
     smallest, largest = batches[0], batches[-1]
@@ -113,9 +169,8 @@ def main() -> None:
         "benchmark": "contrastive", "size": args.size, "max_len": args.max_len, "chunk": args.chunk,
         "steps": args.steps, "device": points[0]["device"], "host": platform.node(),
         "memory": "peak RSS above the pre-step RSS" if "cpu" in points[0]["device"] else "max_memory_allocated above the pre-step allocation",
-        "points": points,
-        "grad_cache_time_ratio": {b: by[(b, True)]["seconds_per_pair"] / by[(b, False)]["seconds_per_pair"]
-                                  for b in batches},
+        "points": points, "times": times,
+        "grad_cache_time_ratio": {t["batch"]: t["grad_cache_time_ratio"] for t in times},
         "peak_growth_without": by[(largest, False)]["peak_bytes"] / by[(smallest, False)]["peak_bytes"],
         "peak_growth_with": by[(largest, True)]["peak_bytes"] / by[(smallest, True)]["peak_bytes"],
         "batch_growth": largest / smallest,

@@ -1,7 +1,7 @@
 """Contrastive pre-training's memory and time against the batch size, with GradCache and without.
 
     python benchmarks/contrastive.py [--size tiny|small|base] [--batches 8,16,32,64,128] [--chunk 8]
-                                     [--max-len 64] [--steps 2] [--time-steps 6]
+                                     [--max-len 64] [--steps 2] [--time-steps 6] [--threads 1]
 
 Memory: each (batch size, GradCache on/off) point runs in a process of its own: the contrastive head of `--size`
 on random pairs of `--max-len`-token texts (queries and passages), `--steps` training steps (forward, backward,
@@ -54,6 +54,8 @@ def _head_and_batch(args, grad_cache: bool):
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        torch.set_num_threads(args.threads)
     method = get_method("contrastive")
     options = method.options_from({"max_len": args.max_len, "query_max_len": args.max_len,
                                    "grad_cache": {"chunk": args.chunk} if grad_cache else None})
@@ -107,33 +109,45 @@ def interleaved_times(args) -> dict:
     import torch
 
     head, batch, optimizer, device = _head_and_batch(args, grad_cache=True)
-    step = _stepper(head, batch, optimizer)
     times = {False: [], True: []}
 
-    def timed(grad_cache: bool) -> float:
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def timed(grad_cache: bool) -> tuple[float, float]:
+        """The step's forward (GradCache: the encodings without a graph, and the loss) and backward (GradCache:
+        each chunk encoded again and back-propagated) seconds, the optimiser's step in the latter."""
         head.chunk = args.chunk if grad_cache else None  # the same weights and batch, chunked or whole
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+        optimizer.zero_grad(set_to_none=True)
+        start = now()
+        loss = head(batch)["loss"]
+        middle = now()
+        loss.backward()
+        optimizer.step()
+        return middle - start, now() - middle
 
     timed(False), timed(True)  # warm-up
     for round_ in range(args.time_steps):
         for grad_cache in ((False, True) if round_ % 2 == 0 else (True, False)):
             times[grad_cache].append(timed(grad_cache))
-    plain, cached = statistics.median(times[False]), statistics.median(times[True])
+    (f, b), (gf, gb) = ([statistics.median(t[i] for t in times[mode]) for i in (0, 1)] for mode in (False, True))
+    plain, cached = statistics.median(sum(t) for t in times[False]), statistics.median(sum(t) for t in times[True])
     return {"batch": args.batch, "chunk": args.chunk, "steps_each": args.time_steps,
-            "seconds_per_step": {"plain": plain, "grad_cache": cached}, "grad_cache_time_ratio": cached / plain,
+            "seconds_per_step": {"plain": plain, "grad_cache": cached},
+            "seconds": {"plain_forward": f, "plain_backward": b, "grad_cache_forward": gf, "grad_cache_backward": gb},
+            "grad_cache_time_ratio": cached / plain,
+            # one more forward of every text, at the plain step's own forward and backward times
+            "one_more_forward_ratio": (2 * f + b) / (f + b),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else
             f"cpu ({torch.get_num_threads()} threads)"}
 
 
 def _child(args, *extra: str) -> dict:
     cmd = [sys.executable, __file__, "--child", "--size", args.size, "--chunk", str(args.chunk), "--max-len",
-           str(args.max_len), "--steps", str(args.steps), "--time-steps", str(args.time_steps), *extra]
+           str(args.max_len), "--steps", str(args.steps), "--time-steps", str(args.time_steps), "--threads",
+           str(args.threads), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
     record = json.loads(done.stdout.strip().splitlines()[-1])
     print(json.dumps(record), file=sys.stderr)
@@ -148,6 +162,9 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--time-steps", type=int, default=6)
+    # CPU threads per process; 1, as a CPU training rank runs: on a shared machine, threads waiting on each other
+    # at every op's barrier cost a chunked step (more, smaller ops) more than the plain one
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--times", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -171,6 +188,7 @@ def main() -> None:
         "memory": "peak RSS above the pre-step RSS" if "cpu" in points[0]["device"] else "max_memory_allocated above the pre-step allocation",
         "points": points, "times": times,
         "grad_cache_time_ratio": {t["batch"]: t["grad_cache_time_ratio"] for t in times},
+        "one_more_forward_ratio": {t["batch"]: t["one_more_forward_ratio"] for t in times},
         "peak_growth_without": by[(largest, False)]["peak_bytes"] / by[(smallest, False)]["peak_bytes"],
         "peak_growth_with": by[(largest, True)]["peak_bytes"] / by[(smallest, True)]["peak_bytes"],
         "batch_growth": largest / smallest,

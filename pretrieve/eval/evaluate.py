@@ -39,7 +39,7 @@ from pretrieve.eval.options import EvalOptions
 from pretrieve.eval.search import (IndexOptions, dense_search, hybrid_search, index_recall, pair_scorer,
                                    sparse_search)
 from pretrieve.eval.vectors import encode_corpus, open_corpus_vectors
-from pretrieve.models.poolings import DENSE_POOLINGS, VOCAB_POOLINGS
+from pretrieve.models.poolings import DENSE_POOLINGS, PROMPT_POOLINGS, VOCAB_POOLINGS
 from pretrieve.utils.run_dir import write_atomic
 
 EXACT_HYBRID_DOCS = 100_000  # up to here hybrid / DupMAE scores are exact over the corpus; beyond, candidates
@@ -60,6 +60,10 @@ def run_eval(opts: EvalOptions) -> dict:
                                     query_prompt=opts.query_prompt, passage_prompt=opts.passage_prompt)
         opts = replace(opts, pooling=encoding.pooling, normalize=encoding.normalize, max_length=encoding.max_length,
                        query_prompt=encoding.query_prompt, passage_prompt=encoding.passage_prompt)
+    if opts.dim is not None and (opts.model is None or opts.pooling not in (*DENSE_POOLINGS, *PROMPT_POOLINGS)):
+        raise ValueError(f"--dim {opts.dim}: cuts a dense model's vectors to their first coordinates (Matryoshka); "
+                         + ("give --model DIR" if opts.model is None else
+                            f"pooling {opts.pooling} is not dense (give --pooling cls, mean or last)"))
     if opts.contrastive_entropy is not None:  # the settings now; K against the corpus once its size is known
         check_options(opts.contrastive_entropy, opts.ce_temperature)
     out = Path(opts.out)
@@ -111,7 +115,7 @@ def read_set_once(opts: EvalOptions, bm25_index: IndexWriter | None = None):
 
 def dense_options(opts: EvalOptions) -> EncodeOptions:
     return EncodeOptions(opts.pooling, opts.max_length, opts.batch_size, opts.normalize,
-                         query_prompt=opts.query_prompt or "", passage_prompt=opts.passage_prompt or "")
+                         query_prompt=opts.query_prompt or "", passage_prompt=opts.passage_prompt or "", dim=opts.dim)
 
 
 def _indexing(documents, index: IndexWriter):
@@ -208,7 +212,7 @@ _CONTRASTIVE_OPTIONS = ("contrastive_entropy", "ce_temperature", "ce_seed")  # r
 
 
 def _describe(opts: EvalOptions, data: RetrievalSet, dense: bool = True) -> dict:
-    encoder_only = ("model", "pooling", "max_length", "normalize", "batch_size", "index", "nprobe", "ef_search",
+    encoder_only = ("model", "pooling", "max_length", "normalize", "dim", "batch_size", "index", "nprobe", "ef_search",
                     "vocab_top_k", "sparse_weight", "candidates")
     info = {k: v for k, v in asdict(opts).items()
             if k not in ("out", "progress", "bm25", "embeddings", *_CONTRASTIVE_OPTIONS)

@@ -110,7 +110,8 @@ def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAU
     # at the last token on a decoder LLM (its first token sees nothing of the text)
     default = "last" if head.encoder.backbone.causal else "cls"
     write_st_config(tmp, getattr(head.options, "pooling", default), getattr(head.options, "normalize", False),
-                    getattr(head.options, "max_len", min(512, config.max_position_embeddings)))
+                    getattr(head.options, "max_len", min(512, config.max_position_embeddings)),
+                    matryoshka_dims=getattr(head.options, "matryoshka_dims", None))
     if before_rename is not None:
         before_rename(tmp)
     return replace_directory(tmp, out)

@@ -132,14 +132,15 @@ def train_runs(jobs: dict[str, list[str]], runs: Path, plan: dict) -> None:
     pretrain_runs([(str(CONFIG), runs / name, overrides) for name, overrides in jobs.items()], plan)
 
 
-def evaluate(model: Path, pooling: str, beir: Path, out: Path, plan: dict) -> float:
-    """NDCG@10 of `model` on the test queries of the collection in `beir`, zero-shot, normalised; cached in `out`
-    (its per-query scores too)."""
+def evaluate(model: Path, pooling: str, beir: Path, out: Path, plan: dict, dim: int | None = None) -> float:
+    """NDCG@10 of `model` on the test queries of the collection in `beir`, zero-shot, normalised (its vectors cut
+    to their first `dim` coordinates when given); cached in `out` (its per-query scores too)."""
     metrics = out / "metrics.json"
     if not metrics.is_file():
         pretrieve(["eval", "--model", str(model), "--beir", str(beir), "--pooling", pooling,
                    "--normalize", "--max-length", str(plan["eval"]["max_length"]),
-                   "--batch-size", str(plan["eval"]["batch_size"]), "--out", str(out)],
+                   "--batch-size", str(plan["eval"]["batch_size"]), "--out", str(out),
+                   *(["--dim", str(dim)] if dim else [])],
                   out.parent / f"{out.name}.log", plan["threads"])
     return json.loads(metrics.read_text())["ndcg@10"]
 

@@ -163,6 +163,15 @@ def test_export_records_the_dims_and_truncate_dim_equals_encode_dim(tmp_path, ti
     theirs = SentenceTransformer(str(model), device="cpu", truncate_dim=16).encode(texts, normalize_embeddings=True)
     assert ours.shape == theirs.shape == (len(texts), 16)
     np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)
+    from pretrieve.eval.evaluate import run_eval
+    from pretrieve.eval.options import EvalOptions
+
+    cut = run_eval(EvalOptions(out=str(tmp_path / "e16"), model=str(model), beir=str(mini_beir), dim=16,
+                               embeddings=str(tmp_path / "v"), progress=False))
+    assert cut["dim"] == 16
+    with pytest.raises(ValueError, match="vectors made with .* but this run encodes with"):  # full-width queries
+        run_eval(EvalOptions(out=str(tmp_path / "e"), model=str(model), beir=str(mini_beir),
+                             embeddings=str(tmp_path / "v"), progress=False))
 
 
 def test_eval_dim_scores_the_cut_vectors_and_refuses_a_wider_one(tmp_path, tiny_encoder, mini_beir):
@@ -185,3 +194,34 @@ def test_eval_dim_scores_the_cut_vectors_and_refuses_a_wider_one(tmp_path, tiny_
                              progress=False))
     with pytest.raises(ValueError, match="--dim 8: .* give --model"):
         run_eval(EvalOptions(out=str(tmp_path / "bm25"), beir=str(mini_beir), bm25=True, dim=8, progress=False))
+
+
+def test_farm_evaluates_each_dimension_and_writes_ndcg_against_dimension(tmp_path, tiny_encoder, mini_beir):
+    from pretrieve.eval.report import collect
+    from pretrieve.orchestrate.farm import load_farm, run_farm
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_encoder, model)
+    write_st_config(model, "mean", True, max_length=48, matryoshka_dims=[64, 16])
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    farm = tmp_path / "farm.yaml"
+    farm.write_text(json.dumps({"out": str(tmp_path / "out"), "tracking": {"uri": uri}, "workers": 2,
+                                "checkpoints": [{"name": "m", "model": str(model), "dims": [16, 64]}],
+                                "datasets": [{"name": "mini", "beir": str(mini_beir)}]}))
+    result = run_farm(farm, progress=False)
+    assert not result["failed"] and sorted(result["logged"]) == ["m/mini/zero-shot/dim16", "m/mini/zero-shot/dim64"]
+    ndcg = {d: json.loads((tmp_path / "out" / "m" / "mini" / "zero-shot" / f"dim{d}" / "metrics.json").read_text())
+            for d in (64, 16)}
+    assert ndcg[16]["dim"] == 16 and ndcg[64]["dim"] == 64
+    table = (tmp_path / "out" / "dims.md").read_text().splitlines()
+    assert table[0] == "| checkpoint | dataset | stage | 64 | 16 |"
+    share = 100 * ndcg[16]["ndcg@10"] / ndcg[64]["ndcg@10"]
+    assert table[2] == (f"| m | mini | zero-shot | {ndcg[64]['ndcg@10']:.4f} | {ndcg[16]['ndcg@10']:.4f} "
+                        f"({share:.0f} %) |")
+    assert (tmp_path / "out" / "dims.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(r["checkpoint"] for r in collect(uri)) == ["m (dim 16)", "m (dim 64)"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(json.dumps({"checkpoints": [{"name": "m", "model": "x", "dims": [64, 0]}],
+                               "datasets": [{"name": "d", "beir": "x"}]}))
+    with pytest.raises(ValueError, match=r"checkpoints\[0\].dims: expected distinct dimensions >= 1"):
+        load_farm(bad)

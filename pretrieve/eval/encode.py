@@ -83,7 +83,7 @@ class DenseEncoder:
         return {"model": self.model_dir, "pooling": self.options.pooling, "max_length": self.options.max_length,
                 "normalize": self.options.normalize,
                 **({"passage_prompt": self.options.passage_prompt} if self.options.passage_prompt else {}),
-                **({"dim": self.options.dim} if self.options.dim is not None else {})}
+                "dim": self.options.dim}  # None (all) also matches folders encoded before `dim` was recorded
 
     @property
     def dim(self) -> int:

@@ -14,7 +14,9 @@ the set's document ids taken from that stream. With `embeddings` and no `bm25` o
 `pretrieve encode`'s shards are memory-mapped and searched block by block. Sparse and hybrid poolings hold the
 texts (they encode documents and queries together), and BM25 beside them indexes those. An approximate `index`
 (ivf, ivfpq, hnsw) adds `index_recall@<depth>` to metrics.json: the share of the exact top `depth` it found,
-over up to RECALL_QUERIES of the queries (evenly spaced) searched again with `flat`.
+over up to RECALL_QUERIES of the queries (evenly spaced) searched again with `flat`. `dim` searches a dense
+model's vectors cut to their first N coordinates (a Matryoshka model's prefix, eval.encode), recorded in
+metrics.json.
 """
 
 from __future__ import annotations

@@ -24,17 +24,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quality import ROOT, base_model, collection, pretraining_text, timed  # noqa: E402
+from quality import ROOT, collection, timed  # noqa: E402
 from quality_data import log, write_atomic  # noqa: E402
 from quality_plan import build_plan  # noqa: E402
-from recipe import ARMS, BUDGET, DATASETS, contrastive_overrides, evaluate, train_runs, weak_pairs  # noqa: E402
+from recipe import (ARMS, BUDGET, DATASETS, base_and_pairs, contrastive_overrides, evaluate,  # noqa: E402
+                    train_runs)
 
 POOLING = "mean"  # the recipe's better pooling at cpu scale (benchmarks/results/recipe.json's budget curve)
 ANCHOR = {"model": "nomic-ai/modernbert-embed-base", "benchmark": "BEIR NDCG@10", "dims": {"768": 52.89,
                                                                                          "256": 50.62}}
 
 
-def dims_of(hidden: int, smallest: int = 8) -> list[int]:
+def dims_of(hidden: int, smallest: int = 16) -> list[int]:
     """The full width, then halved down to `smallest` (the MRL paper's nesting, Kusupati et al. 2022 §3)."""
     dims = [hidden]
     while dims[-1] // 2 >= smallest:
@@ -59,12 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     contrastive = {**spec, "steps": arms["steps"], "points": [arms["steps"]]}
     dims = dims_of(plan["model"]["hidden_size"])
     datasets = {name: collection(name, plan) for name in (["scifact-sample"] if args.smoke else DATASETS)}
-    work.mkdir(parents=True, exist_ok=True)
-    with timed(work, "data"):
-        text = pretraining_text(plan, work)
-    base, base_record = base_model(plan, work, text)
-    with timed(work, "pairs"):
-        pairs = weak_pairs(plan, work)
+    _, base, base_record, pairs = base_and_pairs(plan, work)
     common = contrastive_overrides(plan, contrastive, pairs, base, POOLING, arms["lr"], arms["warmup_ratio"], seed=0)
     runs = {"plain": common, "matryoshka": [*common, f"method.matryoshka_dims=[{','.join(map(str, dims))}]"]}
     with timed(work, "contrastive"):

@@ -41,7 +41,7 @@ evaluations (eval.model_card). A checkpoint's fine-tuning chain runs first, once
 as one process (log: <out>/<checkpoint>/finetune/finetune.log, its runs in the farm's MLflow experiment); with
 `--slurm`, pending chains are listed first and their evaluation jobs on the next `--slurm` call. A checkpoint
 with `dims:` (a Matryoshka model, models/matryoshka.py) is evaluated at each dimension, its vectors cut to their
-first N coordinates (`pretrieve eval --dim N`, the MLflow tag `dim`), and the farm writes <out>/dims.md, .csv and
+first N coordinates (`pretrieve eval --dim N`; its run tagged `dim`, eval.track), and the farm writes <out>/dims.md, .csv and
 .png: NDCG@10 against dimension (eval.dims_table).
 """
 
@@ -393,8 +393,6 @@ def _log_job(job: Job, farm: dict) -> bool:
             "stage": job.stage}
     if job.model is not None:
         tags["model_dir"] = str(job.model.resolve())  # how a model card finds its evaluations
-    if job.dim:
-        tags["dim"] = str(job.dim)
     if parent:
         tags["mlflow.parentRunId"] = parent[0]
     run_id = log_eval_run(client, experiment_id, job.out, tags, run_name=job.name.replace("/", "-"))

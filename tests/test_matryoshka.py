@@ -189,6 +189,12 @@ def test_eval_dim_scores_the_cut_vectors_and_refuses_a_wider_one(tmp_path, tiny_
     assert full["dim"] is None and same["dim"] == 64 and cut["dim"] == 8
     assert same["ndcg@10"] == full["ndcg@10"]  # every coordinate kept: the model's own vectors
     assert (tmp_path / "8" / "run.trec").read_text() != (tmp_path / "full" / "run.trec").read_text()
+    from pretrieve.eval.report import collect
+    from pretrieve.eval.track import track
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # tracked, the cut evaluation is a row of its own in reports
+    track([str(tmp_path / "8"), str(tmp_path / "full")], uri)
+    assert sorted(r["checkpoint"] for r in collect(uri)) == ["8 (dim 8)", "full"]
     with pytest.raises(ValueError, match="--dim 65: .* vectors have 64 coordinates"):
         run_eval(EvalOptions(out=str(tmp_path / "65"), model=str(model), beir=str(mini_beir), dim=65,
                              progress=False))

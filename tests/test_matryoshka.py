@@ -140,6 +140,16 @@ def test_bad_dimensions_are_refused_naming_the_key(vocab, tiny_encoder):
     assert any(p.startswith("finetune.matryoshka_dims: pooling dupmae") for p in error.value.problems)
 
 
+def test_a_pretraining_export_records_its_dimensions(tmp_path, vocab):
+    from pretrieve.models.export import describe_export, export
+
+    head, _ = _head(vocab, matryoshka_dims=[8, 32], pooling="mean")
+    export(head, tmp_path / "out")
+    st = read_st_config(tmp_path / "out")
+    assert (st.pooling, st.normalize, st.matryoshka_dims) == ("mean", True, (32, 8))
+    assert "Matryoshka dimensions: 32, 8" in describe_export(tmp_path / "out")
+
+
 @pytest.fixture(scope="module")
 def mini_beir(tmp_path_factory):
     return beir_subset(tmp_path_factory.mktemp("beir") / "scifact-mini", queries=4, other_docs=12)

@@ -140,6 +140,9 @@ def describe_export(out: str | Path, source: str | None = None) -> str:
     pooling = [] if st is None else [
         f"  pooling: {st.pooling}, {'L2-normalised' if st.normalize else 'not normalised'}, texts cut at "
         f"{st.max_length} tokens (sentence-transformers config)"]
+    if st is not None and st.matryoshka_dims:
+        pooling.append(f"  Matryoshka dimensions: {', '.join(map(str, st.matryoshka_dims))} (search a prefix with "
+                       "`pretrieve eval --dim N`, sentence-transformers' truncate_dim)")
     return "\n".join([*what, *textwrap.wrap(", ".join(files), width=110, initial_indent="  files: ",
                                             subsequent_indent=" " * 9), *pooling])
 

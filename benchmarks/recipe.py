@@ -113,6 +113,17 @@ def weak_pairs(plan: dict, work: Path) -> dict:
     return out
 
 
+def base_and_pairs(plan: dict, work: Path) -> tuple[dict, Path, dict, dict]:
+    """(the study's prepared text, the base's export, its record, the weak pairs) in `work`, each made once."""
+    work.mkdir(parents=True, exist_ok=True)
+    with timed(work, "data"):
+        text = pretraining_text(plan, work)
+    base, base_record = base_model(plan, work, text)
+    with timed(work, "pairs"):
+        pairs = weak_pairs(plan, work)
+    return text, base, base_record, pairs
+
+
 def contrastive_overrides(plan: dict, spec: dict, pairs: dict, base: Path, pooling: str, lr: float,
                           warmup: float, seed: int) -> list[str]:
     steps = spec["steps"]
@@ -132,14 +143,15 @@ def train_runs(jobs: dict[str, list[str]], runs: Path, plan: dict) -> None:
     pretrain_runs([(str(CONFIG), runs / name, overrides) for name, overrides in jobs.items()], plan)
 
 
-def evaluate(model: Path, pooling: str, beir: Path, out: Path, plan: dict) -> float:
-    """NDCG@10 of `model` on the test queries of the collection in `beir`, zero-shot, normalised; cached in `out`
-    (its per-query scores too)."""
+def evaluate(model: Path, pooling: str, beir: Path, out: Path, plan: dict, dim: int | None = None) -> float:
+    """NDCG@10 of `model` on the test queries of the collection in `beir`, zero-shot, normalised (its vectors cut
+    to their first `dim` coordinates when given); cached in `out` (its per-query scores too)."""
     metrics = out / "metrics.json"
     if not metrics.is_file():
         pretrieve(["eval", "--model", str(model), "--beir", str(beir), "--pooling", pooling,
                    "--normalize", "--max-length", str(plan["eval"]["max_length"]),
-                   "--batch-size", str(plan["eval"]["batch_size"]), "--out", str(out)],
+                   "--batch-size", str(plan["eval"]["batch_size"]), "--out", str(out),
+                   *(["--dim", str(dim)] if dim else [])],
                   out.parent / f"{out.name}.log", plan["threads"])
     return json.loads(metrics.read_text())["ndcg@10"]
 
@@ -269,12 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     plan = build_plan(args.scale, args.smoke)
     spec = BUDGET["smoke" if args.smoke else args.scale]
-    work.mkdir(parents=True, exist_ok=True)
-    with timed(work, "data"):
-        text = pretraining_text(plan, work)
-    base, base_record = base_model(plan, work, text)
-    with timed(work, "pairs"):
-        pairs = weak_pairs(plan, work)
+    text, base, base_record, pairs = base_and_pairs(plan, work)
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
     results |= {"study": "recipe", "scale": args.scale, "smoke": args.smoke,
                "settings": {"model": plan["model"], "max_len": plan["max_len"], "base": plan["base"],

@@ -2,8 +2,9 @@
 (run directly for one rank, under torchrun for several): prints one JSON line per variant with the largest
 differences between the two runs' losses and updated weights (plain SGD, lr 1: the update is the gradient).
 
-Usage: grad_cache_step.py VARIANTS OUT   (VARIANTS: stage:dropout:checkpointing:accumulation, comma-separated;
-each rank writes its lines to OUT/rank<N>.jsonl)
+Usage: grad_cache_step.py VARIANTS OUT   (VARIANTS: stage:dropout:checkpointing:accumulation[:matryoshka],
+comma-separated; matryoshka 1: the loss summed over the prefixes MATRYOSHKA_DIMS; each rank writes its lines to
+OUT/rank<N>.jsonl)
 """
 
 import json
@@ -30,6 +31,7 @@ from pretrieve.models.encoder import ModelOptions  # noqa: E402
 from pretrieve.models.heads import get_method  # noqa: E402
 
 PAIRS, CHUNK = 6, 4  # per rank and micro-batch: 6 pairs of 2 negatives each, encoded 4 texts at a time
+MATRYOSHKA_DIMS = [32, 16, 8]
 
 
 def samples(rank: int, micro: int) -> list[dict]:
@@ -47,12 +49,13 @@ def weights(engine) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
-def step(stage: int, dropout: bool, checkpointing: bool, accumulation: int, chunk: int | None, cache: bool):
+def step(stage: int, dropout: bool, checkpointing: bool, accumulation: int, matryoshka: bool, chunk: int | None,
+         cache: bool):
     import deepspeed
 
     method = get_method("contrastive")
     options = method.options_from({"negatives": 2, "symmetric": True, "learn_temperature": True, "max_len": 16,
-                                   "query_max_len": 16})
+                                   "query_max_len": 16, "matryoshka_dims": MATRYOSHKA_DIMS if matryoshka else None})
     model = ModelOptions(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                          dropout=0.1 if dropout else 0.0, pad_token_id=0)
     head = method.build(options, model, seed=0)
@@ -87,8 +90,8 @@ def main():
     from pretrieve.engine.world import unlink_cpu_allreduce_buffer
 
     for variant in sys.argv[1].split(","):
-        stage, dropout, checkpointing, accumulation = (int(x) for x in variant.split(":"))
-        args = (stage, bool(dropout), bool(checkpointing), accumulation)
+        stage, dropout, checkpointing, accumulation, matryoshka = (int(x) for x in (variant + ":0").split(":")[:5])
+        args = (stage, bool(dropout), bool(checkpointing), accumulation, bool(matryoshka))
         cached = step(*args, CHUNK, True)
         # with dropout, the reference is the same chunks under one graph (the masks are drawn per chunk); without,
         # the whole micro-batch in one encoder call per text kind

@@ -1,7 +1,7 @@
 """GradCache under DeepSpeed, and the contrastive head's negatives across ranks.
 
-The defining test: on 1 and 2 gloo ranks, at ZeRO 0 and 3 (and 1, 2, with activation checkpointing and with
-gradient accumulation on 2), dropout on, one step with GradCache gives the loss and every weight's update
+The defining test: on 1 and 2 gloo ranks, at ZeRO 0 and 3 (and 1, 2, with activation checkpointing, with
+gradient accumulation and with Matryoshka dimensions on 2), dropout on, one step with GradCache gives the loss and every weight's update
 (SGD, lr 1: the gradient) of the same batch without it. With dropout, the reference encodes the same chunks
 under one graph (the masks are drawn per chunk); without dropout, the whole micro-batch in one call."""
 
@@ -29,7 +29,8 @@ def _step(tmp_path: Path, ranks: int, variants: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("ranks,variants", [(1, "0:1:0:1,0:0:0:1,3:1:0:1,3:0:0:1"),
-                                            (2, "0:1:0:1,0:0:0:1,3:1:0:1,3:0:0:1,1:1:0:1,2:1:0:2,3:1:1:1")])
+                                            (2, "0:1:0:1,0:0:0:1,3:1:0:1,3:0:0:1,1:1:0:1,2:1:0:2,3:1:1:1,"
+                                                "3:1:0:1:1")])
 def test_grad_cache_gives_the_loss_and_gradients_of_the_batch(tmp_path, ranks, variants):
     records = _step(tmp_path, ranks, variants)
     assert sorted((r["variant"], r["rank"]) for r in records) == sorted(
@@ -62,7 +63,7 @@ def _head(vocab, **extra):
     return head, method.collator.from_options(options, vocab)
 
 
-def _cross_rank_worker(rank, world, port, vocab, chunk, results):
+def _cross_rank_worker(rank, world, port, vocab, chunk, results, extra):
     import os
 
     import torch.distributed as dist
@@ -70,7 +71,7 @@ def _cross_rank_worker(rank, world, port, vocab, chunk, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        head, collate = _head(vocab, **({"grad_cache": {"chunk": chunk}} if chunk else {}))
+        head, collate = _head(vocab, **extra, **({"grad_cache": {"chunk": chunk}} if chunk else {}))
         out = head(collate(_pairs(rank)))
         out["loss"].backward()
         results[rank] = (out["loss"].item(), out["accuracy"].item(),
@@ -79,11 +80,12 @@ def _cross_rank_worker(rank, world, port, vocab, chunk, results):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("chunk", [None, 3])
-def test_negatives_across_two_ranks_keep_each_rows_own_positive(vocab, chunk):
+@pytest.mark.parametrize("chunk,extra", [(None, {}), (3, {}), (3, {"matryoshka_dims": [32, 8]})])
+def test_negatives_across_two_ranks_keep_each_rows_own_positive(vocab, chunk, extra):
     """Two gloo ranks of 4 pairs each: every query's best candidate among all 8 passages is its own passage
     (accuracy 1 on both ranks: a positive taken from the wrong rank's slot scores lower), and the ranks' mean
-    loss and gradients are those of the 8 pairs in one process (with GradCache too)."""
+    loss and gradients are those of the 8 pairs in one process (with GradCache too, and with Matryoshka
+    dimensions: the full-width vectors gathered once, each prefix cut from them)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -92,10 +94,10 @@ def test_negatives_across_two_ranks_keep_each_rows_own_positive(vocab, chunk):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.Manager().dict()
-    mp.start_processes(_cross_rank_worker, args=(2, port, vocab, chunk, results), nprocs=2, join=True,
+    mp.start_processes(_cross_rank_worker, args=(2, port, vocab, chunk, results, extra), nprocs=2, join=True,
                        start_method="spawn")
     assert results[0][1] == results[1][1] == 1.0
-    head, collate = _head(vocab)
+    head, collate = _head(vocab, **extra)
     full = head(collate(_pairs(0) + _pairs(1)))
     full["loss"].backward()
     assert (results[0][0] + results[1][0]) / 2 == pytest.approx(full["loss"].item(), rel=1e-5)

@@ -9,7 +9,9 @@ benchmarks/recipe.py --smoke --stage all (BGE's recipe): the weak pairs of the s
 contrastive-trained and evaluated zero-shot with its pooling; none and retromae (the study's own run of it, not
 trained again), each contrastive-trained with [CLS] and with mean pooling, scored zero-shot and after the farm's
 fine-tuning with that pooling, normalised, compared with none; a job of other seeds keeps the first job's
-scores. (The bundled SciFact sample stands in for every collection.)"""
+scores. benchmarks/matryoshka.py --smoke, on the same work directory: the recipe's contrastive stage from the
+same base, without and with matryoshka_dims, each model scored at every dimension. (The bundled SciFact sample
+stands in for every collection.)"""
 
 import json
 import re
@@ -98,6 +100,30 @@ def test_quality_smoke_runs_the_protocol_and_resumes(tmp_path):
     assert changed.returncode == 2 and re.search(r"with finetune\.lr = [0-9.e-]+; this run has 0\.5", changed.stderr)
 
     _check_recipe(tmp_path)
+    _check_matryoshka(tmp_path)
+
+
+def _check_matryoshka(tmp_path: Path) -> None:
+    """The Matryoshka benchmark on the same work directory: two contrastive runs from the study's base, each
+    evaluated at every dimension, the Matryoshka one logging each dimension's loss."""
+    done = _benchmark("matryoshka", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _check_matryoshka_results(json.loads((tmp_path / "matryoshka.json").read_text()), tmp_path / "work")
+
+
+def _check_matryoshka_results(results: dict, work: Path) -> None:
+    dims = ["64", "32", "16"]  # the smoke encoder's 64, halved down to 16
+    assert results["settings"]["matryoshka_dims"] == [int(d) for d in dims]
+    for run in ("plain", "matryoshka"):
+        scores = results["ndcg@10"][run]["scifact-sample"]
+        assert list(scores) == dims and all(0 <= s <= 1 for s in scores.values()), scores
+        assert results["share_of_full_width"][run]["64"] == 1.0
+        metrics = json.loads((work / "eval" / run / "scifact-sample" / "dim16" / "metrics.json").read_text())
+        assert metrics["dim"] == 16 and metrics["pooling"] == "mean" and metrics["normalize"] is True
+    assert set(results["final_loss"]["matryoshka"]) == {"loss", *(f"loss@{d}" for d in dims)}
+    assert set(results["final_loss"]["plain"]) == {"loss"}
+    config = (work / "runs" / "matryoshka" / "config.yaml").read_text()
+    assert "matryoshka_dims:" in config and f"init_from: {work / 'base' / 'export'}" in config
 
 
 def _check_recipe(tmp_path: Path) -> None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from functools import partial
 
 from pretrieve.commands.arguments import (MODEL_SAYS, at_least, command, index_options, max_length_option,
                                           normalize_option, option, options_from, qrels_split, retrieval_set,
                                           slurm_jobs_option, worker_options)
 from pretrieve.models.poolings import DENSE_POOLINGS, EVAL_POOLINGS, PROMPT_POOLINGS
+
+DIM_HELP = ("keep the vectors' first N coordinates, cut before --normalize (a Matryoshka model's prefix; default: "
+            "all)")
 
 
 def add_encode(commands) -> None:
@@ -25,6 +29,7 @@ def add_encode(commands) -> None:
     normalize_option(p, "L2-normalize vectors (cosine similarity)")
     max_length_option(p)
     option(p, EncodeOptions, "--batch-size", type=at_least(1))
+    option(p, EncodeOptions, "--dim", type=at_least(1), metavar="N", help=DIM_HELP)
     option(p, encode_corpus_shards, "--shard-size", type=at_least(1), help="documents per shard")
     option(p, encode_corpus_shards, "--dtype", choices=DTYPES,
            help="vectors as stored (float16: half the disk; search computes in float32 or more)")
@@ -49,7 +54,8 @@ def run_encode(args) -> int:
     if encoding.pooling not in (*DENSE_POOLINGS, *PROMPT_POOLINGS):
         raise ValueError(f"{args.model}: pooling {encoding.pooling} ({encoding.source}) is not a dense pooling; "
                          "`pretrieve encode` writes cls, mean, last or llama2vec vectors (give --pooling)")
-    encoder = DenseEncoder(args.model, encoding.encode_options(args.batch_size), device=worker_device(args.worker))
+    encoder = DenseEncoder(args.model, replace(encoding.encode_options(args.batch_size), dim=args.dim),
+                           device=worker_device(args.worker))
     shards, documents = encode_corpus_shards(encoder, stream_corpus(args.beir, args.msmarco), args.out,
                                              args.shard_size, args.worker, args.workers, args.dtype)
     print(json.dumps({"out": args.out, "documents": documents, "shards": [s.name for s in shards]}))
@@ -80,6 +86,7 @@ def add_eval(commands) -> None:
         flag(f"--{name}-prompt", metavar="TEXT",
              help=f"put TEXT before each {name} (an instruction, E5-Mistral / Qwen3-Embedding style); default: the "
                   f"model's sentence-transformers prompt '{name}', else none")
+    flag("--dim", type=at_least(1), metavar="N", help=DIM_HELP)
     flag("--batch-size", type=at_least(1))
     index_options(p, EvalOptions)
     flag("--depth", type=at_least(1), help="documents retrieved per query")

@@ -8,7 +8,9 @@ float rounding: on CPU, a batch of other lengths moves a few coordinates by one 
 1e-7, from how the matrix products are blocked), so two window sizes agree to that, and one window over all the
 texts is the whole-list sort of earlier versions, bit for bit. Pooling: `cls` (the [CLS] vector, the RetroMAE
 family), `mean` (over non-padding tokens, sentence-transformers), `last` (a decoder LLM's last real token) or
-`llama2vec` (eval/prompt_pooling.py); `normalize` makes inner product cosine. A query or passage prompt is put
+`llama2vec` (eval/prompt_pooling.py); `dim` keeps the pooled vector's first N coordinates (a Matryoshka model's
+prefix, models/matryoshka.py), cut before `normalize`, so a cut cosine model's vectors are unit vectors again,
+as sentence-transformers' `truncate_dim` scored by cosine; `normalize` makes inner product cosine. A query or passage prompt is put
 before each text, as sentence-transformers' `prompt_name` does. bf16 autocast on a GPU, fp32 on CPU. A CoT-MoTE encoder (an export with query experts) encodes queries through its
 query experts and documents through its passage experts (cot-mote.txt §3.3).
 """
@@ -72,16 +74,20 @@ class DenseEncoder:
             self.model = load_encoder(model_dir).to(self.device).eval()
         else:  # as trained: a decoder LLM's attention and positions, an adapter kept apart folded in
             self.model = load_base_model(model_dir).to(self.device).eval()
+        width = self.model.config.hidden_size
+        if options.dim is not None and not 1 <= options.dim <= width:
+            raise ValueError(f"--dim {options.dim}: {model_dir}'s vectors have {width} coordinates; give 1 to {width}")
 
     def settings(self) -> dict:
         """What determines a document's vector."""
         return {"model": self.model_dir, "pooling": self.options.pooling, "max_length": self.options.max_length,
                 "normalize": self.options.normalize,
-                **({"passage_prompt": self.options.passage_prompt} if self.options.passage_prompt else {})}
+                **({"passage_prompt": self.options.passage_prompt} if self.options.passage_prompt else {}),
+                "dim": self.options.dim}  # None (all) also matches folders encoded before `dim` was recorded
 
     @property
     def dim(self) -> int:
-        return self.model.config.hidden_size
+        return self.options.dim or self.model.config.hidden_size
 
     def encode(self, texts: list[str], desc: str = "encode", progress: bool = True,
                queries: bool = False) -> np.ndarray:
@@ -113,7 +119,7 @@ class DenseEncoder:
                     hidden = self.model(batch["input_ids"], batch["attention_mask"], text_type=text_type)
                 else:
                     hidden = self.model(**batch).last_hidden_state
-            vectors = pool(hidden.float(), batch["attention_mask"])
+            vectors = pool(hidden.float(), batch["attention_mask"])[:, :self.dim]
             if self.options.normalize:
                 vectors = torch.nn.functional.normalize(vectors, dim=-1)
             yield rows, vectors.cpu().numpy()

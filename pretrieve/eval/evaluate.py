@@ -14,7 +14,9 @@ the set's document ids taken from that stream. With `embeddings` and no `bm25` o
 `pretrieve encode`'s shards are memory-mapped and searched block by block. Sparse and hybrid poolings hold the
 texts (they encode documents and queries together), and BM25 beside them indexes those. An approximate `index`
 (ivf, ivfpq, hnsw) adds `index_recall@<depth>` to metrics.json: the share of the exact top `depth` it found,
-over up to RECALL_QUERIES of the queries (evenly spaced) searched again with `flat`.
+over up to RECALL_QUERIES of the queries (evenly spaced) searched again with `flat`. `dim` searches a dense
+model's vectors cut to their first N coordinates (a Matryoshka model's prefix, eval.encode), recorded in
+metrics.json.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ def run_eval(opts: EvalOptions) -> dict:
                                     query_prompt=opts.query_prompt, passage_prompt=opts.passage_prompt)
         opts = replace(opts, pooling=encoding.pooling, normalize=encoding.normalize, max_length=encoding.max_length,
                        query_prompt=encoding.query_prompt, passage_prompt=encoding.passage_prompt)
+    if opts.dim is not None and (opts.model is None or opts.pooling not in (*DENSE_POOLINGS, *PROMPT_POOLINGS)):
+        raise ValueError(f"--dim {opts.dim}: cuts a dense model's vectors to their first coordinates (Matryoshka); "
+                         + ("give --model DIR" if opts.model is None else
+                            f"pooling {opts.pooling} is not dense (give --pooling cls, mean or last)"))
     if opts.mteb is not None:
         return _mteb(opts, encoding)
     if opts.contrastive_entropy is not None:  # the settings now; K against the corpus once its size is known
@@ -97,6 +103,8 @@ def _mteb(opts: EvalOptions, encoding) -> dict:
                                    ("--bm25", opts.bm25), ("--embeddings", opts.embeddings),
                                    ("--contrastive-entropy", opts.contrastive_entropy is not None),
                                    (f"--index {opts.index}", opts.index != "flat")) if on]
+    if opts.dim is not None:
+        given.append(f"--dim {opts.dim}")
     if given:
         raise ValueError(f"--mteb: MTEB encodes, searches (exactly) and scores a model's dense vectors itself; drop "
                          f"{', '.join(given)}")
@@ -136,7 +144,7 @@ def read_set_once(opts: EvalOptions, bm25_index: IndexWriter | None = None):
 
 def dense_options(opts: EvalOptions) -> EncodeOptions:
     return EncodeOptions(opts.pooling, opts.max_length, opts.batch_size, opts.normalize,
-                         query_prompt=opts.query_prompt or "", passage_prompt=opts.passage_prompt or "")
+                         query_prompt=opts.query_prompt or "", passage_prompt=opts.passage_prompt or "", dim=opts.dim)
 
 
 def _indexing(documents, index: IndexWriter):
@@ -233,7 +241,7 @@ _CONTRASTIVE_OPTIONS = ("contrastive_entropy", "ce_temperature", "ce_seed")  # r
 
 
 def _describe(opts: EvalOptions, data: RetrievalSet, dense: bool = True) -> dict:
-    encoder_only = ("model", "pooling", "max_length", "normalize", "batch_size", "index", "nprobe", "ef_search",
+    encoder_only = ("model", "pooling", "max_length", "normalize", "dim", "batch_size", "index", "nprobe", "ef_search",
                     "vocab_top_k", "sparse_weight", "candidates")
     info = {k: v for k, v in asdict(opts).items()
             if k not in ("out", "progress", "bm25", "embeddings", *_CONTRASTIVE_OPTIONS)

@@ -21,6 +21,7 @@ class EvalOptions:
     normalize: bool | None = None  # None: what the model says, else off
     query_prompt: str | None = None  # None: what the model says (its sentence-transformers prompts), else none
     passage_prompt: str | None = None
+    dim: int | None = None  # dense: the vectors' first N coordinates (Matryoshka), re-normalised; None: all
     batch_size: int = 64
     index: str = "flat"
     nprobe: int = 32  # ivf / ivfpq: lists searched
@@ -48,6 +49,7 @@ class EncodeOptions:
     window: int | None = None  # texts tokenized and length-sorted together; None: WINDOW_BATCHES batches
     query_prompt: str = ""  # put before each query (eval.model_config: the model's, or --query-prompt)
     passage_prompt: str = ""  # put before each passage
+    dim: int | None = None  # the vectors' first N coordinates, before normalisation (Matryoshka); None: all
 
     def window_size(self) -> int:
         return self.window or self.batch_size * WINDOW_BATCHES

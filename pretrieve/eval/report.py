@@ -1,6 +1,6 @@
 """`pretrieve report`: the evaluation runs in MLflow as comparison tables and plots.
 
-Rows are checkpoints, columns datasets (and stage, when there is more than one), one table per metric; the
+Rows are checkpoints (a Matryoshka checkpoint once per dimension its vectors were cut to), columns datasets (and stage, when there is more than one), one table per metric; the
 last column is the mean over datasets. Writes OUT/<metric>.md, OUT/<metric>.csv and OUT/<metric>.png (grouped
 bars; left out when matplotlib, the `plots` extra, is not installed), OUT/report.html (every table and plot on
 one self-contained page: the plots are embedded, so the file opens anywhere without a server), and prints the
@@ -38,8 +38,14 @@ def collect(uri: str, experiments: list[str] | None = None) -> list[dict]:
         missing = sorted(set(experiments) - {e.name for e in found})
         raise ValueError(f"{uri}: no experiment named {', '.join(missing)}")
     runs = client.search_runs(ids, filter_string="tags.`pretrieve.farm` = 'eval'", max_results=50000) if ids else []
-    return [{"checkpoint": r.data.tags["checkpoint"], "dataset": r.data.tags["dataset"], "stage": r.data.tags["stage"],
-             "start": r.info.start_time, "experiment_id": r.info.experiment_id, **r.data.metrics} for r in runs]
+    return [{"checkpoint": _checkpoint_label(r.data.tags), "dataset": r.data.tags["dataset"],
+             "stage": r.data.tags["stage"], "start": r.info.start_time, "experiment_id": r.info.experiment_id,
+             **r.data.metrics} for r in runs]
+
+
+def _checkpoint_label(tags: dict) -> str:
+    """A row's name: the checkpoint, and the dimension its vectors were cut to (`dim`, the farm's `dims:`)."""
+    return f"{tags['checkpoint']} (dim {tags['dim']})" if tags.get("dim") else tags["checkpoint"]
 
 
 def evaluations_of(uri: str, model_dir: str | Path, run_id: str | None = None) -> list[dict]:
@@ -59,6 +65,8 @@ def evaluations_of(uri: str, model_dir: str | Path, run_id: str | None = None) -
     latest: dict[tuple, dict] = {}
     for r in sorted(runs, key=lambda r: r.info.start_time):
         tags = r.data.tags
+        if tags.get("dim"):  # the model's vectors cut to a prefix: the card shows them whole
+            continue
         nested = run_id is not None and tags.get("mlflow.parentRunId") == run_id
         zero_shot = tags.get("stage") == "zero-shot"
         # runs logged before the farm tagged model_dir: a nested zero-shot run evaluated the checkpoint itself

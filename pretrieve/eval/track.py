@@ -5,7 +5,8 @@ A folder holds metrics.json, run.trec and per_query.jsonl (docs/design.md, "Eval
 records what was run (model, pooling, split, depth, ...). Each folder becomes one run with the farm's tags
 (`pretrieve.farm: eval`, checkpoint, dataset, stage; `model_dir`, the model evaluated), the float values of
 metrics.json as metrics under their MLflow names (ndcg@10 -> ndcg_at_10), the other values as params, the
-three files as artifacts, and `eval_dir` (the folder, absolute) and `run_trec_sha256` as tags. The run starts
+three files as artifacts, and `eval_dir` (the folder, absolute), `run_trec_sha256` and, for an evaluation of
+cut vectors (`eval --dim`), `dim` as tags. The run starts
 when metrics.json was written, so the report's "latest evaluation counts" compares evaluation times, not
 logging times. Re-logging is a no-op: a run of the experiment with the same folder and the same run.trec
 digest is kept; a folder evaluated again (another run.trec) gets a new run, which the report then counts.
@@ -72,6 +73,8 @@ def log_eval_run(client, experiment_id: str, folder: Path, tags: dict, run_name:
     metrics = json.loads((folder / "metrics.json").read_text())
     started_ms = int((folder / "metrics.json").stat().st_mtime * 1000)
     tags = {**tags, "eval_dir": str(folder.resolve()), "run_trec_sha256": sha256_of(folder / "run.trec")}
+    if metrics.get("dim"):  # the vectors' prefix searched (`eval --dim`): the report's rows and cards tell them apart
+        tags["dim"] = str(metrics["dim"])
     run_id = client.create_run(experiment_id, start_time=started_ms, run_name=run_name, tags=tags).info.run_id
     for key, value in metrics.items():
         if isinstance(value, float):

@@ -12,6 +12,8 @@ CoT-MoTE (cot-mote.txt §3.3): when the encoder has query experts and `text_expe
 through the query experts and passages through the passage experts; the self-attention is shared.
 DupMAE (pooling `dupmae`): <q, d> is eq. (12), the inner product of JointRepresentation.vectors, so every loss
 above trains W^cls, the LPU and the encoder through the joint score, as §3.4-3.5 fine-tune it.
+Matryoshka (`matryoshka_dims`, models/matryoshka.py; Kusupati et al. 2022 eq. 1): any loss above, summed over
+the vectors' prefixes (re-normalised with `normalize`), each dimension's logged as `loss@<m>`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 
 from pretrieve.models.grad_cache import encode_in_chunks
 from pretrieve.models.infonce import gather_candidates, info_nce
+from pretrieve.models.matryoshka import Matryoshka, check_width, matryoshka_loss
 from pretrieve.models.poolings import DUAL_POOLINGS
 from pretrieve.models.representation import POOLINGS, JointRepresentation
 
@@ -31,7 +34,8 @@ LOSSES = ("contrastive", "triplet", "distill")
 class DualEncoder(nn.Module):
     def __init__(self, encoder, loss: str = "contrastive", pooling: str = "cls", normalize: bool = False,
                  temperature: float = 1.0, in_batch: bool = True, cross_device: bool = True, margin: float = 1.0,
-                 text_experts: bool = True, joint: JointRepresentation | None = None, grad_cache: int | None = None):
+                 text_experts: bool = True, joint: JointRepresentation | None = None, grad_cache: int | None = None,
+                 matryoshka: Matryoshka | None = None):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"finetune.loss: {loss!r} is not one of {', '.join(LOSSES)}")
@@ -43,11 +47,15 @@ class DualEncoder(nn.Module):
             raise ValueError("finetune.normalize: pooling dupmae scores with eq. (12), an unnormalised inner product")
         if temperature <= 0:
             raise ValueError(f"finetune.temperature: must be > 0, got {temperature}")
+        if matryoshka is not None and joint is not None:
+            raise ValueError("finetune.matryoshka_dims: pooling dupmae's eq. (12) vectors have no prefixes to train")
+        check_width(matryoshka, encoder.config.hidden_size, "finetune")
         self.encoder, self.joint = encoder, joint
         self.loss_name, self.pool, self.normalize = loss, POOLINGS.get(pooling), normalize
         self.temperature, self.in_batch, self.cross_device, self.margin = temperature, in_batch, cross_device, margin
         self.routed = text_experts and encoder.query_experts is not None
         self.chunk = grad_cache  # GradCache's chunk (models/grad_cache.py); None: the whole batch at once
+        self.matryoshka = matryoshka
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, queries: bool) -> torch.Tensor:
         text_type = None
@@ -70,13 +78,20 @@ class DualEncoder(nn.Module):
                            torch.full((len(ids),), queries, dtype=torch.bool, device=ids.device)))
         params = [p for p in self.parameters() if p.requires_grad]
         q, p = encode_in_chunks(self._embed_rows, groups, self.chunk, params)
+        teacher = batch.get("teacher_scores")
+        if self.matryoshka is None:
+            return self.loss_of(q, p, teacher)
+        return matryoshka_loss(lambda q, p: self.loss_of(q, p, teacher), [q, p], self.matryoshka, self.normalize)
+
+    def loss_of(self, q: torch.Tensor, p: torch.Tensor, teacher: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The loss and accuracy of queries q [B, d] against their groups p [B x G, d] (positive first)."""
         if self.loss_name == "contrastive":
             loss, scores, target = contrastive_loss(q, p, self.temperature, self.in_batch, self.cross_device)
         else:
             scores, target = group_scores(q, p, self.temperature)
             if self.loss_name == "distill":
-                teacher = torch.softmax(batch["teacher_scores"].float(), dim=-1)
-                loss = -(teacher * torch.log_softmax(scores.float(), dim=-1)).sum(dim=-1).mean()
+                loss = -(torch.softmax(teacher.float(), dim=-1) * torch.log_softmax(scores.float(), dim=-1)
+                         ).sum(dim=-1).mean()
             else:
                 if scores.shape[1] < 2:
                     raise ValueError("finetune.loss triplet: needs finetune.negatives >= 1")

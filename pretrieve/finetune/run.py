@@ -74,6 +74,9 @@ class FinetuneOptions:
     passage_max_len: int | None = None  # None: init_from's maximum length, else PASSAGE_MAX_LENGTH
     on_missing: str = "fail"  # msmarco / beir qrels naming absent ids: fail | skip
     grad_cache: dict | None = None  # {chunk: N}: the dual encoder's texts N at a time, by GradCache
+    # e.g. [768, 256, 64]: the dual encoder's loss summed over these prefixes of its vectors (models/matryoshka.py)
+    matryoshka_dims: list[int] | None = None
+    matryoshka_weights: list[float] | None = None  # one per dimension (default 1 each)
     # {r, alpha, dropout, targets, keep_adapter} (models/lora.py): LoRA adapters on the dual encoder's base model,
     # whose own weights stay frozen (a decoder LLM's usual fine-tuning: LLARA, E5-Mistral); null or r 0 alone:
     # every weight trains (r 0 beside other lora keys is refused: they would do nothing)
@@ -121,6 +124,7 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
 def _check_options(options: FinetuneOptions, problems: Problems) -> None:
     from pretrieve.finetune.models import LOSSES
     from pretrieve.models.grad_cache import grad_cache_of
+    from pretrieve.models.matryoshka import matryoshka_of
 
     if not options.init_from or not Path(options.init_from).is_dir():
         problems.add(f"finetune.init_from: {options.init_from!r} is not a model directory")
@@ -145,6 +149,12 @@ def _check_options(options: FinetuneOptions, problems: Problems) -> None:
         problems.add(str(e))
     if options.grad_cache is not None and options.model != "dual":
         problems.add("finetune.grad_cache: for the dual encoder (model: dual); the cross-encoder scores pairs")
+    try:
+        matryoshka_of(options.matryoshka_dims, options.matryoshka_weights, "finetune")
+    except ValueError as e:
+        problems.add(str(e))
+    if options.matryoshka_dims is not None and options.model != "dual":
+        problems.add("finetune.matryoshka_dims: for the dual encoder (model: dual); the cross-encoder has no vectors")
     lora = problems.parse(lora_of, options)
     if lora is not None:
         from pretrieve.models.lora import settings_without_lora
@@ -191,6 +201,9 @@ def _check_encoding(options: FinetuneOptions, problems: Problems) -> None:
         problems.add(f"finetune.pooling: {options.pooling!r} is not one of {', '.join(DUAL_POOLINGS)}")
     if options.pooling == "dupmae" and options.normalize:
         problems.add("finetune.normalize: pooling dupmae scores with eq. (12), an unnormalised inner product")
+    if options.pooling == "dupmae" and options.matryoshka_dims is not None:
+        problems.add("finetune.matryoshka_dims: pooling dupmae scores with eq. (12), dense and vocabulary parts "
+                     "together, whose prefixes are no representation; give a dense pooling (cls, mean, last)")
 
 
 def _check_passage_prompt(options: FinetuneOptions, problems: Problems) -> None:
@@ -313,6 +326,7 @@ def build_model(o: FinetuneOptions, config_file: Path | None = None):
     from pretrieve.finetune.models import CrossEncoder, DualEncoder
     from pretrieve.models.encoder import Encoder, load_encoder
     from pretrieve.models.lora import add_lora
+    from pretrieve.models.matryoshka import matryoshka_of
     from pretrieve.models.representation import JointRepresentation, load_joint
 
     if o.model == "cross":
@@ -338,7 +352,8 @@ def build_model(o: FinetuneOptions, config_file: Path | None = None):
             joint = load_joint(o.init_from, encoder, o.cls_dim, o.ot_topk)
     dual = DualEncoder(encoder, loss=o.loss, pooling=o.pooling, normalize=o.normalize, temperature=o.temperature,
                        in_batch=o.in_batch, cross_device=o.cross_device, margin=o.margin, text_experts=o.text_experts,
-                       joint=joint, grad_cache=o.grad_cache["chunk"] if o.grad_cache else None)
+                       joint=joint, grad_cache=o.grad_cache["chunk"] if o.grad_cache else None,
+                       matryoshka=matryoshka_of(o.matryoshka_dims, o.matryoshka_weights, "finetune"))
     lora = lora_of(o)
     if lora.r:  # the base model's layers only: DupMAE's W^cls and LPU, CoT-MoTE's query experts train whole
         add_lora(dual.encoder.model, lora, "finetune.lora")
@@ -409,7 +424,8 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
         dupmae = options.pooling == "dupmae"  # sentence-transformers gets eq. 12's dense part: [CLS] through W^cls
         write_st_config(tmp, "cls" if dupmae else options.pooling, options.normalize, options.passage_max_len,
                         dense_weight=module.joint.cls_proj.weight if dupmae else None,
-                        prompts={"query": options.query_prompt or "", "passage": options.passage_prompt or ""})
+                        prompts={"query": options.query_prompt or "", "passage": options.passage_prompt or ""},
+                        matryoshka_dims=options.matryoshka_dims)
     AutoTokenizer.from_pretrained(str(run_dir / TOKENIZER)).save_pretrained(str(tmp))
     (tmp / FINETUNE_META).write_text(json.dumps({**meta, "checkpoint": tag, "options": asdict(options)}, indent=1)
                                      + "\n")

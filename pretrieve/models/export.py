@@ -110,7 +110,8 @@ def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAU
     # at the last token on a decoder LLM (its first token sees nothing of the text)
     default = "last" if head.encoder.backbone.causal else "cls"
     write_st_config(tmp, getattr(head.options, "pooling", default), getattr(head.options, "normalize", False),
-                    getattr(head.options, "max_len", min(512, config.max_position_embeddings)))
+                    getattr(head.options, "max_len", min(512, config.max_position_embeddings)),
+                    matryoshka_dims=getattr(head.options, "matryoshka_dims", None))
     if before_rename is not None:
         before_rename(tmp)
     return replace_directory(tmp, out)
@@ -139,6 +140,9 @@ def describe_export(out: str | Path, source: str | None = None) -> str:
     pooling = [] if st is None else [
         f"  pooling: {st.pooling}, {'L2-normalised' if st.normalize else 'not normalised'}, texts cut at "
         f"{st.max_length} tokens (sentence-transformers config)"]
+    if st is not None and st.matryoshka_dims:
+        pooling.append(f"  Matryoshka dimensions: {', '.join(map(str, st.matryoshka_dims))} (search a prefix with "
+                       "`pretrieve eval --dim N`, sentence-transformers' truncate_dim)")
     return "\n".join([*what, *textwrap.wrap(", ".join(files), width=110, initial_indent="  files: ",
                                             subsequent_indent=" " * 9), *pooling])
 

@@ -6,7 +6,10 @@ linear map) and a Normalize. `write_st_config` writes the classic layout of all-
 sentence-transformers release since 2.0 reads, plus `config_sentence_transformers.json`'s similarity function
 (read since 3.0). `read_st_config` reads that layout and the one releases >= 5 write (`pooling_mode`, the
 maximum length in the tokenizer's config). pretrieve itself applies Transformer + Pooling (cls, mean or last) +
-Normalize; the Dense it writes for a DupMAE fine-tuned model is W^cls, the dense half of eq. (12).
+Normalize; the Dense it writes for a DupMAE fine-tuned model is W^cls, the dense half of eq. (12). A model
+trained with Matryoshka dimensions (models/matryoshka.py) records them as `matryoshka_dims` in
+`config_sentence_transformers.json` (sentence-transformers ignores the key; its `truncate_dim` at load or encode
+cuts the vectors to any of them).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class STConfig:
     dense: bool  # a Dense module follows the pooling
     unsupported: tuple[str, ...]  # what pretrieve's encoders do not apply: modules, pooling modes
     prompts: dict = field(default_factory=dict)  # name -> the text put before a text (query, passage)
+    matryoshka_dims: tuple[int, ...] = ()  # the prefixes the model was trained to be searched at, widest first
 
 
 def read_st_config(model_dir: str | Path) -> STConfig | None:
@@ -72,16 +76,32 @@ def read_st_config(model_dir: str | Path) -> STConfig | None:
     pooling = {"lasttoken": "last"}.get(pooling, pooling)
     if pooling not in ("cls", "mean", "last"):
         unsupported.append(f"pooling {pooling}")
-    return STConfig(modules_file, pooling, normalize, max_length, dense, tuple(unsupported), _prompts(model_dir))
+    model_config = _model_config(model_dir)
+    return STConfig(modules_file, pooling, normalize, max_length, dense, tuple(unsupported), _prompts(model_config),
+                    _matryoshka_dims(model_config))
 
 
-def _prompts(model_dir: Path) -> dict:
-    """config_sentence_transformers.json's prompts (`encode(..., prompt_name=NAME)` puts prompts[NAME] first)."""
+def _model_config(model_dir: Path) -> tuple[Path, dict]:
+    """(config_sentence_transformers.json, its content: {} when there is none)."""
     file = model_dir / ST_MODEL_CONFIG
     try:
-        prompts = json.loads(file.read_text(encoding="utf-8")).get("prompts") if file.is_file() else None
+        return file, json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
     except ValueError as e:
         raise ValueError(f"{file}: unreadable ({e})") from e
+
+
+def _matryoshka_dims(model_config: tuple[Path, dict]) -> tuple[int, ...]:
+    file, config = model_config
+    dims = config.get("matryoshka_dims") or []
+    if not (isinstance(dims, list) and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims)):
+        raise ValueError(f"{file}: matryoshka_dims must be a list of dimensions, got {dims!r}")
+    return tuple(sorted(dims, reverse=True))
+
+
+def _prompts(model_config: tuple[Path, dict]) -> dict:
+    """config_sentence_transformers.json's prompts (`encode(..., prompt_name=NAME)` puts prompts[NAME] first)."""
+    file, config = model_config
+    prompts = config.get("prompts")
     if prompts is not None and not (isinstance(prompts, dict) and all(isinstance(v, str) for v in prompts.values())):
         raise ValueError(f"{file}: prompts must map names to texts, got {prompts!r}")
     return dict(prompts or {})
@@ -117,12 +137,14 @@ def _max_length(transformer_dir: Path) -> int | None:
 
 
 def write_st_config(model_dir: str | Path, pooling: str, normalize: bool, max_length: int,
-                    dense_weight: torch.Tensor | None = None, prompts: dict[str, str] | None = None) -> None:
+                    dense_weight: torch.Tensor | None = None, prompts: dict[str, str] | None = None,
+                    matryoshka_dims: list[int] | None = None) -> None:
     """Make the HF model directory `model_dir` (config.json + weights + tokenizer) a sentence-transformers model
     that pools with `pooling` (cls | mean | last), then maps with `dense_weight` ([out, hidden], no bias) when
     given, then L2-normalises when `normalize`; texts are cut to `max_length` tokens. The similarity function is
     cosine for normalised vectors, else the dot product pretrieve searches with. `prompts` (query, passage): the
-    texts put before each text, as `encode(..., prompt_name="query")` does and `pretrieve eval` reads them."""
+    texts put before each text, as `encode(..., prompt_name="query")` does and `pretrieve eval` reads them.
+    `matryoshka_dims`: the dimensions the model was trained at (models/matryoshka.py), recorded widest first."""
     import transformers
     from safetensors.torch import save_file
 
@@ -156,7 +178,8 @@ def write_st_config(model_dir: str | Path, pooling: str, normalize: bool, max_le
                         "pytorch": torch.__version__},
         "model_type": "SentenceTransformer", "prompts": {k: v for k, v in (prompts or {}).items() if v},
         "default_prompt_name": None,
-        "similarity_fn_name": "cosine" if normalize else "dot"})
+        "similarity_fn_name": "cosine" if normalize else "dot",
+        **({"matryoshka_dims": sorted(matryoshka_dims, reverse=True)} if matryoshka_dims else {})})
 
 
 def _write_json(path: Path, value) -> None:

@@ -9,6 +9,7 @@ on this machine or handed to SLURM, each logged as an MLflow run.
                                        # and nprobe / ef_search for index ivf / ivfpq / hnsw
     checkpoints:
       - {name: minilm, model: path/to/export, pooling: mean, normalize: true, run_dir: runs/x}
+      - {name: mrl, model: path/to/export, dims: [768, 256, 64]}  # each dimension (`eval --dim`): out/.../dim<N>/
       - {name: bm25, bm25: true}       # the BM25 baseline (`pretrieve eval --bm25`), zero-shot only
     datasets:
       - {name: scifact, beir: ../shared/data/beir/scifact, split: test}
@@ -39,7 +40,10 @@ checkpoint's pooling and normalisation (left out: what the model's own config sa
 logging, the model card of an evaluated run export (RUN/export/README.md) is written again with the farm's
 evaluations (eval.model_card). A checkpoint's fine-tuning chain runs first, once for all its stages,
 as one process (log: <out>/<checkpoint>/finetune/finetune.log, its runs in the farm's MLflow experiment); with
-`--slurm`, pending chains are listed first and their evaluation jobs on the next `--slurm` call.
+`--slurm`, pending chains are listed first and their evaluation jobs on the next `--slurm` call. A checkpoint
+with `dims:` (a Matryoshka model, models/matryoshka.py) is evaluated at each dimension, its vectors cut to their
+first N coordinates (`pretrieve eval --dim N`; its run tagged `dim`, eval.track), and the farm writes <out>/dims.md, .csv and
+.png: NDCG@10 against dimension (eval.dims_table).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ from pretrieve.engine.child_processes import STOPPED, ChildProcesses
 from pretrieve.engine.devices import DevicePool, node_devices, visible_env
 from pretrieve.engine.preemption import stop_exit
 from pretrieve.engine.tracking import experiment_id_of, store_location
+from pretrieve.eval.dims_table import FILES as DIMS_FILES
+from pretrieve.eval.dims_table import write_dims_table
 from pretrieve.eval.track import STAGES, log_eval_run
 from pretrieve.orchestrate.finetune_stages import done as finetuned
 from pretrieve.progress import Progress
@@ -65,7 +71,7 @@ from pretrieve.utils.run_dir import write_atomic
 FARM_RECORD = ".pretrieve-farm"  # in `out`: the folder is a farm's, which adds to it and removes nothing
 EVAL_KEYS = ("max_length", "depth", "index", "nprobe", "ef_search", "batch_size", "contrastive_entropy",
              "ce_temperature", "ce_seed")
-ENTRY_KEYS = {"checkpoints": ("name", "model", "bm25", "pooling", "normalize", "run_dir"),
+ENTRY_KEYS = {"checkpoints": ("name", "model", "bm25", "pooling", "normalize", "run_dir", "dims"),
               "datasets": ("name", "beir", "msmarco", "mteb", "split")}
 DATASET_KINDS = ("beir", "msmarco", "mteb")  # a dataset names one: `pretrieve eval --beir / --msmarco / --mteb`
 FINETUNE_KEYS = ("config", "data", "msmarco", "beir", "split", "negatives", "depth", "teacher_init", "nproc",
@@ -78,10 +84,11 @@ class Job:
     dataset: dict
     stage: str
     out: Path
+    dim: int | None = None  # the vectors' first `dim` coordinates (None: all)
 
     @property
     def name(self) -> str:
-        return f"{self.checkpoint['name']}/{self.dataset['name']}/{self.stage}"
+        return f"{self.checkpoint['name']}/{self.dataset['name']}/{self.stage}" + (f"/dim{self.dim}" if self.dim else "")
 
     def done(self) -> bool:
         return (self.out / "metrics.json").is_file()
@@ -93,7 +100,7 @@ class Job:
             return None
         if self.stage == "zero-shot":
             return Path(self.checkpoint["model"])
-        return finetune_dir(self.out.parents[2], self.checkpoint) / self.stage / "export"
+        return finetune_dir(self.out.parents[3 if self.dim else 2], self.checkpoint) / self.stage / "export"
 
     def eval_args(self, settings: dict) -> list[str]:
         """The `pretrieve eval` arguments of this job."""
@@ -109,7 +116,7 @@ class Job:
         for key in EVAL_KEYS:
             if key in settings:
                 args += [f"--{key.replace('_', '-')}", str(settings[key])]
-        return args
+        return args + (["--dim", str(self.dim)] if self.dim else [])
 
 
 def encoding_args(checkpoint: dict) -> list[str]:
@@ -146,6 +153,13 @@ def load_farm(path: str | Path) -> dict:
             if entry["name"] in names:
                 raise ValueError(f"{path}: {section}[{i}]: name {entry['name']!r} used twice")
             names.add(entry["name"])
+            dims = entry.get("dims")
+            if dims is not None and (not isinstance(dims, list) or not dims or len(set(dims)) != len(dims) or any(
+                    isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims)):
+                raise ValueError(f"{path}: {section}[{i}].dims: expected distinct dimensions >= 1 (e.g. [768, 256, "
+                                 f"64]), got {dims!r}")
+            if dims is not None and entry.get("bm25"):
+                raise ValueError(f"{path}: {section}[{i}].dims: BM25 has no vectors to cut")
             if section == "datasets" and sum(kind in entry for kind in DATASET_KINDS) != 1:
                 raise ValueError(f"{path}: datasets[{i}]: give one of beir:, msmarco: or mteb:")
     mteb = [d["name"] for d in farm["datasets"] if "mteb" in d]
@@ -153,6 +167,10 @@ def load_farm(path: str | Path) -> dict:
     if mteb and bm25:
         raise ValueError(f"{path}: datasets {', '.join(mteb)}: MTEB evaluates models, and checkpoints "
                          f"{', '.join(bm25)} are BM25; give the MTEB tasks in a farm without them")
+    cut = [c["name"] for c in farm["checkpoints"] if c.get("dims")]
+    if mteb and cut:
+        raise ValueError(f"{path}: datasets {', '.join(mteb)}: MTEB scores whole vectors, and checkpoints "
+                         f"{', '.join(cut)} have dims:; give the MTEB tasks in a farm without them")
     for i, stage in enumerate(farm.setdefault("stages", ["zero-shot"])):
         if stage not in STAGES:
             raise ValueError(f"{path}: stages[{i}]: {stage!r} is not one of {', '.join(STAGES)}")
@@ -179,15 +197,25 @@ def load_farm(path: str | Path) -> dict:
 
 def jobs_of(farm: dict) -> list[Job]:
     out = Path(farm["out"])
-    return [Job(c, d, s, out / c["name"] / d["name"] / s)
+    return [Job(c, d, s, out / c["name"] / d["name"] / s / (f"dim{dim}" if dim else ""), dim)
             for c in farm["checkpoints"] for d in farm["datasets"] for s in farm["stages"]
-            if s == "zero-shot" or not c.get("bm25")]  # BM25 has nothing to fine-tune
+            if s == "zero-shot" or not c.get("bm25")  # BM25 has nothing to fine-tune
+            for dim in sorted(c.get("dims") or [None], key=lambda d: -(d or 0))]
+
+
+def write_dims(farm: dict, jobs: list[Job]) -> str | None:
+    """<out>/dims.md, .csv and .png of the checkpoints with `dims:` (None: there are none)."""
+    evaluations: dict[tuple[str, str, str], dict] = {}
+    for job in jobs:
+        if job.dim:
+            evaluations.setdefault((job.checkpoint["name"], job.dataset["name"], job.stage), {})[job.dim] = job.out
+    return write_dims_table(farm["out"], evaluations) if evaluations else None
 
 
 def check_out(farm: dict) -> None:
     """The farm's `out`, before anything is written: new, a farm's own (its record, FARM_RECORD), or holding only
     what a farm writes there (a folder per checkpoint, the default MLflow store)."""
-    names = {c["name"] for c in farm["checkpoints"]} | {"mlflow.db", "mlartifacts", FARM_RECORD}
+    names = {c["name"] for c in farm["checkpoints"]} | {"mlflow.db", "mlartifacts", FARM_RECORD, *DIMS_FILES}
     check_own_entries(farm["out"], "pretrieve farm", lambda name: name in names or name.startswith("mlflow.db-"),
                       earlier=lambda folder: (folder / FARM_RECORD).is_file())
 
@@ -292,6 +320,8 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
                                           "started (none of them is done)", "run the same command again to finish "
                                                                             "them")
     logged = _log_done(jobs, farm, progress)
+    if write_dims(farm, jobs) and progress:
+        print(f"farm: NDCG@10 against dimension in {Path(farm['out']) / 'dims.md'}", file=sys.stderr)
     return {"jobs": len(jobs), "ran": len(chains) + len(pending) - len(failed), "failed": failed,
             "pending_for_slurm": 0, "logged": logged}
 

@@ -11,6 +11,10 @@ False negatives, never the positive itself, are left out of D and Q: a passage w
 (`mask_same_text`), the passages of other pairs from the same document (`mask_same_doc`), and with `mask_margin`
 m any candidate whose similarity beats the positive's by more than m (GTE / nomic-embed's filter). Each
 reason's count is logged (`masked_text`, `masked_doc`, `masked_margin`: per micro-batch, summed over anchors).
+
+With `matryoshka_dims` M (and `matryoshka_weights` c), the loss is sum_{m in M} c_m * L(z_{1:m}) (Kusupati et al.
+2022 eq. 1; models/matryoshka.py): the loss above on the vectors' first m coordinates, re-normalised, each m's
+logged as `loss@<m>`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pretrieve.models.grad_cache import encode_in_chunks, grad_cache_of
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
 from pretrieve.models.infonce import gather_candidates, info_nce, world
+from pretrieve.models.matryoshka import check_width, matryoshka_loss, matryoshka_of
 
 
 @dataclass
@@ -48,10 +53,13 @@ class ContrastiveOptions(MethodOptions):
     mask_same_doc: bool = True
     mask_margin: float | None = option(None, at_least=0)  # GTE / nomic: mask s(q, d) > s(q, d+) + margin
     grad_cache: dict | None = None  # {chunk: N}: GradCache (models/grad_cache.py)
+    matryoshka_dims: list[int] | None = None  # e.g. [768, 256, 64]: the loss summed over these prefixes
+    matryoshka_weights: list[float] | None = None  # c_m, one per dimension (default 1 each)
 
     def __post_init__(self):
         super().__post_init__()
         grad_cache_of(self.grad_cache, "method")
+        matryoshka_of(self.matryoshka_dims, self.matryoshka_weights, "method")
 
 
 @dataclass
@@ -144,6 +152,8 @@ class ContrastiveHead(PretrainingHead):
         cache = grad_cache_of(options.grad_cache, "method")
         self.chunk = None if cache is None else cache.chunk
         self.grad_cache = True  # with a chunk: GradCache; False: the chunks under one graph (its reference)
+        self.matryoshka = matryoshka_of(options.matryoshka_dims, options.matryoshka_weights, "method")
+        check_width(self.matryoshka, encoder.config.hidden_size, "method")
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         vectors = self.pool(self.encoder(input_ids, attention_mask), attention_mask)
@@ -176,7 +186,13 @@ class ContrastiveHead(PretrainingHead):
         if rank_count > 1 and not cross:
             total = (~pad).sum()
             dist.all_reduce(total)
-        out = pair_loss(q, d, meta, first_q, first_d, scale, self.options, all_q, all_d, rank_count, total)
+        def loss_of(q, d, all_q, all_d):
+            return pair_loss(q, d, meta, first_q, first_d, scale, self.options, all_q, all_d, rank_count, total)
+
+        if self.matryoshka is None:
+            out = loss_of(q, d, all_q, all_d)
+        else:  # the full-width vectors gathered once, cut after: a prefix of the gather is the gather of prefixes
+            out = matryoshka_loss(loss_of, [q, d, all_q, all_d], self.matryoshka, self.options.normalize)
         if self.options.learn_temperature:
             out["temperature"] = (1 / scale).detach()
         return out

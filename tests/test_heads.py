@@ -11,7 +11,7 @@ from pretrieve.models.heads import get_method
 from pretrieve.models.heads.dupmae import bag_of_words_loss, ot_vector
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
-METHODS = ["mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "cotmote"]
+METHODS = ["mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "cotmote", "bow"]
 
 
 def tiny(method: str, **overrides):
@@ -28,7 +28,7 @@ def test_forward_backward_and_loss_falls(method, wiki_samples, vocab):
     out = head(batch)
     expected_parts = {"mlm": ["mlm"], "retromae": ["mlm", "dec"], "dupmae": ["mlm", "dec", "bow"],
                       "seed": ["mlm", "dec"], "costa": ["mlm", "csp"], "cotmae": ["mlm", "dec"],
-                      "cotmote": ["mlm", "dec"]}[method]
+                      "cotmote": ["mlm", "dec"], "bow": ["mlm", "bow"]}[method]
     assert set(out) == {"loss", *expected_parts}
     out["loss"].backward()
     # query experts only learn from query texts; this batch is all passages

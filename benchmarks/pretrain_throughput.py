@@ -246,6 +246,8 @@ def main() -> None:
     p.add_argument("--ends-only", action="store_true", help="--ladder: every method takes the baseline and the top")
     p.add_argument("--no-peers", dest="peers", action="store_false", help="--ladder: without the peers")
     p.add_argument("--skip", nargs="+", default=(), metavar="RUNG", help="--ladder: leave out these rungs")
+    p.add_argument("--top-only", nargs="+", default=(), metavar="METHOD",
+                   help="--ladder: these of --methods (not the first) take the top rung alone")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pretrain_throughput.json"))
     p.add_argument("--profile", metavar="FILE", help="also profile the run (torch.profiler) into this JSON summary")
     args = p.parse_args()

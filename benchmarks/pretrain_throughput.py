@@ -21,6 +21,9 @@ came from a faster machine than this one can be at times.
 `--profile FILE` runs the training under torch.profiler and writes where the time went: the ops by self device
 time on a GPU (self CPU time on CPU), their share, the host syncs counted, and on a GPU the timed steps' device
 time by kernel kind (GEMM, attention, elementwise, copies) and idle (docs/benchmarks.md, the MFU work).
+`--against M ...` times --method and each M in turns, `--rounds` times over, in one process, and records each one's
+median tokens/s and --method's ratio to each (a shared machine's drifting load falls on all alike):
+`--method bow --against mlm retromae`.
 `--ladder` runs every speed switch one after another, each in its own process, and the peers
 (benchmarks/throughput_ladder.py; docs/benchmarks.md, "The speed ladder").
 """
@@ -246,6 +249,11 @@ def main() -> None:
     p.add_argument("--ends-only", action="store_true", help="--ladder: every method takes the baseline and the top")
     p.add_argument("--no-peers", dest="peers", action="store_false", help="--ladder: without the peers")
     p.add_argument("--skip", nargs="+", default=(), metavar="RUNG", help="--ladder: leave out these rungs")
+    p.add_argument("--top-only", nargs="+", default=(), metavar="METHOD",
+                   help="--ladder: these of --methods (not the first) take the top rung alone")
+    p.add_argument("--against", nargs="+", default=(), metavar="METHOD",
+                   help="also time these methods in this process, in turns with --method, and give its ratio to each")
+    p.add_argument("--rounds", type=int, default=3, help="--against: the turns of every method")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pretrain_throughput.json"))
     p.add_argument("--profile", metavar="FILE", help="also profile the run (torch.profiler) into this JSON summary")
     args = p.parse_args()
@@ -257,9 +265,11 @@ def main() -> None:
         shared = ["--size", args.size, "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup",
                   str(args.warmup), "--out", args.out]
         sys.exit(run_ladder(args, shared + ["--threads", str(args.threads), "--zero-stage", str(args.zero_stage)]))
-    from pretrieve.config import experiment, load_config
+    if args.against and (args.baseline or args.baseline_only or args.profile or args.method in args.against
+                         or {args.method, *args.against} & set(LLM_METHODS) or args.rounds < 1):
+        p.error("--against: other encoder methods than --method, without --baseline, --baseline-only or --profile, "
+                "and --rounds >= 1")
     from pretrieve.data.prepare import PrepareOptions, prepare
-    from pretrieve.pretrain import train
 
     torch.set_num_threads(args.threads)
     gpu = torch.cuda.is_available()
@@ -279,36 +289,63 @@ def main() -> None:
         overrides = [f"model.{k}={v}" for k, v in size.items()] + [
             *([f"data.tokenizer={tokenizer}"] if llm else []), f"model.lora.r={args.lora}",
             f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
-            f"run_dir={Path(work) / 'run'}", f"data.manifests=[{shards / 'manifest.json'}]", "data.weights=null",
+            f"data.manifests=[{shards / 'manifest.json'}]", "data.weights=null",
             f"method.max_len={args.seq_len}", f"train.micro_batch_size={args.batch}", f"train.max_steps={args.steps}",
             "train.global_batch_size=null", "train.grad_accum=1", "train.log_every=1", "checkpoint.every=1000000",
             f"train.zero_stage={args.zero_stage}", f"train.precision={'bf16' if gpu else 'fp32'}",
             "tracking.enabled=false", "model.init_from=null"]
-        if args.method in ("retromae", "dupmae"):
-            overrides.append(f"method.decoder_pool_size={min(args.seq_len, 256)}")
+        if args.against:
+            record(args, gpu, interleaved(args, overrides + args.set, Path(work)))
+            return
         # the baseline first: train() tunes this process's allocator (engine.allocator); the official code did not
         baseline = (time_official(size, args.seq_len, args.batch, args.steps, args.warmup, shards / "manifest.json")
                     if args.baseline else None)
         if gpu:
             torch.cuda.reset_peak_memory_stats()
         with profiled(args.profile, gpu, args.steps - args.warmup):
-            train(experiment(load_config(ROOT / "configs" / "pretrain" / f"{args.method}.yaml",
-                                         overrides + args.set)))
-        records = [json.loads(line) for line in (Path(work) / "run" / "metrics.jsonl").read_text().splitlines()]
-    timed = records[args.warmup:]
-    tokens_per_s = sum(r["tokens_per_s"] for r in timed) / len(timed)
-    samples_per_s = sum(r["samples_per_s"] for r in timed) / len(timed)
-    result = {
-        "tokens_per_s": round(tokens_per_s, 1), "s_per_step": round(args.batch / samples_per_s, 4),
-        "tflops_per_device": round(sum(r["tflops_per_device"] for r in timed) / len(timed), 4),
-        "mfu": round(sum(r.get("mfu", 0.0) for r in timed) / len(timed), 4),
-    }
+            result = engine_run(args, args.method, overrides + args.set, Path(work) / "run")
+    tokens_per_s = result["tokens_per_s"]
     if baseline:
         result.update(baseline_tokens_per_s=round(baseline, 1), ratio_to_baseline=round(tokens_per_s / baseline, 3))
     anchor = None if gpu else ANCHORS.get((args.size, args.seq_len, args.batch))
     if anchor:
         result.update(anchor_tokens_per_s=anchor, ratio_to_anchor=round(tokens_per_s / anchor, 3))
     record(args, gpu, result)
+
+
+def engine_run(args, method: str, overrides: list[str], run_dir: Path) -> dict:
+    """`pretrieve pretrain` of `method` for --steps in `run_dir`: tokens/s, s/step, TFLOP/s and MFU averaged over
+    the steps after --warmup."""
+    from pretrieve.config import experiment, load_config
+    from pretrieve.pretrain import train
+
+    if method in ("retromae", "dupmae"):
+        overrides = [*overrides, f"method.decoder_pool_size={min(args.seq_len, 256)}"]
+    train(experiment(load_config(ROOT / "configs" / "pretrain" / f"{method}.yaml", [*overrides, f"run_dir={run_dir}"])))
+    timed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][args.warmup:]
+    samples_per_s = sum(r["samples_per_s"] for r in timed) / len(timed)
+    return {"tokens_per_s": round(sum(r["tokens_per_s"] for r in timed) / len(timed), 1),
+            "s_per_step": round(args.batch / samples_per_s, 4),
+            "tflops_per_device": round(sum(r["tflops_per_device"] for r in timed) / len(timed), 4),
+            "mfu": round(sum(r.get("mfu", 0.0) for r in timed) / len(timed), 4)}
+
+
+def interleaved(args, overrides: list[str], work: Path) -> dict:
+    """--method and each of --against, one run each in turn, --rounds times over, in this process (a shared
+    machine's load drifts: turns spread it over every method alike). Each method's tokens/s of every round, their
+    median, and --method's median over each other's."""
+    from statistics import median
+
+    methods = [args.method, *args.against]
+    runs = {m: [] for m in methods}
+    for round_ in range(args.rounds):
+        for method in methods:
+            runs[method].append(engine_run(args, method, overrides, work / f"{method}-{round_}")["tokens_per_s"])
+    medians = {m: median(runs[m]) for m in methods}
+    return {"rounds": args.rounds, "tokens_per_s": medians[args.method],
+            "tokens_per_s_by_round": runs[args.method],
+            "against": {m: {"tokens_per_s": medians[m], "tokens_per_s_by_round": runs[m],
+                            "ratio": round(medians[args.method] / medians[m], 3)} for m in args.against}}
 
 
 def record(args, gpu: bool, measured: dict) -> None:

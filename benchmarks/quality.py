@@ -7,7 +7,7 @@ way, then evaluate.
     python benchmarks/quality.py --scale cpu|gpu --plan          # the settings a run would fix
 
 Every arm follows one protocol (benchmarks/quality_plan.py has the settings of each scale and why): initial
-weights -> the arm's pre-training (none, mlm, retromae, dupmae, seed, costa, cotmae) for the same number of
+weights -> the arm's pre-training (none, mlm, retromae, dupmae, seed, costa, cotmae, bow) for the same number of
 encoder tokens -> the same fine-tuning (`pretrieve finetune-stages --up-to stage1` through the farm: the
 labelled set of benchmarks/quality_data.py, the same steps, lr, batch and seed, the pooling of the method's
 paper) -> `pretrieve eval` on held-out test collections. Two studies:

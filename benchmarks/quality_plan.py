@@ -28,10 +28,10 @@ import json
 import time
 from pathlib import Path
 
-ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "costa", "cotmae")
+ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "bow")
 REFERENCES = ("none", "mlm")  # the arms every other is compared with
 POOLING = {"none": "base", "mlm": "base", "retromae": "cls", "dupmae": "dupmae", "seed": "cls", "costa": "cls",
-           "cotmae": "cls"}  # "base": the base's own
+           "cotmae": "cls", "bow": "cls"}  # "base": the base's own
 GENERAL_DATASETS = ("scifact", "cacm", "cranfield")
 
 def merge(base: dict, changes: dict) -> dict:
@@ -51,7 +51,9 @@ def merge(base: dict, changes: dict) -> dict:
 # Fine-tuning: 200 steps of 32 queries, about one pass over the labelled set, each query with its positive and
 # one BM25 negative; lr 5e-4, a small model's rate (BERT-base's 2e-5 to 1e-4, scaled up as for BERT-tiny; at
 # 2e-4 the training loss had not moved from ln 64 after 20 steps). One torch thread per process, two processes
-# side by side: two threads in one process ran 3x slower per step on this shared machine (measured).
+# side by side: two threads in one process ran 3x slower per step on this shared machine (measured). Bag-of-words
+# prediction (`bow`) is an arm of the GPU scales only: at this scale the arms tie, and more CPU runs would not
+# tell them apart.
 CPU = {
     "scale": "cpu",
     "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "intermediate_size": 512},
@@ -66,7 +68,7 @@ CPU = {
     "eval": {"max_length": 128, "batch_size": 128},
     "pooling": dict(POOLING),
     "general": {"arms": {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3, "seed": 1, "costa": 1, "cotmae": 1},
-                "datasets": list(GENERAL_DATASETS)},
+                "datasets": list(GENERAL_DATASETS)},  # every arm but bow
     "curve": {"arm": "retromae", "seed": 0, "points": 4},
     # Domain adaptation: DupMAE† (§4) continues on the target corpus for about one pass; the fine-tuning adds
     # SciFact's training claims (the target is not SciFact). One target, Cranfield (225 judged queries, CACM has
@@ -83,7 +85,7 @@ CPU = {
 # --- gpu: one H100 / H200, 25 minutes or less (an estimate from FLOPs, docs/benchmarks.md: not yet measured) -------
 # Base: 6 layers, hidden 512 (25M parameters, 19M outside the embeddings); 7,700 MLM steps of 256 x 256 tokens =
 # 0.50B tokens, ~23 passes over the 22M tokens of text available (the text repeats). Each arm: 500 steps of
-# 128 x 256 tokens (16M encoder tokens). All seven arms at 3 seeds; fine-tuning 300 steps of 64 queries (~3 passes
+# 128 x 256 tokens (16M encoder tokens). All eight arms at 3 seeds; fine-tuning 300 steps of 64 queries (~3 passes
 # over the labelled set); the domain adaptation of the base on all three targets, of MiniLM on SciFact and
 # Cranfield. About 2.5e17 training FLOPs in all, ~100 processes six at a time.
 GPU = copy.deepcopy(CPU) | {
@@ -109,8 +111,8 @@ GPU = copy.deepcopy(CPU) | {
 # --- gpu-short: what fits about 4 minutes of one H100, data work included (make gpu-check's quality stage) ------
 # Still above the cpu scale: 4 layers x 512 (13M parameters outside the embeddings) and 1,600 MLM steps of
 # 512 x 128 tokens = 105M tokens of base pre-training, ~15 passes over the Wikipedia subset an allocation can
-# carry (make gpu-bundle) and the books. The four main arms, each 300 steps of 256 x 128 tokens (9.8M encoder
-# tokens), side by side; the same fine-tuning, 200 steps of 64 queries; SciFact, CACM and Cranfield. One seed an
+# carry (make gpu-bundle) and the books. The four main arms and bag-of-words prediction (whose step costs about an
+# mlm step's), each 300 steps of 256 x 128 tokens (9.8M encoder tokens), side by side; the same fine-tuning, 200 steps of 64 queries; SciFact, CACM and Cranfield. One seed an
 # allocation (`--seeds 0`, then `--seeds 1-2` in later ones): each rebuilds the same base from the same seed,
 # and the per-query scores merge into the results file. No domain part. Estimates until an allocation has run it.
 GPU_SHORT = merge(GPU, {
@@ -125,7 +127,7 @@ GPU_SHORT = merge(GPU, {
     "eval": {"max_length": 128, "batch_size": 512},
     "curve": {"arm": "retromae", "seed": 0, "points": 2},
 })
-GPU_SHORT["general"]["arms"] = {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3}
+GPU_SHORT["general"]["arms"] = {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3, "bow": 3}
 GPU_SHORT["domain"] = {"arms": {}, "bases": {}}
 SCALES = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}
 

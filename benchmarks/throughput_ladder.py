@@ -6,7 +6,7 @@ TFLOP/s, MFU and peak memory say what the switches so far buy together, and the 
 the last one buys. ALTERNATIVES are measured once on top of the whole ladder: a choice that replaces a rung's
 (Liger-Kernel's fused loss for the plain one) or changes what is computed (the fused decoder attention, which has
 no attention dropout). The first method climbs every rung; the others take the baseline and the top, so that
-their ratio to the first is measured at both ends. The peers: HF's Trainer with `BertForMaskedLM` (hf_trainer_mlm.py)
+their ratio to the first is measured at both ends, or the top alone (`--top-only`: a short job's cut). The peers: HF's Trainer with `BertForMaskedLM` (hf_trainer_mlm.py)
 and the official RetroMAE model re-stated (`--baseline`), at the same size, length and batch.
 """
 
@@ -53,10 +53,11 @@ class Plan:
     runs: list[tuple[str, str, list[str], int]] = field(default_factory=list)
 
 
-def plan(methods: list[str], batch: int, full: bool = True, skip: tuple[str, ...] = ()) -> Plan:
+def plan(methods: list[str], batch: int, full: bool = True, skip: tuple[str, ...] = (),
+         top_only: tuple[str, ...] = ()) -> Plan:
     """The runs for `methods`: the first climbs every rung (`full`), the others take the baseline and the top;
     then the alternatives of each method, on top of the whole ladder. Rungs and alternatives named in `skip` are
-    left out (a short job's cut)."""
+    left out, and the methods named in `top_only` (not the first) take the top rung alone (a short job's cuts)."""
     unknown = set(skip) - {r.name for r in (*LADDER, *ALTERNATIVES)} - {"baseline"}
     if unknown or "baseline" in skip:
         raise ValueError(f"--skip: {', '.join(sorted(unknown) or ['baseline'])}: not a rung one can skip (rungs: "
@@ -68,7 +69,13 @@ def plan(methods: list[str], batch: int, full: bool = True, skip: tuple[str, ...
         settings = {**settings, **_pairs(rung.overrides)}
         batch = rung.batch or batch
         steps.append((rung.name, [f"{k}={v}" for k, v in settings.items()], batch))
+    if methods and methods[0] in top_only or set(top_only) - set(methods):
+        raise ValueError(f"--top-only: {', '.join(top_only)}: each must be one of --methods after the first "
+                         f"({', '.join(methods[1:]) or 'none'})")
     for i, method in enumerate(methods):
+        if method in top_only:
+            out.runs.append((method, *steps[-1]))
+            continue
         climbed = steps if (i == 0 and full) else [steps[0], steps[-1]]
         out.runs += [(method, name, o, b) for name, o, b in climbed]
         out.runs += [(method, alt.name, [f"{k}={v}" for k, v in {**settings, **_pairs(alt.overrides)}.items()],
@@ -86,7 +93,7 @@ def run_ladder(args, base_argv: list[str]) -> int:
     and output), then the peers. A failing rung (an alternative the device cannot run, an out-of-memory batch) is
     recorded and the ladder goes on; returns 1 if any run failed."""
     failed = []
-    runs = plan(args.methods, args.batch, not args.ends_only, args.skip).runs
+    runs = plan(args.methods, args.batch, not args.ends_only, args.skip, args.top_only).runs
     peers = [("hf-trainer", [sys.executable, str(HERE / "hf_trainer_mlm.py"), *_shared(base_argv), "--batch",
                              str(args.batch)])]
     if "retromae" in args.methods:  # the official RetroMAE model re-stated, timed beside the engine's baseline rung

@@ -75,7 +75,8 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
         flops=lambda batch: train_flops(exp.method.name, exp.options, head.encoder.config, batch, adapters),
         # from the final checkpoint: ZeRO partitions consolidated, fp32 master weights under bf16/fp16
         export=lambda run_dir: export_checkpoint(run_dir, run_dir / "export", overwrite=True),
-        tags=run_tags(exp.method.name, exp.data.corpora, head.encoder.config), validation=validation)
+        tags=run_tags(exp.method.name, exp.data.corpora, head.encoder.config), validation=validation,
+        at_step=lambda step: head.set_step(step, exp.train.max_steps))
 
 
 def count_texts(batch: dict) -> tuple[int, int, int]:

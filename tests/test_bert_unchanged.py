@@ -1,5 +1,6 @@
 """BERT's losses and gradients on a fixed batch as recorded before the backbone interface: every head on the
-tiny BERT configs, in training mode (dropout on), seed 0 for the weights and the masks.
+tiny BERT configs, in training mode (dropout on), seed 0 for the weights and the masks. A method added after the
+interface (`bow`) has its values recorded when it was added, to the same end.
 
 tests/data/bert_losses.json holds the values as float.hex. On the machine that recorded them the backbone
 interface reproduced them bit for bit; the test allows a relative 1e-6, so that another CPU's kernels (other

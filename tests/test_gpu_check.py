@@ -40,7 +40,8 @@ def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     # what a job runs unless told (DEFAULT_STAGES: the speed ladder's job) fits the default budget
     assert gpu_check.DEFAULT_STAGES == ("install", "correctness", "profile", "mfu")
     default = _tool("--dry-run", "--bundle", str(tmp_path / "no-bundle"))
-    assert "--ladder --methods mlm retromae --skip batch-128 decoder-fused" in default.stdout
+    assert ("--ladder --methods mlm retromae bow --skip batch-128 decoder-fused vocab-liger --top-only bow"
+            in default.stdout)
     assert "--rung baseline --set model.vocab_loss=chunked" in default.stdout  # the profile of the ladder's ends
     total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0")
                 if stage.name in gpu_check.DEFAULT_STAGES)

@@ -138,7 +138,10 @@ def test_scales_follow_the_protocol():
     cpu, gpu = quality_plan.build_plan("cpu"), quality_plan.build_plan("gpu")
     for plan in (cpu, gpu):
         assert all(plan["general"]["arms"][arm] >= 3 for arm in ("none", "mlm", "retromae", "dupmae"))
-        assert set(plan["general"]["arms"]) == set(quality_plan.ARMS)
+    # bag-of-words prediction is measured at the GPU scales only: the CPU arms tie
+    assert set(gpu["general"]["arms"]) == set(quality_plan.ARMS) == set(cpu["general"]["arms"]) | {"bow"}
+    assert quality_plan.build_plan("gpu-short")["general"]["arms"]["bow"] == 3 and gpu["pooling"]["bow"] == "cls"
+    for plan in (cpu, gpu):
         assert set(plan["domain"]["bases"]) == {"base", "minilm"}
     assert cpu["pooling"]["dupmae"] == gpu["pooling"]["dupmae"] == "dupmae"  # eq. 12
     assert {cpu["pooling"][arm] for arm in ("retromae", "seed", "costa", "cotmae")} == {"cls"}
@@ -162,6 +165,7 @@ def test_recipe_scales_follow_its_protocol(capsys):
         assert all(plan["general"]["arms"].get(arm, 0) >= seeds for arm, seeds in arms["arms"].items())
         assert arms["steps"] is None or arms["steps"] in budget["points"]
         assert arms["poolings"] == ["cls", "mean"]
+        assert ("bow" in arms["arms"]) == (scale == "gpu-short")
     # an arms stage before its scale's budget is fixed is refused at once, before the data is looked at
     assert recipe.ARMS["gpu-short"]["steps"] is None
     with pytest.raises(SystemExit):

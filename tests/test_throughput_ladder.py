@@ -50,6 +50,16 @@ def test_a_short_job_skips_rungs_but_never_the_baseline():
     assert {alt.name for alt in ALTERNATIVES} == {"vocab-liger", "decoder-fused"}
 
 
+def test_a_method_may_take_the_top_rung_alone():
+    runs = plan(["mlm", "retromae", "bow"], 32, skip=("batch-128",), top_only=("bow",)).runs
+    assert [(r[0], r[1]) for r in runs if r[0] != "mlm"] == [
+        ("retromae", "baseline"), ("retromae", "batch-64"), ("retromae", "decoder-fused"), ("bow", "batch-64")]
+    assert [r for r in runs if r[0] == "bow"][0][2:] == [r for r in runs if r[0] == "mlm"][-2][2:]  # mlm's top
+    for top_only in (("mlm",), ("dupmae",)):  # the first climbs every rung; an unknown method is no cut
+        with pytest.raises(ValueError, match="--top-only: .*one of --methods after the first"):
+            plan(["mlm", "bow"], 32, top_only=top_only)
+
+
 @pytest.mark.parametrize("name,kind", [
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
     ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", "gemm"), ("ampere_bf16_s16816gemm_bf16_128x64", "gemm"),

@@ -112,13 +112,30 @@ class DupMAECollator(RetroMAECollator):
 
     def extend(self, out, batch, words, num_words, rng):
         super().extend(out, batch, words, num_words, rng)
-        ordinary = ordinary_positions(batch.lengths, batch.ids.shape[1])
-        unique = [np.unique(row[keep]) if not is_pad else np.empty(0, dtype=np.int64)
-                  for row, keep, is_pad in zip(batch.ids, ordinary, batch.pad)]
-        targets = np.full((len(unique), max(1, max(len(u) for u in unique))), -100, dtype=np.int64)
-        for row, u in enumerate(unique):
-            targets[row, :len(u)] = u
-        out["bow_targets"] = torch.from_numpy(targets)
+        out["bow_targets"] = bag_of_words_targets(batch, ordinary_positions(batch.lengths, batch.ids.shape[1]))
+
+
+@dataclass
+class BoWCollator(MLMCollator):
+    """Bag-of-words prediction batches: MLM keys plus `bow_targets` [B, U], the unique ordinary token ids of
+    each unmasked input, the tokenizer's special tokens ([UNK] ...) left out, padded with -100."""
+
+    mlm_ratio: float = 0.30
+
+    def extend(self, out, batch, words, num_words, rng):
+        keep = ordinary_positions(batch.lengths, batch.ids.shape[1]) & ~self.vocab.special[batch.ids]
+        out["bow_targets"] = bag_of_words_targets(batch, keep)
+
+
+def bag_of_words_targets(batch: Padded, keep: np.ndarray) -> torch.Tensor:
+    """[B, U]: the unique ids of each text at the positions `keep` [B, L], padded with -100; none for a stream
+    pad sample."""
+    unique = [np.unique(row[kept]) if not is_pad else np.empty(0, dtype=np.int64)
+              for row, kept, is_pad in zip(batch.ids, keep, batch.pad)]
+    targets = np.full((len(unique), max(1, max(len(u) for u in unique))), -100, dtype=np.int64)
+    for row, u in enumerate(unique):
+        targets[row, :len(u)] = u
+    return torch.from_numpy(targets)
 
 
 def next_token_labels(ids: np.ndarray, lengths: np.ndarray, pad: np.ndarray) -> np.ndarray:

@@ -70,6 +70,9 @@ class TrainingJob:
     export: Callable[[Path], Any]  # rank 0, after the final checkpoint: run_dir -> run_dir/export
     tags: dict  # MLflow run tags
     validation: Validation | None = None  # held-out batches scored every train.eval_every steps
+    # called with the optimizer step (0-based) each micro-batch computes, before its forward: a loss schedule
+    # over training (a resume gives it the checkpoint's step, so the schedule resumes exactly)
+    at_step: Callable[[int], None] | None = None
 
 
 def run_training(exp: RunExperiment, build_job: Callable[[Any, int], TrainingJob]) -> dict:
@@ -236,6 +239,8 @@ def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWi
                 samples, tokens, positions = job.count(batch)
                 flops = job.flops(batch)
                 batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
+                if job.at_step is not None:
+                    job.at_step(engine.global_steps)
                 out = engine(batch)
                 engine.backward(out["loss"])
                 boundary = engine.is_gradient_accumulation_boundary()  # asked before step(), which advances it

@@ -30,6 +30,10 @@ class PretrainingHead(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def set_step(self, step: int, max_steps: int) -> None:
+        """The optimizer step (0-based) of `max_steps` that the next forwards compute, told by the training loop
+        before each micro-batch: a head whose loss weights follow a schedule over training reads it."""
+
     def extra_state(self) -> dict[str, torch.Tensor]:
         """Every weight that is not the exported base model: MLM head, decoders, projections."""
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith(ENCODER_MODEL)}

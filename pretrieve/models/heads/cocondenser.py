@@ -72,8 +72,9 @@ class CoCondenserHead(CondenserHead):
         count = (labels != -100).sum()
         sums = torch.stack([self.encoder.token_loss(condensed, labels), self.encoder.token_loss(late, labels)]) * count
         column = torch.cat([sums[None], sums.new_zeros(len(labels) - 1, 2)])
-        # fp32 columns: a bf16 sum of a chunk's token losses would keep 3 significant digits
-        return torch.cat([late[:, 0].float(), column.float()], dim=1)
+        # fp32 at least: a bf16 sum of a chunk's token losses would keep 3 significant digits
+        dtype = torch.promote_types(late.dtype, torch.float32)
+        return torch.cat([late[:, 0].to(dtype), column.to(dtype)], dim=1)
 
     def forward(self, batch):
         labels = batch["mlm_labels"]

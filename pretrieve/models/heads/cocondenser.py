@@ -17,6 +17,7 @@ are normalised once, by the micro-batch's masked tokens, whatever the chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -36,6 +37,7 @@ class CoCondenserOptions(MethodOptions):
     head_layers: int = option(2, at_least=1)
     cross_device: bool = True  # every rank's spans are candidates (the released code gathers them)
     grad_cache: dict | None = None  # {chunk: N}: GradCache over the micro-batch's 2B spans (§3.3)
+    texts_per_sample: ClassVar[int] = 2  # two spans of each block: a GradCache chunk must split 2B texts
 
     def __post_init__(self):
         super().__post_init__()

@@ -66,6 +66,16 @@ DEFAULT_STAGES = ("install", "correctness", "profile", "mfu")
 # baseline and the top; the 128 micro-batch and the alternatives of the other methods wait for the next job
 LADDER_METHODS = ("mlm", "retromae")
 LADDER_SKIP = ("batch-128", "decoder-fused")
+# methods added since: each at the ladder's baseline and top rungs in a stage of its own (the default job is full),
+# with the overrides its paper trains with
+LADDER_NEW_METHODS = {"condenser": [], "cocondenser": ["method.grad_cache.chunk=16"]}
+
+
+def ladder_ends_of(bert_base: list[str], method: str, work: Path, overrides: list[str]) -> list[str]:
+    """The ladder's baseline and top rungs of `method` alone, its own overrides on each."""
+    return bert_base + ["--ladder", "--ends-only", "--no-peers", "--methods", method, "--skip", *LADDER_SKIP,
+                        *[a for o in overrides for a in ("--set", o)],
+                        "--out", str(work / "pretrain_throughput_gpu.json")]
 
 
 def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: str) -> list[Stage]:
@@ -137,6 +147,12 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
                          results=str(work / "unpadding_gpu.json"))]
               + [Command(qwen3 + ["--lora", str(rank)], results=str(work / "pretrain_throughput_gpu.json"))
                  for rank in (0, 16)]),
+        # the methods added since the first ladder job, at the ladder's baseline and top (ends only, no peers): 4 runs
+        # of ~35 s as the ladder's, coCondenser's GradCache (chunks of 16 of its 64 spans) encoding each span twice
+        Stage("mfu-methods", "the speed ladder's baseline and top rungs at BERT-base L512 bf16 for "
+              f"{', '.join(LADDER_NEW_METHODS)} (coCondenser through GradCache, chunks of 16 spans)", 160, 200,
+              [Command(ladder_ends_of(bert_base, method, work, extra), results=str(work / "pretrain_throughput_gpu.json"))
+               for method, extra in LADDER_NEW_METHODS.items()]),
         # the first job's quality stage had its data (39 s) and base (41 s) when its box ran out
         Stage("quality", "the quality study at --scale gpu-short: base -> arms -> the same fine-tuning -> eval", 240,
               300, merge_into + [Command([python, "benchmarks/quality.py", "--scale", "gpu-short", "--seeds", quality_seeds,

@@ -28,10 +28,14 @@ import json
 import time
 from pathlib import Path
 
-ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "costa", "cotmae")
+ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "condenser", "cocondenser")
+CPU_ARMS = ARMS[:7]  # the cpu study's, run and committed; the arms added since are for the gpu scales
 REFERENCES = ("none", "mlm")  # the arms every other is compared with
 POOLING = {"none": "base", "mlm": "base", "retromae": "cls", "dupmae": "dupmae", "seed": "cls", "costa": "cls",
-           "cotmae": "cls"}  # "base": the base's own
+           "cotmae": "cls", "condenser": "cls", "cocondenser": "cls"}  # "base": the base's own
+# an arm's own overrides of its tiny config: GradCache saves memory these small models do not need (its loss and
+# gradients are the one-graph ones: tests/test_equations_condenser.py), and would only encode each span twice
+ARM_OVERRIDES = {"cocondenser": ["method.grad_cache=null"]}
 GENERAL_DATASETS = ("scifact", "cacm", "cranfield")
 
 def merge(base: dict, changes: dict) -> dict:
@@ -64,7 +68,7 @@ CPU = {
     "finetune": {"steps": 200, "batch": 32, "lr": 5e-4, "negatives": 1, "temperature": 1.0, "query_max_len": 32,
                  "passage_max_len": 128, "warmup_ratio": 0.1},
     "eval": {"max_length": 128, "batch_size": 128},
-    "pooling": dict(POOLING),
+    "pooling": {arm: POOLING[arm] for arm in CPU_ARMS},
     "general": {"arms": {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3, "seed": 1, "costa": 1, "cotmae": 1},
                 "datasets": list(GENERAL_DATASETS)},
     "curve": {"arm": "retromae", "seed": 0, "points": 4},
@@ -98,6 +102,7 @@ GPU = copy.deepcopy(CPU) | {
     "finetune": {"steps": 300, "batch": 64, "lr": 1e-4, "negatives": 1, "temperature": 1.0, "query_max_len": 32,
                  "passage_max_len": 256, "warmup_ratio": 0.1},
     "eval": {"max_length": 256, "batch_size": 256},
+    "pooling": dict(POOLING),
     "general": {"arms": {arm: 3 for arm in ARMS}, "datasets": list(GENERAL_DATASETS)},
     "curve": {"arm": "retromae", "seed": 0, "points": 5},
     "domain": {"arms": {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3},
@@ -125,7 +130,7 @@ GPU_SHORT = merge(GPU, {
     "eval": {"max_length": 128, "batch_size": 512},
     "curve": {"arm": "retromae", "seed": 0, "points": 2},
 })
-GPU_SHORT["general"]["arms"] = {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3}
+GPU_SHORT["general"]["arms"] = {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3, "condenser": 3, "cocondenser": 3}
 GPU_SHORT["domain"] = {"arms": {}, "bases": {}}
 SCALES = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}
 

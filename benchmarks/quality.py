@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from quality_data import (build_labelled, check_no_leak, log, prepare, split_pretrain,  # noqa: E402
                           write_atomic)
-from quality_plan import REFERENCES, build_plan, fix_settings  # noqa: E402
+from quality_plan import ARM_OVERRIDES, REFERENCES, build_plan, fix_settings  # noqa: E402
 from quality_stats import per_query, plot_arms, plot_curve, summarize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -351,7 +351,8 @@ def arm_overrides(plan: dict, work: Path, text: dict, base: Path, arm: str, seed
     on_curve = (arm, seed) == (curve["arm"], curve["seed"])
     return run_overrides(plan, work, manifests, ["wikipedia", "books"], plan["pretrain"], seed,
                          checkpoints=curve["points"] if on_curve else 2,
-                         keep=curve["points"] if on_curve else 1) + [f"model.init_from={base}"]
+                         keep=curve["points"] if on_curve else 1) + [f"model.init_from={base}",
+                                                                      *ARM_OVERRIDES.get(arm, [])]
 
 
 def general_study(plan: dict, work: Path, text: dict, base: Path, labelled: dict, seeds: set[int] | None = None,

@@ -28,10 +28,14 @@ import json
 import time
 from pathlib import Path
 
-ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "bow")
+ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "bow", "condenser", "cocondenser")
+CPU_ARMS = ARMS[:7]  # the cpu study's, run and committed; the arms added since are for the gpu scales
 REFERENCES = ("none", "mlm")  # the arms every other is compared with
 POOLING = {"none": "base", "mlm": "base", "retromae": "cls", "dupmae": "dupmae", "seed": "cls", "costa": "cls",
-           "cotmae": "cls", "bow": "cls"}  # "base": the base's own
+           "cotmae": "cls", "bow": "cls", "condenser": "cls", "cocondenser": "cls"}  # "base": the base's own
+# an arm's own overrides of its tiny config: GradCache saves memory these small models do not need (its loss and
+# gradients are the one-graph ones: tests/test_equations_condenser.py), and would only encode each span twice
+ARM_OVERRIDES = {"cocondenser": ["method.grad_cache=null"]}
 GENERAL_DATASETS = ("scifact", "cacm", "cranfield")
 
 def merge(base: dict, changes: dict) -> dict:
@@ -51,9 +55,9 @@ def merge(base: dict, changes: dict) -> dict:
 # Fine-tuning: 200 steps of 32 queries, about one pass over the labelled set, each query with its positive and
 # one BM25 negative; lr 5e-4, a small model's rate (BERT-base's 2e-5 to 1e-4, scaled up as for BERT-tiny; at
 # 2e-4 the training loss had not moved from ln 64 after 20 steps). One torch thread per process, two processes
-# side by side: two threads in one process ran 3x slower per step on this shared machine (measured). Bag-of-words
-# prediction (`bow`) is an arm of the GPU scales only: at this scale the arms tie, and more CPU runs would not
-# tell them apart.
+# side by side: two threads in one process ran 3x slower per step on this shared machine (measured). The arms
+# added since this scale ran (CPU_ARMS: bag-of-words prediction, Condenser, coCondenser) are arms of the GPU
+# scales only: at this scale the arms tie, and more CPU runs would not tell them apart.
 CPU = {
     "scale": "cpu",
     "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "intermediate_size": 512},
@@ -66,9 +70,9 @@ CPU = {
     "finetune": {"steps": 200, "batch": 32, "lr": 5e-4, "negatives": 1, "temperature": 1.0, "query_max_len": 32,
                  "passage_max_len": 128, "warmup_ratio": 0.1},
     "eval": {"max_length": 128, "batch_size": 128},
-    "pooling": dict(POOLING),
+    "pooling": {arm: POOLING[arm] for arm in CPU_ARMS},
     "general": {"arms": {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3, "seed": 1, "costa": 1, "cotmae": 1},
-                "datasets": list(GENERAL_DATASETS)},  # every arm but bow
+                "datasets": list(GENERAL_DATASETS)},  # CPU_ARMS
     "curve": {"arm": "retromae", "seed": 0, "points": 4},
     # Domain adaptation: DupMAE† (§4) continues on the target corpus for about one pass; the fine-tuning adds
     # SciFact's training claims (the target is not SciFact). One target, Cranfield (225 judged queries, CACM has
@@ -100,6 +104,7 @@ GPU = copy.deepcopy(CPU) | {
     "finetune": {"steps": 300, "batch": 64, "lr": 1e-4, "negatives": 1, "temperature": 1.0, "query_max_len": 32,
                  "passage_max_len": 256, "warmup_ratio": 0.1},
     "eval": {"max_length": 256, "batch_size": 256},
+    "pooling": dict(POOLING),
     "general": {"arms": {arm: 3 for arm in ARMS}, "datasets": list(GENERAL_DATASETS)},
     "curve": {"arm": "retromae", "seed": 0, "points": 5},
     "domain": {"arms": {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3},
@@ -127,7 +132,8 @@ GPU_SHORT = merge(GPU, {
     "eval": {"max_length": 128, "batch_size": 512},
     "curve": {"arm": "retromae", "seed": 0, "points": 2},
 })
-GPU_SHORT["general"]["arms"] = {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3, "bow": 3}
+GPU_SHORT["general"]["arms"] = {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3, "bow": 3, "condenser": 3,
+                                "cocondenser": 3}
 GPU_SHORT["domain"] = {"arms": {}, "bases": {}}
 SCALES = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}
 

@@ -93,7 +93,20 @@ def run_ladder(args, base_argv: list[str]) -> int:
     and output), then the peers. A failing rung (an alternative the device cannot run, an out-of-memory batch) is
     recorded and the ladder goes on; returns 1 if any run failed."""
     failed = []
+    for name, argv in ladder_commands(args, base_argv):
+        print(f"ladder: {name}: {' '.join(argv[2:])}", flush=True)
+        if subprocess.run(argv).returncode != 0:
+            failed.append(name)
+    if failed:
+        print(f"ladder: failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def ladder_commands(args, base_argv: list[str]) -> list[tuple[str, list[str]]]:
+    """(name, argv) of each process the ladder runs, in order. `args.set` (--set) goes to every run of the
+    engine, before the rung's own settings."""
     runs = plan(args.methods, args.batch, not args.ends_only, args.skip, args.top_only).runs
+    own = [a for o in args.set for a in ("--set", o)]
     peers = [("hf-trainer", [sys.executable, str(HERE / "hf_trainer_mlm.py"), *_shared(base_argv), "--batch",
                              str(args.batch)])]
     if "retromae" in args.methods:  # the official RetroMAE model re-stated, timed beside the engine's baseline rung
@@ -101,21 +114,17 @@ def run_ladder(args, base_argv: list[str]) -> int:
                                             "--method", "retromae", "--batch", str(args.batch), "--rung",
                                             "official-retromae", "--baseline-only"]))
     first = [r for r in runs if r[0] == args.methods[0]]
+    commands = []
     # the first method's ladder, then the peers, then the other methods: a job cut short keeps the ratios to peers
     for item in [*first, *(peers if args.peers else []), *runs[len(first):]]:
         if isinstance(item[1], list):  # a peer: (name, argv)
-            name, argv = item
-        else:
-            method, rung, overrides, batch = item
-            name = f"{method}/{rung}"
-            argv = [sys.executable, str(HERE / "pretrain_throughput.py"), *base_argv, "--method", method,
-                    "--batch", str(batch), "--rung", rung, *[a for o in overrides for a in ("--set", o)]]
-        print(f"ladder: {name}: {' '.join(argv[2:])}", flush=True)
-        if subprocess.run(argv).returncode != 0:
-            failed.append(name)
-    if failed:
-        print(f"ladder: failed: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
+            commands.append(item)
+            continue
+        method, rung, overrides, batch = item
+        commands.append((f"{method}/{rung}", [sys.executable, str(HERE / "pretrain_throughput.py"), *base_argv,
+                                              "--method", method, "--batch", str(batch), "--rung", rung, *own,
+                                              *[a for o in overrides for a in ("--set", o)]]))
+    return commands
 
 
 def _shared(argv: list[str]) -> list[str]:

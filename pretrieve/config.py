@@ -268,15 +268,18 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
 
 def _check_grad_cache(options: Any, train: TrainOptions, problems: Problems) -> None:
     """A GradCache chunk must split the micro-batch: its largest group is the pairs' negatives (B x negatives
-    texts) when there are more than one a pair, else the B queries and the B passages."""
+    texts) when there are more than one a pair, else the B queries and the B passages; a method whose samples
+    give several texts each (coCondenser's two spans) says how many in its options' `texts_per_sample`."""
     from pretrieve.models.grad_cache import whole_batch_problem
 
     if getattr(options, "grad_cache", None) is None:
         return
-    per = max(1, getattr(options, "negatives", 0))
+    negatives = getattr(options, "negatives", 0)
+    per, why = (negatives, "method.negatives") if negatives > 1 else (getattr(options, "texts_per_sample", 1),
+                                                                      "texts per sample")
     rows = train.micro_batch_size * per
     what = (f"the {rows} texts of the micro-batch's largest group (train.micro_batch_size "
-            f"{train.micro_batch_size}{f' x method.negatives {per}' if per > 1 else ''})")
+            f"{train.micro_batch_size}{f' x {why} {per}' if per > 1 else ''})")
     try:
         problem = whole_batch_problem(options.grad_cache, "method", rows, what)
     except ValueError:  # a malformed grad_cache: the method's own check says so

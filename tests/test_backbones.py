@@ -115,7 +115,8 @@ def test_query_stream_positions_follow_the_backbone(corpora):
 @pytest.mark.parametrize("backbone,method", [("roberta", "dupmae"), ("xlm-roberta", "cotmote"),
                                              ("modernbert", "retromae"),
                                              *(("bert", "bow"), ("roberta", "bow"), ("xlm-roberta", "bow"),
-                                               ("modernbert", "bow"))])
+                                               ("modernbert", "bow")), ("bert", "condenser"),
+                                             ("modernbert", "cocondenser")])
 def test_exports_load_in_automodel_and_sentence_transformers(backbone, method, corpora, tmp_path):
     from sentence_transformers import SentenceTransformer
 

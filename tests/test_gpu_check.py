@@ -28,20 +28,23 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
 
 def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     done = _tool("--dry-run", "--stages", "all", "--bundle", str(tmp_path / "no-bundle"))
-    for index, name in enumerate(("install", "correctness", "attention", "profile", "mfu", "mfu-models", "quality",
-                                  "recipe"), start=1):
+    for index, name in enumerate(("install", "correctness", "attention", "profile", "mfu", "mfu-models",
+                                  "mfu-methods", "quality", "recipe"), start=1):
         assert f"{index}. {name}" in done.stdout
     total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0"))
     assert f"estimated total {total} s of 540 s" in done.stdout
-    # 8 records, the summary and the logs: more than a job returns
-    assert done.returncode == 1 and "10 files of the 8 a job returns: TOO MANY" in done.stdout
+    # 9 records, the summary and the logs: more than a job returns
+    assert done.returncode == 1 and "11 files of the 8 a job returns: TOO MANY" in done.stdout
+    # the methods added since the first ladder job: their ladder ends, coCondenser through GradCache
+    assert "--ladder --ends-only --no-peers --methods bow --skip batch-128 decoder-fused --out" in done.stdout
+    assert ("--ladder --ends-only --no-peers --methods cocondenser --skip batch-128 decoder-fused --set "
+            "method.grad_cache.chunk=16") in done.stdout
     assert "make gpu-bundle" in done.stdout  # no bundle: said, since the install then needs network
 
     # what a job runs unless told (DEFAULT_STAGES: the speed ladder's job) fits the default budget
     assert gpu_check.DEFAULT_STAGES == ("install", "correctness", "profile", "mfu")
     default = _tool("--dry-run", "--bundle", str(tmp_path / "no-bundle"))
-    assert ("--ladder --methods mlm retromae bow --skip batch-128 decoder-fused vocab-liger --top-only bow"
-            in default.stdout)
+    assert "--ladder --methods mlm retromae --skip batch-128 decoder-fused --out" in default.stdout
     assert "--rung baseline --set model.vocab_loss=chunked" in default.stdout  # the profile of the ladder's ends
     total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0")
                 if stage.name in gpu_check.DEFAULT_STAGES)

@@ -11,7 +11,7 @@ from pretrieve.models.heads import get_method
 from pretrieve.models.heads.dupmae import bag_of_words_loss, ot_vector
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
-METHODS = ["mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "cotmote", "bow"]
+METHODS = ["mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "cotmote", "bow", "condenser", "cocondenser"]
 
 
 def tiny(method: str, **overrides):
@@ -28,7 +28,8 @@ def test_forward_backward_and_loss_falls(method, wiki_samples, vocab):
     out = head(batch)
     expected_parts = {"mlm": ["mlm"], "retromae": ["mlm", "dec"], "dupmae": ["mlm", "dec", "bow"],
                       "seed": ["mlm", "dec"], "costa": ["mlm", "csp"], "cotmae": ["mlm", "dec"],
-                      "cotmote": ["mlm", "dec"], "bow": ["mlm", "bow"]}[method]
+                      "cotmote": ["mlm", "dec"], "bow": ["mlm", "bow"], "condenser": ["mlm", "head"],
+                      "cocondenser": ["mlm", "head", "co"]}[method]
     assert set(out) == {"loss", *expected_parts}
     out["loss"].backward()
     # query experts only learn from query texts; this batch is all passages
@@ -101,7 +102,7 @@ def test_every_config_loads(path, vocab):
         assert model.hidden_size <= 64 and model.num_layers <= 2
     else:  # the paper settings (contrastive: E5-base's pre-training, 128 tokens; mntp: LLM2Vec's on Qwen3-0.6B;
         # llama2vec: the paper's on LLaMA-2-7B)
-        shape = {"contrastive": (768, 12, 128), "mntp": (1024, 28, 512),
+        shape = {"contrastive": (768, 12, 128), "cocondenser": (768, 12, 128), "mntp": (1024, 28, 512),
                  "llama2vec": (4096, 32, 1024)}.get(spec.name, (768, 12, 512))
         assert (model.hidden_size, model.num_layers, options.max_len) == shape
         schedule = {"costa": (5e-5, 0.1, 0.01), "seed": (1e-4, 0.01, 0.01), "contrastive": (2e-4, 0.05, 0.01),

@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import quality  # noqa: E402
 import quality_data  # noqa: E402
 import quality_plan  # noqa: E402
 import quality_stats  # noqa: E402
@@ -138,11 +139,13 @@ def test_scales_follow_the_protocol():
     cpu, gpu = quality_plan.build_plan("cpu"), quality_plan.build_plan("gpu")
     for plan in (cpu, gpu):
         assert all(plan["general"]["arms"][arm] >= 3 for arm in ("none", "mlm", "retromae", "dupmae"))
-    # bag-of-words prediction is measured at the GPU scales only: the CPU arms tie
-    assert set(gpu["general"]["arms"]) == set(quality_plan.ARMS) == set(cpu["general"]["arms"]) | {"bow"}
-    assert quality_plan.build_plan("gpu-short")["general"]["arms"]["bow"] == 3 and gpu["pooling"]["bow"] == "cls"
-    for plan in (cpu, gpu):
         assert set(plan["domain"]["bases"]) == {"base", "minilm"}
+    # the cpu study ran its arms; the arms added since (bow, condenser, cocondenser) are for the gpu scales: the CPU
+    # arms tie
+    assert set(cpu["general"]["arms"]) == set(quality_plan.CPU_ARMS) < set(quality_plan.ARMS)
+    assert set(gpu["general"]["arms"]) == set(gpu["pooling"]) == set(quality_plan.ARMS)
+    assert {"bow", "condenser", "cocondenser"} <= set(quality_plan.build_plan("gpu-short")["general"]["arms"])
+    assert gpu["pooling"]["bow"] == "cls"
     assert cpu["pooling"]["dupmae"] == gpu["pooling"]["dupmae"] == "dupmae"  # eq. 12
     assert {cpu["pooling"][arm] for arm in ("retromae", "seed", "costa", "cotmae")} == {"cls"}
     assert gpu["model"]["hidden_size"] == 512 and 4 <= gpu["model"]["num_layers"] <= 8
@@ -202,3 +205,13 @@ def test_settings_are_fixed_at_the_first_run(tmp_path):
     changed = quality_plan.build_plan("cpu", sets=["finetune.lr=0.001"])
     with pytest.raises(ValueError, match=r"finetune\.lr = 0\.0005; this run has 0\.001"):
         quality_plan.fix_settings(tmp_path, changed)
+
+
+def test_every_arm_has_a_config_that_takes_its_own_overrides():
+    """Each pre-training arm's tiny config loads with the arm's own overrides: cocondenser without GradCache."""
+    from pretrieve.config import load_config, method_options
+
+    for arm in quality_plan.ARMS[1:]:
+        config = load_config(quality.config_of(arm), quality_plan.ARM_OVERRIDES.get(arm, []))
+        method, options = method_options(config)
+        assert method.name == arm and getattr(options, "grad_cache", None) is None

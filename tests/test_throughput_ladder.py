@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from pretrain_throughput import device_shares, kernel_kind  # noqa: E402
-from throughput_ladder import ALTERNATIVES, LADDER, plan  # noqa: E402
+from throughput_ladder import ALTERNATIVES, LADDER, ladder_commands, plan  # noqa: E402
 
 
 def _settings(overrides: list[str]) -> dict:
@@ -58,6 +59,17 @@ def test_a_method_may_take_the_top_rung_alone():
     for top_only in (("mlm",), ("dupmae",)):  # the first climbs every rung; an unknown method is no cut
         with pytest.raises(ValueError, match="--top-only: .*one of --methods after the first"):
             plan(["mlm", "bow"], 32, top_only=top_only)
+
+
+def test_set_goes_to_every_run_of_the_engine_before_the_rungs_settings():
+    """coCondenser's GradCache chunk (the GPU job's mfu-methods stage) reaches both of its ladder runs."""
+    args = SimpleNamespace(methods=["cocondenser"], batch=32, ends_only=True, skip=("batch-128",), top_only=(), peers=False,
+                           set=["method.grad_cache.chunk=16"])
+    commands = ladder_commands(args, ["--size", "base"])
+    assert [name for name, _ in commands] == ["cocondenser/baseline", "cocondenser/batch-64"]
+    for _, argv in commands:
+        rung = argv.index("--rung")
+        assert argv[rung + 2:rung + 4] == ["--set", "method.grad_cache.chunk=16"]
 
 
 @pytest.mark.parametrize("name,kind", [

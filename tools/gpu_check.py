@@ -63,11 +63,19 @@ class Stage:
 # measured 9.1 % MFU); the quality and recipe stages follow in the job after
 DEFAULT_STAGES = ("install", "correctness", "profile", "mfu")
 # the ladder's BERT-base L512 runs (benchmarks/throughput_ladder.py): mlm climbs every rung, retromae takes the
-# baseline and the top, bag-of-words prediction the top alone (its ratio to mlm where both run fastest); the 128
-# micro-batch and the alternatives wait for the next job: with Liger's loss for mlm, bow's run would not fit 540 s
-LADDER_METHODS = ("mlm", "retromae", "bow")
-LADDER_TOP_ONLY = ("bow",)
-LADDER_SKIP = ("batch-128", "decoder-fused", "vocab-liger")
+# baseline and the top; the 128 micro-batch and the alternatives of the other methods wait for the next job
+LADDER_METHODS = ("mlm", "retromae")
+LADDER_SKIP = ("batch-128", "decoder-fused")
+# methods added since: each at the ladder's baseline and top rungs in a stage of its own (the default job is full),
+# with the overrides its paper trains with
+LADDER_NEW_METHODS = {"bow": [], "condenser": [], "cocondenser": ["method.grad_cache.chunk=16"]}
+
+
+def ladder_ends_of(bert_base: list[str], method: str, work: Path, overrides: list[str]) -> list[str]:
+    """The ladder's baseline and top rungs of `method` alone, its own overrides on each."""
+    return bert_base + ["--ladder", "--ends-only", "--no-peers", "--methods", method, "--skip", *LADDER_SKIP,
+                        *[a for o in overrides for a in ("--set", o)],
+                        "--out", str(work / "pretrain_throughput_gpu.json")]
 
 
 def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: str) -> list[Stage]:
@@ -89,7 +97,7 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
                     "--warmup", "4"]
     bert_base = bert_base_at + ["--batch", "32"]
     throughput = bert_base + ["--out", str(work / "pretrain_throughput_gpu.json")]
-    ladder = bert_base + ["--ladder", "--methods", *LADDER_METHODS, "--skip", *LADDER_SKIP, "--top-only", *LADDER_TOP_ONLY,
+    ladder = bert_base + ["--ladder", "--methods", *LADDER_METHODS, "--skip", *LADDER_SKIP,
                           "--out", str(work / "pretrain_throughput_gpu.json")]
     ends = ladder_ends()
     qwen3 = [python, "benchmarks/pretrain_throughput.py", "--method", "llama2vec", "--size", "qwen3-0.6b", "--seq-len",
@@ -124,8 +132,7 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
               + [Command([python, "benchmarks/two_stream_attention.py", "--lengths", "512",
                           "--out", str(work / "two_stream_attention.json")],
                          results=str(work / "two_stream_attention.json"))]),
-        # each run ~30 s (the first job: 34 s for a 12-step run, start-up included), the compiled rung more: mlm's
-        # 6 rungs, the 2 peers, retromae's 2 ends and bow's top, 11 runs
+        # each run ~30 s (the first job: 34 s for a 12-step run, start-up included), the compiled rung more
         Stage("mfu", "the speed ladder at BERT-base L512 bf16 (each switch on top of the ones before, each rung "
               f"its own process: {', '.join(LADDER_METHODS)}) and its peers, HF's Trainer with BertForMaskedLM and "
               "the official RetroMAE model re-stated", 330, 360,
@@ -140,20 +147,27 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
                          results=str(work / "unpadding_gpu.json"))]
               + [Command(qwen3 + ["--lora", str(rank)], results=str(work / "pretrain_throughput_gpu.json"))
                  for rank in (0, 16)]),
-        # the first job's quality stage had its data (39 s) and base (41 s) when its box ran out; bow's arm adds a
-        # pre-training run beside the other three (4 side by side), one fine-tuning and its evaluations: ~20 s
-        Stage("quality", "the quality study at --scale gpu-short: base -> arms -> the same fine-tuning -> eval", 260,
-              320, merge_into + [Command([python, "benchmarks/quality.py", "--scale", "gpu-short", "--seeds", quality_seeds,
+        # the methods added since the first ladder job, at the ladder's baseline and top (ends only, no peers): 6 runs
+        # of ~35 s as the ladder's, coCondenser's GradCache (chunks of 16 of its 64 spans) encoding each span twice
+        Stage("mfu-methods", "the speed ladder's baseline and top rungs at BERT-base L512 bf16 for "
+              f"{', '.join(LADDER_NEW_METHODS)} (coCondenser through GradCache, chunks of 16 spans)", 230, 280,
+              [Command(ladder_ends_of(bert_base, method, work, extra), results=str(work / "pretrain_throughput_gpu.json"))
+               for method, extra in LADDER_NEW_METHODS.items()]),
+        # the first job's quality stage had its data (39 s) and base (41 s) when its box ran out; each arm added since
+        # (bow, condenser, cocondenser) adds a pre-training run, one fine-tuning and its evaluations: ~20 s each
+        Stage("quality", "the quality study at --scale gpu-short: base -> arms -> the same fine-tuning -> eval", 300,
+              360, merge_into + [Command([python, "benchmarks/quality.py", "--scale", "gpu-short", "--seeds", quality_seeds,
                              "--data", str(bundle / "data"), "--out", str(work / "quality"),
                              "--results", str(work / "quality-gpu.json")],
                             results=str(work / "quality-gpu.json"))]),
         # BGE's recipe on the quality stage's base (the same work folder: a job running both trains it once). Not yet
         # run: data 39 s and base 41 s as the quality stage's; the pairs ~20 s on 8 workers; three 1,600-step runs of
         # 512 pairs side by side ~140 s (the base's steps read 0.8x the tokens); 45 evaluations 4 at a time ~120 s;
-        # bow's arm (the arms stage) two more contrastive runs and their evaluations, ~40 s
+        # the arms added since (bow, condenser, cocondenser: the arms stage) two more contrastive runs each and their
+        # evaluations, ~20-40 s each
         Stage("recipe", "BGE's recipe at --scale gpu-short: the contrastive budget curve of `none`, or, once the "
               "budget is fixed from it, the arms: pre-training -> contrastive -> fine-tuning -> eval, [CLS] and mean",
-              440, 520, recipe),
+              480, 540, recipe),
     ]
 
 

@@ -48,7 +48,7 @@ class MLMCollator:
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         rng = self._rng(samples)
-        batch = self.pad(samples)
+        batch = self.pad(self.texts(samples, rng))
         words, num_words = word_ids(batch.ids, batch.lengths, self.vocab)
         masked = whole_word_mask(words, num_words, batch.lengths - 2, self.mlm_ratio, rng)
         masked[batch.pad] = False
@@ -62,6 +62,10 @@ class MLMCollator:
     def extend(self, out: dict, batch: Padded, words: np.ndarray, num_words: np.ndarray,
                rng: np.random.Generator) -> None:
         """Method-specific keys; the MLM baseline has none."""
+
+    def texts(self, samples: list[dict], rng: np.random.Generator) -> list[dict]:
+        """The encoder's texts of a batch: each sample's block (coCondenser's collator cuts two spans from each)."""
+        return samples
 
     def pad(self, samples: list[dict]) -> Padded:
         if not samples:
@@ -227,6 +231,38 @@ class COSTACollator(MLMCollator):
                               self.spans_per_level, self.span_alpha, self.span_beta)
         bounds[batch.pad] = -1  # a pad sample carries no target: without spans it is no anchor of eq. (8)
         out["span_bounds"] = torch.from_numpy(bounds)
+
+
+@dataclass
+class CoCondenserCollator(MLMCollator):
+    """coCondenser batches: two spans of each sample's block, one after the other (rows 2i and 2i + 1 are
+    sample i's), each masked for MLM as a text of its own, plus `pad` [2B] (the spans of a stream pad sample,
+    which are neither anchors nor candidates of the contrastive loss).
+
+    The block is cut into max(2, ceil(tokens / span_len)) windows of equal length (each at most `span_len`
+    tokens, `span_len` None: max_len - 2) and two different windows are drawn: two disjoint spans of one
+    document, as the released data holds documents as lists of spans and samples two of them. A block of one
+    token gives that token twice."""
+
+    mlm_ratio: float = 0.15
+    max_len: int = 128
+    span_len: int | None = None
+
+    def texts(self, samples, rng):
+        room = self.max_len - 2 if self.span_len is None else min(self.span_len, self.max_len - 2)
+        spans = []
+        for sample in samples:
+            ids = np.asarray(sample["ids"])
+            cuts = max(2, -(-len(ids) // room))
+            edges = np.linspace(0, len(ids), cuts + 1).round().astype(np.int64)
+            for window in rng.choice(cuts, size=2, replace=False):
+                start, end = edges[window], edges[window + 1]
+                piece = ids[start:end] if end > start else ids[:1]
+                spans.append({**sample, "ids": piece})
+        return spans
+
+    def extend(self, out, batch, words, num_words, rng):
+        out["pad"] = torch.from_numpy(batch.pad)
 
 
 def _from_options(cls, options, vocab: Vocabulary, seed: int):

@@ -238,6 +238,25 @@ class Encoder(nn.Module):
         hidden = self.backbone.packed_forward(self.model, packed.pack(input_ids), packed, attention_mask)
         return packed.unpack(hidden)
 
+    def forward_with_early(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last hidden states, the states after the first `layer` layers), both [B, L, hidden], from one pass:
+        Condenser's late and early representations. A forward hook on that layer reads them, so the padded,
+        unpadded, checkpointed and compiled stacks all give them; it is removed before any backward, so a
+        checkpointed layer's recomputation does not fire it."""
+        layers = self.backbone.layers(self.model)
+        if not 1 <= layer <= len(layers):
+            raise ValueError(f"early layer {layer}: the encoder has layers 1..{len(layers)}")
+        early = []
+        handle = layers[layer - 1].register_forward_hook(
+            lambda module, args, out: early.append(out[0] if isinstance(out, tuple) else out))
+        try:
+            last = self(input_ids, attention_mask)
+        finally:
+            handle.remove()
+        states = early[0]
+        return last, unpadding.Packed.of(attention_mask).unpack(states) if self.unpad else states
+
     @property
     def output_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the token predictions' output weights, an untied LM head's or the word embeddings."""

@@ -1,0 +1,108 @@
+"""`cocondenser`: coCondenser (Gao & Callan 2022, arXiv 2108.05540 §3.2-3.3, eqs. 6-7): Condenser (heads/condenser.py)
+plus a corpus-aware contrastive loss over the [CLS] states of two spans of each document.
+
+For the n documents of the global batch, each with spans s_i1 and s_i2 and late [CLS] states h_ij (eq. 6):
+L^co_ij = -log( exp(<h_ij, h_ij'>) / sum_{k, l: kl != ij} exp(<h_ij, h_kl>) ), j' the document's other span; the
+candidates are every span of every rank (gathered in rank order, with gradients; models/infonce.py) but h_ij
+itself and the stream pad samples' spans. The loss (eq. 7) adds the Condenser MLM losses, token means over the
+masked positions of every span, and the mean of L^co over the spans.
+
+GradCache (§3.3; models/grad_cache.py), `grad_cache: {chunk: N}`: the 2B spans are encoded N at a time without a
+graph, the contrastive loss's gradient with respect to their [CLS] states is taken on the whole (global) batch,
+and each chunk is encoded again and back-propagated with its slice of it. The chunk's MLM losses travel with its
+[CLS] states as two more columns (their sums over the chunk's masked tokens, on its first row), so the MLM terms
+are normalised once, by the micro-batch's masked tokens, whatever the chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from pretrieve.data.collators import CoCondenserCollator
+from pretrieve.models.grad_cache import encode_in_chunks, grad_cache_of
+from pretrieve.models.heads.condenser import CondenserHead, condenser_flops
+from pretrieve.models.heads.registry import MethodOptions, option, register_method
+from pretrieve.models.infonce import gather_candidates, info_nce, world
+
+
+@dataclass
+class CoCondenserOptions(MethodOptions):
+    max_len: int = option(128, at_least=3, why="[CLS], a token, [SEP]")  # a span with its special tokens
+    mlm_ratio: float = option(0.15, above=0, at_most=1)  # the released collator's mlm_probability
+    span_len: int | None = option(None, at_least=1)  # tokens of a span at most; None: max_len - 2
+    skip_from: int | None = option(None, at_least=1)  # as condenser's: None, half the encoder's layers
+    head_layers: int = option(2, at_least=1)
+    cross_device: bool = True  # every rank's spans are candidates (the released code gathers them)
+    grad_cache: dict | None = None  # {chunk: N}: GradCache over the micro-batch's 2B spans (§3.3)
+    texts_per_sample: ClassVar[int] = 2  # two spans of each block: a GradCache chunk must split 2B texts
+
+    def __post_init__(self):
+        super().__post_init__()
+        grad_cache_of(self.grad_cache, "method")
+
+
+def span_contrastive_loss(reps: torch.Tensor, pad: torch.Tensor, first: int, rows: int) -> torch.Tensor:
+    """Sum of eq. (6) over the anchors reps[first : first + rows] that are real spans; `reps` [N, d] holds every
+    candidate span, documents in pairs (2i, 2i + 1), `pad` [N] the stream pad samples' spans (no anchors, no
+    candidates)."""
+    anchors = torch.arange(first, first + rows, device=reps.device)
+    scores = reps[first:first + rows] @ reps.T  # [rows, N]
+    rows_at = torch.arange(rows, device=reps.device)
+    excluded = pad[None, :].expand_as(scores).clone()
+    excluded[rows_at, anchors ^ 1] = False  # never the positive: a pad sample's row stays finite (and is dropped)
+    excluded[rows_at, anchors] = True  # a span is not its own candidate
+    losses = info_nce(scores, anchors ^ 1, excluded)
+    return losses.masked_fill(pad[first:first + rows], 0.0).sum()
+
+
+class CoCondenserHead(CondenserHead):
+    """L = L_mlm(head) + L_mlm(late) + L_co (eq. 7), see the module docstring."""
+
+    def __init__(self, encoder, options):
+        super().__init__(encoder, options)
+        cache = grad_cache_of(options.grad_cache, "method")
+        self.chunk = None if cache is None else cache.chunk
+        self.grad_cache = True  # with a chunk: GradCache; False: the chunks under one graph (its reference)
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """[rows, d + 2]: each span's late [CLS] state, then the chunk's summed head and late MLM losses on its
+        first row (zeros below), so that any chunking adds up to the same sums."""
+        late, condensed = self.condense(input_ids, attention_mask)
+        count = (labels != -100).sum()
+        sums = torch.stack([self.encoder.token_loss(condensed, labels), self.encoder.token_loss(late, labels)]) * count
+        column = torch.cat([sums[None], sums.new_zeros(len(labels) - 1, 2)])
+        # fp32 at least: a bf16 sum of a chunk's token losses would keep 3 significant digits
+        dtype = torch.promote_types(late.dtype, torch.float32)
+        return torch.cat([late[:, 0].to(dtype), column.to(dtype)], dim=1)
+
+    def forward(self, batch):
+        labels = batch["mlm_labels"]
+        params = [p for p in self.parameters() if p.requires_grad]
+        group = (batch["input_ids"], batch["attention_mask"], labels)
+        (out,) = encode_in_chunks(self.encode, [group], self.chunk, params, cache=self.grad_cache)
+        reps, sums = out[:, :-2], out[:, -2:].sum(dim=0)
+        masked = (labels != -100).sum().clamp(min=1)
+        head, mlm = sums[0] / masked, sums[1] / masked
+        pad = batch["pad"].bool()
+        all_reps, first = gather_candidates(reps, self.options.cross_device)
+        all_pad, _ = gather_candidates(pad, self.options.cross_device)
+        # each rank's sum over its spans, divided by the global batch's spans over the world size: the ranks'
+        # mean (DeepSpeed's) is the global batch's mean also where the ranks hold different numbers of real spans
+        spans = (~all_pad).sum()
+        rank_count = world()[1]
+        if rank_count > 1 and not self.options.cross_device:
+            torch.distributed.all_reduce(spans)
+        co = span_contrastive_loss(all_reps, all_pad, first, len(reps)) * rank_count / spans.clamp(min=1)
+        return {"loss": head + mlm + co, "mlm": mlm.detach(), "head": head.detach(), "co": co.detach()}
+
+
+def cocondenser_flops(options, config, batch: dict[str, torch.Tensor]) -> int:
+    """Condenser's head over the 2B spans; the span score matrix (2B x 2B x h, well under 1%) is left out, and so
+    is GradCache's second encoding (recomputation, as activation checkpointing's)."""
+    return condenser_flops(options, config, batch)
+
+
+register_method("cocondenser", CoCondenserHead, CoCondenserCollator, CoCondenserOptions, flops=cocondenser_flops)

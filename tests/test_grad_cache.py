@@ -86,13 +86,9 @@ def test_negatives_across_two_ranks_keep_each_rows_own_positive(vocab, chunk, ex
     (accuracy 1 on both ranks: a positive taken from the wrong rank's slot scores lower), and the ranks' mean
     loss and gradients are those of the 8 pairs in one process (with GradCache too, and with Matryoshka
     dimensions: the full-width vectors gathered once, each prefix cut from them)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = int(free_port())
     results = mp.Manager().dict()
     mp.start_processes(_cross_rank_worker, args=(2, port, vocab, chunk, results, extra), nprocs=2, join=True,
                        start_method="spawn")

@@ -6,6 +6,7 @@ from itertools import islice
 import numpy as np
 import pytest
 import torch
+from conftest import free_port
 
 from pretrieve.data.collators import COSTACollator, CoTMAECollator
 from pretrieve.data.neighbours import NeighbourBlocks
@@ -131,17 +132,13 @@ def _gather_worker(rank, world, port, texts, spans, valid, results):
 def test_costa_loss_all_gather_two_gloo_processes():
     """Two ranks with two texts each, gathered: the mean of their losses is the one-process loss of all four
     texts, and each rank's text gradients are that loss's gradients (scaled by the rank count)."""
-    import socket
-
     import torch.multiprocessing as mp
 
     torch.manual_seed(1)
     texts, spans = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 5, 8, dtype=torch.float64)
     valid = torch.rand(4, 5) > 0.3
     valid[:, 0] = True
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = int(free_port())
     results = mp.Manager().dict()
     mp.start_processes(_gather_worker, args=(2, port, texts, spans, valid, results), nprocs=2, join=True,
                        start_method="spawn")

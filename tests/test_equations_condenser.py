@@ -1,9 +1,11 @@
-"""Condenser (arXiv 2104.08253 §3) and coCondenser (arXiv 2108.05540 §3, eqs. 1-7) written out in plain torch
-against the `condenser` and `cocondenser` heads and the span collator.
+"""Condenser (arXiv 2104.08253 §3) and coCondenser (arXiv 2108.05540 §3) written out in plain torch against the
+`condenser` and `cocondenser` heads and the span collator. Neither paper's method section could be read here, so
+no equation numbers are cited (section numbers unchecked); the losses are those of docs/methods.md, which the
+released code matches.
 
-The encoder is BERT computed layer by layer from its weights (tests/paper_math.py): the early states after
-`skip_from` layers and the late ones after all (eqs. 1-3), the head's layers over [h^late_cls; h^early] (eq. 4),
-the MLM head by hand (eq. 5); eq. 6 as a loop over the spans and their candidates; GradCache and two gloo ranks
+The encoder is BERT computed layer by layer from its weights (tests/paper_math.py): the embeddings, the early states
+after `skip_from` layers and the late ones after all, the head's layers over [h^late_cls; h^early], the MLM head by
+hand; the span contrastive loss L^co as a loop over the spans and their candidates; GradCache and two gloo ranks
 against one process over the same spans.
 """
 
@@ -28,24 +30,24 @@ def build(method, samples, vocab, **overrides):
 
 
 def condenser_by_hand(head, batch, skip_from):
-    """Eqs. 1-5: (the late states, L_mlm of the head, L_mlm of the late states)."""
+    """Condenser's forward and MLM losses: (the late states, L_mlm of the head, L_mlm of the late states)."""
     encoder, heads = head.encoder, head.encoder.config.num_attention_heads
     visible = key_padding(batch["attention_mask"])
-    h = embed(encoder, batch["input_ids"])  # eq. 1
+    h = embed(encoder, batch["input_ids"])  # embeddings
     for index, layer in enumerate(encoder.model.encoder.layer, start=1):
         h = bert_layer(h, h, visible, heads, hf_layer_weights(layer))
         if index == skip_from:
-            early = h  # eq. 2
-    late = h  # eq. 3
+            early = h  # h^early
+    late = h  # h^late
     x = torch.cat([late[:, :1], early[:, 1:]], dim=1)
-    for layer in head.head.layers:  # eq. 4
+    for layer in head.head.layers:  # the head over [h^late_cls; h^early]
         x = bert_layer(x, x, visible, heads, hf_layer_weights(layer))
     labels = batch["mlm_labels"]
-    return late, mean_token_nll(encoder, x, labels), mean_token_nll(encoder, late, labels)  # eq. 5
+    return late, mean_token_nll(encoder, x, labels), mean_token_nll(encoder, late, labels)  # the two MLM losses
 
 
 @pytest.mark.parametrize("skip_from", [1, 2])
-def test_condenser_loss_is_eqs_1_to_5(skip_from, wiki_samples, vocab):
+def test_condenser_loss_by_hand(skip_from, wiki_samples, vocab):
     head, batch = build("condenser", wiki_samples[:4], vocab, skip_from=skip_from)
     _, head_loss, late_loss = condenser_by_hand(head, batch, skip_from)
     out = head(batch)
@@ -63,8 +65,8 @@ def test_skip_from_defaults_to_half_the_layers_and_is_checked(vocab, wiki_sample
         spec.build(options, model)
 
 
-def eq6_by_loops(reps, pad):
-    """Eq. 6 for every real span ij: -log exp(<h_ij, h_ij'>) / sum_{kl != ij, kl real} exp(<h_ij, h_kl>)."""
+def span_contrastive_by_loops(reps, pad):
+    """L^co for every real span ij: -log exp(<h_ij, h_ij'>) / sum_{kl != ij, kl real} exp(<h_ij, h_kl>)."""
     losses = []
     for a in range(len(reps)):
         if pad[a]:
@@ -75,21 +77,21 @@ def eq6_by_loops(reps, pad):
     return losses
 
 
-def test_span_contrastive_loss_is_eq_6():
+def test_span_contrastive_loss_by_loops():
     torch.manual_seed(0)
     reps = torch.randn(10, 6, dtype=torch.float64)
     pad = torch.tensor([False] * 8 + [True] * 2)  # a stream pad sample's two spans
-    by_hand = eq6_by_loops(reps, pad)
+    by_hand = span_contrastive_by_loops(reps, pad)
     assert span_contrastive_loss(reps, pad, 0, 10).item() == pytest.approx(sum(by_hand), rel=1e-12)
     # this rank's rows 4..7 of the gathered batch: their four terms
     assert span_contrastive_loss(reps, pad, 4, 4).item() == pytest.approx(sum(by_hand[4:8]), rel=1e-12)
 
 
-def test_cocondenser_loss_is_eq_7(wiki_samples, vocab):
+def test_cocondenser_total_loss_by_hand(wiki_samples, vocab):
     samples = wiki_samples[:4] + [dict(wiki_samples[4], pad=True)]
     head, batch = build("cocondenser", samples, vocab, grad_cache="null")
     late, head_loss, late_loss = condenser_by_hand(head, batch, 1)
-    co = eq6_by_loops(late[:, 0].detach(), batch["pad"])
+    co = span_contrastive_by_loops(late[:, 0].detach(), batch["pad"])
     out = head(batch)
     assert len(co) == 8 and batch["pad"].tolist() == [False] * 8 + [True] * 2
     assert out["co"].item() == pytest.approx(sum(co) / len(co), rel=1e-10)

@@ -1,10 +1,13 @@
-"""`cocondenser`: coCondenser (Gao & Callan 2022, arXiv 2108.05540 §3.2-3.3, eqs. 6-7): Condenser (heads/condenser.py)
-plus a corpus-aware contrastive loss over the [CLS] states of two spans of each document.
+"""`cocondenser`: coCondenser (Gao & Callan 2022, arXiv 2108.05540 §3.2-3.3): Condenser (heads/condenser.py)
+plus a corpus-aware contrastive loss over the [CLS] states of two spans of each document. The paper's method
+section could not be read here: no equation numbers are cited, and the section numbers are not checked against the
+text; the loss is checked against the released code (docs/methods.md).
 
-For the n documents of the global batch, each with spans s_i1 and s_i2 and late [CLS] states h_ij (eq. 6):
+For the n documents of the global batch, each with spans s_i1 and s_i2 and late [CLS] states h_ij, the contrastive
+loss:
 L^co_ij = -log( exp(<h_ij, h_ij'>) / sum_{k, l: kl != ij} exp(<h_ij, h_kl>) ), j' the document's other span; the
 candidates are every span of every rank (gathered in rank order, with gradients; models/infonce.py) but h_ij
-itself and the stream pad samples' spans. The loss (eq. 7) adds the Condenser MLM losses, token means over the
+itself and the stream pad samples' spans. The total loss adds the Condenser MLM losses, token means over the
 masked positions of every span, and the mean of L^co over the spans.
 
 GradCache (§3.3; models/grad_cache.py), `grad_cache: {chunk: N}`: the 2B spans are encoded N at a time without a
@@ -45,9 +48,9 @@ class CoCondenserOptions(MethodOptions):
 
 
 def span_contrastive_loss(reps: torch.Tensor, pad: torch.Tensor, first: int, rows: int) -> torch.Tensor:
-    """Sum of eq. (6) over the anchors reps[first : first + rows] that are real spans; `reps` [N, d] holds every
-    candidate span, documents in pairs (2i, 2i + 1), `pad` [N] the stream pad samples' spans (no anchors, no
-    candidates)."""
+    """Sum of the span contrastive loss L^co over the anchors reps[first : first + rows] that are real spans;
+    `reps` [N, d] holds every candidate span, documents in pairs (2i, 2i + 1), `pad` [N] the stream pad samples'
+    spans (no anchors, no candidates)."""
     anchors = torch.arange(first, first + rows, device=reps.device)
     scores = reps[first:first + rows] @ reps.T  # [rows, N]
     rows_at = torch.arange(rows, device=reps.device)
@@ -59,7 +62,7 @@ def span_contrastive_loss(reps: torch.Tensor, pad: torch.Tensor, first: int, row
 
 
 class CoCondenserHead(CondenserHead):
-    """L = L_mlm(head) + L_mlm(late) + L_co (eq. 7), see the module docstring."""
+    """L = L_mlm(head) + L_mlm(late) + L_co, see the module docstring."""
 
     def __init__(self, encoder, options):
         super().__init__(encoder, options)

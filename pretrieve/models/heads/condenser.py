@@ -1,10 +1,11 @@
-"""`condenser`: Condenser (Gao & Callan 2021, arXiv 2104.08253 §3; restated in coCondenser, arXiv 2108.05540 §3.1,
-eqs. 1-5).
+"""`condenser`: Condenser (Gao & Callan 2021, arXiv 2104.08253 §3; restated in coCondenser, arXiv 2108.05540 §3.1).
+Neither paper's method section could be read here: no equation numbers are cited, and the section numbers are not
+checked against the text; the loss is checked against the released code (docs/methods.md).
 
-The encoder's layers split into early and late ones (eqs. 1-3): h^early after the first `skip_from`, h^late after
+The encoder's layers split into early and late ones: h^early after the first `skip_from`, h^late after
 all of them. The Condenser head, `head_layers` layers of the encoder's family, reads the late [CLS] state with the
-early token states, [h^late_cls; h^early] (eq. 4), and predicts the masked tokens from its output through the
-encoder's MLM head (eq. 5). Its MLM loss is added to the backbone's own MLM loss on h^late (the released code's
+early token states, [h^late_cls; h^early], and predicts the masked tokens from its output through the
+encoder's MLM head. Its MLM loss is added to the backbone's own MLM loss on h^late (the released code's
 `late_mlm`), so the late layers keep learning language while the head pulls the text's information into the [CLS]
 state. Only the encoder is exported; the head is dropped for fine-tuning (its weights stay in
 pretrieve_head.safetensors for further pre-training).
@@ -44,8 +45,8 @@ def early_layer(options, encoder) -> int:
 
 
 class CondenserHead(PretrainingHead):
-    """L = L_mlm(head) + L_mlm(late): the Condenser head's MLM loss (eq. 5) on
-    [h^cd_cls; h^cd] = Head([h^late_cls; h^early]) (eq. 4), plus the backbone's MLM loss on h^late; both are
+    """L = L_mlm(head) + L_mlm(late): the Condenser head's MLM loss on
+    [h^cd_cls; h^cd] = Head([h^late_cls; h^early]), plus the backbone's MLM loss on h^late; both are
     token means over the masked positions, as the released code's two cross-entropies."""
 
     def __init__(self, encoder, options):
@@ -54,7 +55,7 @@ class CondenserHead(PretrainingHead):
         self.head = Decoder(encoder, num_layers=options.head_layers)
 
     def condense(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h^late [B, L, d], the head's output [B, L, d]): eqs. 1-4 on one encoder pass."""
+        """(h^late [B, L, d], the head's output [B, L, d]): the early/late split and the head on one encoder pass."""
         late, early = self.encoder.forward_with_early(input_ids, attention_mask, self.skip_from)
         states = torch.cat([late[:, :1], early[:, 1:]], dim=1)
         width = attention_mask.shape[1]

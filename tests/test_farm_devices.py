@@ -120,9 +120,9 @@ def test_bad_gpus_values_name_the_key_and_the_farm_file(tmp_path, monkeypatch, g
 
 @pytest.mark.parametrize("checkpoint,dataset,message", [
     ({"name": "bm25", "bm52": True}, {"name": "scifact", "beir": str(SCIFACT)},
-     "checkpoints[0].bm52: unknown (known: name, model, bm25, pooling, normalize, run_dir)"),
+     "checkpoints[0].bm52: unknown (known: name, model, bm25, pooling, normalize, run_dir, dims)"),
     ({"name": "bm25", "bm25": True}, {"name": "scifact", "bier": str(SCIFACT)},
-     "datasets[0].bier: unknown (known: name, beir, msmarco, split)"),
+     "datasets[0].bier: unknown (known: name, beir, msmarco, mteb, split)"),
 ])
 def test_a_typo_in_a_farm_entry_is_named(tmp_path, checkpoint, dataset, message):
     """Not "no 'model'" for a misspelt bm25: the unknown key itself."""

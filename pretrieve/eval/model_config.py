@@ -116,10 +116,10 @@ def position_limit(model_dir: str | Path) -> int | None:
     return positions if offset is None else positions - offset
 
 
-def _family_is_decoder(model_dir: str | Path) -> bool | None:
+def _family_is_decoder(model_dir: str | Path, config: dict | None = None) -> bool | None:
     """Whether the model's family is a decoder LLM's (False: an encoder's); None for a model type pretrieve has
-    no backbone for."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    no backbone for. `config`: its config.json, when already read."""
+    config = config or json.loads((Path(model_dir) / "config.json").read_text())
     try:
         return backbone_of(SimpleNamespace(model_type=config.get("model_type"))).causal
     except ValueError:
@@ -129,10 +129,8 @@ def _family_is_decoder(model_dir: str | Path) -> bool | None:
 def is_decoder_llm(model_dir: str | Path, causal_only: bool = False) -> bool:
     """Whether the model is a decoder LLM (with `causal_only`: one attending causally, whose first token sees
     nothing after it)."""
-    if not _family_is_decoder(model_dir):
-        return False
-    bidirectional = json.loads((Path(model_dir) / "config.json").read_text()).get("bidirectional", False)
-    return not (causal_only and bidirectional)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return bool(_family_is_decoder(model_dir, config)) and not (causal_only and config.get("bidirectional", False))
 
 
 def trained_pooling(model_dir: str | Path) -> str | None:

@@ -259,6 +259,9 @@ def main() -> None:
     args = p.parse_args()
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
+    # a rung's train.zero_stage (--set, after --zero-stage's) is the stage the run trains at and records
+    args.zero_stage = next((int(o.split("=", 1)[1]) for o in reversed(args.set) if o.startswith("train.zero_stage=")),
+                           args.zero_stage)
     if args.ladder:
         from throughput_ladder import run_ladder
 

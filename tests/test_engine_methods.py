@@ -69,3 +69,6 @@ def test_bf16_at_every_zero_stage(tmp_path, wiki_shards, tiny_bert):
     records = _run([sys.executable], tmp_path, wiki_shards, tiny_bert, "0,1,2,3", "dupmae", "bf16")
     _check(records, (0, 1, 2, 3), ["dupmae"])
     assert all(r["precision"] == "bf16" for r in records)
+    # the speed ladder's zero-1 rung: fp32 masters at every stage, so the same steps to bf16's rounding
+    losses = [r["loss"] for r in records]
+    assert len({r["first_loss"] for r in records}) == 1 and losses == pytest.approx([losses[0]] * 4, rel=1e-3)

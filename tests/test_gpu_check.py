@@ -28,7 +28,7 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
 
 def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     done = _tool("--dry-run", "--stages", "all", "--bundle", str(tmp_path / "no-bundle"))
-    for index, name in enumerate(("install", "correctness", "attention", "profile", "mfu", "mfu-models",
+    for index, name in enumerate(("install", "correctness", "attention", "mfu", "profile", "mfu-models",
                                   "mfu-methods", "quality", "recipe"), start=1):
         assert f"{index}. {name}" in done.stdout
     total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0"))
@@ -36,16 +36,18 @@ def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     # 9 records, the summary and the logs: more than a job returns
     assert done.returncode == 1 and "11 files of the 8 a job returns: TOO MANY" in done.stdout
     # the methods added since the first ladder job: their ladder ends, coCondenser through GradCache
-    assert "--ladder --ends-only --no-peers --methods bow --skip batch-128 decoder-fused --out" in done.stdout
-    assert ("--ladder --ends-only --no-peers --methods cocondenser --skip batch-128 decoder-fused --set "
+    assert "--ladder --ends-only --no-peers --methods bow --skip batch-128 decoder-fused vocab-liger --out" in done.stdout
+    assert ("--ladder --ends-only --no-peers --methods cocondenser --skip batch-128 decoder-fused vocab-liger --set "
             "method.grad_cache.chunk=16") in done.stdout
     assert "make gpu-bundle" in done.stdout  # no bundle: said, since the install then needs network
 
     # what a job runs unless told (DEFAULT_STAGES: the speed ladder's job) fits the default budget
-    assert gpu_check.DEFAULT_STAGES == ("install", "correctness", "profile", "mfu")
+    assert gpu_check.DEFAULT_STAGES == ("install", "mfu", "profile")
     default = _tool("--dry-run", "--bundle", str(tmp_path / "no-bundle"))
-    assert "--ladder --methods mlm retromae --skip batch-128 decoder-fused --out" in default.stdout
-    assert "--rung baseline --set model.vocab_loss=chunked" in default.stdout  # the profile of the ladder's ends
+    assert "--ladder --methods mlm retromae --skip batch-128 decoder-fused vocab-liger --out" in default.stdout
+    # the profile of the ladder's top: every switch, ZeRO 1's flat masters among them
+    assert "--rung batch-64 --set model.vocab_loss=plain" in default.stdout and "train.zero_stage=1" in default.stdout
+    assert "--rung baseline" not in default.stdout
     total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0")
                 if stage.name in gpu_check.DEFAULT_STAGES)
     assert default.returncode == 0 and f"estimated total {total} s of 540 s: fits" in default.stdout, default.stdout

@@ -59,13 +59,16 @@ class Stage:
     results: dict = field(default_factory=dict)
 
 
-# what a job runs unless told: the speed ladder's job (the first job, benchmarks/results/gpu-check/2026-11-27-h100,
-# measured 9.1 % MFU); the quality and recipe stages follow in the job after
-DEFAULT_STAGES = ("install", "correctness", "profile", "mfu")
+# what a job runs unless told: the speed ladder's job. The H200 job (benchmarks/results/gpu-check/2026-11-28-h200)
+# passed the correctness stage, and its baseline's profile found the device 65 % idle, waiting on the host's ~400
+# syncs a step in DeepSpeed's ZeRO 0 bf16 wrapper: so the ladder (with its new zero-1 rung) runs first, then the
+# profile of its top; the correctness stage runs again when a kernel changes, the quality and recipe stages after
+DEFAULT_STAGES = ("install", "mfu", "profile")
 # the ladder's BERT-base L512 runs (benchmarks/throughput_ladder.py): mlm climbs every rung, retromae takes the
-# baseline and the top; the 128 micro-batch and the alternatives of the other methods wait for the next job
+# baseline and the top; the 128 micro-batch, Liger's loss (0.70x the plain loss at batch 64 on the H200) and the
+# fused decoder attention wait for a later job
 LADDER_METHODS = ("mlm", "retromae")
-LADDER_SKIP = ("batch-128", "decoder-fused")
+LADDER_SKIP = ("batch-128", "decoder-fused", "vocab-liger")
 # methods added since: each at the ladder's baseline and top rungs in a stage of its own (the default job is full),
 # with the overrides its paper trains with
 LADDER_NEW_METHODS = {"bow": [], "condenser": [], "cocondenser": ["method.grad_cache.chunk=16"]}
@@ -93,7 +96,7 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
     merge_into = [Command(["cp", str(committed), str(work / "quality-gpu.json")])] if committed.is_file() else []
     recipe = recipe_commands(python, work, bundle, quality_seeds)
     pytest = [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
-    bert_base_at = [python, "benchmarks/pretrain_throughput.py", "--size", "base", "--seq-len", "512", "--steps", "12",
+    bert_base_at = [python, "benchmarks/pretrain_throughput.py", "--size", "base", "--seq-len", "512", "--steps", "16",
                     "--warmup", "4"]
     bert_base = bert_base_at + ["--batch", "32"]
     throughput = bert_base + ["--out", str(work / "pretrain_throughput_gpu.json")]
@@ -120,23 +123,19 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
               [Command([python, "benchmarks/two_stream_attention.py", "--lengths", "512",
                         "--out", str(work / "two_stream_attention.json")],
                        results=str(work / "two_stream_attention.json"))]),
-        # where the device time goes at the ladder's two ends (mlm), and the decoder attention kernels timed (the
-        # table `auto` reads); estimated from the first job's 34 s a BERT-base run, the profiler's slowdown added
-        Stage("profile", "torch.profiler over BERT-base L512 bf16 mlm at the ladder's baseline and top: kernels by "
-              "device time, the share of GEMMs, attention, elementwise, copies and idle; the decoder attention "
-              "timed", 85, 120,
-              [Command(bert_base_at + ["--method", "mlm", "--rung", name, *[a for o in overrides for a in ("--set", o)],
-                                       "--batch", str(batch), "--profile", str(work / f"profile_{name}.json"),
-                                    "--out", str(work / "profiled_throughput.json")],  # slowed by the profiler
-                       results=str(work / f"profile_{name}.json")) for name, overrides, batch in ends]
-              + [Command([python, "benchmarks/two_stream_attention.py", "--lengths", "512",
-                          "--out", str(work / "two_stream_attention.json")],
-                         results=str(work / "two_stream_attention.json"))]),
-        # each run ~30 s (the first job: 34 s for a 12-step run, start-up included), the compiled rung more
+        # each run ~26 s (the H200 job: start-up included), the compiled rungs ~35 s: 7 mlm rungs, 2 peers, 2 retromae
         Stage("mfu", "the speed ladder at BERT-base L512 bf16 (each switch on top of the ones before, each rung "
               f"its own process: {', '.join(LADDER_METHODS)}) and its peers, HF's Trainer with BertForMaskedLM and "
-              "the official RetroMAE model re-stated", 330, 360,
+              "the official RetroMAE model re-stated", 320, 370,
               [Command(ladder, results=str(work / "pretrain_throughput_gpu.json"))]),
+        # where the device time goes at the ladder's top (mlm): the baseline's profile is the H200 job's. The top rung
+        # compiles: start-up ~25 s, the profiler's summary of a compiled run ~40 s (the H200 job cut it at 58 s)
+        Stage("profile", "torch.profiler over BERT-base L512 bf16 mlm at the ladder's top rung: kernels by device "
+              "time, the share of GEMMs, attention, elementwise, copies and idle", 90, 130,
+              [Command(bert_base_at + ["--method", "mlm", "--rung", name, *[a for o in overrides for a in ("--set", o)],
+                                       "--batch", str(batch), "--profile", str(work / f"profile_{name}.json"),
+                                       "--out", str(work / "profiled_throughput.json")],  # slowed by the profiler
+                       results=str(work / f"profile_{name}.json")) for name, overrides, batch in ends[1:]]),
         # the first ladder-less job's mlm / retromae / dupmae runs, ModernBERT unpadded, a Qwen3-0.6B llama2vec
         Stage("mfu-models", "BERT-base L512 bf16 throughput and MFU of mlm, retromae, dupmae at the defaults; "
               "ModernBERT-base unpadded against padded; a Qwen3-0.6B-shaped llama2vec at L512, full and LoRA r 16",

@@ -138,7 +138,8 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 # fused two-stream kernel's _forward / _backward_*), matrix products (cuBLAS, CUTLASS, Hopper's nvjet / wgmma),
 # copies; anything else is elementwise (norms, activations, softmax, the optimizer, reductions)
 KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "_forward", "_backward_kv", "_backward_q")),
-                ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "matmul", "mm_", "_mm")),
+                ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "matmul", "mm_", "_mm", "::mm",
+                          "::addmm", "::bmm", "::baddbmm")),  # the last: the aten ops that launch them
                 ("memcpy", ("memcpy", "memset")))
 OPTIMIZER_KERNELS = ("adam", "multi_tensor_apply")  # their last launch ends a step
 
@@ -149,25 +150,10 @@ def kernel_kind(name: str) -> str:
 
 
 def device_shares(kernels: list[tuple[str, float, float]], timed_steps: int) -> dict:
-    """The share of the device's time in each kernel kind and idle, over the last `timed_steps` steps: from the
-    end of the optimizer's launches `timed_steps` steps before the last to the end of the last. `kernels`: (name,
-    start, end) in microseconds. Steps are told apart by the optimizer's kernels; without them (no step found),
-    the whole profiled span, said so."""
+    """The share of the device's time in each kernel kind and idle, over the last `timed_steps` steps (timed_window).
+    `kernels`: (name, start, end) in microseconds."""
     kernels = sorted(kernels, key=lambda k: k[1])
-    step_ends: list[float] = []  # a step's optimizer launches run back to back: the step ends with the run's last
-    in_run = False
-    for name, _, end in kernels:
-        optimizer = any(m in name.lower() for m in OPTIMIZER_KERNELS)
-        if optimizer and in_run:
-            step_ends[-1] = max(step_ends[-1], end)
-        elif optimizer:
-            step_ends.append(end)
-        in_run = optimizer
-    window = "the timed steps"
-    if len(step_ends) > timed_steps:
-        start, stop = step_ends[-timed_steps - 1], step_ends[-1]
-    else:
-        start, stop, window = kernels[0][1], kernels[-1][2], "the whole profiled span (no optimizer steps found)"
+    start, stop, window = timed_window(kernels, timed_steps)
     busy = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"elementwise": 0.0}
     covered, cursor = 0.0, start  # the union of kernel intervals: streams may overlap
     for name, begin, end in kernels:
@@ -180,6 +166,50 @@ def device_shares(kernels: list[tuple[str, float, float]], timed_steps: int) -> 
     span = stop - start
     shares = {kind: round(t / span, 4) for kind, t in busy.items()}
     return {"window": window, "span_ms": round(span / 1e3, 3), **shares, "idle": round(1 - covered / span, 4)}
+
+
+# the host's calls in a profile: kernel launches, and the calls in which it waits for the device
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
+
+
+def host_shares(events: list[tuple[str, float, float]], kernels: list[tuple[str, float, float]],
+                timed_steps: int) -> dict:
+    """What the host did in the timed steps' window (timed_window), per step: kernels launched, milliseconds in
+    launches, waiting for the device (syncs and copies to the host), in the data loader and in optimizer steps.
+    A device idle while the host neither waits nor loads data is a host that launches too slowly.
+    `events`: the host's (name, start, end) in microseconds."""
+    start, stop, window = timed_window(sorted(kernels, key=lambda k: k[1]), timed_steps)
+    inside = [(name, end - begin) for name, begin, end in events if begin >= start and end <= stop]
+    steps = timed_steps if window == "the timed steps" else 1
+
+    def per_step_ms(match) -> float:
+        return round(sum(t for name, t in inside if match(name)) / 1e3 / steps, 3)
+
+    return {"window": window, "per": "step" if steps > 1 else "profiled span",
+            "launches": round(sum(name in LAUNCHES for name, _ in inside) / steps, 1),
+            "launch_ms": per_step_ms(lambda n: n in LAUNCHES), "wait_ms": per_step_ms(lambda n: n in WAITS),
+            "data_loader_ms": per_step_ms(lambda n: n.startswith("enumerate(DataLoader)")),
+            "optimizer_step_ms": per_step_ms(lambda n: n.startswith("Optimizer.step#")),
+            "step_ms": round((stop - start) / 1e3 / steps, 3)}
+
+
+def timed_window(kernels: list[tuple[str, float, float]], timed_steps: int) -> tuple[float, float, str]:
+    """(start, stop, what) of the last `timed_steps` steps in time-sorted `kernels`: from the end of the
+    optimizer's launches `timed_steps` steps before the last to the end of the last. Steps are told apart by the
+    optimizer's kernels; without them (no step found), the whole profiled span, said so."""
+    step_ends: list[float] = []  # a step's optimizer launches run back to back: the step ends with the run's last
+    in_run = False
+    for name, _, end in kernels:
+        optimizer = any(m in name.lower() for m in OPTIMIZER_KERNELS)
+        if optimizer and in_run:
+            step_ends[-1] = max(step_ends[-1], end)
+        elif optimizer:
+            step_ends.append(end)
+        in_run = optimizer
+    if len(step_ends) > timed_steps:
+        return step_ends[-timed_steps - 1], step_ends[-1], "the timed steps"
+    return kernels[0][1], kernels[-1][2], "the whole profiled span (no optimizer steps found)"
 
 
 @contextlib.contextmanager
@@ -206,10 +236,12 @@ def profiled(path: str | None, gpu: bool, timed_steps: int, top: int = 40):
     if gpu:
         from torch.autograd import DeviceType
 
-        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA]
+        events = prof.events()
+        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
         if kernels:
             summary["device_time"] = device_shares(kernels, timed_steps)
+            summary["host_time"] = host_shares([(e.name, e.time_range.start, e.time_range.end) for e in events
+                                                if e.device_type == DeviceType.CPU], kernels, timed_steps)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(summary, indent=1) + "\n")
 
@@ -289,14 +321,7 @@ def main() -> None:
             record(args, gpu, {"peer": "official-retromae", "tokens_per_s": round(time_official(
                 size, args.seq_len, args.batch, args.steps, args.warmup, shards / "manifest.json"), 1)})
             return
-        overrides = [f"model.{k}={v}" for k, v in size.items()] + [
-            *([f"data.tokenizer={tokenizer}"] if llm else []), f"model.lora.r={args.lora}",
-            f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
-            f"data.manifests=[{shards / 'manifest.json'}]", "data.weights=null",
-            f"method.max_len={args.seq_len}", f"train.micro_batch_size={args.batch}", f"train.max_steps={args.steps}",
-            "train.global_batch_size=null", "train.grad_accum=1", "train.log_every=1", "checkpoint.every=1000000",
-            f"train.zero_stage={args.zero_stage}", f"train.precision={'bf16' if gpu else 'fp32'}",
-            "tracking.enabled=false", "model.init_from=null"]
+        overrides = engine_overrides(args, shards, tokenizer, gpu)
         if args.against:
             record(args, gpu, interleaved(args, overrides + args.set, Path(work)))
             return
@@ -314,6 +339,19 @@ def main() -> None:
     if anchor:
         result.update(anchor_tokens_per_s=anchor, ratio_to_anchor=round(tokens_per_s / anchor, 3))
     record(args, gpu, result)
+
+
+def engine_overrides(args, shards: Path, tokenizer: str | None, gpu: bool) -> list[str]:
+    """The config overrides of a benchmark run: --size's shape, the prepared `shards`, the length, batch and steps,
+    a log line every step, no checkpoint before the end, bf16 on a GPU; `tokenizer` for a decoder LLM's shards."""
+    return [f"model.{k}={v}" for k, v in SIZES[args.size].items()] + [
+        *([f"data.tokenizer={tokenizer}"] if tokenizer else []), f"model.lora.r={args.lora}",
+        f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
+        f"data.manifests=[{shards / 'manifest.json'}]", "data.weights=null",
+        f"method.max_len={args.seq_len}", f"train.micro_batch_size={args.batch}", f"train.max_steps={args.steps}",
+        "train.global_batch_size=null", "train.grad_accum=1", "train.log_every=1", "checkpoint.every=1000000",
+        f"train.zero_stage={args.zero_stage}", f"train.precision={'bf16' if gpu else 'fp32'}",
+        "tracking.enabled=false", "model.init_from=null"]
 
 
 def engine_run(args, method: str, overrides: list[str], run_dir: Path) -> dict:

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from pretrain_throughput import device_shares, kernel_kind  # noqa: E402
+from pretrain_throughput import device_shares, host_shares, kernel_kind  # noqa: E402
 from throughput_ladder import ALTERNATIVES, LADDER, ladder_commands, plan  # noqa: E402
 
 
@@ -77,6 +77,7 @@ def test_set_goes_to_every_run_of_the_engine_before_the_rungs_settings():
     ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", "gemm"), ("ampere_bf16_s16816gemm_bf16_128x64", "gemm"),
     ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>", "attention"),
     ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"), ("_backward_kv", "attention"),
+    ("aten::mm", "gemm"), ("aten::addmm", "gemm"), ("aten::addmm_", "gemm"), ("aten::bmm", "gemm"),
     ("Memcpy HtoD (Pageable -> Device)", "memcpy"), ("Memset (Device)", "memcpy"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "elementwise"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "elementwise"),
@@ -99,6 +100,23 @@ def test_device_time_is_measured_over_the_timed_steps_only():
     assert shares["elementwise"] == pytest.approx(0.3) and shares["memcpy"] == 0 and shares["idle"] == pytest.approx(0.1)
     whole = device_shares(kernels, timed_steps=5)  # more steps asked than profiled: the whole span, said so
     assert whole["window"].startswith("the whole profiled span") and whole["idle"] > 0.9
+
+
+def test_the_hosts_time_is_measured_per_step_over_the_same_window():
+    """The device's three steps as above; on the host, each step: the data loader, three launches, a sync that
+    waits, the optimizer step. Start-up calls before the window are not counted."""
+    kernels, events, t = [("Memcpy HtoD", 0, 50)], [("cudaLaunchKernel", 5, 6), ("cudaStreamSynchronize", 6, 9_000)], 10_000
+    for _ in range(3):
+        kernels += [("sm90_gemm", t, t + 40), ("multi_tensor_apply_kernel<Adam>", t + 80, t + 100)]
+        events += [("enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__", t + 1, t + 6),
+                   *(("cudaLaunchKernel", t + 6 + i, t + 7 + i) for i in range(3)),
+                   ("cudaStreamSynchronize", t + 10, t + 30), ("Optimizer.step#AdamW.step", t + 70, t + 79)]
+        t += 100
+    host = host_shares(events, kernels, timed_steps=2)
+    assert host["window"] == "the timed steps" and host["per"] == "step" and host["step_ms"] == pytest.approx(0.1)
+    assert host["launches"] == 3 and host["launch_ms"] == pytest.approx(0.003)
+    assert host["wait_ms"] == pytest.approx(0.02) and host["data_loader_ms"] == pytest.approx(0.005)
+    assert host["optimizer_step_ms"] == pytest.approx(0.009)
 
 
 @pytest.mark.integration

@@ -59,11 +59,14 @@ class Stage:
     results: dict = field(default_factory=dict)
 
 
-# what a job runs unless told: the speed ladder's job. The H200 job (benchmarks/results/gpu-check/2026-11-28-h200)
-# passed the correctness stage, and its baseline's profile found the device 65 % idle, waiting on the host's ~400
-# syncs a step in DeepSpeed's ZeRO 0 bf16 wrapper: so the ladder (with its new zero-1 rung) runs first, then the
-# profile of its top; the correctness stage runs again when a kernel changes, the quality and recipe stages after
-DEFAULT_STAGES = ("install", "mfu", "profile")
+# what a job runs unless told: the speed ladder's job. The first H200 job (benchmarks/results/gpu-check/
+# 2026-11-28-h200) passed the correctness stage and found the baseline's device 65 % idle; the second (-h200-b)
+# found ZeRO 1's flat masters no faster and its top rung as idle. So the job asks where the idle time goes: the
+# floor (the head without the engine) and a profile with the host's side come before the ladder. The correctness
+# stage runs again when a kernel changes; the quality and recipe stages follow in a later job.
+DEFAULT_STAGES = ("install", "floor", "mfu", "profile")
+# the ladder's rungs the profile stage profiles: every switch at batch 32 but unpadding and compile, as the floor
+PROFILED_RUNGS = ("fused-adamw",)
 # the ladder's BERT-base L512 runs (benchmarks/throughput_ladder.py): mlm climbs every rung, retromae takes the
 # baseline and the top; the 128 micro-batch, Liger's loss (0.70x the plain loss at batch 64 on the H200) and the
 # fused decoder attention wait for a later job
@@ -102,7 +105,7 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
     throughput = bert_base + ["--out", str(work / "pretrain_throughput_gpu.json")]
     ladder = bert_base + ["--ladder", "--methods", *LADDER_METHODS, "--skip", *LADDER_SKIP,
                           "--out", str(work / "pretrain_throughput_gpu.json")]
-    ends = ladder_ends()
+    profiled = ladder_rungs(PROFILED_RUNGS)
     qwen3 = [python, "benchmarks/pretrain_throughput.py", "--method", "llama2vec", "--size", "qwen3-0.6b", "--seq-len",
              "512", "--batch", "8", "--steps", "12", "--warmup", "4", "--zero-stage", "1",
              "--out", str(work / "pretrain_throughput_gpu.json")]
@@ -123,19 +126,28 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
               [Command([python, "benchmarks/two_stream_attention.py", "--lengths", "512",
                         "--out", str(work / "two_stream_attention.json")],
                        results=str(work / "two_stream_attention.json"))]),
+        # the head without the engine at batch 32 (benchmarks/step_floor.py): shards ~5 s, three variants' 23 steps
+        # each ~10 s, the compile ~15 s, a profiled round and its summary ~15 s
+        Stage("floor", "BERT-base L512 mlm's head trained by a bare loop (no DeepSpeed, batches on the device): "
+              "bf16 autocast, bf16 weights, bf16 weights compiled; one round profiled", 60, 110,
+              [Command([python, "benchmarks/step_floor.py", "--method", "mlm", "--size", "base", "--seq-len", "512",
+                        "--batch", "32", "--steps", "10", "--warmup", "3", "--rounds", "2",
+                        "--profile", str(work / "profile_floor.json"), "--out", str(work / "step_floor_gpu.json")],
+                       results=str(work / "step_floor_gpu.json"), also=(str(work / "profile_floor.json"),))]),
         # each run ~26 s (the H200 job: start-up included), the compiled rungs ~35 s: 7 mlm rungs, 2 peers, 2 retromae
         Stage("mfu", "the speed ladder at BERT-base L512 bf16 (each switch on top of the ones before, each rung "
               f"its own process: {', '.join(LADDER_METHODS)}) and its peers, HF's Trainer with BertForMaskedLM and "
               "the official RetroMAE model re-stated", 320, 370,
               [Command(ladder, results=str(work / "pretrain_throughput_gpu.json"))]),
-        # where the device time goes at the ladder's top (mlm): the baseline's profile is the H200 job's. The top rung
-        # compiles: start-up ~25 s, the profiler's summary of a compiled run ~40 s (the H200 job cut it at 58 s)
-        Stage("profile", "torch.profiler over BERT-base L512 bf16 mlm at the ladder's top rung: kernels by device "
-              "time, the share of GEMMs, attention, elementwise, copies and idle", 90, 130,
+        # where the time goes in the engine's step at batch 32 (mlm), beside the floor's: the baseline's profile is
+        # the first H200 job's, the top rung's the second's. Start-up ~25 s, the profiler's summary ~40 s
+        Stage("profile", f"torch.profiler over BERT-base L512 bf16 mlm at the ladder's {', '.join(PROFILED_RUNGS)} "
+              "rung: kernels by device time, the share of GEMMs, attention, elementwise, copies and idle, and the "
+              "host's launches, waits, data loading and optimizer steps per step", 80, 120,
               [Command(bert_base_at + ["--method", "mlm", "--rung", name, *[a for o in overrides for a in ("--set", o)],
                                        "--batch", str(batch), "--profile", str(work / f"profile_{name}.json"),
                                        "--out", str(work / "profiled_throughput.json")],  # slowed by the profiler
-                       results=str(work / f"profile_{name}.json")) for name, overrides, batch in ends[1:]]),
+                       results=str(work / f"profile_{name}.json")) for name, overrides, batch in profiled]),
         # the first ladder-less job's mlm / retromae / dupmae runs, ModernBERT unpadded, a Qwen3-0.6B llama2vec
         Stage("mfu-models", "BERT-base L512 bf16 throughput and MFU of mlm, retromae, dupmae at the defaults; "
               "ModernBERT-base unpadded against padded; a Qwen3-0.6B-shaped llama2vec at L512, full and LoRA r 16",
@@ -170,14 +182,13 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
     ]
 
 
-def ladder_ends() -> list[tuple[str, list[str], int]]:
-    """(name, overrides, micro-batch) of the ladder's baseline and top rungs as the default job runs them."""
+def ladder_rungs(names: tuple[str, ...]) -> list[tuple[str, list[str], int]]:
+    """(name, overrides, micro-batch) of the named rungs of the ladder's first method, as the default job runs them."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from throughput_ladder import plan as ladder_plan
 
-    runs = [(name, overrides, batch) for method, name, overrides, batch in
-            ladder_plan([LADDER_METHODS[0]], 32, full=False, skip=LADDER_SKIP).runs if method == LADDER_METHODS[0]]
-    return [runs[0], runs[1]]
+    return [(name, overrides, batch) for method, name, overrides, batch in
+            ladder_plan([LADDER_METHODS[0]], 32, skip=LADDER_SKIP).runs if name in names]
 
 
 def recipe_commands(python: str, work: Path, bundle: Path, seeds: str,

@@ -291,9 +291,9 @@ def main() -> None:
     args = p.parse_args()
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
-    # a rung's train.zero_stage (--set, after --zero-stage's) is the stage the run trains at and records
-    args.zero_stage = next((int(o.split("=", 1)[1]) for o in reversed(args.set) if o.startswith("train.zero_stage=")),
-                           args.zero_stage)
+    # a rung's train.zero_stage and train.precision (--set, after the defaults) are what the run trains at and records
+    args.zero_stage = int(last_set(args.set, "train.zero_stage", args.zero_stage))
+    args.precision = last_set(args.set, "train.precision", "bf16" if torch.cuda.is_available() else "fp32")
     if args.ladder:
         from throughput_ladder import run_ladder
 
@@ -321,7 +321,7 @@ def main() -> None:
             record(args, gpu, {"peer": "official-retromae", "tokens_per_s": round(time_official(
                 size, args.seq_len, args.batch, args.steps, args.warmup, shards / "manifest.json"), 1)})
             return
-        overrides = engine_overrides(args, shards, tokenizer, gpu)
+        overrides = engine_overrides(args, shards, tokenizer)
         if args.against:
             record(args, gpu, interleaved(args, overrides + args.set, Path(work)))
             return
@@ -341,16 +341,21 @@ def main() -> None:
     record(args, gpu, result)
 
 
-def engine_overrides(args, shards: Path, tokenizer: str | None, gpu: bool) -> list[str]:
+def last_set(overrides: list[str], key: str, default):
+    """The value the last `key=value` of `overrides` gives, else `default`."""
+    return next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith(f"{key}=")), default)
+
+
+def engine_overrides(args, shards: Path, tokenizer: str | None) -> list[str]:
     """The config overrides of a benchmark run: --size's shape, the prepared `shards`, the length, batch and steps,
-    a log line every step, no checkpoint before the end, bf16 on a GPU; `tokenizer` for a decoder LLM's shards."""
+    a log line every step, no checkpoint before the end, `args.precision`; `tokenizer` for a decoder LLM's shards."""
     return [f"model.{k}={v}" for k, v in SIZES[args.size].items()] + [
         *([f"data.tokenizer={tokenizer}"] if tokenizer else []), f"model.lora.r={args.lora}",
         f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
         f"data.manifests=[{shards / 'manifest.json'}]", "data.weights=null",
         f"method.max_len={args.seq_len}", f"train.micro_batch_size={args.batch}", f"train.max_steps={args.steps}",
         "train.global_batch_size=null", "train.grad_accum=1", "train.log_every=1", "checkpoint.every=1000000",
-        f"train.zero_stage={args.zero_stage}", f"train.precision={'bf16' if gpu else 'fp32'}",
+        f"train.zero_stage={args.zero_stage}", f"train.precision={args.precision}",
         "tracking.enabled=false", "model.init_from=null"]
 
 
@@ -403,7 +408,7 @@ def record(args, gpu: bool, measured: dict) -> None:
         "activation_checkpointing": args.activation_checkpointing,
         **({"rung": args.rung} if args.rung else {}), **({"overrides": args.set} if args.set else {}),
         "device": torch.cuda.get_device_name() if gpu else f"cpu x{args.threads} threads ({platform.processor() or platform.machine()})",
-        "precision": "bf16" if gpu else "fp32", "torch": torch.__version__, "cuda": torch.version.cuda,
+        "precision": args.precision, "torch": torch.__version__, "cuda": torch.version.cuda,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         **measured, "peak_memory_gib": round(peak / 2**30, 3),
     }

@@ -42,7 +42,7 @@ def batches(args, work: Path) -> tuple[torch.nn.Module, list[dict], int, float]:
                            workers=0, progress=False))
     gpu = torch.cuda.is_available()
     config = load_config(ROOT / "configs" / "pretrain" / f"{args.method}.yaml",
-                         [*engine_overrides(args, work / "shards", None, gpu), f"run_dir={work / 'run'}"])
+                         [*engine_overrides(args, work / "shards", None), f"run_dir={work / 'run'}"])
     (work / "run").mkdir()  # the job writes the encoder's config there, as a run does
     job = pretraining_job(experiment(config), rank=0)
     loaded, tokens, flops = [], 0, 0.0
@@ -101,9 +101,10 @@ def main() -> None:
     p.add_argument("--profile", metavar="FILE", help="also profile a round of the first variant into this JSON")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "step_floor.json"))
     args = p.parse_args()
-    args.lora, args.activation_checkpointing, args.zero_stage = 0, False, 0  # engine_overrides' other settings
-    torch.set_num_threads(args.threads)
     gpu = torch.cuda.is_available()
+    # engine_overrides' other settings: the head is built as a bf16 run builds it (fp32; the variants cast it)
+    args.lora, args.activation_checkpointing, args.zero_stage, args.precision = 0, False, 0, "bf16" if gpu else "fp32"
+    torch.set_num_threads(args.threads)
     from pretrieve.engine.flops import device_peak
 
     with tempfile.TemporaryDirectory() as work:

@@ -32,12 +32,12 @@ class Rung:
 # (the loss, the optimizer), then what removes work (padding), then the compiler, then the batch that fills the device
 LADDER = (
     Rung("baseline", ("model.vocab_loss=chunked", "train.optimizer=deepspeed", "model.unpad=false",
-                      "train.compile=false", "train.zero_stage=0")),
-    # bf16 at ZeRO 0 steps through DeepSpeed's unfused fp16/bf16 wrapper: fp32 masters a parameter at a time, and
-    # an overflow check that reads each gradient back to the host (two syncs a parameter, ~400 a BERT-base step:
-    # the H200 baseline's profile, 65 % of the device idle). ZeRO 1 keeps the masters as one flat fp32 partition
-    # and checks it once; on one rank it partitions nothing.
-    Rung("zero-1", ("train.zero_stage=1",)),
+                      "train.compile=false")),
+    # bf16 steps through DeepSpeed's bf16 wrapper: fp32 masters and checks a parameter at a time (ZeRO 0's copies
+    # and syncs, ZeRO 1's flat partition filled and checked per parameter: no faster on the H200), ~2,700 of the
+    # step's ~3,900 kernel launches. Under autocast the module keeps fp32 weights and no wrapper is built: the bare
+    # loop's autocast step ran 2x the engine's bf16 one (benchmarks/results/gpu-check/2026-11-28-h200-c)
+    Rung("autocast", ("train.precision=bf16-autocast",)),
     Rung("vocab-plain", ("model.vocab_loss=plain",)),  # bf16 F.linear + cross-entropy on the masked positions
     Rung("fused-adamw", ("train.optimizer=torch-fused",)),
     Rung("unpad", ("model.unpad=true",)),  # varlen attention, no compute on padding

@@ -150,6 +150,11 @@ def test_deepspeed_config_auto_fields(wiki_shards):
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
     assert "scheduler" not in ds  # the engine's (train.lr_schedule)
     assert ds["optimizer"]["params"]["lr"] == 1e-4 and "auto" not in json.dumps(ds)
+    assert "torch_autocast" not in ds
+    # bf16-autocast: fp32 weights (no bf16 wrapper), the forward under DeepSpeed's torch autocast
+    autocast = deepspeed_config(experiment(_config(wiki_shards, "train.precision=bf16-autocast")))
+    assert autocast["bf16"]["enabled"] is False and autocast["fp16"]["enabled"] is False
+    assert autocast["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
 
 
 def test_a_deepspeed_scheduler_is_refused_by_name(tmp_path, wiki_shards):

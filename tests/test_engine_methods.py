@@ -69,6 +69,20 @@ def test_bf16_at_every_zero_stage(tmp_path, wiki_shards, tiny_bert):
     records = _run([sys.executable], tmp_path, wiki_shards, tiny_bert, "0,1,2,3", "dupmae", "bf16")
     _check(records, (0, 1, 2, 3), ["dupmae"])
     assert all(r["precision"] == "bf16" for r in records)
-    # the speed ladder's zero-1 rung: fp32 masters at every stage, so the same steps to bf16's rounding
+    # fp32 masters at every stage (ZeRO 1-3's flat partitions, ZeRO 0's wrapper): the same steps to bf16's rounding
     losses = [r["loss"] for r in records]
     assert len({r["first_loss"] for r in records}) == 1 and losses == pytest.approx([losses[0]] * 4, rel=1e-3)
+
+
+def test_bf16_autocast_steps_the_fp32_weights_as_fp32_does(tmp_path, wiki_shards, tiny_bert):
+    """train.precision bf16-autocast (the speed ladder's autocast rung): the module keeps fp32 weights, so every
+    trainable tensor moves and the export holds them; the products in bf16 change the losses by bf16's rounding."""
+    fp32 = _run([sys.executable], tmp_path / "fp32", wiki_shards, tiny_bert, "0", "mlm,retromae", "fp32")
+    records = _run([sys.executable], tmp_path / "autocast", wiki_shards, tiny_bert, "0,2", "mlm,retromae",
+                   "bf16-autocast")
+    _check(records, (0, 2), ["mlm", "retromae"])
+    for r in records:
+        plain = next(f for f in fp32 if f["method"] == r["method"])
+        assert r["first_loss"] != plain["first_loss"]  # the products did run in bf16
+        assert r["first_loss"] == pytest.approx(plain["first_loss"], rel=1e-3)
+        assert r["loss"] == pytest.approx(plain["loss"], rel=1e-3)

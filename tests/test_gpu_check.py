@@ -47,7 +47,7 @@ def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     assert "--ladder --methods mlm retromae --skip batch-128 decoder-fused vocab-liger --out" in default.stdout
     # the profile of the engine's step at batch 32 beside the floor's: the switches before unpadding and compile
     assert ("--rung fused-adamw --set model.vocab_loss=plain --set train.optimizer=torch-fused --set model.unpad=false "
-            "--set train.compile=false --set train.zero_stage=1 --batch 32 --profile") in default.stdout
+            "--set train.compile=false --set train.precision=bf16-autocast --batch 32 --profile") in default.stdout
     assert "benchmarks/step_floor.py --method mlm --size base --seq-len 512 --batch 32" in default.stdout
     total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0")
                 if stage.name in gpu_check.DEFAULT_STAGES)

@@ -227,6 +227,9 @@ def test_every_ds_config_resolves_and_precision_variants_must_match(wiki_shards)
         deepspeed_config(exp(f"train.ds_config={ROOT / 'ds_configs' / 'zero2_fp16.json'}"))
     with pytest.raises(ConfigError, match=r"train.precision: bf16, but .*cpu_test.json enables neither"):
         deepspeed_config(exp(f"train.ds_config={ROOT / 'ds_configs' / 'cpu_test.json'}", "train.precision=bf16"))
+    with pytest.raises(ConfigError, match=r"train.precision: bf16-autocast, but .*zero2_bf16.json enables bf16"):
+        deepspeed_config(exp(f"train.ds_config={ROOT / 'ds_configs' / 'zero2_bf16.json'}",
+                             "train.precision=bf16-autocast"))
 
 
 def test_cpu_test_and_zero3_offload_configs_train(tmp_path, wiki_shards):

@@ -76,12 +76,17 @@ def measured_cpu_peak(size: int = 1024, repeats: int = 10) -> float:
     return 2 * size**3 / best
 
 
+def matmul_precision(precision: str) -> str:
+    """The precision the matrix products of a train.precision run at (bf16-autocast: bf16), for its peak."""
+    return "bf16" if precision == "bf16-autocast" else precision
+
+
 def gpu_peak(name: str, precision: str) -> tuple[str, float] | None:
     """(part, peak FLOP/s) of the GPU called `name` (torch.cuda.get_device_name) at `precision`; None when the
     name is not in GPU_PEAKS."""
     for pattern, part, peaks in GPU_PEAKS:
         if re.search(pattern, name):
-            return part, peaks[precision]
+            return part, peaks[matmul_precision(precision)]
     return None
 
 

@@ -76,12 +76,12 @@ def device(name: str) -> Device:
 
 def device_flops(name: str, precision: str) -> float:
     """Peak FLOP/s of one `name` device at `precision` (cpu: a measured fp32 matmul, as for MFU)."""
-    from pretrieve.engine.flops import GPU_PEAKS, measured_cpu_peak
+    from pretrieve.engine.flops import GPU_PEAKS, matmul_precision, measured_cpu_peak
 
     part = device(name).part
     if part is None:
         return measured_cpu_peak()
-    return next(peaks[precision] for _, known, peaks in GPU_PEAKS if known == part)
+    return next(peaks[matmul_precision(precision)] for _, known, peaks in GPU_PEAKS if known == part)
 
 
 def layer_activations(b: int, s: int, h: int, f: int, heads: int, element: int, ffn: int = 2) -> int:
@@ -101,9 +101,9 @@ def estimate(exp, world_size: int, batch: dict) -> dict:
     params = sum(p.numel() for p in head.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in head.parameters() if not p.requires_grad)  # LoRA's base model, a pooler
     t, config = exp.train, exp.model.hf_config()
-    mixed = t.precision != "fp32"
-    element = 2 if mixed else 4
-    w, g, o = (2, 2, 16) if mixed else (4, 4, 8)
+    element = 2 if t.precision != "fp32" else 4  # activations: 16 bits under autocast too
+    # bf16/fp16: 16-bit weights and gradients, fp32 masters in the optimizer; fp32 and bf16-autocast: no copy
+    w, g, o = (2, 2, 16) if t.precision in ("bf16", "fp16") else (4, 4, 8)
     split = [world_size if t.zero_stage >= k else 1 for k in (1, 2, 3)]
     # ZeRO 3: the layer being computed is gathered whole, its weights and (made here, offloaded or not) gradients
     gathered = max(sum((w + g * p.requires_grad) * p.numel() for p in m.parameters(recurse=False))

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from conftest import pretrain_env
 from pretrieve.config import ConfigError, deepspeed_config, experiment, load_config
-from pretrieve.engine.optimizer import client_optimizer
+from pretrieve.engine.optimizer import client_optimizer, clip_in_loop
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "pretrain" / "tiny-retromae.yaml"
 STAGES = (0, 2)
@@ -66,6 +66,9 @@ def test_fused_adamw_trains_as_deepspeeds(runs, stage):
     assert [r["step"] for r in fused] == [1, 2, 3]
     assert [r["loss"] for r in fused] == pytest.approx([r["loss"] for r in plain], rel=1e-6)
     assert [r["lr"] for r in fused] == [r["lr"] for r in plain]  # the schedule drives the client optimizer
+    if stage == 0:  # the loop clips with torch's foreach norm (clip_in_loop), DeepSpeed a gradient at a time
+        assert all(r["grad_norm"] > 1.0 for r in plain)  # train.grad_clip 1.0: every step clipped
+        assert [r["grad_norm"] for r in fused] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-5)
     for name in ("model.safetensors", "pretrieve_head.safetensors"):
         ours, reference = (load_file(runs / run / "export" / name) for run in (f"fused{stage}", f"deepspeed{stage}"))
         assert ours.keys() == reference.keys()
@@ -147,3 +150,22 @@ def test_optimizer_errors_name_the_key(wiki_shards, tmp_path):
     exp = _experiment(wiki_shards, "train.optimizer=torch-fused", f"train.ds_config={lamb}")
     with pytest.raises(ConfigError, match="train.optimizer: torch-fused builds AdamW .* has type 'Lamb'"):
         client_optimizer(exp.train, deepspeed_config(exp), [torch.nn.Parameter(torch.zeros(3))])
+
+
+def test_the_loop_clips_where_the_module_holds_the_gradients(wiki_shards):
+    """torch-fused at ZeRO 0 in fp32 or bf16-autocast: the loop clips to train.grad_clip and DeepSpeed clips
+    nothing; with the ds_config's optimizer, a bf16 wrapper or ZeRO's buffers, DeepSpeed clips as before."""
+    for overrides, loop in ((["train.optimizer=torch-fused"], 1.0),
+                            (["train.optimizer=torch-fused", "train.precision=bf16-autocast"], 1.0),
+                            (["train.optimizer=torch-fused", "train.grad_clip=0"], None),
+                            (["train.optimizer=deepspeed"], None),
+                            (["train.optimizer=torch-fused", "train.precision=bf16"], None),
+                            (["train.optimizer=torch-fused", "train.zero_stage=2"], None)):
+        exp = _experiment(wiki_shards, *overrides)
+        ds_config = deepspeed_config(exp)
+        assert clip_in_loop(exp.train, ds_config) == loop, overrides
+        # DeepSpeed's own (an absent key clips to its default of 1.0): none where the loop clips
+        assert ds_config["gradient_clipping"] == (exp.train.grad_clip if loop is None else 0.0), overrides
+    own = {"zero_optimization": {"stage": 0}}  # a ds_config of one's own without the key: DeepSpeed's 1.0 is moved
+    assert clip_in_loop(_experiment(wiki_shards, "train.optimizer=torch-fused").train, own) == 1.0
+    assert own["gradient_clipping"] == 0.0

@@ -7,6 +7,11 @@
                client optimizer; the section is removed, so the two never both apply
   auto         deepspeed (until the GPU ladder has measured them)
 
+With torch-fused at ZeRO 0 and no fp16/bf16 wrapper (train.precision fp32 or bf16-autocast), the gradients are
+the module's own, and the training loop clips them with torch's foreach `clip_grad_norm_` (a few kernels for all
+of them) instead of DeepSpeed, whose clipping takes a norm and scales a gradient at a time: two kernel launches
+a parameter, which a GPU step bound by its host's launches pays in full (docs/benchmarks.md).
+
 Both see the same parameters in one group, as DeepSpeed's path always did (`model_parameters`: every trainable
 one; biases and norms decay too), and DeepSpeed wraps either the same way: the train.lr_schedule drives the
 optimizer it is given, gradient clipping stays DeepSpeed's, and under bf16 (or ZeRO) the optimizer steps the
@@ -25,11 +30,24 @@ from pretrieve.utils.options import ConfigError
 
 # keys of a ds_config AdamW section that tell DeepSpeed which implementation to build, not how it steps
 _DEEPSPEED_KEYS = ("torch_adam", "adam_w_mode", "foreach", "fp32_optimizer_states")
+DEEPSPEED_CLIP = 1.0  # deepspeed.runtime.constants.GRADIENT_CLIPPING_DEFAULT: a ds_config without the key clips
 
 
 def resolve(name: str) -> str:
     """The optimizer `name` stands for (auto: deepspeed)."""
     return "deepspeed" if name == "auto" else name
+
+
+def clip_in_loop(train, ds_config: dict) -> float | None:
+    """The max norm the training loop clips the gradients to, taken out of `ds_config` (DeepSpeed then clips
+    nothing), where torch-fused steps the module's own gradients (ZeRO 0, no fp16/bf16 wrapper); None: DeepSpeed
+    clips, in its wrapper or its ZeRO buffers, as the ds_config says."""
+    wrapped = any(ds_config.get(name, {}).get("enabled", False) for name in ("bf16", "fp16"))
+    if resolve(train.optimizer) != "torch-fused" or wrapped or ds_config.get("zero_optimization", {}).get("stage", 0):
+        return None
+    clip = ds_config.get("gradient_clipping", DEEPSPEED_CLIP)
+    ds_config["gradient_clipping"] = 0.0  # an absent key would clip to DeepSpeed's default
+    return clip or None
 
 
 def client_optimizer(train, ds_config: dict, parameters: list) -> torch.optim.Optimizer | None:

@@ -28,7 +28,7 @@ from pretrieve.engine.determinism import deterministic
 from pretrieve.engine.flops import device_peak
 from pretrieve.engine.lr_schedule import LRSchedule
 from pretrieve.engine.metrics import MetricsWindow, plain_grad_norm, truncate_metrics
-from pretrieve.engine.optimizer import client_optimizer
+from pretrieve.engine.optimizer import client_optimizer, clip_in_loop
 from pretrieve.engine.ops import environment_ops, without_op_load_notice
 from pretrieve.engine.preemption import StopFlag, Stopped, prebuild_ops, retryable_startup, shield_children
 from pretrieve.engine.resume_check import check_resume, record_changes, saved_config
@@ -158,6 +158,7 @@ def _initialize(exp: RunExperiment, job: TrainingJob, start: _Start):
     ds_config = deepspeed_config(exp)
     parameters = [p for p in job.module.parameters() if p.requires_grad]
     optimizer = client_optimizer(exp.train, ds_config, parameters)  # train.optimizer; None: the ds_config's
+    clip = clip_in_loop(exp.train, ds_config)  # the loop's max gradient norm; None: DeepSpeed's clipping
     if start.tag is not None and is_universal(exp.run_dir / "checkpoints" / start.tag):  # any world size
         ds_config["checkpoint"] = {"load_universal": True}
     with environment_ops():  # this environment's extension cache and ninja (engine/ops.py)
@@ -168,7 +169,7 @@ def _initialize(exp: RunExperiment, job: TrainingJob, start: _Start):
             engine, _, _, _ = deepspeed.initialize(model=job.module, config=ds_config, model_parameters=parameters,
                                                    optimizer=optimizer, lr_scheduler=LRSchedule.of(exp.train).scheduler)
             unlink_cpu_allreduce_buffer()
-    return engine, ds_config
+    return engine, ds_config, clip
 
 
 def _run_training(exp: RunExperiment, build_job, rank: int, world: int, stop: StopFlag) -> dict:
@@ -179,7 +180,7 @@ def _run_training(exp: RunExperiment, build_job, rank: int, world: int, stop: St
     run_dir, ckpt_dir = exp.run_dir, exp.run_dir / "checkpoints"
     start = _start(exp, rank)
     job = build_job(exp, rank)
-    engine, ds_config = _initialize(exp, job, start)
+    engine, ds_config, clip = _initialize(exp, job, start)
     if why := stop.should_stop(world, engine.device):  # stopped during start-up: nothing trained since `tag`
         raise stop.stopped(why, ckpt_dir / start.tag if start.tag else None)
     tracker = None
@@ -187,7 +188,7 @@ def _run_training(exp: RunExperiment, build_job, rank: int, world: int, stop: St
         tracker = Tracker(exp.tracking, run_dir, run_params(start.config, ds_config), job.tags, fresh=start.fresh)
         record_changes(run_dir, start.tag, start.changes, tracker)
     try:
-        return _train(exp, job, engine, ds_config, start, tracker, rank, world, stop)
+        return _train(exp, job, engine, ds_config, start, tracker, rank, world, stop, clip)
     except BaseException as e:  # a stop has ended its MLflow run as KILLED already
         if tracker is not None and not isinstance(e, Stopped):
             tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
@@ -195,7 +196,7 @@ def _run_training(exp: RunExperiment, build_job, rank: int, world: int, stop: St
 
 
 def _train(exp: RunExperiment, job: TrainingJob, engine, ds_config: dict, start: _Start, tracker: Tracker | None,
-           rank: int, world: int, stop: StopFlag) -> dict:
+           rank: int, world: int, stop: StopFlag, clip: float | None) -> dict:
     run_dir, ckpt_dir = exp.run_dir, exp.run_dir / "checkpoints"
     window = MetricsWindow(run_dir / "metrics.jsonl" if rank == 0 else None, tracker, engine,
                            device_peak(engine.device, exp.train.precision, exp.train.peak_flops) if rank == 0 else None)
@@ -209,7 +210,7 @@ def _train(exp: RunExperiment, job: TrainingJob, engine, ds_config: dict, start:
         if rank == 0:
             truncate_metrics(run_dir / "metrics.jsonl", engine.global_steps)  # a crashed attempt's later steps rerun
     try:
-        _train_steps(exp, job, engine, window, checkpoints, counters, stop, world)
+        _train_steps(exp, job, engine, window, checkpoints, counters, stop, world, clip)
     finally:
         window.close()
     if world > 1:  # the run's totals; this also waits for every rank's last checkpoint shard
@@ -226,10 +227,11 @@ def _train(exp: RunExperiment, job: TrainingJob, engine, ds_config: dict, start:
 
 
 def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWindow, checkpoints: Checkpointer,
-                 counters: dict, stop: StopFlag, world: int) -> None:
+                 counters: dict, stop: StopFlag, world: int, clip: float | None = None) -> None:
     """The loop: micro-batches until step `train.stop_at` (or `max_steps`), or a stop signal's checkpoint."""
     last_step = min(exp.train.max_steps, exp.train.stop_at or exp.train.max_steps)  # of this invocation
     eval_every = exp.train.eval_every or exp.train.max_steps  # held-out loss: every N steps, and at the end
+    trainable = [p for p in engine.module.parameters() if p.requires_grad]
     bar = Progress(exp.train.max_steps, job.name, unit="step", enabled=checkpoints.rank == 0,
                    initial=engine.global_steps)
     try:
@@ -247,7 +249,9 @@ def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWi
                 # the same steps wherever the run stops: a stop between them carries the window (checkpoint.py)
                 log_now = boundary and ((engine.global_steps + 1) % exp.train.log_every == 0
                                         or engine.global_steps + 1 == exp.train.max_steps)
-                grad_norm = plain_grad_norm(engine) if log_now else None
+                if clip is not None and boundary:  # clip_in_loop: the module's gradients, averaged over ranks
+                    norm = torch.nn.utils.clip_grad_norm_(trainable, clip, foreach=True)
+                grad_norm = (float(norm) if clip is not None else plain_grad_norm(engine)) if log_now else None
                 lr = engine.get_lr()[0]  # the lr of this update: step() moves the schedule on
                 engine.step()
                 counters["samples"] += samples

@@ -49,6 +49,7 @@ def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     assert ("--rung fused-adamw --set model.vocab_loss=plain --set train.optimizer=torch-fused --set model.unpad=false "
             "--set train.compile=false --set train.precision=bf16-autocast --batch 32 --profile") in default.stdout
     assert "benchmarks/step_floor.py --method mlm --size base --seq-len 512 --batch 32" in default.stdout
+    assert "--variants autocast bf16 --out" in default.stdout
     total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0")
                 if stage.name in gpu_check.DEFAULT_STAGES)
     assert default.returncode == 0 and f"estimated total {total} s of 540 s: fits" in default.stdout, default.stdout

@@ -126,24 +126,24 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
               [Command([python, "benchmarks/two_stream_attention.py", "--lengths", "512",
                         "--out", str(work / "two_stream_attention.json")],
                        results=str(work / "two_stream_attention.json"))]),
-        # the head without the engine at batch 32 (benchmarks/step_floor.py): shards ~5 s, three variants' 23 steps
-        # each ~10 s, the compile ~15 s, a profiled round and its summary ~15 s
+        # the head without the engine at batch 32 (benchmarks/step_floor.py), beside the ladder of the same job: the
+        # third H200 job ran three variants and a profiled round in 55 s; two variants, no compile, no profile here
         Stage("floor", "BERT-base L512 mlm's head trained by a bare loop (no DeepSpeed, batches on the device): "
-              "bf16 autocast, bf16 weights, bf16 weights compiled; one round profiled", 60, 110,
+              "bf16 autocast and bf16 weights, in turns", 35, 60,
               [Command([python, "benchmarks/step_floor.py", "--method", "mlm", "--size", "base", "--seq-len", "512",
-                        "--batch", "32", "--steps", "10", "--warmup", "3", "--rounds", "2",
-                        "--profile", str(work / "profile_floor.json"), "--out", str(work / "step_floor_gpu.json")],
-                       results=str(work / "step_floor_gpu.json"), also=(str(work / "profile_floor.json"),))]),
-        # each run ~26 s (the H200 job: start-up included), the compiled rungs ~35 s: 7 mlm rungs, 2 peers, 2 retromae
+                        "--batch", "32", "--steps", "10", "--warmup", "3", "--rounds", "2", "--variants", "autocast",
+                        "bf16", "--out", str(work / "step_floor_gpu.json")], results=str(work / "step_floor_gpu.json"))]),
+        # each run ~26 s (the H200 jobs: start-up included), the compiled rungs ~35 s: 7 mlm rungs, 2 peers, 2
+        # retromae; the second H200 job's reached retromae's last run at its box of 370 s
         Stage("mfu", "the speed ladder at BERT-base L512 bf16 (each switch on top of the ones before, each rung "
               f"its own process: {', '.join(LADDER_METHODS)}) and its peers, HF's Trainer with BertForMaskedLM and "
-              "the official RetroMAE model re-stated", 320, 370,
+              "the official RetroMAE model re-stated", 340, 380,
               [Command(ladder, results=str(work / "pretrain_throughput_gpu.json"))]),
         # where the time goes in the engine's step at batch 32 (mlm), beside the floor's: the baseline's profile is
         # the first H200 job's, the top rung's the second's. Start-up ~25 s, the profiler's summary ~40 s
         Stage("profile", f"torch.profiler over BERT-base L512 bf16 mlm at the ladder's {', '.join(PROFILED_RUNGS)} "
               "rung: kernels by device time, the share of GEMMs, attention, elementwise, copies and idle, and the "
-              "host's launches, waits, data loading and optimizer steps per step", 80, 120,
+              "host's launches, waits, data loading and optimizer steps per step", 80, 110,
               [Command(bert_base_at + ["--method", "mlm", "--rung", name, *[a for o in overrides for a in ("--set", o)],
                                        "--batch", str(batch), "--profile", str(work / f"profile_{name}.json"),
                                        "--out", str(work / "profiled_throughput.json")],  # slowed by the profiler

@@ -32,18 +32,20 @@ from pretrain_throughput import ROOT, SAMPLES, SIZES, append_record, engine_over
 VARIANTS = ("autocast", "bf16", "bf16-compile")
 
 
-def batches(args, work: Path) -> tuple[torch.nn.Module, list[dict], int, float]:
-    """The head, `--steps` collated batches on the device, their non-padding tokens and FLOPs (per step)."""
+def batches(args, work: Path, overrides: list[str] = ()) -> tuple[torch.nn.Module, list[dict], int, float]:
+    """The head (with config `overrides`), `--steps` collated batches on the device, their non-padding tokens and
+    FLOPs (per step), from the Wikipedia sample prepared in `work` (once)."""
     from pretrieve.config import experiment, load_config
     from pretrieve.data.prepare import PrepareOptions, prepare
     from pretrieve.pretrain import pretraining_job
 
-    prepare(PrepareOptions(source="wikipedia", inputs=[str(SAMPLES / "wikipedia")], out=str(work / "shards"),
-                           workers=0, progress=False))
+    if not (work / "shards").is_dir():
+        prepare(PrepareOptions(source="wikipedia", inputs=[str(SAMPLES / "wikipedia")], out=str(work / "shards"),
+                               workers=0, progress=False))
     gpu = torch.cuda.is_available()
     config = load_config(ROOT / "configs" / "pretrain" / f"{args.method}.yaml",
-                         [*engine_overrides(args, work / "shards", None), f"run_dir={work / 'run'}"])
-    (work / "run").mkdir()  # the job writes the encoder's config there, as a run does
+                         [*engine_overrides(args, work / "shards", None), *overrides, f"run_dir={work / 'floor-run'}"])
+    (work / "floor-run").mkdir()  # the job writes the encoder's config there, as a run does
     job = pretraining_job(experiment(config), rank=0)
     loaded, tokens, flops = [], 0, 0.0
     for batch in job.loader:

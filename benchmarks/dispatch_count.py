@@ -1,0 +1,114 @@
+"""The host's work in a training step, counted on CPU: the torch ops the engine's step dispatches (on a GPU each
+one a kernel launch, or a view the host still pays for) against the bare loop's (benchmarks/step_floor.py) on the
+same head and batches. A GPU step bound by its host's launches (docs/benchmarks.md, "Three H200 jobs") is made
+faster by dispatching less; a count does not drift with a machine's load, so a test can hold it.
+
+    python benchmarks/dispatch_count.py --method mlm --set train.optimizer=torch-fused [--set ...]
+
+The model is BERT-base's depth at a tiny width (12 layers, 202 parameter tensors, hidden 64): its op counts are
+BERT-base's, its arithmetic negligible. Counted per optimizer step, as the median over the steps after the first
+(the optimizer's state is made there); the engine's batches are collated in a loader worker, whose ops are not
+the step's. Prints one JSON record: both counts, the engine's extra ops, and those per trainable parameter tensor
+(DeepSpeed's per-parameter work shows there); `--out` appends it to a JSON list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pretrain_throughput import ROOT, append_record, engine_overrides
+from step_floor import batches, run_steps, variant
+
+WIDE = {"hidden_size": 64, "num_layers": 12, "num_heads": 2, "intermediate_size": 128}
+
+
+class Dispatched(TorchDispatchMode):
+    """Counts the ops dispatched in this thread while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def engine_ops(args, work: Path) -> list[int]:
+    """The ops each optimizer step of `pretrieve pretrain` dispatches: between the loop's calls of the job's
+    `at_step` (before each step's forward), so neither start-up nor the final checkpoint counts."""
+    from pretrieve.config import experiment, load_config
+    from pretrieve.engine.train import run_training
+    from pretrieve.pretrain import pretraining_job
+
+    marks, counter = [], Dispatched()
+
+    def marked_job(exp, rank):
+        job = pretraining_job(exp, rank)
+        schedule = job.at_step
+
+        def at_step(step):
+            marks.append(counter.count)
+            if schedule is not None:
+                schedule(step)
+        job.at_step = at_step
+        return job
+
+    config = load_config(ROOT / "configs" / "pretrain" / f"{args.method}.yaml",
+                         [*engine_overrides(args, work / "shards", None), "data.num_workers=1",
+                          f"run_dir={work / 'run'}", *args.set])
+    with counter:
+        run_training(experiment(config), marked_job)
+    return [b - a for a, b in zip(marks[1:], marks[2:])]
+
+
+def floor_ops(head_batches) -> list[int]:
+    """The ops each step of the bare loop dispatches (fp32 on CPU), after its first."""
+    head, on_device, _, _ = head_batches
+    module, optimizer, autocast = variant("autocast", head, gpu=False)
+    run_steps(module, optimizer, autocast, on_device[:1])
+    counts = []
+    for batch in on_device[1:]:
+        with Dispatched() as counter:
+            run_steps(module, optimizer, autocast, [batch])
+        counts.append(counter.count)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--method", default="mlm")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override of the engine")
+    p.add_argument("--out", help="also append the record to this JSON list")
+    args = p.parse_args(argv)
+    # engine_overrides' settings: the wide model at fp32 on ZeRO 0, a step a log line (as the ladder's runs)
+    args.size, args.lora, args.activation_checkpointing, args.zero_stage, args.precision = "tiny", 0, False, 0, "fp32"
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as work:
+        work = Path(work)
+        args.set = [f"model.{k}={v}" for k, v in WIDE.items()] + args.set
+        head_batches = batches(args, work, args.set)  # the sample prepared once, for both
+        floor = statistics.median(floor_ops(head_batches))
+        engine = statistics.median(engine_ops(args, work))
+    tensors = sum(p.requires_grad for p in head_batches[0].parameters())
+    record = {"method": args.method, "overrides": args.set[len(WIDE):], "parameter_tensors": tensors,
+              "engine_ops_per_step": engine, "floor_ops_per_step": floor, "extra_ops_per_step": engine - floor,
+              "extra_ops_per_parameter": round((engine - floor) / tensors, 2), "torch": torch.__version__}
+    if args.out:
+        append_record(Path(args.out), record)
+    else:
+        print(record, flush=True)
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -117,7 +117,10 @@ class SimLMHead(PretrainingHead):
             raise ValueError(f"method.decoder_layers: {len(self.decoder.layers)} layers cannot be copied from an "
                              f"encoder of {len(layers)} (decoder_init: new starts them fresh)")
         for target, source in zip(self.decoder.layers, layers[len(layers) - len(self.decoder.layers):]):
-            target.load_state_dict(source.state_dict())
+            # every weight of the decoder layer from its encoder layer; ModernBERT's decoder layer, like its first
+            # layer, has no attention norm (its inputs are normalised already), so the copied layer's is left
+            own = target.state_dict()
+            target.load_state_dict({k: v for k, v in source.state_dict().items() if k in own})
 
     def train(self, mode: bool = True):
         """A frozen generator stays in eval mode (no dropout), as the released code keeps it."""
@@ -150,7 +153,8 @@ class SimLMHead(PretrainingHead):
         afresh, so that validation takes no random numbers from training and scores the same texts."""
         with torch.set_grad_enabled(labels is not None and not self.generator_frozen and torch.is_grad_enabled()):
             hidden = self.generator(ids, attention_mask)
-            logits = self.generator.mlm_logits(hidden[masked]).float()  # [masked positions, vocab]
+            logits = self.generator.mlm_logits(hidden[masked])  # [masked positions, vocab]
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16's softmax is too coarse
             if not bool(masked.any()):  # a batch of stream pad samples: nothing to fill
                 return ids, hidden.sum() * 0.0
             loss = F.cross_entropy(logits, labels[masked]) if labels is not None else logits.sum() * 0.0

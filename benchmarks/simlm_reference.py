@@ -26,12 +26,11 @@ against mlm and retromae at BERT-base (engine.flops).
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+import released_code
 
 ROOT = Path(__file__).resolve().parent.parent
 HIDDEN, LAYERS, GENERATOR_HIDDEN, TEXTS, MAX_LEN, PEAK = 64, 4, 32, 8, 144, 50.0
@@ -185,35 +184,13 @@ def flops_against_mlm(work: Path) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--released", required=True, help="the simlm folder of a microsoft/unilm checkout")
-    parser.add_argument("--python", help="the released code's venv Python")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/simlm_reference.json"))
-    parser.add_argument("--released-side", metavar="WORK", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.released_side:
-        released_side(args.released, args.released_side)
-        return 0
-    if not args.python:
-        parser.error("--python: the released code's venv Python is required")
-    with tempfile.TemporaryDirectory() as work:
-        ours = {setting: pretrieve_side(setting, Path(work)) for setting in SETTINGS}
-        done = subprocess.run([args.python, __file__, "--released", args.released, "--released-side", work],
-                              capture_output=True, text=True)
-        if done.returncode:
-            sys.exit(f"simlm_reference: the released side failed:\n{done.stderr[-3000:]}")
-        theirs = json.loads(done.stdout.strip().splitlines()[-1])
-        flops = flops_against_mlm(Path(work))
-    result = {"setup": {"hidden": HIDDEN, "layers": LAYERS, "decoder_layers": 2, "generator_hidden": GENERATOR_HIDDEN,
-                        "generator_peak": PEAK, "texts": TEXTS, "max_len": MAX_LEN, "precision": "fp32",
-                        "dropout": 0.0},
-              "generator": {s: {"pretrieve": ours[s], "released": theirs[s],
-                                "loss_diff": abs(ours[s]["loss"] - theirs[s]["loss"])} for s in ours},
-              "train_flops_against_mlm_bert_base": flops}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({s: {"loss_diff": r["loss_diff"], "max_grad_diff": r["released"]["max_grad_diff"]}
-                      for s, r in result["generator"].items()}))
-    return 0
+    setup = {"hidden": HIDDEN, "layers": LAYERS, "decoder_layers": 2, "generator_hidden": GENERATOR_HIDDEN,
+             "generator_peak": PEAK, "texts": TEXTS, "max_len": MAX_LEN, "precision": "fp32", "dropout": 0.0}
+    return released_code.main(__file__, __doc__, "the simlm folder of a microsoft/unilm checkout",
+                              "simlm_reference.json", released_side,
+                              lambda work: {setting: pretrieve_side(setting, work) for setting in SETTINGS},
+                              "generator", setup,
+                              lambda work: {"train_flops_against_mlm_bert_base": flops_against_mlm(work)})
 
 
 if __name__ == "__main__":

@@ -5,8 +5,6 @@ ordinary position, the decoder run as the released code runs it (the encoder's o
 mask), the generator frozen or trained, and a resumed DeepSpeed run at ZeRO 3 repeating the uninterrupted one."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import pretrain_env, save_tiny_bert
+from conftest import pretrain_stopped_and_resumed, save_tiny_bert
 from pretrieve.config import load_config, method_options, model_options
 from pretrieve.engine.flops import forward_flops, train_flops
 from pretrieve.models.flops import encoder_flops
@@ -188,14 +186,8 @@ def test_a_resumed_zero3_run_with_a_frozen_generator_repeats_the_uninterrupted_o
     common = [f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "method.max_len=64",
               f"method.generator_init={generator_dir}", "train.zero_stage=3", "checkpoint.every=2",
               "train.log_every=1", "train.max_steps=4", "tracking.enabled=false"]
-    runs = [[f"run_dir={tmp_path / 'full'}", *common], [f"run_dir={tmp_path / 'split'}", *common, "train.stop_at=2"]]
-    config = str(CONFIGS / "tiny-simlm.yaml")
-    done = subprocess.run([sys.executable, str(Path(__file__).parent / "train_many.py"), config, json.dumps(runs)],
-                          env=pretrain_env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = subprocess.run([sys.executable, "-m", "pretrieve", "pretrain", config, f"run_dir={tmp_path / 'split'}",
-                           *common, "resume=auto"], env=pretrain_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    pretrain_stopped_and_resumed(CONFIGS / "tiny-simlm.yaml", [f"run_dir={tmp_path / 'full'}", *common],
+                                 [f"run_dir={tmp_path / 'split'}", *common, "train.stop_at=2"])
 
     def records(name):
         return [{k: v for k, v in json.loads(line).items() if k in ("step", "loss", "enc", "dec", "replaced", "lr")}
@@ -206,8 +198,9 @@ def test_a_resumed_zero3_run_with_a_frozen_generator_repeats_the_uninterrupted_o
     from safetensors.torch import load_file
 
     for name in ("model.safetensors", "pretrieve_head.safetensors"):
-        ours, reference = load_file(tmp_path / "split" / "export" / name), load_file(tmp_path / "full" / "export" / name)
-        assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+        resumed, uninterrupted = (load_file(tmp_path / run / "export" / name) for run in ("split", "full"))
+        assert resumed.keys() == uninterrupted.keys()
+        assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
     head = load_file(tmp_path / "full" / "export" / "pretrieve_head.safetensors")
     initial = load_file(generator_dir / "model.safetensors")
     generator = {k[len("generator.model."):]: v for k, v in head.items() if k.startswith("generator.model.")}

@@ -140,7 +140,8 @@ class SimLMCollator(MLMCollator):
     (the original token at the encoder's masked positions: where the generator samples, and its MLM target), plus
     `dec_input_ids` ([MASK] at the decoder's masked positions), `dec_masked` (bool [B, L], those positions) and
     `rlm_labels` (the original token at every ordinary position, the tokenizer's special tokens left out: the
-    target of both the encoder and the decoder).
+    target of both the encoder and the decoder), and `replace_seed` [1], the seed of the generator's draws, drawn
+    with the masks: a batch's replacements are a pure function of its samples, as its masks are.
 
     The decoder's mask holds the encoder's and adds whole words drawn independently at the rate that makes the
     union cover `decoder_mask_ratio` of the tokens in expectation, (d - e) / (1 - e), as the released collator
@@ -162,6 +163,7 @@ class SimLMCollator(MLMCollator):
         out["dec_input_ids"] = torch.from_numpy(np.where(dec_masked, self.vocab.mask_id, batch.ids))
         out["dec_masked"] = torch.from_numpy(dec_masked)
         out["rlm_labels"] = torch.from_numpy(np.where(targets, batch.ids, -100))
+        out["replace_seed"] = torch.from_numpy(rng.integers(0, 2**62, size=1))
 
 
 def bag_of_words_targets(batch: Padded, keep: np.ndarray) -> torch.Tensor:

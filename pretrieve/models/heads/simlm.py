@@ -82,8 +82,8 @@ class SimLMHead(PretrainingHead):
     """L = L_enc + L_dec (+ generator_weight x L_gen when the generator trains), as the released `ReplaceLM`.
 
     Replacement: at the masked positions M of a [MASK]ed text, x'_i ~ softmax(G(x_masked)_i) for i in M, x'_i =
-    x_i elsewhere; the encoder's text x^enc and the decoder's x^dec are two such draws, from two maskings (the
-    decoder's covers the encoder's), with no gradient through the sampling.
+    x_i elsewhere (the padding token never drawn); the encoder's text x^enc and the decoder's x^dec are two such
+    draws, from two maskings (the decoder's covers the encoder's), with no gradient through the sampling.
     L_enc = -(1/|T|) sum_{i in T} log p(x_i | Enc(x^enc)_i), T the ordinary tokens of the text (all of them, not
     only M: replaced language modelling), through the encoder's MLM head.
     L_dec = -(1/|T|) sum_{i in T} log p(x_i | Dec([h_cls; e(x^dec_1..n)])_i): `decoder_layers` layers of the
@@ -105,6 +105,7 @@ class SimLMHead(PretrainingHead):
         else:
             self.generator = Encoder(generator_config(options, encoder.config))
         self.generator.vocab_loss = encoder.vocab_loss
+        self.register_buffer("pad_id", torch.tensor([encoder.config.pad_token_id]), persistent=False)
         if self.generator_frozen:
             self.generator.requires_grad_(False)
         self.decoder = Decoder(encoder, num_layers=options.decoder_layers)
@@ -132,8 +133,9 @@ class SimLMHead(PretrainingHead):
     def forward(self, batch):
         attention_mask, mlm_labels = batch["attention_mask"], batch["mlm_labels"]
         masked = mlm_labels != -100
-        enc_ids, gen = self.replace(batch["input_ids"], attention_mask, masked, mlm_labels)
-        dec_ids, _ = self.replace(batch["dec_input_ids"], attention_mask, batch["dec_masked"])
+        draws = torch.Generator(mlm_labels.device).manual_seed(int(batch["replace_seed"][0]))
+        enc_ids, gen = self.replace(batch["input_ids"], attention_mask, masked, draws, mlm_labels)
+        dec_ids, _ = self.replace(batch["dec_input_ids"], attention_mask, batch["dec_masked"], draws)
         hidden = self.encoder(enc_ids, attention_mask)
         enc = self.encoder.token_loss(hidden, batch["rlm_labels"])
         states = torch.cat([hidden[:, :1], self.encoder.embeddings(input_ids=dec_ids)[:, 1:]], dim=1)
@@ -146,11 +148,12 @@ class SimLMHead(PretrainingHead):
                 "replaced": replaced.float()}
 
     def replace(self, ids: torch.Tensor, attention_mask: torch.Tensor, masked: torch.Tensor,
-                labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids with a generator sample at each `masked` position, the generator's MLM loss there against
-        `labels`, the original tokens). Given labels and a generator that trains, the loss takes gradients;
-        without labels (the decoder's text) nothing does. In eval mode the draws come from a generator seeded
-        afresh, so that validation takes no random numbers from training and scores the same texts."""
+                draws: torch.Generator, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids with a generator sample at each `masked` position, drawn from `draws`, the generator's MLM loss
+        there against `labels`, the original tokens). Given labels and a generator that trains, the loss takes
+        gradients; without labels (the decoder's text) nothing does. The draws never touch torch's global random
+        state: the batch's seed fixes them, at every ZeRO stage, padded or unpadded, in validation and after a
+        resume."""
         with torch.set_grad_enabled(labels is not None and not self.generator_frozen and torch.is_grad_enabled()):
             hidden = self.generator(ids, attention_mask)
             logits = self.generator.mlm_logits(hidden[masked])  # [masked positions, vocab]
@@ -158,9 +161,10 @@ class SimLMHead(PretrainingHead):
             if not bool(masked.any()):  # a batch of stream pad samples: nothing to fill
                 return ids, hidden.sum() * 0.0
             loss = F.cross_entropy(logits, labels[masked]) if labels is not None else logits.sum() * 0.0
-        draws = None if self.training else torch.Generator(ids.device).manual_seed(0)
         with torch.no_grad():
-            sampled = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=draws).squeeze(-1)
+            # never the padding token: a text holds it only as padding (RoBERTa counts positions past it)
+            probabilities = torch.softmax(logits.index_fill(-1, self.pad_id, float("-inf")), dim=-1)
+            sampled = torch.multinomial(probabilities, 1, generator=draws).squeeze(-1)
         return ids.masked_scatter(masked, sampled), loss
 
 

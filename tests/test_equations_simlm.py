@@ -176,6 +176,30 @@ def test_the_decoder_starts_as_the_encoders_last_layers():
         tiny_simlm("method.decoder_layers=3")
 
 
+def test_the_export_is_an_hf_encoder_and_keeps_the_generator(vocab, wiki_samples, tmp_path):
+    """After a step: the export loads in transformers' AutoModel as the encoder, and as a head again (further
+    pre-training) with every weight, the generator's and the decoder's included."""
+    from transformers import AutoModel
+
+    from pretrieve.models.export import export, load_export
+
+    method, options, head = tiny_simlm()
+    batch = method.collator.from_options(options, vocab, seed=0)(wiki_samples[:4])
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-3)
+    head(batch)["loss"].backward()
+    optimizer.step()
+    out = export(head.eval(), tmp_path / "export")
+    hf = AutoModel.from_pretrained(str(out), local_files_only=True).eval()
+    with torch.no_grad():
+        ours = head.encoder(batch["input_ids"], batch["attention_mask"])
+        theirs = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(theirs[real], ours[real], rtol=1e-5, atol=1e-5)
+    again = load_export(out).state_dict()
+    assert any(k.startswith("generator.model.") for k in again) and any(k.startswith("decoder.") for k in again)
+    assert all(torch.equal(again[k], v) for k, v in head.state_dict().items())
+
+
 @pytest.mark.integration
 def test_a_resumed_zero3_run_with_a_frozen_generator_repeats_the_uninterrupted_one(tmp_path, wiki_shards,
                                                                                    generator_dir):

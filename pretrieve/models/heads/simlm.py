@@ -70,6 +70,7 @@ def _saved_config(path: str):
 
 
 def generator_frozen(options: SimLMOptions) -> bool:
+    """Whether the generator is frozen: `freeze_generator`, or by default whether it is loaded (generator_init)."""
     if options.freeze_generator is None:
         return options.generator_init is not None
     if options.freeze_generator and options.generator_init is None:
@@ -105,7 +106,8 @@ class SimLMHead(PretrainingHead):
         else:
             self.generator = Encoder(generator_config(options, encoder.config))
         self.generator.vocab_loss = encoder.vocab_loss
-        self.register_buffer("pad_id", torch.tensor([encoder.config.pad_token_id]), persistent=False)
+        pad = encoder.config.pad_token_id  # the token never drawn (none when the config names none)
+        self.register_buffer("pad_id", torch.tensor([] if pad is None else [pad], dtype=torch.long), persistent=False)
         if self.generator_frozen:
             self.generator.requires_grad_(False)
         self.decoder = Decoder(encoder, num_layers=options.decoder_layers)
@@ -124,7 +126,8 @@ class SimLMHead(PretrainingHead):
             target.load_state_dict({k: v for k, v in source.state_dict().items() if k in own})
 
     def train(self, mode: bool = True):
-        """A frozen generator stays in eval mode (no dropout), as the released code keeps it."""
+        """A frozen generator stays in eval mode (no dropout), as the released code means it to (its trainer's
+        `model.train()` undoes that there)."""
         super().train(mode)
         if self.generator_frozen:
             self.generator.eval()

@@ -24,12 +24,11 @@ against the uncached MLM terms: the defect docs/methods.md lists (each MLM term 
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+import released_code
 
 ROOT = Path(__file__).resolve().parent.parent
 HIDDEN, LAYERS, SKIP_FROM, HEAD_LAYERS, DOCS, MAX_LEN, CHUNK = 64, 4, 2, 2, 8, 128, 4
@@ -137,32 +136,12 @@ def cached_mlm(model, inputs: dict, labels) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--released", required=True, help="a checkout of luyug/Condenser")
-    parser.add_argument("--python", help="the released code's venv Python")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/condenser_reference.json"))
-    parser.add_argument("--released-side", metavar="WORK", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.released_side:
-        released_side(args.released, args.released_side)
-        return 0
-    if not args.python:
-        parser.error("--python: the released code's venv Python is required")
-    with tempfile.TemporaryDirectory() as work:
-        ours = {method: pretrieve_side(method, Path(work)) for method in ("condenser", "cocondenser")}
-        done = subprocess.run([args.python, __file__, "--released", args.released, "--released-side", work],
-                              capture_output=True, text=True)
-        if done.returncode:
-            sys.exit(f"condenser_reference: the released side failed:\n{done.stderr[-3000:]}")
-        theirs = json.loads(done.stdout.strip().splitlines()[-1])
-    result = {"setup": {"hidden": HIDDEN, "layers": LAYERS, "skip_from": SKIP_FROM, "head_layers": HEAD_LAYERS,
-                        "documents": DOCS, "max_len": MAX_LEN, "precision": "fp32", "dropout": 0.0},
-              "methods": {m: {"pretrieve": ours[m], "released": theirs[m],
-                              "loss_diff": abs(ours[m]["loss"] - theirs[m]["loss"])} for m in ours}}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({m: {"loss_diff": r["loss_diff"], "max_grad_diff": r["released"]["max_grad_diff"]}
-                      for m, r in result["methods"].items()}))
-    return 0
+    setup = {"hidden": HIDDEN, "layers": LAYERS, "skip_from": SKIP_FROM, "head_layers": HEAD_LAYERS,
+             "documents": DOCS, "max_len": MAX_LEN, "precision": "fp32", "dropout": 0.0}
+    return released_code.main(__file__, __doc__, "a checkout of luyug/Condenser", "condenser_reference.json",
+                              released_side,
+                              lambda work: {m: pretrieve_side(m, work) for m in ("condenser", "cocondenser")},
+                              "methods", setup)
 
 
 if __name__ == "__main__":

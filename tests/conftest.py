@@ -43,6 +43,20 @@ def pretrain_env(**extra: str) -> dict:
     return {**env, **extra}
 
 
+def pretrain_stopped_and_resumed(config: Path | str, full: list[str], split: list[str], timeout: int = 900) -> None:
+    """`pretrieve pretrain` of `config` with the overrides `full` and `split` (which stops early: train.stop_at)
+    in one process (tests/train_many.py), then `split` resumed in a fresh process (resume=auto, its stop removed):
+    what the exact-resume tests compare. Each run must exit 0."""
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "train_many.py"), str(config),
+                           json.dumps([full, split])], env=pretrain_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resume = [override for override in split if not override.startswith("train.stop_at=")]
+    done = subprocess.run([sys.executable, "-m", "pretrieve", "pretrain", str(config), *resume, "resume=auto"],
+                          env=pretrain_env(), capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def json_lines(stdout: str) -> list:
     """The JSON objects a subprocess printed, one per line, skipping every other line (DeepSpeed and the
     launchers print per rank: warnings)."""

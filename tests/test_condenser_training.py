@@ -3,15 +3,13 @@ process equals the uninterrupted one bit for bit (dropout on; coCondenser throug
 the dropout masks), and coCondenser warm-starts from a Condenser export with its head, as the paper does."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import pretrain_env
+from conftest import pretrain_stopped_and_resumed
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.models.export import load_export
 from pretrieve.models.heads import get_method
@@ -33,15 +31,8 @@ def _metrics(run_dir):
 @pytest.mark.integration
 @pytest.mark.parametrize("method", METHODS)
 def test_resume_reproduces_the_uninterrupted_run(method, wiki_shards, tmp_path):
-    config = str(CONFIGS / f"tiny-{method}.yaml")
-    runs = [_overrides(tmp_path / "full", wiki_shards), _overrides(tmp_path / "split", wiki_shards, "train.stop_at=2")]
-    done = subprocess.run([sys.executable, str(Path(__file__).parent / "train_many.py"), config, json.dumps(runs)],
-                          env=pretrain_env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = subprocess.run([sys.executable, "-m", "pretrieve", "pretrain", config,
-                           *_overrides(tmp_path / "split", wiki_shards, "resume=auto")],
-                          env=pretrain_env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    pretrain_stopped_and_resumed(CONFIGS / f"tiny-{method}.yaml", _overrides(tmp_path / "full", wiki_shards),
+                                 _overrides(tmp_path / "split", wiki_shards, "train.stop_at=2"))
     full, split = _metrics(tmp_path / "full"), _metrics(tmp_path / "split")
     parts = ("loss", "mlm", "head", "co") if method == "cocondenser" else ("loss", "mlm", "head")
     assert [r["step"] for r in split] == [1, 2, 3, 4]

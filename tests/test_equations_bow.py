@@ -6,15 +6,13 @@ handing the head its step, so that a resumed run repeats the uninterrupted one's
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import pretrain_env
+from conftest import pretrain_stopped_and_resumed
 from pretrieve.config import load_config, method_options, model_options
 from pretrieve.models.heads.bow import cosine_decay
 
@@ -102,14 +100,8 @@ def test_the_loop_hands_the_head_its_step_and_a_resume_repeats_it(tmp_path, wiki
     tests/test_engine.py says) and exports the same weights."""
     common = [f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "method.max_len=64",
               "checkpoint.every=2", "train.log_every=1", "train.max_steps=4", "tracking.enabled=false"]
-    runs = [[f"run_dir={tmp_path / 'full'}", *common], [f"run_dir={tmp_path / 'split'}", *common, "train.stop_at=2"]]
-    config = str(CONFIGS / "tiny-bow.yaml")
-    done = subprocess.run([sys.executable, str(Path(__file__).parent / "train_many.py"), config, json.dumps(runs)],
-                          env=pretrain_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = subprocess.run([sys.executable, "-m", "pretrieve", "pretrain", config, f"run_dir={tmp_path / 'split'}",
-                           *common, "resume=auto"], env=pretrain_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    pretrain_stopped_and_resumed(CONFIGS / "tiny-bow.yaml", [f"run_dir={tmp_path / 'full'}", *common],
+                                 [f"run_dir={tmp_path / 'split'}", *common, "train.stop_at=2"], timeout=600)
 
     def records(name):
         return [{k: v for k, v in json.loads(line).items() if k in ("step", "loss", "mlm", "bow", "lr")}

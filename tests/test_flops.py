@@ -30,7 +30,8 @@ def test_analytic_flops_match_the_deepspeed_profiler(name, vocab, wiki_samples):
     # under 1%
     assert analytic == pytest.approx(2 * macs, rel=0.01 if name in ("costa", "cocondenser") else 1e-9)
     trained = train_flops(name, options, head.encoder.config, batch)
-    assert trained == 3 * analytic if name != "dupmae" else 3 * analytic > trained > analytic
+    # dupmae's projection and simlm's generator pass over the decoder's text take no backward matmul
+    assert trained == 3 * analytic if name not in ("dupmae", "simlm") else 3 * analytic > trained > analytic
 
 
 def test_measured_cpu_peak_is_plausible():

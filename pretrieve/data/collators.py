@@ -40,6 +40,8 @@ class MLMCollator:
     seed: int = 0
     pad_to_multiple_of: int = 8
     data_kind: ClassVar[str] = "text"  # the manifests' `kind` it collates: blocks of text
+    # (share of masked tokens set to [MASK], share set to a random token; the rest keep theirs): BERT's 80/10/10
+    corruption: ClassVar[tuple[float, float]] = (0.8, 0.1)
 
     @classmethod
     def from_options(cls, options, vocab: Vocabulary, seed: int = 0):
@@ -52,7 +54,7 @@ class MLMCollator:
         words, num_words = word_ids(batch.ids, batch.lengths, self.vocab)
         masked = whole_word_mask(words, num_words, batch.lengths - 2, self.mlm_ratio, rng)
         masked[batch.pad] = False
-        input_ids, labels = corrupt(batch.ids, masked, self.vocab, rng)
+        input_ids, labels = corrupt(batch.ids, masked, self.vocab, rng, *self.corruption)
         attention_mask = (np.arange(batch.ids.shape[1])[None, :] < batch.lengths[:, None]).astype(np.int64)
         out = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
                "mlm_labels": torch.from_numpy(labels)}
@@ -129,6 +131,39 @@ class BoWCollator(MLMCollator):
     def extend(self, out, batch, words, num_words, rng):
         keep = ordinary_positions(batch.lengths, batch.ids.shape[1]) & ~self.vocab.special[batch.ids]
         out["bow_targets"] = bag_of_words_targets(batch, keep)
+
+
+@dataclass
+class SimLMCollator(MLMCollator):
+    """SimLM batches: `input_ids` with [MASK] at every masked position (the released recipe's
+    all_use_mask_token: the generator, not the collator, puts other tokens there), `attention_mask`, `mlm_labels`
+    (the original token at the encoder's masked positions: where the generator samples, and its MLM target), plus
+    `dec_input_ids` ([MASK] at the decoder's masked positions), `dec_masked` (bool [B, L], those positions) and
+    `rlm_labels` (the original token at every ordinary position, the tokenizer's special tokens left out: the
+    target of both the encoder and the decoder), and `replace_seed` [1], the seed of the generator's draws, drawn
+    with the masks: a batch's replacements are a pure function of its samples, as its masks are.
+
+    The decoder's mask holds the encoder's and adds whole words drawn independently at the rate that makes the
+    union cover `decoder_mask_ratio` of the tokens in expectation, (d - e) / (1 - e), as the released collator
+    does; a decoder ratio at or below the encoder's masks the decoder where the encoder is masked."""
+
+    mlm_ratio: float = 0.30
+    decoder_mask_ratio: float = 0.50
+    corruption: ClassVar[tuple[float, float]] = (1.0, 0.0)
+
+    def extend(self, out, batch, words, num_words, rng):
+        encoder_masked = (out["mlm_labels"] != -100).numpy()
+        extra = (self.decoder_mask_ratio - self.mlm_ratio) / (1.0 - self.mlm_ratio) if self.mlm_ratio < 1 else 0.0
+        dec_masked = encoder_masked.copy()
+        if extra > 0:
+            dec_masked |= whole_word_mask(words, num_words, batch.lengths - 2, min(extra, 1.0), rng)
+        dec_masked[batch.pad] = False
+        targets = ordinary_positions(batch.lengths, batch.ids.shape[1]) & ~self.vocab.special[batch.ids]
+        targets[batch.pad] = False
+        out["dec_input_ids"] = torch.from_numpy(np.where(dec_masked, self.vocab.mask_id, batch.ids))
+        out["dec_masked"] = torch.from_numpy(dec_masked)
+        out["rlm_labels"] = torch.from_numpy(np.where(targets, batch.ids, -100))
+        out["replace_seed"] = torch.from_numpy(rng.integers(0, 2**62, size=1))
 
 
 def bag_of_words_targets(batch: Padded, keep: np.ndarray) -> torch.Tensor:

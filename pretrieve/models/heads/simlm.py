@@ -1,0 +1,200 @@
+"""`simlm`: SimLM (Wang et al., ACL 2023, arXiv 2207.02578 §3.1): a representation bottleneck trained by replaced
+language modelling. The paper's text was not available to this implementation: no equation numbers are cited;
+the loss follows its abstract and the released code (microsoft/unilm `simlm/src/models/rlm.py`,
+`collators/rlm_collator.py`, `scripts/train_rlm.sh`), which docs/methods.md compares.
+
+A small MLM generator, a second model inside this head, fills the masked positions of the encoder's input and,
+drawn again independently, those of the decoder's more heavily masked input with tokens sampled from its
+predictions. The encoder reads its replaced text and predicts the original token at every position; a shallow
+decoder reads the encoder's [CLS] state in place of its own first token, then its replaced text, and predicts the
+original tokens again: all it knows of the positions the generator changed comes through that one vector.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pretrieve.data.collators import SimLMCollator
+from pretrieve.models.encoder import Encoder
+from pretrieve.models.flops import encoder_flops, labelled, layer_flops, vocab_flops
+from pretrieve.models.heads.base import PretrainingHead
+from pretrieve.models.heads.decoder import Decoder, masked_attention
+from pretrieve.models.heads.registry import MethodOptions, option, register_method
+
+DECODER_INITS = ("copy", "new")
+
+
+@dataclass
+class SimLMOptions(MethodOptions):
+    max_len: int = option(144, at_least=3, why="[CLS], a token, [SEP]")  # released: --rlm_max_length 144
+    mlm_ratio: float = option(0.30, above=0, below=1)  # the encoder's masking: --rlm_encoder_mask_prob 0.3
+    decoder_mask_ratio: float = option(0.50, at_least=0, at_most=1)  # the decoder's: --rlm_decoder_mask_prob 0.5
+    decoder_layers: int = option(2, at_least=1)  # released: --rlm_decoder_layers 2
+    # "copy": the decoder starts as a copy of the encoder's last layers (the released code's deepcopy); "new":
+    # initialised as the backbone initialises new modules
+    decoder_init: str = option("copy", choices=DECODER_INITS)
+    # a local HF directory of an MLM model of one of the backbones, sharing the encoder's tokenizer (released:
+    # google/electra-base-generator, whose ELECTRA family is no backbone here); None: a new generator of the
+    # encoder's family, `generator_size` of its width
+    generator_init: str | None = None
+    generator_size: float = option(1 / 3, above=0, at_most=1)  # ELECTRA-base's generator: 256 of 768, 4 heads
+    # None: frozen when loaded from generator_init (the released --rlm_freeze_generator True), trained with the
+    # encoder when new (a frozen untrained generator would sample noise, and is refused)
+    freeze_generator: bool | None = None
+    generator_weight: float = option(0.2, at_least=0)  # its MLM loss in the total when trained (released 0.2)
+
+
+def generator_config(options: SimLMOptions, encoder_config):
+    """The generator's HF config: generator_init's, or the encoder's narrowed to `generator_size` of its width
+    (whole attention heads of the encoder's head size, the FFN in proportion), its depth kept as ELECTRA's."""
+    if options.generator_init is not None:
+        return _saved_config(options.generator_init)
+    config = copy.deepcopy(encoder_config)
+    head_size = config.hidden_size // config.num_attention_heads
+    heads = max(1, round(config.hidden_size * options.generator_size / head_size))
+    config.hidden_size, config.num_attention_heads = heads * head_size, heads
+    config.intermediate_size = max(1, round(config.intermediate_size * heads / encoder_config.num_attention_heads))
+    return config
+
+
+@functools.lru_cache(maxsize=8)
+def _saved_config(path: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def generator_frozen(options: SimLMOptions) -> bool:
+    """Whether the generator is frozen: `freeze_generator`, or by default whether it is loaded (generator_init)."""
+    if options.freeze_generator is None:
+        return options.generator_init is not None
+    if options.freeze_generator and options.generator_init is None:
+        raise ValueError("method.freeze_generator: a frozen generator needs method.generator_init (a trained MLM "
+                         "model's directory); a new generator must learn: set freeze_generator to false or null")
+    return options.freeze_generator
+
+
+class SimLMHead(PretrainingHead):
+    """L = L_enc + L_dec (+ generator_weight x L_gen when the generator trains), as the released `ReplaceLM`.
+
+    Replacement: at the masked positions M of a [MASK]ed text, x'_i ~ softmax(G(x_masked)_i) for i in M, x'_i =
+    x_i elsewhere (the padding token never drawn); the encoder's text x^enc and the decoder's x^dec are two such
+    draws, from two maskings (the decoder's covers the encoder's), with no gradient through the sampling.
+    L_enc = -(1/|T|) sum_{i in T} log p(x_i | Enc(x^enc)_i), T the ordinary tokens of the text (all of them, not
+    only M: replaced language modelling), through the encoder's MLM head.
+    L_dec = -(1/|T|) sum_{i in T} log p(x_i | Dec([h_cls; e(x^dec_1..n)])_i): `decoder_layers` layers of the
+    encoder's family with full self-attention over the text (padding hidden), position 0 the encoder's last
+    [CLS] state, the rest the decoder text's embeddings; the same MLM head. Both are token means over the batch.
+    L_gen = the generator's own MLM loss at the encoder's masked positions (its decoder-side draw has no
+    gradient, as released). With the generator frozen (the released recipe) the total is L_enc + L_dec.
+    """
+
+    def __init__(self, encoder, options):
+        super().__init__(encoder, options)
+        self.generator_frozen = generator_frozen(options)
+        if options.generator_init is not None:
+            self.generator = Encoder.from_pretrained(options.generator_init)
+            if self.generator.config.vocab_size != encoder.config.vocab_size:
+                raise ValueError(f"method.generator_init: {options.generator_init} predicts "
+                                 f"{self.generator.config.vocab_size} tokens, the encoder {encoder.config.vocab_size}: "
+                                 "the generator must share the encoder's tokenizer")
+        else:
+            self.generator = Encoder(generator_config(options, encoder.config))
+        self.generator.vocab_loss = encoder.vocab_loss
+        pad = encoder.config.pad_token_id  # the token never drawn (none when the config names none)
+        self.register_buffer("pad_id", torch.tensor([] if pad is None else [pad], dtype=torch.long), persistent=False)
+        if self.generator_frozen:
+            self.generator.requires_grad_(False)
+        self.decoder = Decoder(encoder, num_layers=options.decoder_layers)
+        if options.decoder_init == "copy":
+            self.copy_last_layers(encoder)
+
+    def copy_last_layers(self, encoder) -> None:
+        layers = encoder.backbone.layers(encoder.model)
+        if len(layers) < len(self.decoder.layers):
+            raise ValueError(f"method.decoder_layers: {len(self.decoder.layers)} layers cannot be copied from an "
+                             f"encoder of {len(layers)} (decoder_init: new starts them fresh)")
+        for target, source in zip(self.decoder.layers, layers[len(layers) - len(self.decoder.layers):]):
+            # every weight of the decoder layer from its encoder layer; ModernBERT's decoder layer, like its first
+            # layer, has no attention norm (its inputs are normalised already), so the copied layer's is left
+            own = target.state_dict()
+            target.load_state_dict({k: v for k, v in source.state_dict().items() if k in own})
+
+    def train(self, mode: bool = True):
+        """A frozen generator stays in eval mode (no dropout), as the released code means it to (its trainer's
+        `model.train()` undoes that there)."""
+        super().train(mode)
+        if self.generator_frozen:
+            self.generator.eval()
+        return self
+
+    def forward(self, batch):
+        attention_mask, mlm_labels = batch["attention_mask"], batch["mlm_labels"]
+        masked = mlm_labels != -100
+        draws = torch.Generator(mlm_labels.device).manual_seed(int(batch["replace_seed"][0]))
+        enc_ids, gen = self.replace(batch["input_ids"], attention_mask, masked, draws, mlm_labels)
+        dec_ids, _ = self.replace(batch["dec_input_ids"], attention_mask, batch["dec_masked"], draws)
+        hidden = self.encoder(enc_ids, attention_mask)
+        enc = self.encoder.token_loss(hidden, batch["rlm_labels"])
+        states = torch.cat([hidden[:, :1], self.encoder.embeddings(input_ids=dec_ids)[:, 1:]], dim=1)
+        width = attention_mask.shape[1]
+        visible = attention_mask.bool()[:, None, :].expand(-1, width, -1)  # padding hidden, as in the encoder
+        dec = self.encoder.token_loss(self.decoder(states, None, masked_attention(visible)), batch["rlm_labels"])
+        loss = enc + dec if self.generator_frozen else enc + dec + self.options.generator_weight * gen
+        replaced = (masked & (enc_ids != mlm_labels)).sum() / masked.sum().clamp(min=1)
+        return {"loss": loss, "enc": enc.detach(), "dec": dec.detach(), "gen": gen.detach(),
+                "replaced": replaced.float()}
+
+    def replace(self, ids: torch.Tensor, attention_mask: torch.Tensor, masked: torch.Tensor,
+                draws: torch.Generator, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids with a generator sample at each `masked` position, drawn from `draws`, the generator's MLM loss
+        there against `labels`, the original tokens). Given labels and a generator that trains, the loss takes
+        gradients; without labels (the decoder's text) nothing does. The draws never touch torch's global random
+        state: the batch's seed fixes them, at every ZeRO stage, padded or unpadded, in validation and after a
+        resume."""
+        with torch.set_grad_enabled(labels is not None and not self.generator_frozen and torch.is_grad_enabled()):
+            hidden = self.generator(ids, attention_mask)
+            logits = self.generator.mlm_logits(hidden[masked])  # [masked positions, vocab]
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16's softmax is too coarse
+            if not bool(masked.any()):  # a batch of stream pad samples: nothing to fill
+                return ids, hidden.sum() * 0.0
+            loss = F.cross_entropy(logits, labels[masked]) if labels is not None else logits.sum() * 0.0
+        with torch.no_grad():
+            # never the padding token: a text holds it only as padding (RoBERTa counts positions past it)
+            probabilities = torch.softmax(logits.index_fill(-1, self.pad_id, float("-inf")), dim=-1)
+            sampled = torch.multinomial(probabilities, 1, generator=draws).squeeze(-1)
+        return ids.masked_scatter(masked, sampled), loss
+
+
+def simlm_flops(options: SimLMOptions, config, batch: dict[str, torch.Tensor]) -> int:
+    """The generator on both texts (its MLM head at the positions it fills), the encoder's MLM head at the
+    positions beyond the masked ones (the encoder's own count has those), the decoder's layers over the whole
+    text and its MLM head at every target."""
+    b, length = batch["input_ids"].shape
+    targets = labelled(batch["rlm_labels"])
+    return (generator_pass_flops(options, config, batch, "enc") + generator_pass_flops(options, config, batch, "dec")
+            + vocab_flops(config, targets) - vocab_flops(config, labelled(batch["mlm_labels"]))
+            + options.decoder_layers * layer_flops(config, b, length, length) + vocab_flops(config, targets))
+
+
+def generator_pass_flops(options: SimLMOptions, config, batch: dict[str, torch.Tensor], text: str) -> int:
+    """One generator pass over the encoder's (`enc`) or the decoder's (`dec`) text."""
+    ids = batch["input_ids"] if text == "enc" else batch["dec_input_ids"]
+    positions = batch["mlm_labels"] if text == "enc" else torch.where(batch["dec_masked"], ids, -100)
+    return encoder_flops(generator_config(options, config), {"input_ids": ids, "mlm_labels": positions})
+
+
+def simlm_no_backward_flops(options: SimLMOptions, config, batch: dict[str, torch.Tensor]) -> int:
+    """The generator's passes that take no gradient: both when it is frozen, the decoder text's when it trains."""
+    frozen = generator_frozen(options)
+    return (generator_pass_flops(options, config, batch, "dec")
+            + (generator_pass_flops(options, config, batch, "enc") if frozen else 0))
+
+
+register_method("simlm", SimLMHead, SimLMCollator, SimLMOptions, flops=simlm_flops,
+                no_backward_flops=simlm_no_backward_flops)

@@ -32,8 +32,9 @@ def arguments(doc: str, released: str, result: str) -> argparse.Namespace:
 def released_results(script: str, args: argparse.Namespace, work: str) -> dict:
     """The last JSON line `script --released-side work` prints when run by the released venv's Python; its
     error output, and an exit, when it fails."""
-    done = subprocess.run([args.python, script, "--released", args.released, "--released-side", work],
-                          capture_output=True, text=True)
+    # run in the work folder: what the released code writes beside itself (its logger's data/log.txt) stays there
+    done = subprocess.run([args.python, str(Path(script).resolve()), "--released", str(Path(args.released).resolve()),
+                           "--released-side", work], capture_output=True, text=True, cwd=work)
     if done.returncode:
         sys.exit(f"{Path(script).stem}: the released side failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -28,11 +28,11 @@ import json
 import time
 from pathlib import Path
 
-ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "bow", "condenser", "cocondenser")
+ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "bow", "condenser", "cocondenser", "simlm")
 CPU_ARMS = ARMS[:7]  # the cpu study's, run and committed; the arms added since are for the gpu scales
 REFERENCES = ("none", "mlm")  # the arms every other is compared with
 POOLING = {"none": "base", "mlm": "base", "retromae": "cls", "dupmae": "dupmae", "seed": "cls", "costa": "cls",
-           "cotmae": "cls", "bow": "cls", "condenser": "cls", "cocondenser": "cls"}  # "base": the base's own
+           "cotmae": "cls", "bow": "cls", "condenser": "cls", "cocondenser": "cls", "simlm": "cls"}  # "base": its own
 # an arm's own overrides of its tiny config: GradCache saves memory these small models do not need (its loss and
 # gradients are the one-graph ones: tests/test_equations_condenser.py), and would only encode each span twice
 ARM_OVERRIDES = {"cocondenser": ["method.grad_cache=null"]}
@@ -133,7 +133,7 @@ GPU_SHORT = merge(GPU, {
     "curve": {"arm": "retromae", "seed": 0, "points": 2},
 })
 GPU_SHORT["general"]["arms"] = {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3, "bow": 3, "condenser": 3,
-                                "cocondenser": 3}
+                                "cocondenser": 3, "simlm": 3}
 GPU_SHORT["domain"] = {"arms": {}, "bases": {}}
 SCALES = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}
 

@@ -85,7 +85,7 @@ ARMS = {
     # gpu-short: the budget is chosen from that scale's own curve (an allocation's `--stage budget`), not yet run;
     # lr and warm-up follow the budget run the curve picks. One seed an allocation (`--seeds`), as the quality study
     "gpu-short": {"arms": {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3, "bow": 3, "condenser": 3,
-                           "cocondenser": 3},
+                           "cocondenser": 3, "simlm": 3},
                   "steps": None, "lr": 5e-4,
                   "warmup_ratio": 0.1, "poolings": ["cls", "mean"]},
     "smoke": {"arms": {"none": 1, "retromae": 1}, "steps": 4, "lr": 1e-3, "warmup_ratio": 0.1,

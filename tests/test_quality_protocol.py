@@ -140,11 +140,11 @@ def test_scales_follow_the_protocol():
     for plan in (cpu, gpu):
         assert all(plan["general"]["arms"][arm] >= 3 for arm in ("none", "mlm", "retromae", "dupmae"))
         assert set(plan["domain"]["bases"]) == {"base", "minilm"}
-    # the cpu study ran its arms; the arms added since (bow, condenser, cocondenser) are for the gpu scales: the CPU
-    # arms tie
+    # the cpu study ran its arms; the arms added since (bow, condenser, cocondenser, simlm) are for the gpu scales:
+    # the CPU arms tie
     assert set(cpu["general"]["arms"]) == set(quality_plan.CPU_ARMS) < set(quality_plan.ARMS)
     assert set(gpu["general"]["arms"]) == set(gpu["pooling"]) == set(quality_plan.ARMS)
-    assert {"bow", "condenser", "cocondenser"} <= set(quality_plan.build_plan("gpu-short")["general"]["arms"])
+    assert {"bow", "condenser", "cocondenser", "simlm"} <= set(quality_plan.build_plan("gpu-short")["general"]["arms"])
     assert gpu["pooling"]["bow"] == "cls"
     assert cpu["pooling"]["dupmae"] == gpu["pooling"]["dupmae"] == "dupmae"  # eq. 12
     assert {cpu["pooling"][arm] for arm in ("retromae", "seed", "costa", "cotmae")} == {"cls"}

@@ -165,7 +165,7 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
               [Command(ladder_ends_of(bert_base, method, work, extra), results=str(work / "pretrain_throughput_gpu.json"))
                for method, extra in LADDER_NEW_METHODS.items()]),
         # the first job's quality stage had its data (39 s) and base (41 s) when its box ran out; each arm added since
-        # (bow, condenser, cocondenser) adds a pre-training run, one fine-tuning and its evaluations: ~20 s each
+        # (bow, condenser, cocondenser, simlm) adds a pre-training run, one fine-tuning and its evaluations: ~20 s each
         Stage("quality", "the quality study at --scale gpu-short: base -> arms -> the same fine-tuning -> eval", 300,
               360, merge_into + [Command([python, "benchmarks/quality.py", "--scale", "gpu-short", "--seeds", quality_seeds,
                              "--data", str(bundle / "data"), "--out", str(work / "quality"),
@@ -174,7 +174,7 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
         # BGE's recipe on the quality stage's base (the same work folder: a job running both trains it once). Not yet
         # run: data 39 s and base 41 s as the quality stage's; the pairs ~20 s on 8 workers; three 1,600-step runs of
         # 512 pairs side by side ~140 s (the base's steps read 0.8x the tokens); 45 evaluations 4 at a time ~120 s;
-        # the arms added since (bow, condenser, cocondenser: the arms stage) two more contrastive runs each and their
+        # the arms added since (bow, condenser, cocondenser, simlm: the arms stage) two more contrastive runs each and their
         # evaluations, ~20-40 s each
         Stage("recipe", "BGE's recipe at --scale gpu-short: the contrastive budget curve of `none`, or, once the "
               "budget is fixed from it, the arms: pre-training -> contrastive -> fine-tuning -> eval, [CLS] and mean",

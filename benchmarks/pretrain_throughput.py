@@ -368,9 +368,13 @@ def engine_run(args, method: str, overrides: list[str], run_dir: Path) -> dict:
     if method in ("retromae", "dupmae"):
         overrides = [*overrides, f"method.decoder_pool_size={min(args.seq_len, 256)}"]
     train(experiment(load_config(ROOT / "configs" / "pretrain" / f"{method}.yaml", [*overrides, f"run_dir={run_dir}"])))
+    from statistics import median
+
     timed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][args.warmup:]
     samples_per_s = sum(r["samples_per_s"] for r in timed) / len(timed)
+    # the median beside the mean: a one-off stall in the timed steps (a compiled layer's recompile) moves only the mean
     return {"tokens_per_s": round(sum(r["tokens_per_s"] for r in timed) / len(timed), 1),
+            "tokens_per_s_median": round(median(r["tokens_per_s"] for r in timed), 1),
             "s_per_step": round(args.batch / samples_per_s, 4),
             "tflops_per_device": round(sum(r["tflops_per_device"] for r in timed) / len(timed), 4),
             "mfu": round(sum(r.get("mfu", 0.0) for r in timed) / len(timed), 4)}

@@ -1,7 +1,8 @@
 """benchmarks/dispatch_count.py: the torch ops the engine's step dispatches beyond the bare loop's, per parameter
 tensor, on CPU. On a GPU each is a kernel launch the host pays, and the H200 step was bound by them
-(docs/benchmarks.md, "Three H200 jobs"): the fast path (torch-fused at ZeRO 0, the loop clipping) is held to a
-few a parameter, and the count sees the bf16 wrapper's per-parameter work."""
+(docs/benchmarks.md, "Three H200 jobs"): the fast path (torch-fused at ZeRO 0 on one rank, the loop clipping,
+no one-rank all-reduce) is held to a fraction of an op a parameter, and the count sees the bf16 wrapper's
+per-parameter work."""
 
 import json
 import subprocess
@@ -26,7 +27,8 @@ def _count(tmp_path, *overrides) -> dict:
 def test_the_fast_path_dispatches_a_few_ops_a_parameter_beyond_the_bare_loop(tmp_path):
     fast = _count(tmp_path, "train.optimizer=torch-fused")
     assert fast["parameter_tensors"] == 202  # BERT-base's count of tensors, at a tiny width
-    # measured 5.2: DeepSpeed's ZeRO 0 gradient bucket (a slice and a copy each, and their views), the log line
-    assert 0 < fast["extra_ops_per_parameter"] <= 6, fast
+    # measured 0.15 (31 ops a step: the log line, the batch's count): 5.2 with DeepSpeed's one-rank gradient
+    # bucket, 10.2 with its clipping as well
+    assert 0 < fast["extra_ops_per_parameter"] <= 0.5, fast
     wrapped = _count(tmp_path, "train.optimizer=torch-fused", "train.precision=bf16")
-    assert wrapped["extra_ops_per_parameter"] >= 20, wrapped  # measured 30.7: the wrapper's masters and checks
+    assert wrapped["extra_ops_per_parameter"] >= 20, wrapped  # measured 25.7: the wrapper's masters and checks

@@ -169,6 +169,10 @@ def _initialize(exp: RunExperiment, job: TrainingJob, start: _Start):
             engine, _, _, _ = deepspeed.initialize(model=job.module, config=ds_config, model_parameters=parameters,
                                                    optimizer=optimizer, lr_scheduler=LRSchedule.of(exp.train).scheduler)
             unlink_cpu_allreduce_buffer()
+    if engine.dp_world_size == 1 and not engine.zero_optimization():
+        # one rank at ZeRO 0 has nothing to average, but DeepSpeed would still copy each gradient into a bucket,
+        # reduce it with itself and copy it back: ops a parameter, each a kernel launch on a GPU
+        engine.enable_backward_allreduce = False
     return engine, ds_config, clip
 
 

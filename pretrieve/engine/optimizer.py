@@ -7,19 +7,20 @@
                client optimizer; the section is removed, so the two never both apply
   auto         deepspeed (until the GPU ladder has measured them)
 
+Both see the same parameters in one group, as DeepSpeed's path always did (`model_parameters`: every trainable
+one; biases and norms decay too), and DeepSpeed wraps either the same way: the train.lr_schedule drives the
+optimizer it is given, gradient clipping stays DeepSpeed's (but where the loop clips, below), and under bf16 (or
+ZeRO) the optimizer steps the fp32 master weights (or partitions) that DeepSpeed's wrapper made, the one copy
+either path has: the client optimizer holds the module's parameters only until the wrapper replaces them by its
+masters. Gradient
+accumulation sums into DeepSpeed's gradient buffers, whichever optimizer then steps. Its state (exp_avg,
+exp_avg_sq, step) is torch's AdamW state in both, saved in every checkpoint; a run resumes with the optimizer it
+was written with (resume_check refuses a change of train.optimizer).
+
 With torch-fused at ZeRO 0 and no fp16/bf16 wrapper (train.precision fp32 or bf16-autocast), the gradients are
 the module's own, and the training loop clips them with torch's foreach `clip_grad_norm_` (a few kernels for all
 of them) instead of DeepSpeed, whose clipping takes a norm and scales a gradient at a time: two kernel launches
 a parameter, which a GPU step bound by its host's launches pays in full (docs/benchmarks.md).
-
-Both see the same parameters in one group, as DeepSpeed's path always did (`model_parameters`: every trainable
-one; biases and norms decay too), and DeepSpeed wraps either the same way: the train.lr_schedule drives the
-optimizer it is given, gradient clipping stays DeepSpeed's, and under bf16 (or ZeRO) the optimizer steps the
-fp32 master weights (or partitions) that DeepSpeed's wrapper made, the one copy either path has: the client
-optimizer holds the module's parameters only until the wrapper replaces them by its masters. Gradient
-accumulation sums into DeepSpeed's gradient buffers, whichever optimizer then steps. Its state (exp_avg,
-exp_avg_sq, step) is torch's AdamW state in both, saved in every checkpoint; a run resumes with the optimizer it
-was written with (resume_check refuses a change of train.optimizer).
 """
 
 from __future__ import annotations

@@ -1,0 +1,177 @@
+"""LexMAE (Shen et al., ICLR 2023; no equation numbers: the paper's method section was not available, the loss is
+the released code's, docs/methods.md "lexmae"), each part against a hand computation: the two maskings, the
+lexicon-importance distribution (softmax and saturated), the bottleneck without a gradient into the word
+embeddings, the decoder run as the released code runs it (HF BertLayers, HF's attention mask, its own MLM head), the
+losses and every gradient, the export, and a resumed DeepSpeed run repeating the uninterrupted one."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import pretrain_stopped_and_resumed
+from pretrieve.config import load_config, method_options, model_options
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
+
+
+def tiny_lexmae(*overrides):
+    config = load_config(CONFIGS / "tiny-lexmae.yaml", ["model.dropout=0.0", *overrides])
+    method, options = method_options(config)
+    return method, options, method.build(options, model_options(config), seed=0)
+
+
+def test_the_two_maskings_and_the_targets(vocab, wiki_samples):
+    method, options, _ = tiny_lexmae()
+    collate = method.collator.from_options(options, vocab, seed=0)
+    samples = [*wiki_samples[:63], {**wiki_samples[63], "pad": True}]
+    batch = collate(samples)
+    ids = torch.from_numpy(collate.pad(samples).ids)
+    masked, dec_masked = batch["mlm_labels"] != -100, batch["dec_labels"] != -100
+    # labels: the original token at each masked position; elsewhere the text is untouched
+    assert torch.equal(batch["mlm_labels"][masked], ids[masked])
+    assert torch.equal(batch["dec_labels"][dec_masked], ids[dec_masked])
+    assert torch.equal(batch["input_ids"][~masked], ids[~masked])
+    assert torch.equal(batch["dec_input_ids"][~dec_masked], ids[~dec_masked])
+    assert not (masked & ~dec_masked).any()  # the decoder's mask covers the encoder's
+    assert not masked[-1].any() and not dec_masked[-1].any()  # the stream's pad sample: no targets
+    lengths = batch["attention_mask"].sum(dim=1, keepdim=True)
+    position = torch.arange(ids.shape[1])[None]
+    tokens = ((position >= 1) & (position < lengths - 1))[:-1].sum().item()
+    assert masked.sum().item() / tokens == pytest.approx(0.30, abs=0.02)
+    assert dec_masked.sum().item() / tokens == pytest.approx(0.50, abs=0.03)
+    # 80/10/10 on each side, the decoder's drawn anew: [MASK] at ~80 % of its masked positions, not the encoder's
+    dec_mask_token = batch["dec_input_ids"][dec_masked] == vocab.mask_id
+    assert dec_mask_token.double().mean().item() == pytest.approx(0.8, abs=0.04)
+    both = masked & dec_masked
+    assert not torch.equal(batch["input_ids"][both] == vocab.mask_id, batch["dec_input_ids"][both] == vocab.mask_id)
+
+
+def hand_losses(head, batch, vocab, importance="softmax"):
+    """(L_enc, L_dec, p) written out: the full [B, L, vocab] logits, the max over the text's tokens (the released
+    text_part_mask: not [CLS], not [SEP], not padding), p, b = p E.detach(), the decoder as HF's BertLayer with
+    transformers' extended attention mask, then the decoder's own MLM head."""
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    encoder, mask = head.encoder, batch["attention_mask"]
+    hidden = encoder(batch["input_ids"], mask)
+    logits = encoder.mlm_logits(hidden)
+    masked = batch["mlm_labels"] != -100
+    enc = F.cross_entropy(logits[masked], batch["mlm_labels"][masked])
+    ids = batch["input_ids"]
+    text = mask.bool() & (ids != vocab.cls_id) & (ids != vocab.sep_id)
+    pooled = logits.masked_fill(~text[..., None], float("-inf")).amax(dim=1)
+    if importance == "softmax":
+        p = torch.softmax(pooled, dim=-1)
+    else:
+        saturated = torch.log(torch.relu(pooled) + 1.0)
+        p = saturated / (saturated.sum(dim=-1, keepdim=True) + 1e-4)
+    bottleneck = p @ encoder.word_embeddings.weight.detach()
+    h = torch.cat([bottleneck[:, None], encoder.embeddings(input_ids=batch["dec_input_ids"])[:, 1:]], dim=1)
+    extended = (1.0 - mask[:, None, None, :].to(h.dtype)) * torch.finfo(h.dtype).min
+    layer = BertLayer(encoder.config).to(h.dtype).eval()
+    for ours in head.decoder.layers:  # HF's layer on the decoder's own weights: their gradients are the hand's
+        h = torch.func.functional_call(layer, dict(ours.named_parameters()), (h,), {"attention_mask": extended})
+        h = h[0] if isinstance(h, tuple) else h
+    dec_logits = F.linear(head.decoder_mlm_transform(h), encoder.word_embeddings.weight, head.decoder_mlm_bias)
+    dec_masked = batch["dec_labels"] != -100
+    dec = F.cross_entropy(dec_logits[dec_masked], batch["dec_labels"][dec_masked])
+    return enc, dec, p
+
+
+@pytest.mark.parametrize("importance", ["softmax", "saturated"])
+def test_loss_and_gradients_by_hand(vocab, wiki_samples, importance):
+    """The losses and every parameter's gradient equal the hand computation's (float64), whose bottleneck takes no
+    gradient into the word embeddings; the decoder's MLM head is its own (a bias the encoder's head lacks)."""
+    method, options, head = tiny_lexmae(f"method.importance={importance}", "method.dec_weight=0.5")
+    head = head.double().eval()
+    with torch.no_grad():
+        head.decoder_mlm_bias.normal_(0.0, 0.5)
+    batch = method.collator.from_options(options, vocab, seed=0)(wiki_samples[:4])
+    out = head(batch)
+    out["loss"].backward()
+    ours = {name: p.grad.clone() for name, p in head.named_parameters() if p.grad is not None}
+    head.zero_grad()
+    enc, dec, p = hand_losses(head, batch, vocab, importance)
+    (enc + 0.5 * dec).backward()
+    theirs = {name: p.grad for name, p in head.named_parameters() if p.grad is not None}
+    assert out["enc"].item() == pytest.approx(enc.item(), rel=1e-10)
+    assert out["dec"].item() == pytest.approx(dec.item(), rel=1e-10)
+    assert out["loss"].item() == pytest.approx(enc.item() + 0.5 * dec.item(), rel=1e-10)
+    entropy = -(p * torch.log(p.clamp(min=1e-30))).sum(dim=-1).mean()
+    assert out["entropy"].item() == pytest.approx(entropy.item(), rel=1e-9)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-7, atol=1e-12, msg=name)
+    assert ours["decoder_mlm_transform.dense.weight"].abs().sum() > 0
+
+
+def test_the_bottleneck_is_all_the_decoder_learns_of_the_encoder(vocab, wiki_samples):
+    """With the encoder's MLM head pushed to one word everywhere, p puts all its mass there and the bottleneck
+    is that word's embedding: the decoder's loss no longer depends on the encoder's input, and changes with the
+    word."""
+    method, options, head = tiny_lexmae()
+    head = head.double().eval()
+    word = vocab.tokens.index("the")
+    with torch.no_grad():
+        head.encoder.mlm_bias[word] = 1e4
+    batch = method.collator.from_options(options, vocab, seed=0)(wiki_samples[:4])
+    p = head.lexicon_importance(head.encoder(batch["input_ids"], batch["attention_mask"]), batch["attention_mask"])
+    assert torch.allclose(p[:, word], torch.ones(4, dtype=p.dtype))
+    other = {**batch, "input_ids": batch["input_ids"].flip(0)}  # each decoder text gets another text's encoding
+    with torch.no_grad():
+        assert head(other)["dec"].item() == pytest.approx(head(batch)["dec"].item(), rel=1e-9)
+        the = head(batch)["dec"].item()
+        head.encoder.mlm_bias[word] = 0.0
+        head.encoder.mlm_bias[vocab.tokens.index("of")] = 1e4  # another word's embedding: another decoder loss
+        assert head(batch)["dec"].item() != pytest.approx(the, rel=1e-12)  # small weights: a small change (~1e-7)
+
+
+def test_the_export_is_an_hf_encoder_and_keeps_the_decoder(vocab, wiki_samples, tmp_path):
+    """After a step: the export loads in transformers' AutoModel as the encoder, and as a head again (further
+    pre-training) with every weight, the decoder's layers and its MLM head included."""
+    from transformers import AutoModel
+
+    from pretrieve.models.export import export, load_export
+
+    method, options, head = tiny_lexmae()
+    batch = method.collator.from_options(options, vocab, seed=0)(wiki_samples[:4])
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    head(batch)["loss"].backward()
+    optimizer.step()
+    out = export(head.eval(), tmp_path / "export")
+    hf = AutoModel.from_pretrained(str(out), local_files_only=True).eval()
+    with torch.no_grad():
+        ours = head.encoder(batch["input_ids"], batch["attention_mask"])
+        theirs = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(theirs[real], ours[real], rtol=1e-5, atol=1e-5)
+    again = load_export(out).state_dict()
+    assert any(k.startswith("decoder.") for k in again) and "decoder_mlm_bias" in again
+    assert all(torch.equal(again[k], v) for k, v in head.state_dict().items())
+
+
+@pytest.mark.integration
+def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, wiki_shards):
+    """`pretrieve pretrain` of tiny-lexmae at ZeRO 2, 4 steps; a run stopped at step 2 and resumed in a fresh
+    process logs the uninterrupted run's losses bit for bit and exports the same weights, the head's included."""
+    common = [f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "method.max_len=64",
+              "train.zero_stage=2", "checkpoint.every=2", "train.log_every=1", "train.max_steps=4",
+              "tracking.enabled=false"]
+    pretrain_stopped_and_resumed(CONFIGS / "tiny-lexmae.yaml", [f"run_dir={tmp_path / 'full'}", *common],
+                                 [f"run_dir={tmp_path / 'split'}", *common, "train.stop_at=2"])
+
+    def records(name):
+        return [{k: v for k, v in json.loads(line).items() if k in ("step", "loss", "enc", "dec", "entropy", "lr")}
+                for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    full, split = records("full"), records("split")
+    assert [r["step"] for r in split] == [1, 2, 3, 4] and split == full
+    from safetensors.torch import load_file
+
+    for name in ("model.safetensors", "pretrieve_head.safetensors"):
+        resumed, uninterrupted = (load_file(tmp_path / run / "export" / name) for run in ("split", "full"))
+        assert resumed.keys() == uninterrupted.keys()
+        assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)

@@ -154,8 +154,9 @@ def released_side(released: str, work: str) -> None:
     print(json.dumps(results))
 
 
-def flops_against_mlm(work: Path) -> dict:
-    """Training FLOPs of a micro-batch at BERT-base (engine.flops) on the same full-length texts, against mlm's."""
+def flops_against_mlm(work: Path, names: tuple[str, ...] = ("mlm", "retromae", "simlm")) -> dict:
+    """Training FLOPs of a micro-batch at BERT-base (engine.flops) on the same full-length texts, against mlm's
+    (`names`: mlm first; simlm's adds its frozen generator's)."""
     from dataclasses import replace
 
     from transformers import BertConfig
@@ -171,14 +172,16 @@ def flops_against_mlm(work: Path) -> dict:
     config, result = BertConfig(), {"texts": len(texts)}
     for length in (144, 512):
         flops = {}
-        for name in ("mlm", "retromae", "simlm"):
+        for name in names:
             spec = get_method(name)
             options = spec.options_from({"max_len": length})
             batch = spec.collator.from_options(options, vocab)(texts)
             flops[name] = train_flops(name, options, config, batch)
-        # frozen (a loaded generator of the new one's shape): the encoder text's pass takes no backward either
-        options = replace(get_method("simlm").options_from({"max_len": length}), freeze_generator=False)
-        flops["simlm, generator frozen"] = flops["simlm"] - 2 * generator_pass_flops(options, config, batch, "enc")
+            if name == "simlm":  # frozen (a loaded generator of the new one's shape): the encoder text's pass
+                # takes no backward either
+                options = replace(options, freeze_generator=False)
+                flops["simlm, generator frozen"] = (flops["simlm"]
+                                                    - 2 * generator_pass_flops(options, config, batch, "enc"))
         result[f"L{length}"] = {k: round(v / flops["mlm"], 3) for k, v in flops.items()}
     return result
 

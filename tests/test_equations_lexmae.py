@@ -175,3 +175,59 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, wiki_shards):
         resumed, uninterrupted = (load_file(tmp_path / run / "export" / name) for run in ("split", "full"))
         assert resumed.keys() == uninterrupted.keys()
         assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+
+
+def test_an_export_evaluates_with_sparse_pooling(vocab, wiki_samples, tmp_path):
+    """After a few steps, `pretrieve eval --pooling sparse` of the export on a part of the bundled SciFact sample:
+    its ranking and scores are the SPLADE products written out, max over tokens of log(1 + relu(MLM logits)) from
+    the MLM head LexMAE trained (documents keeping their top 256 entries), and the export holds that head."""
+    from conftest import SAMPLES, write_beir
+    from pretrieve.data.retrieval import load_beir
+    from pretrieve.eval.evaluate import EvalOptions, run_eval
+    from pretrieve.eval.metrics import METRICS
+    from pretrieve.models.export import export, load_export
+
+    method, options, head = tiny_lexmae()
+    batch = method.collator.from_options(options, vocab, seed=0)(wiki_samples[:8])
+    optimizer = torch.optim.AdamW(head.parameters(), lr=2e-3)
+    for _ in range(3):
+        optimizer.zero_grad()
+        head(batch)["loss"].backward()
+        optimizer.step()
+    model = export(head.eval(), tmp_path / "export")
+    exported = load_export(model).encoder.eval()
+    assert torch.equal(exported.mlm_bias, head.encoder.mlm_bias)
+    assert torch.equal(exported.mlm_transform.dense.weight, head.encoder.mlm_transform.dense.weight)
+
+    data = load_beir(SAMPLES / "beir" / "scifact-sample")
+    query_ids = list(data.queries)[:5]  # and 40 documents: every text projects onto all 30,522 words
+    doc_ids = sorted({d for q in query_ids for d in data.qrels[q]} | set(list(data.corpus)[:40]))
+    mini = write_beir(tmp_path / "mini", data, query_ids, doc_ids)
+    metrics = run_eval(EvalOptions(out=str(tmp_path / "sparse"), model=str(model), beir=str(mini), pooling="sparse",
+                                   max_length=48, depth=10, progress=False))
+    assert set(METRICS) <= set(metrics) and metrics["retriever"] == "sparse"
+    run = {}
+    for line in (tmp_path / "sparse" / "run.trec").read_text().splitlines():
+        qid, _, doc, _, score, _ = line.split()
+        run.setdefault(qid, []).append((doc, float(score)))
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+
+    def splade(texts, keep=None):
+        tokens = tokenizer(texts, truncation=True, max_length=48, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            logits = exported.mlm_logits(exported(tokens["input_ids"], tokens["attention_mask"]))
+        weights = (torch.log1p(torch.relu(logits)) * tokens["attention_mask"][..., None]).amax(dim=1)
+        if keep is not None:
+            top = weights.topk(keep, dim=1)
+            weights = torch.zeros_like(weights).scatter_(1, top.indices, top.values)
+        return weights
+
+    scores = splade([data.queries[q] for q in query_ids]) @ splade([data.doc_text(d) for d in doc_ids], 256).T
+    for i, qid in enumerate(query_ids):
+        ours = run[qid]
+        expected = sorted(zip(doc_ids, scores[i].tolist()), key=lambda x: -x[1])[:10]
+        assert len(ours) == 10 and [d for d, _ in ours] == [d for d, _ in expected]
+        assert [s for _, s in ours] == pytest.approx([s for _, s in expected], rel=1e-4, abs=1e-4)

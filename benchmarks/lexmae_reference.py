@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 import released_code
-from simlm_reference import flops_against_mlm, wikipedia_samples
+from simlm_reference import flops_against_mlm, forward_backward
 
 HIDDEN, LAYERS, TEXTS, MAX_LEN, DECODER_BIAS_STD = 64, 4, 8, 144, 0.5
 IMPORTANCES = {"softmax": "logits", "saturated": "logits_sat"}  # pretrieve's option -> --dec_mlm_bottleneck_src
@@ -56,10 +56,7 @@ def pretrieve_side(importance: str, work: Path) -> dict:
     with torch.no_grad():
         head.decoder_mlm_bias.normal_(0.0, DECODER_BIAS_STD, generator=torch.Generator().manual_seed(1))
     collate = spec.collator.from_options(options, vocab)
-    samples = wikipedia_samples(work, TEXTS)
-    batch = collate(samples)
-    out = head(batch)
-    out["loss"].backward()
+    samples, batch, out = forward_backward(head, collate, work, TEXTS)
     names = released_names(head)
     released_batch = {"input_ids": torch.from_numpy(collate.pad(samples).ids),
                       "attention_mask": batch["attention_mask"], "masked_input_ids": batch["input_ids"],

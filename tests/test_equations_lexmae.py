@@ -4,31 +4,21 @@ lexicon-importance distribution (softmax and saturated), the bottleneck without 
 embeddings, the decoder run as the released code runs it (HF BertLayers, HF's attention mask, its own MLM head), the
 losses and every gradient, the export, and a resumed DeepSpeed run repeating the uninterrupted one."""
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import pretrain_stopped_and_resumed
-from pretrieve.config import load_config, method_options, model_options
-
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
+from conftest import (TINY_CONFIGS, assert_resumed_run_repeats, collated_with_a_pad_sample, exported_after_a_step,
+                      pretrain_stopped_and_resumed, tiny_head)
 
 
 def tiny_lexmae(*overrides):
-    config = load_config(CONFIGS / "tiny-lexmae.yaml", ["model.dropout=0.0", *overrides])
-    method, options = method_options(config)
-    return method, options, method.build(options, model_options(config), seed=0)
+    return tiny_head("lexmae", *overrides)
 
 
 def test_the_two_maskings_and_the_targets(vocab, wiki_samples):
     method, options, _ = tiny_lexmae()
-    collate = method.collator.from_options(options, vocab, seed=0)
-    samples = [*wiki_samples[:63], {**wiki_samples[63], "pad": True}]
-    batch = collate(samples)
-    ids = torch.from_numpy(collate.pad(samples).ids)
+    batch, ids = collated_with_a_pad_sample(method, options, vocab, wiki_samples)
     masked, dec_masked = batch["mlm_labels"] != -100, batch["dec_labels"] != -100
     # labels: the original token at each masked position; elsewhere the text is untouched
     assert torch.equal(batch["mlm_labels"][masked], ids[masked])
@@ -132,25 +122,11 @@ def test_the_bottleneck_is_all_the_decoder_learns_of_the_encoder(vocab, wiki_sam
 def test_the_export_is_an_hf_encoder_and_keeps_the_decoder(vocab, wiki_samples, tmp_path):
     """After a step: the export loads in transformers' AutoModel as the encoder, and as a head again (further
     pre-training) with every weight, the decoder's layers and its MLM head included."""
-    from transformers import AutoModel
-
-    from pretrieve.models.export import export, load_export
-
     method, options, head = tiny_lexmae()
     batch = method.collator.from_options(options, vocab, seed=0)(wiki_samples[:4])
-    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-3)
-    head(batch)["loss"].backward()
-    optimizer.step()
-    out = export(head.eval(), tmp_path / "export")
-    hf = AutoModel.from_pretrained(str(out), local_files_only=True).eval()
-    with torch.no_grad():
-        ours = head.encoder(batch["input_ids"], batch["attention_mask"])
-        theirs = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    real = batch["attention_mask"].bool()
-    torch.testing.assert_close(theirs[real], ours[real], rtol=1e-5, atol=1e-5)
-    again = load_export(out).state_dict()
-    assert any(k.startswith("decoder.") for k in again) and "decoder_mlm_bias" in again
-    assert all(torch.equal(again[k], v) for k, v in head.state_dict().items())
+    again = exported_after_a_step(head, batch, tmp_path / "export")
+    assert any(k.startswith("decoder.layers.") for k in again) and "decoder_mlm_bias" in again
+    assert any(k.startswith("decoder_mlm_transform.") for k in again)
 
 
 @pytest.mark.integration
@@ -160,21 +136,9 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, wiki_shards):
     common = [f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "method.max_len=64",
               "train.zero_stage=2", "checkpoint.every=2", "train.log_every=1", "train.max_steps=4",
               "tracking.enabled=false"]
-    pretrain_stopped_and_resumed(CONFIGS / "tiny-lexmae.yaml", [f"run_dir={tmp_path / 'full'}", *common],
+    pretrain_stopped_and_resumed(TINY_CONFIGS / "tiny-lexmae.yaml", [f"run_dir={tmp_path / 'full'}", *common],
                                  [f"run_dir={tmp_path / 'split'}", *common, "train.stop_at=2"])
-
-    def records(name):
-        return [{k: v for k, v in json.loads(line).items() if k in ("step", "loss", "enc", "dec", "entropy", "lr")}
-                for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-
-    full, split = records("full"), records("split")
-    assert [r["step"] for r in split] == [1, 2, 3, 4] and split == full
-    from safetensors.torch import load_file
-
-    for name in ("model.safetensors", "pretrieve_head.safetensors"):
-        resumed, uninterrupted = (load_file(tmp_path / run / "export" / name) for run in ("split", "full"))
-        assert resumed.keys() == uninterrupted.keys()
-        assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    assert_resumed_run_repeats(tmp_path, ("enc", "dec", "entropy"))
 
 
 def test_an_export_evaluates_with_sparse_pooling(vocab, wiki_samples, tmp_path):

@@ -23,7 +23,8 @@ from pretrieve.models.flops import labelled, layer_flops, vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.decoder import Decoder, masked_attention
 from pretrieve.models.heads.dupmae import ot_projection_flops
-from pretrieve.models.heads.registry import MethodOptions, option, register_method
+from pretrieve.models.heads.registry import option, register_method
+from pretrieve.models.heads.simlm import BottleneckDecoderOptions
 from pretrieve.models.vocab_loss import vocab_cross_entropy
 from pretrieve.models.vocab_projection import max_pooled_linear
 
@@ -33,11 +34,9 @@ IMPORTANCES = ("softmax", "saturated")
 
 
 @dataclass
-class LexMAEOptions(MethodOptions):
-    max_len: int = option(144, at_least=3, why="[CLS], a token, [SEP]")  # released: --max_length 144
-    mlm_ratio: float = option(0.30, above=0, below=1)  # the encoder's masking: --data_mlm_prob 0.30
-    decoder_mask_ratio: float = option(0.50, at_least=0, at_most=1)  # the decoder's: --dec_mlm_prob 0.50
-    decoder_layers: int = option(2, at_least=1)  # released: --n_head_layers 2
+class LexMAEOptions(BottleneckDecoderOptions):
+    # max_len 144, mlm_ratio 0.30, decoder_mask_ratio 0.50, decoder_layers 2: LexMAE's released --max_length,
+    # --data_mlm_prob, --dec_mlm_prob and --n_head_layers as well
     importance: str = option("softmax", choices=IMPORTANCES)
     enc_weight: float = option(1.0, at_least=0)  # released: --mlm_enc_loss_weight 1.0
     dec_weight: float = option(1.0, at_least=0)  # released: --mlm_dec_loss_weight 1.0

@@ -7,7 +7,7 @@ The encoder reads its masked text and predicts the masked tokens (MLM). Its MLM 
 text's tokens, become a lexicon-importance distribution over the vocabulary; the distribution's expectation of
 the word embeddings, a continuous bag of words, is the only thing a shallow decoder learns of the text beyond its
 own more heavily masked copy, which it reconstructs. The encoder is thus taught lexicon weights that say what a
-text is about: the learned sparse retrieval its export is fine-tuned for (`--pooling sparse`).
+text is about, for learned sparse retrieval (its export is scored so by `pretrieve eval --pooling sparse`).
 """
 
 from __future__ import annotations

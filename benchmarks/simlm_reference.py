@@ -50,6 +50,16 @@ def wikipedia_samples(work: Path, count: int, first: int = 0) -> list[dict]:
     return list(islice(iter(ShardStream([shards / "manifest.json"], seed=0, shuffle_buffer=1)), first, first + count))
 
 
+def forward_backward(head, collate, work: Path, texts: int = TEXTS) -> tuple[list[dict], dict, dict]:
+    """One forward and backward of `head` on `texts` bundled Wikipedia blocks collated by `collate`: (the
+    samples, the batch, the head's outputs)."""
+    samples = wikipedia_samples(work, texts)
+    batch = collate(samples)
+    out = head(batch)
+    out["loss"].backward()
+    return samples, batch, out
+
+
 def save_generator(path: Path, vocab) -> None:
     """A random tiny BertForMaskedLM whose MLM bias makes "the" its every draw."""
     import torch
@@ -82,10 +92,7 @@ def pretrieve_side(setting: str, work: Path) -> dict:
                          intermediate_size=4 * HIDDEN, max_position_embeddings=512, dropout=0.0, pad_token_id=0)
     head = spec.build(options, model, seed=0).eval()
     collate = spec.collator.from_options(options, vocab)
-    samples = wikipedia_samples(work, TEXTS)
-    batch = collate(samples)
-    out = head(batch)
-    out["loss"].backward()
+    samples, batch, out = forward_backward(head, collate, work)
     names = released_names(head)
     original = torch.from_numpy(collate.pad(samples).ids)
     released_batch = {"enc_input_ids": batch["input_ids"], "enc_attention_mask": batch["attention_mask"],
@@ -154,8 +161,9 @@ def released_side(released: str, work: str) -> None:
     print(json.dumps(results))
 
 
-def flops_against_mlm(work: Path) -> dict:
-    """Training FLOPs of a micro-batch at BERT-base (engine.flops) on the same full-length texts, against mlm's."""
+def flops_against_mlm(work: Path, names: tuple[str, ...] = ("mlm", "retromae", "simlm")) -> dict:
+    """Training FLOPs of a micro-batch at BERT-base (engine.flops) on the same full-length texts, against mlm's
+    (`names`: mlm first; simlm's adds its frozen generator's)."""
     from dataclasses import replace
 
     from transformers import BertConfig
@@ -171,14 +179,16 @@ def flops_against_mlm(work: Path) -> dict:
     config, result = BertConfig(), {"texts": len(texts)}
     for length in (144, 512):
         flops = {}
-        for name in ("mlm", "retromae", "simlm"):
+        for name in names:
             spec = get_method(name)
             options = spec.options_from({"max_len": length})
             batch = spec.collator.from_options(options, vocab)(texts)
             flops[name] = train_flops(name, options, config, batch)
-        # frozen (a loaded generator of the new one's shape): the encoder text's pass takes no backward either
-        options = replace(get_method("simlm").options_from({"max_len": length}), freeze_generator=False)
-        flops["simlm, generator frozen"] = flops["simlm"] - 2 * generator_pass_flops(options, config, batch, "enc")
+            if name == "simlm":  # frozen (a loaded generator of the new one's shape): the encoder text's pass
+                # takes no backward either
+                options = replace(options, freeze_generator=False)
+                flops["simlm, generator frozen"] = (flops["simlm"]
+                                                    - 2 * generator_pass_flops(options, config, batch, "enc"))
         result[f"L{length}"] = {k: round(v / flops["mlm"], 3) for k, v in flops.items()}
     return result
 

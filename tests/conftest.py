@@ -34,6 +34,9 @@ def pytest_configure(config):
 SAMPLES = Path(__file__).resolve().parent.parent / "pretrieve" / "assets" / "samples"
 
 
+TINY_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
+
+
 def pretrain_env(**extra: str) -> dict:
     """Environment for a `pretrieve pretrain` subprocess: DeepSpeed on CPU, one thread per rank, and none of
     this process's rank variables (the child is its own world, or torchrun sets them)."""
@@ -55,6 +58,67 @@ def pretrain_stopped_and_resumed(config: Path | str, full: list[str], split: lis
     done = subprocess.run([sys.executable, "-m", "pretrieve", "pretrain", str(config), *resume, "resume=auto"],
                           env=pretrain_env(), capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def assert_resumed_run_repeats(runs: Path, parts: tuple[str, ...], steps: int = 4) -> None:
+    """After pretrain_stopped_and_resumed wrote runs/full and runs/split: the resumed run logs the uninterrupted
+    run's step, loss, lr and loss `parts` bit for bit at each of its `steps` steps, and exports the same weights,
+    the head's (pretrieve_head.safetensors) included."""
+    from safetensors.torch import load_file
+
+    def records(name):
+        return [{k: v for k, v in json.loads(line).items() if k in ("step", "loss", "lr", *parts)}
+                for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+
+    full, split = records("full"), records("split")
+    assert [r["step"] for r in split] == list(range(1, steps + 1)) and split == full
+    for name in ("model.safetensors", "pretrieve_head.safetensors"):
+        resumed, uninterrupted = (load_file(runs / run / "export" / name) for run in ("split", "full"))
+        assert resumed.keys() == uninterrupted.keys()
+        assert all(resumed[k].equal(uninterrupted[k]) for k in resumed)
+
+
+def exported_after_a_step(head, batch: dict, folder: Path) -> dict:
+    """One AdamW step of `head` on `batch`, then its export to `folder`: the export loads in transformers'
+    AutoModel as the encoder (the same hidden states), and as a head again with every weight equal; returns the
+    reloaded head's state dict (for the method's own keys)."""
+    import torch
+    from transformers import AutoModel
+
+    from pretrieve.models.export import export, load_export
+
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-3)
+    head(batch)["loss"].backward()
+    optimizer.step()
+    out = export(head.eval(), folder)
+    hf = AutoModel.from_pretrained(str(out), local_files_only=True).eval()
+    with torch.no_grad():
+        ours = head.encoder(batch["input_ids"], batch["attention_mask"])
+        theirs = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(theirs[real], ours[real], rtol=1e-5, atol=1e-5)
+    again = load_export(out).state_dict()
+    assert all(torch.equal(again[k], v) for k, v in head.state_dict().items())
+    return again
+
+
+def tiny_head(method: str, *overrides: str):
+    """(method, options, head) of configs/pretrain/tiny-`method`.yaml with `overrides`, dropout off, seed 0."""
+    from pretrieve.config import load_config, method_options, model_options
+
+    config = load_config(TINY_CONFIGS / f"tiny-{method}.yaml", ["model.dropout=0.0", *overrides])
+    spec, options = method_options(config)
+    return spec, options, spec.build(options, model_options(config), seed=0)
+
+
+def collated_with_a_pad_sample(method, options, vocab, samples: list[dict]):
+    """(batch, the unmasked ids [B, L]) of `method`'s collator over the first 64 `samples`, the last of them made a
+    stream pad sample (no targets)."""
+    import torch
+
+    collate = method.collator.from_options(options, vocab, seed=0)
+    samples = [*samples[:63], {**samples[63], "pad": True}]
+    return collate(samples), torch.from_numpy(collate.pad(samples).ids)
 
 
 def json_lines(stdout: str) -> list:

@@ -4,7 +4,6 @@ code's, docs/methods.md "simlm"), each part against a hand computation: the two 
 ordinary position, the decoder run as the released code runs it (the encoder's own last layers, HF's attention
 mask), the generator frozen or trained, and a resumed DeepSpeed run at ZeRO 3 repeating the uninterrupted one."""
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -12,19 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import pretrain_stopped_and_resumed, save_tiny_bert
-from pretrieve.config import load_config, method_options, model_options
+from conftest import (TINY_CONFIGS, assert_resumed_run_repeats, collated_with_a_pad_sample, exported_after_a_step,
+                      pretrain_stopped_and_resumed, save_tiny_bert, tiny_head)
 from pretrieve.engine.flops import forward_flops, train_flops
 from pretrieve.models.flops import encoder_flops
 from pretrieve.models.heads.simlm import generator_config
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
-
 
 def tiny_simlm(*overrides):
-    config = load_config(CONFIGS / "tiny-simlm.yaml", ["model.dropout=0.0", *overrides])
-    method, options = method_options(config)
-    return method, options, method.build(options, model_options(config), seed=0)
+    return tiny_head("simlm", *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +30,7 @@ def generator_dir(tmp_path_factory) -> Path:
 
 def test_the_two_maskings_and_the_targets(vocab, wiki_samples):
     method, options, _ = tiny_simlm()
-    collate = method.collator.from_options(options, vocab, seed=0)
-    samples = [*wiki_samples[:63], {**wiki_samples[63], "pad": True}]
-    batch = collate(samples)
-    ids = torch.from_numpy(collate.pad(samples).ids)
+    batch, ids = collated_with_a_pad_sample(method, options, vocab, wiki_samples)
     masked, dec_masked = batch["mlm_labels"] != -100, batch["dec_masked"]
     # every masked position is [MASK] (no 80/10/10), every other keeps its token; the labels are the originals
     assert torch.equal(batch["input_ids"], torch.where(masked, vocab.mask_id, ids))
@@ -179,25 +171,10 @@ def test_the_decoder_starts_as_the_encoders_last_layers():
 def test_the_export_is_an_hf_encoder_and_keeps_the_generator(vocab, wiki_samples, tmp_path):
     """After a step: the export loads in transformers' AutoModel as the encoder, and as a head again (further
     pre-training) with every weight, the generator's and the decoder's included."""
-    from transformers import AutoModel
-
-    from pretrieve.models.export import export, load_export
-
     method, options, head = tiny_simlm()
     batch = method.collator.from_options(options, vocab, seed=0)(wiki_samples[:4])
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-3)
-    head(batch)["loss"].backward()
-    optimizer.step()
-    out = export(head.eval(), tmp_path / "export")
-    hf = AutoModel.from_pretrained(str(out), local_files_only=True).eval()
-    with torch.no_grad():
-        ours = head.encoder(batch["input_ids"], batch["attention_mask"])
-        theirs = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    real = batch["attention_mask"].bool()
-    torch.testing.assert_close(theirs[real], ours[real], rtol=1e-5, atol=1e-5)
-    again = load_export(out).state_dict()
+    again = exported_after_a_step(head, batch, tmp_path / "export")
     assert any(k.startswith("generator.model.") for k in again) and any(k.startswith("decoder.") for k in again)
-    assert all(torch.equal(again[k], v) for k, v in head.state_dict().items())
 
 
 @pytest.mark.integration
@@ -209,21 +186,12 @@ def test_a_resumed_zero3_run_with_a_frozen_generator_repeats_the_uninterrupted_o
     common = [f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "method.max_len=64",
               f"method.generator_init={generator_dir}", "train.zero_stage=3", "checkpoint.every=2",
               "train.log_every=1", "train.max_steps=4", "tracking.enabled=false"]
-    pretrain_stopped_and_resumed(CONFIGS / "tiny-simlm.yaml", [f"run_dir={tmp_path / 'full'}", *common],
+    pretrain_stopped_and_resumed(TINY_CONFIGS / "tiny-simlm.yaml", [f"run_dir={tmp_path / 'full'}", *common],
                                  [f"run_dir={tmp_path / 'split'}", *common, "train.stop_at=2"])
 
-    def records(name):
-        return [{k: v for k, v in json.loads(line).items() if k in ("step", "loss", "enc", "dec", "replaced", "lr")}
-                for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-
-    full, split = records("full"), records("split")
-    assert [r["step"] for r in split] == [1, 2, 3, 4] and split == full
+    assert_resumed_run_repeats(tmp_path, ("enc", "dec", "replaced"))
     from safetensors.torch import load_file
 
-    for name in ("model.safetensors", "pretrieve_head.safetensors"):
-        resumed, uninterrupted = (load_file(tmp_path / run / "export" / name) for run in ("split", "full"))
-        assert resumed.keys() == uninterrupted.keys()
-        assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
     head = load_file(tmp_path / "full" / "export" / "pretrieve_head.safetensors")
     initial = load_file(generator_dir / "model.safetensors")
     generator = {k[len("generator.model."):]: v for k, v in head.items() if k.startswith("generator.model.")}

@@ -12,7 +12,7 @@ from pretrieve.models.heads.dupmae import bag_of_words_loss, ot_vector
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 METHODS = ["mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "cotmote", "bow", "condenser", "cocondenser",
-           "simlm"]
+           "simlm", "lexmae"]
 
 
 def tiny(method: str, **overrides):
@@ -30,7 +30,8 @@ def test_forward_backward_and_loss_falls(method, wiki_samples, vocab):
     expected_parts = {"mlm": ["mlm"], "retromae": ["mlm", "dec"], "dupmae": ["mlm", "dec", "bow"],
                       "seed": ["mlm", "dec"], "costa": ["mlm", "csp"], "cotmae": ["mlm", "dec"],
                       "cotmote": ["mlm", "dec"], "bow": ["mlm", "bow"], "condenser": ["mlm", "head"],
-                      "cocondenser": ["mlm", "head", "co"], "simlm": ["enc", "dec", "gen", "replaced"]}[method]
+                      "cocondenser": ["mlm", "head", "co"], "simlm": ["enc", "dec", "gen", "replaced"],
+                      "lexmae": ["enc", "dec", "entropy"]}[method]
     assert set(out) == {"loss", *expected_parts}
     out["loss"].backward()
     # query experts only learn from query texts; this batch is all passages
@@ -104,10 +105,12 @@ def test_every_config_loads(path, vocab):
     else:  # the paper settings (contrastive: E5-base's pre-training, 128 tokens; mntp: LLM2Vec's on Qwen3-0.6B;
         # llama2vec: the paper's on LLaMA-2-7B)
         shape = {"contrastive": (768, 12, 128), "cocondenser": (768, 12, 128), "simlm": (768, 12, 144),
+                 "lexmae": (768, 12, 144),
                  "mntp": (1024, 28, 512), "llama2vec": (4096, 32, 1024)}.get(spec.name, (768, 12, 512))
         assert (model.hidden_size, model.num_layers, options.max_len) == shape
         schedule = {"costa": (5e-5, 0.1, 0.01), "seed": (1e-4, 0.01, 0.01), "contrastive": (2e-4, 0.05, 0.01),
                     "mntp": (5e-5, 0.0, 0.0), "llama2vec": (1e-5, 0.1, 0.0),
                     "bow": (3e-4, 0.0286, 0.01),  # bow: 4,000 of 140,000 steps
+                    "lexmae": (3e-4, 0.05, 0.01),
                     "simlm": (3e-4, 0.05, 0.0)}.get(spec.name, (1e-4, 0.1, 0.01))  # simlm: 4,000 of 80,000
         assert (config.train.lr, config.train.warmup_ratio, config.train.weight_decay) == schedule

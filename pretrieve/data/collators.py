@@ -152,18 +152,43 @@ class SimLMCollator(MLMCollator):
     corruption: ClassVar[tuple[float, float]] = (1.0, 0.0)
 
     def extend(self, out, batch, words, num_words, rng):
-        encoder_masked = (out["mlm_labels"] != -100).numpy()
-        extra = (self.decoder_mask_ratio - self.mlm_ratio) / (1.0 - self.mlm_ratio) if self.mlm_ratio < 1 else 0.0
-        dec_masked = encoder_masked.copy()
-        if extra > 0:
-            dec_masked |= whole_word_mask(words, num_words, batch.lengths - 2, min(extra, 1.0), rng)
-        dec_masked[batch.pad] = False
+        dec_masked = covering_mask(out, batch, words, num_words, self.mlm_ratio, self.decoder_mask_ratio, rng)
         targets = ordinary_positions(batch.lengths, batch.ids.shape[1]) & ~self.vocab.special[batch.ids]
         targets[batch.pad] = False
         out["dec_input_ids"] = torch.from_numpy(np.where(dec_masked, self.vocab.mask_id, batch.ids))
         out["dec_masked"] = torch.from_numpy(dec_masked)
         out["rlm_labels"] = torch.from_numpy(np.where(targets, batch.ids, -100))
         out["replace_seed"] = torch.from_numpy(rng.integers(0, 2**62, size=1))
+
+
+@dataclass
+class LexMAECollator(MLMCollator):
+    """LexMAE batches: MLM keys (80/10/10 at `mlm_ratio`) plus the decoder's `dec_input_ids` (the text corrupted
+    80/10/10 again, drawn anew, at the decoder's masked positions) and `dec_labels` (the original token there,
+    -100 elsewhere). The decoder's mask holds the encoder's and adds whole words to cover `decoder_mask_ratio` of
+    the tokens in expectation (the released code's `dec_mlm_overlap: inclusive`), as SimLM's collator does."""
+
+    mlm_ratio: float = 0.30
+    decoder_mask_ratio: float = 0.50
+
+    def extend(self, out, batch, words, num_words, rng):
+        dec_masked = covering_mask(out, batch, words, num_words, self.mlm_ratio, self.decoder_mask_ratio, rng)
+        dec_input_ids, dec_labels = corrupt(batch.ids, dec_masked, self.vocab, rng, *self.corruption)
+        out["dec_input_ids"] = torch.from_numpy(dec_input_ids)
+        out["dec_labels"] = torch.from_numpy(dec_labels)
+
+
+def covering_mask(out: dict, batch: Padded, words: np.ndarray, num_words: np.ndarray, encoder_ratio: float,
+                  decoder_ratio: float, rng: np.random.Generator) -> np.ndarray:
+    """bool [B, L]: a decoder's mask that holds the encoder's (`out["mlm_labels"]`) and adds whole words drawn
+    independently at (d - e) / (1 - e), so that the union covers `decoder_ratio` d of the tokens in expectation;
+    at or below the encoder's ratio e, the encoder's mask itself. Stream pad samples: nothing masked."""
+    dec_masked = (out["mlm_labels"] != -100).numpy().copy()
+    extra = (decoder_ratio - encoder_ratio) / (1.0 - encoder_ratio) if encoder_ratio < 1 else 0.0
+    if extra > 0:
+        dec_masked |= whole_word_mask(words, num_words, batch.lengths - 2, min(extra, 1.0), rng)
+    dec_masked[batch.pad] = False
+    return dec_masked
 
 
 def bag_of_words_targets(batch: Padded, keep: np.ndarray) -> torch.Tensor:

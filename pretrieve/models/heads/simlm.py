@@ -30,11 +30,18 @@ DECODER_INITS = ("copy", "new")
 
 
 @dataclass
-class SimLMOptions(MethodOptions):
+class BottleneckDecoderOptions(MethodOptions):
+    """A shallow decoder reconstructing a more heavily masked copy of the text from one vector (SimLM, LexMAE: the
+    two released recipes agree on these defaults)."""
+
     max_len: int = option(144, at_least=3, why="[CLS], a token, [SEP]")  # released: --rlm_max_length 144
     mlm_ratio: float = option(0.30, above=0, below=1)  # the encoder's masking: --rlm_encoder_mask_prob 0.3
     decoder_mask_ratio: float = option(0.50, at_least=0, at_most=1)  # the decoder's: --rlm_decoder_mask_prob 0.5
     decoder_layers: int = option(2, at_least=1)  # released: --rlm_decoder_layers 2
+
+
+@dataclass
+class SimLMOptions(BottleneckDecoderOptions):
     # "copy": the decoder starts as a copy of the encoder's last layers (the released code's deepcopy); "new":
     # initialised as the backbone initialises new modules
     decoder_init: str = option("copy", choices=DECODER_INITS)

@@ -372,7 +372,7 @@ def engine_run(args, method: str, overrides: list[str], run_dir: Path) -> dict:
 
     timed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][args.warmup:]
     samples_per_s = sum(r["samples_per_s"] for r in timed) / len(timed)
-    # the median beside the mean: a one-off stall in the timed steps (a compiled layer's recompile) moves only the mean
+    # the median beside the mean: a one-off stall in the timed steps (with compile on a GPU) moves only the mean
     return {"tokens_per_s": round(sum(r["tokens_per_s"] for r in timed) / len(timed), 1),
             "tokens_per_s_median": round(median(r["tokens_per_s"] for r in timed), 1),
             "s_per_step": round(args.batch / samples_per_s, 4),

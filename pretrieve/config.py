@@ -609,6 +609,11 @@ def deepspeed_config(exp: Experiment) -> dict:
         raise ConfigError(f"train.precision: {t.precision}, but {path} enables "
                           f"{' and '.join(enabled) or 'neither bf16 nor fp16'}; make them agree, or write "
                           '"auto" in its "enabled" fields')
+    # torch autocast is train.precision's to say: a ds_config's own section would be overwritten or contradict it
+    own = ds.get("torch_autocast", {})
+    if own.get("enabled", False) and (t.precision != "bf16-autocast" or own.get("dtype", "bfloat16") != "bfloat16"):
+        raise ConfigError(f"{path}: its \"torch_autocast\" section ({own}) is for train.precision bf16-autocast "
+                          f"(bfloat16), not {t.precision}: remove it and set train.precision")
     if t.precision == "bf16-autocast":
         ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     if t.offload_optimizer:

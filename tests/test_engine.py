@@ -157,6 +157,17 @@ def test_deepspeed_config_auto_fields(wiki_shards):
     assert autocast["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
 
 
+def test_a_ds_configs_own_autocast_must_agree_with_the_precision(tmp_path, wiki_shards):
+    own = json.loads((DS_CONFIG_DIR / "zero0.json").read_text())
+    own["torch_autocast"] = {"enabled": True, "dtype": "float16"}
+    (tmp_path / "mine.json").write_text(json.dumps(own))
+    for precision in ("fp32", "bf16-autocast"):
+        exp = experiment(_config(wiki_shards, f"train.ds_config={tmp_path / 'mine.json'}",
+                                 f"train.precision={precision}"))
+        with pytest.raises(ConfigError, match=r"mine.json: its \"torch_autocast\" section .* not " + precision):
+            deepspeed_config(exp)
+
+
 def test_a_deepspeed_scheduler_is_refused_by_name(tmp_path, wiki_shards):
     own = json.loads((DS_CONFIG_DIR / "zero0.json").read_text())
     own["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}

@@ -235,7 +235,7 @@ def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWi
     """The loop: micro-batches until step `train.stop_at` (or `max_steps`), or a stop signal's checkpoint."""
     last_step = min(exp.train.max_steps, exp.train.stop_at or exp.train.max_steps)  # of this invocation
     eval_every = exp.train.eval_every or exp.train.max_steps  # held-out loss: every N steps, and at the end
-    trainable = [p for p in engine.module.parameters() if p.requires_grad]
+    trainable = [p for p in engine.module.parameters() if p.requires_grad] if clip is not None else []
     bar = Progress(exp.train.max_steps, job.name, unit="step", enabled=checkpoints.rank == 0,
                    initial=engine.global_steps)
     try:

@@ -268,12 +268,19 @@ class Encoder(nn.Module):
 
     def token_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the MLM head over the positions whose label is not -100 (only those are projected)."""
-        selected = labels != -100
-        if not selected.any():
-            return hidden.sum() * 0.0  # a batch of pad samples: zero loss, graph kept
-        # == F.cross_entropy(self.mlm_logits(hidden[selected]), ...), by the path model.vocab_loss names
-        return vocab_cross_entropy(self.mlm_transform(hidden[selected]), self.output_weight,
-                                   self.mlm_bias, labels[selected], self.vocab_loss)
+        return masked_token_loss(hidden, labels, self.mlm_transform, self.output_weight, self.mlm_bias,
+                                 self.vocab_loss)
+
+
+def masked_token_loss(hidden: torch.Tensor, labels: torch.Tensor, transform, weight: torch.Tensor,
+                      bias: torch.Tensor | None, vocab_loss: str) -> torch.Tensor:
+    """Mean cross-entropy of an MLM head (`transform`, output `weight`, `bias`) over the positions whose label is
+    not -100, only those projected: == F.cross_entropy(F.linear(transform(hidden[selected]), weight, bias), ...),
+    by the path `vocab_loss` (model.vocab_loss) names."""
+    selected = labels != -100
+    if not selected.any():
+        return hidden.sum() * 0.0  # a batch of pad samples: zero loss, graph kept
+    return vocab_cross_entropy(transform(hidden[selected]), weight, bias, labels[selected], vocab_loss)
 
 
 def _rename_old_keys(module, state_dict, prefix, *args) -> None:

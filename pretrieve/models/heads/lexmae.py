@@ -18,14 +18,13 @@ import torch
 from torch import nn
 
 from pretrieve.data.collators import LexMAECollator
-from pretrieve.models.encoder import ordinary_positions
+from pretrieve.models.encoder import masked_token_loss, ordinary_positions
 from pretrieve.models.flops import labelled, layer_flops, vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.decoder import Decoder, masked_attention
 from pretrieve.models.heads.dupmae import ot_projection_flops
 from pretrieve.models.heads.registry import option, register_method
 from pretrieve.models.heads.simlm import BottleneckDecoderOptions
-from pretrieve.models.vocab_loss import vocab_cross_entropy
 from pretrieve.models.vocab_projection import max_pooled_linear
 
 # how the pooled logits become the lexicon-importance distribution (the released --dec_mlm_bottleneck_src):
@@ -94,11 +93,8 @@ class LexMAEHead(PretrainingHead):
 
     def decoder_loss(self, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the decoder's MLM head at the positions whose label is not -100."""
-        selected = labels != -100
-        if not selected.any():
-            return states.sum() * 0.0  # a batch of pad samples: zero loss, graph kept
-        return vocab_cross_entropy(self.decoder_mlm_transform(states[selected]), self.encoder.output_weight,
-                                   self.decoder_mlm_bias, labels[selected], self.encoder.vocab_loss)
+        return masked_token_loss(states, labels, self.decoder_mlm_transform, self.encoder.output_weight,
+                                 self.decoder_mlm_bias, self.encoder.vocab_loss)
 
 
 def lexmae_flops(options: LexMAEOptions, config, batch: dict[str, torch.Tensor]) -> int:

@@ -74,7 +74,8 @@ LADDER_METHODS = ("mlm", "retromae")
 LADDER_SKIP = ("batch-128", "decoder-fused", "vocab-liger")
 # methods added since: each at the ladder's baseline and top rungs in a stage of its own (the default job is full),
 # with the overrides its paper trains with
-LADDER_NEW_METHODS = {"bow": [], "condenser": [], "cocondenser": ["method.grad_cache.chunk=16"]}
+LADDER_NEW_METHODS = {"bow": [], "condenser": [], "cocondenser": ["method.grad_cache.chunk=16"], "simlm": [],
+                      "lexmae": []}
 
 
 def ladder_ends_of(bert_base: list[str], method: str, work: Path, overrides: list[str]) -> list[str]:
@@ -158,10 +159,10 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
                          results=str(work / "unpadding_gpu.json"))]
               + [Command(qwen3 + ["--lora", str(rank)], results=str(work / "pretrain_throughput_gpu.json"))
                  for rank in (0, 16)]),
-        # the methods added since the first ladder job, at the ladder's baseline and top (ends only, no peers): 6 runs
-        # of ~35 s as the ladder's, coCondenser's GradCache (chunks of 16 of its 64 spans) encoding each span twice
+        # the methods added since the first ladder job, at the ladder's baseline and top (ends only, no peers): 10
+        # runs of ~35 s as the ladder's, coCondenser's GradCache (chunks of 16 of its 64 spans) encoding each span twice
         Stage("mfu-methods", "the speed ladder's baseline and top rungs at BERT-base L512 bf16 for "
-              f"{', '.join(LADDER_NEW_METHODS)} (coCondenser through GradCache, chunks of 16 spans)", 230, 280,
+              f"{', '.join(LADDER_NEW_METHODS)} (coCondenser through GradCache, chunks of 16 spans)", 380, 440,
               [Command(ladder_ends_of(bert_base, method, work, extra), results=str(work / "pretrain_throughput_gpu.json"))
                for method, extra in LADDER_NEW_METHODS.items()]),
         # the first job's quality stage had its data (39 s) and base (41 s) when its box ran out; each arm added since

@@ -149,7 +149,7 @@ class VocabEncoder:
     `sparse`: SPLADE-style max over tokens of log(1 + relu(MLM logits)) (cot-mote.txt eq. 4), no dense part;
     `hybrid`: the [CLS] vector plus that sparse vector (CoT-MoTE §3.3); documents keep top_k entries
     (default 256). The max over positions runs vocabulary chunk by vocabulary chunk
-    (models.vocab_projection.max_pooled_linear; log(1 + relu) is monotone, so it commutes with the max): no
+    (models.representation.splade_vectors, as fine-tuning with pooling sparse computes it): no
     [batch, length, 30,522] logits. A CoT-MoTE encoder reads queries through its query experts.
     """
 
@@ -174,16 +174,16 @@ class VocabEncoder:
 
     @torch.inference_mode()
     def encode(self, texts: list[str], documents: bool, desc: str = "encode", progress: bool = True):
-        """(dense [N, d] float32 or None, CSR [N, vocab]) in the order of `texts`."""
+        """(dense [N, d] float32 or None, CSR [N, vocab] float32) in the order of `texts`; the CSR is assembled
+        from each batch's rows, never a row at a time."""
         from scipy import sparse
 
-        from pretrieve.models.representation import keep_top_k
-        from pretrieve.models.vocab_projection import max_pooled_linear
+        from pretrieve.models.representation import keep_top_k, splade_vectors
 
         encoder = self.encoder
-        dense = np.empty((len(texts), self.joint.cls_dim if self.joint is not None else
-                          encoder.config.hidden_size), dtype=np.float32)
-        rows: list = [None] * len(texts)
+        dense = None if self.pooling == "sparse" else np.empty(
+            (len(texts), self.joint.cls_dim if self.joint is not None else encoder.config.hidden_size), np.float32)
+        blocks, order = [], []
         for picked, batch in length_sorted_batches(self.tokenizer, texts, self.options, self.device, desc, progress):
             mask = batch["attention_mask"]
             text_type = None
@@ -194,14 +194,14 @@ class VocabEncoder:
                 vectors = self.joint.vectors(encoder, hidden, mask, documents)
                 cls, vocab = vectors[:, :self.joint.cls_dim], vectors[:, self.joint.cls_dim:]
             else:
-                vocab = torch.log1p(torch.relu(max_pooled_linear(encoder.mlm_transform(hidden),
-                                                                 encoder.embeddings.word_embeddings.weight,
-                                                                 encoder.mlm_bias, mask.bool())))
+                vocab = splade_vectors(encoder, hidden, mask)
                 cls = hidden[:, 0]
                 if documents:
                     vocab = keep_top_k(vocab, self.top_k)
-            dense[picked] = cls.cpu().numpy()
-            block = sparse.csr_matrix(vocab.cpu().numpy())
-            for j, i in enumerate(picked):
-                rows[i] = block[j]
-        return (None if self.pooling == "sparse" else dense), sparse.vstack(rows, format="csr")
+            if dense is not None:
+                dense[picked] = cls.cpu().numpy()
+            blocks.append(sparse.csr_matrix(vocab.cpu().numpy()))
+            order.extend(picked)
+        if not blocks:
+            return dense, sparse.csr_matrix((0, encoder.config.vocab_size), dtype=np.float32)
+        return dense, sparse.vstack(blocks, format="csr")[np.argsort(order)]  # back into the order of `texts`

@@ -7,12 +7,12 @@ two side by side). With `contrastive_entropy` (K), metrics.json and per_query.js
 entropy against K fixed sampled negatives (eval.contrastive, Fang et al. 2024; docs/design.md, "Validation and study
 metrics"), computed on the vectors the search used.
 
-Dense retrieval and BM25 never hold the corpus's texts, and the corpus is read once: streamed through the
-encoder (eval.vectors.encode_corpus; vectors in memory) and, with `bm25`, through BM25's index writer at the same
+Dense and sparse retrieval and BM25 never hold the corpus's texts, and the corpus is read once: streamed through
+the encoder (eval.vectors.encode_corpus, eval.sparse_vectors.encode_sparse_corpus; vectors in memory) and, with `bm25`, through BM25's index writer at the same
 time (eval.bm25: an index on disk in OUT[/bm25]/bm25-index while the evaluation runs, searched memory-mapped),
 the set's document ids taken from that stream. With `embeddings` and no `bm25` only the ids are read:
-`pretrieve encode`'s shards are memory-mapped and searched block by block. Sparse and hybrid poolings hold the
-texts (they encode documents and queries together), and BM25 beside them indexes those. An approximate `index`
+`pretrieve encode`'s shards are memory-mapped and searched block by block. The hybrid and dupmae poolings hold
+the texts (their candidates need the dense and sparse halves at once), and BM25 beside them indexes those. An approximate `index`
 (ivf, ivfpq, hnsw) adds `index_recall@<depth>` to metrics.json: the share of the exact top `depth` it found,
 over up to RECALL_QUERIES of the queries (evenly spaced) searched again with `flat`. `dim` searches a dense
 model's vectors cut to their first N coordinates (a Matryoshka model's prefix, eval.encode), recorded in
@@ -40,6 +40,7 @@ from pretrieve.eval.model_config import resolve_encoding
 from pretrieve.eval.options import EvalOptions
 from pretrieve.eval.search import (IndexOptions, dense_search, hybrid_search, index_recall, pair_scorer,
                                    sparse_search)
+from pretrieve.eval.sparse_vectors import encode_sparse_corpus
 from pretrieve.eval.vectors import encode_corpus, open_corpus_vectors
 from pretrieve.models.poolings import DENSE_POOLINGS, PROMPT_POOLINGS, VOCAB_POOLINGS
 from pretrieve.utils.run_dir import write_atomic
@@ -120,12 +121,15 @@ def read_set_once(opts: EvalOptions, bm25_index: IndexWriter | None = None):
     """(the retrieval set, the dense corpus vectors when they are encoded here, else None), reading the corpus
     once: the texts held for sparse and hybrid poolings, else streamed through the dense encoder and `bm25_index`
     (those that need it), the set's ids taken from the stream; only the ids when nothing needs the texts."""
-    vocab = opts.model is not None and opts.pooling in VOCAB_POOLINGS
+    # sparse streams as dense does; hybrid and dupmae hold the texts (their candidates need both halves at once)
+    held = opts.model is not None and opts.pooling in VOCAB_POOLINGS and opts.pooling != "sparse"
     encoder = None
-    if opts.model is not None and not vocab and not opts.embeddings:
+    if opts.model is not None and opts.pooling == "sparse":
+        encoder = vocab_encoder(opts)
+    elif opts.model is not None and not held and not opts.embeddings:
         encoder = DenseEncoder(opts.model, dense_options(opts))
-    if vocab or (encoder is None and bm25_index is None):
-        data = load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing, texts=vocab)
+    if held or (encoder is None and bm25_index is None):
+        data = load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing, texts=held)
         if bm25_index is not None:
             for doc_id in data.corpus:
                 bm25_index.add(doc_id, data.doc_text(doc_id))
@@ -136,10 +140,18 @@ def read_set_once(opts: EvalOptions, bm25_index: IndexWriter | None = None):
         documents = _indexing(documents, bm25_index)
     if encoder is None:
         ids, vectors = [doc_id for doc_id, _ in documents], None
+    elif isinstance(encoder, VocabEncoder):
+        docs = encode_sparse_corpus(encoder, documents, progress=opts.progress)
+        ids, vectors = docs.ids, (encoder, docs)
     else:
         docs = encode_corpus(encoder, documents, progress=opts.progress)
         ids, vectors = docs.ids, (encoder, docs)
     return load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing, doc_ids=ids), vectors
+
+
+def vocab_encoder(opts: EvalOptions) -> VocabEncoder:
+    return VocabEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size),
+                        top_k=opts.vocab_top_k)
 
 
 def dense_options(opts: EvalOptions) -> EncodeOptions:
@@ -159,9 +171,14 @@ def _model(opts: EvalOptions, data: RetrievalSet, vectors, encoding_from: str) -
     started = time.perf_counter()
     doc_ids, query_ids = list(data.corpus), list(data.queries)
     query_texts, info = [data.queries[q] for q in query_ids], {}
-    if opts.pooling in VOCAB_POOLINGS:
-        encoder = VocabEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size),
-                               top_k=opts.vocab_top_k)
+    if opts.pooling == "sparse":  # the corpus as read_set_once encoded it while streaming
+        encoder, docs = vectors
+        opts = replace(opts, vocab_top_k=encoder.top_k)
+        _, queries = encoder.encode(query_texts, documents=False, desc="encode queries", progress=opts.progress)
+        run = sparse_search(docs, doc_ids, queries, query_ids, k=opts.depth)
+        score = pair_scorer(None, None, docs, queries)
+    elif opts.pooling in VOCAB_POOLINGS:
+        encoder = vocab_encoder(opts)
         opts = replace(opts, vocab_top_k=encoder.top_k)
         vocab = encode_vocab(encoder, [data.doc_text(d) for d in doc_ids], query_texts, progress=opts.progress)
         run = search_vocab(vocab, doc_ids, query_ids, opts.depth, opts.sparse_weight, opts.candidates)

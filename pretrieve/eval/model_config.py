@@ -9,8 +9,9 @@ is `last` on an encoder (its closing separator) unless a flag asks for it or pre
 pooling or a missing normalisation changes the scores without any error (all-MiniLM-L6-v2 on SciFact:
 NDCG@10 0.6067 with mean pooling alone, 0.6451 as its config says), so the choice and its source are printed,
 and a flag that contradicts the model's own config is used but warned about. A model fine-tuned with pooling
-dupmae scores with eq. (12), which sentence-transformers cannot express (its files hold the dense part only):
-for it, pretrieve_finetune.json is read first.
+dupmae scores with eq. (12), which sentence-transformers cannot express (its files hold the dense part only),
+and one fine-tuned with pooling sparse has no sentence-transformers files: for them, pretrieve_finetune.json is
+read first.
 
 A folder that is not a model directory (a run directory, whose model is RUN/export) is refused saying so, and a
 maximum length past the model's positions (its learnt table, or the length a rotary model was made for) is
@@ -149,6 +150,8 @@ def declared_encoding(model_dir: str | Path) -> DeclaredEncoding:
         return DeclaredEncoding("dupmae", False, st.max_length if st else tuned_length,
                                 f"{model_dir / FINETUNE_META} (eq. 12; the sentence-transformers files hold its "
                                 "dense part only)")
+    if tuned.get("pooling") == "sparse":  # its export writes no sentence-transformers files; any found are not its
+        return DeclaredEncoding("sparse", False, tuned_length, str(model_dir / FINETUNE_META))
     if st is not None:
         problems = (*st.unsupported, *(["a Dense module"] if st.dense else []))
         return DeclaredEncoding(st.pooling, st.normalize, st.max_length, f"sentence-transformers config {st.path}",

@@ -15,7 +15,7 @@ indexes, built per block for users who accept approximation: `hnsw` (graph, M = 
 `ivf` (sqrt(N) lists, `nprobe` 32 searched, vectors kept exact) and `ivfpq` (the same lists, 8-bit PQ codes,
 4-bit below 9,984 documents); `index_recall` measures one against `flat` (eval reports it).
 Sparse: vocabulary-weight vectors (SPLADE-style, DupMAE's OT vector) as CSR rows; their inner products are
-the inverted-index scores. Hybrid: dense + weighted sparse, exact over the corpus or over the union of the
+the inverted-index scores, searched part by part as dense blocks are (`sparse_search`). Hybrid: dense + weighted sparse, exact over the corpus or over the union of the
 dense and sparse candidates of each query, re-scored exactly.
 BM25, the lexical baseline, is eval.bm25.
 `pair_scorer` scores chosen (query, document) pairs exactly as these searches do (eval.contrastive uses it).
@@ -30,6 +30,7 @@ from typing import Callable
 
 import numpy as np
 
+from pretrieve.eval.sparse_vectors import SparseVectors
 from pretrieve.eval.vectors import ShardedVectors
 from pretrieve.optional import FAISS, require
 
@@ -93,9 +94,14 @@ def _merge(a: TopK, b: TopK, k: int) -> TopK:
 
 
 def exact_top_k(queries: np.ndarray, block: np.ndarray, k: int) -> TopK:
-    """The top min(k, len(block)) (scores, rows) of each query in one block, by score and then row: all the
-    rows scoring at least the k-th best score are candidates, so ties at the k-th place go to the earliest."""
-    scores = (queries @ block.T).astype(np.float32)  # float64 operands (top_k): the module docstring
+    """The top min(k, len(block)) (scores, rows) of each query in one block, by score and then row."""
+    return top_k_of_scores((queries @ block.T).astype(np.float32), k)  # float64 operands (top_k): module docstring
+
+
+def top_k_of_scores(scores: np.ndarray, k: int) -> TopK:
+    """The top min(k, columns) (scores, columns) of each row of `scores` [queries, documents], by score and then
+    column: every column scoring at least the k-th best score is a candidate, so ties at the k-th place go to the
+    earliest."""
     n = scores.shape[1]
     k = min(k, n)
     if n > k:
@@ -194,16 +200,28 @@ def sparse_matrix(vectors: np.ndarray, top_k: int | None = None):
 
 def sparse_search(doc_weights, doc_ids: list[str], query_weights, query_ids: list[str],
                   k: int = 1000) -> dict[str, dict[str, float]]:
-    """Top k by the inner product of sparse vocabulary vectors (CSR [D, V] and [Q, V]): the inverted-index
-    product, computed exactly by scipy's sparse matmul; documents sharing no term with the query are left out."""
-    scores = (query_weights @ doc_weights.T).tocsr()
-    run = {}
-    for row, qid in enumerate(query_ids):
-        start, stop = scores.indptr[row], scores.indptr[row + 1]
-        cols, vals = scores.indices[start:stop], scores.data[start:stop]
-        top = np.argsort(-vals, kind="stable")[:k]
-        run[qid] = {doc_ids[cols[i]]: float(vals[i]) for i in top if vals[i] > 0}
-    return run
+    """Top k by the inner product of sparse vocabulary vectors (documents: CSR [D, V] or SparseVectors' parts;
+    queries: CSR [Q, V]), ranked by score and then row; documents sharing no term with the query are left out.
+    Part by part, each part's inverted index (its transpose: a posting list of documents per term) is
+    multiplied by a batch of queries, at most SCORE_FLOATS scores at once, and each query keeps a running top
+    k: memory holds the documents' vectors and one [query batch, part] of scores, never [Q, D]."""
+    docs = doc_weights if isinstance(doc_weights, SparseVectors) else SparseVectors([doc_weights.tocsr()], doc_ids)
+    queries = query_weights.tocsr()
+    k = min(k, len(docs))
+    best_scores = np.full((queries.shape[0], k), -np.inf, dtype=np.float32)
+    best_rows = np.full((queries.shape[0], k), -1, dtype=np.int64)
+    for start, part in docs.blocks():
+        inverted = part.T.tocsr()  # [V, n]: row t lists the part's documents holding term t
+        batch = max(1, SCORE_FLOATS // max(1, part.shape[0]))
+        for first in range(0, queries.shape[0], batch):
+            scores, rows = top_k_of_scores((queries[first:first + batch] @ inverted).toarray().astype(np.float32),
+                                           k)
+            found = (np.where(scores > 0, scores, -np.inf), np.where(scores > 0, rows + start, -1))
+            part_rows = slice(first, first + batch)
+            best_scores[part_rows], best_rows[part_rows] = _merge((best_scores[part_rows], best_rows[part_rows]),
+                                                                  found, k)
+    return {qid: {doc_ids[r]: float(s) for r, s in zip(row, score) if r >= 0}
+            for qid, row, score in zip(query_ids, best_rows.tolist(), best_scores.tolist())}
 
 
 def hybrid_search(dense_docs: np.ndarray, dense_queries: np.ndarray, sparse_docs, sparse_queries,

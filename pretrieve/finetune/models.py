@@ -12,6 +12,11 @@ CoT-MoTE (cot-mote.txt §3.3): when the encoder has query experts and `text_expe
 through the query experts and passages through the passage experts; the self-attention is shared.
 DupMAE (pooling `dupmae`): <q, d> is eq. (12), the inner product of JointRepresentation.vectors, so every loss
 above trains W^cls, the LPU and the encoder through the joint score, as §3.4-3.5 fine-tune it.
+Sparse (pooling `sparse`; LexMAE's and SPLADE's fine-tuning): <q, d> is the inner product of the SPLADE vectors
+(models.representation.splade_vectors, cot-mote.txt eq. 4), and the loss adds the FLOPS regulariser of the
+queries' and of the passages' vectors (Paria et al. 2020), weighted by `flops` (query, passage); each is logged
+unweighted as `flops_query` / `flops_passage`, with the mean non-zero entries a vector keeps (`query_terms`,
+`passage_terms`), and the ranking loss alone as `ranking_loss`.
 Matryoshka (`matryoshka_dims`, models/matryoshka.py; Kusupati et al. 2022 eq. 1): any loss above, summed over
 the vectors' prefixes (re-normalised with `normalize`), each dimension's logged as `loss@<m>`.
 """
@@ -26,7 +31,7 @@ from pretrieve.models.grad_cache import encode_in_chunks
 from pretrieve.models.infonce import gather_candidates, info_nce
 from pretrieve.models.matryoshka import Matryoshka, check_width, matryoshka_loss
 from pretrieve.models.poolings import DUAL_POOLINGS
-from pretrieve.models.representation import POOLINGS, JointRepresentation
+from pretrieve.models.representation import POOLINGS, JointRepresentation, flops_regularizer, splade_vectors
 
 LOSSES = ("contrastive", "triplet", "distill")
 
@@ -35,7 +40,7 @@ class DualEncoder(nn.Module):
     def __init__(self, encoder, loss: str = "contrastive", pooling: str = "cls", normalize: bool = False,
                  temperature: float = 1.0, in_batch: bool = True, cross_device: bool = True, margin: float = 1.0,
                  text_experts: bool = True, joint: JointRepresentation | None = None, grad_cache: int | None = None,
-                 matryoshka: Matryoshka | None = None):
+                 matryoshka: Matryoshka | None = None, flops: tuple[float, float] = (0.0, 0.0)):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"finetune.loss: {loss!r} is not one of {', '.join(LOSSES)}")
@@ -49,6 +54,17 @@ class DualEncoder(nn.Module):
             raise ValueError(f"finetune.temperature: must be > 0, got {temperature}")
         if matryoshka is not None and joint is not None:
             raise ValueError("finetune.matryoshka_dims: pooling dupmae's eq. (12) vectors have no prefixes to train")
+        if pooling == "sparse" and normalize:
+            raise ValueError("finetune.normalize: pooling sparse scores SPLADE vectors by their inner product, as "
+                             "their inverted index does; leave normalize off")
+        if pooling == "sparse" and matryoshka is not None:
+            raise ValueError("finetune.matryoshka_dims: pooling sparse's vectors are the vocabulary's, whose "
+                             "prefixes are no representation; give a dense pooling (cls, mean, last)")
+        if pooling == "sparse" and any(line.startswith("MLM head") for line in encoder.load_report):
+            raise ValueError("finetune.pooling: sparse scores through the model's MLM head, and init_from has none")
+        if any(weight < 0 for weight in flops) or (pooling != "sparse" and any(flops)):
+            raise ValueError(f"finetune.flops: weights >= 0 of pooling sparse's FLOPS regulariser, got {list(flops)} "
+                             f"with pooling {pooling}")
         check_width(matryoshka, encoder.config.hidden_size, "finetune")
         self.encoder, self.joint = encoder, joint
         self.loss_name, self.pool, self.normalize = loss, POOLINGS.get(pooling), normalize
@@ -56,6 +72,7 @@ class DualEncoder(nn.Module):
         self.routed = text_experts and encoder.query_experts is not None
         self.chunk = grad_cache  # GradCache's chunk (models/grad_cache.py); None: the whole batch at once
         self.matryoshka = matryoshka
+        self.sparse, self.flops = pooling == "sparse", flops
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, queries: bool) -> torch.Tensor:
         text_type = None
@@ -64,6 +81,8 @@ class DualEncoder(nn.Module):
         hidden = self.encoder(input_ids, attention_mask, text_type=text_type)
         if self.joint is not None:
             return self.joint.vectors(self.encoder, hidden, attention_mask, documents=not queries)
+        if self.sparse:
+            return splade_vectors(self.encoder, hidden, attention_mask)
         vectors = self.pool(hidden, attention_mask)
         return F.normalize(vectors, dim=-1) if self.normalize else vectors
 
@@ -79,6 +98,8 @@ class DualEncoder(nn.Module):
         params = [p for p in self.parameters() if p.requires_grad]
         q, p = encode_in_chunks(self._embed_rows, groups, self.chunk, params)
         teacher = batch.get("teacher_scores")
+        if self.sparse:
+            return self.with_flops(self.loss_of(q, p, teacher), q, p)
         if self.matryoshka is None:
             return self.loss_of(q, p, teacher)
         return matryoshka_loss(lambda q, p: self.loss_of(q, p, teacher), [q, p], self.matryoshka, self.normalize)
@@ -98,6 +119,17 @@ class DualEncoder(nn.Module):
                 loss = F.relu(self.margin - (scores[:, :1] - scores[:, 1:])).mean()
         accuracy = (scores.argmax(dim=-1) == target).float().mean()
         return {"loss": loss, "accuracy": accuracy.detach()}
+
+
+    def with_flops(self, out: dict[str, torch.Tensor], q: torch.Tensor, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`out` with the FLOPS regulariser of this rank's queries and passages added to its loss (per device, as
+        SPLADE's and LexMAE's released code do), and the sparsity logged."""
+        query_flops, passage_flops = flops_regularizer(q), flops_regularizer(p)
+        ranking = out["loss"]
+        return {**out, "loss": ranking + self.flops[0] * query_flops + self.flops[1] * passage_flops,
+                "ranking_loss": ranking.detach(), "flops_query": query_flops.detach(),
+                "flops_passage": passage_flops.detach(), "query_terms": (q > 0).sum(dim=1).float().mean().detach(),
+                "passage_terms": (p > 0).sum(dim=1).float().mean().detach()}
 
 
 def group_scores(q: torch.Tensor, p: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

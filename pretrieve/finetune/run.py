@@ -41,6 +41,7 @@ from pretrieve.models.encoder import FINETUNE_META, checkpoint_activations
 from pretrieve.models.regional_compile import compile_layers
 
 MODEL_CONFIG = "model_config.json"  # in the run directory: the architecture, for the export
+FLOPS_WEIGHTS = (0.0015, 0.002)  # pooling sparse: (query, passage), LexMAE's stage 1 (lambda_d 0.002, ratio 0.75)
 TOKENIZER = "tokenizer"  # in the run directory
 
 
@@ -59,7 +60,13 @@ class FinetuneOptions:
     cross_device: bool = True  # ... gathered from every rank
     temperature: float = 1.0
     normalize: bool | None = None  # cosine similarity instead of inner product (None: as init_from says, else off)
-    pooling: str | None = None  # cls | mean | last | dupmae (eq. 12; init_from: a DupMAE model); None: init_from's
+    # cls | mean | last | dupmae (eq. 12; init_from: a DupMAE model) | sparse (SPLADE vectors through the MLM head,
+    # with the FLOPS regulariser: LexMAE's fine-tuning); None: init_from's
+    pooling: str | None = None
+    # sparse: the FLOPS regulariser's weights on the queries' and the passages' vectors (None: LexMAE's released
+    # stage-1 values, FLOPS_WEIGHTS)
+    flops_query: float | None = None
+    flops_passage: float | None = None
     # put before each query / passage (an instruction: E5-Mistral, Qwen3-Embedding); None: init_from's
     # sentence-transformers prompts, else none. The export carries them (sentence-transformers' prompts).
     # query_max_len counts the query's tokens after its prompt; passage_max_len counts the prompt too
@@ -204,6 +211,19 @@ def _check_encoding(options: FinetuneOptions, problems: Problems) -> None:
     if options.pooling == "dupmae" and options.matryoshka_dims is not None:
         problems.add("finetune.matryoshka_dims: pooling dupmae scores with eq. (12), dense and vocabulary parts "
                      "together, whose prefixes are no representation; give a dense pooling (cls, mean, last)")
+    if options.pooling == "sparse" and options.normalize:
+        problems.add("finetune.normalize: pooling sparse scores SPLADE vectors by their inner product, as their "
+                     "inverted index does; leave normalize off")
+    if options.pooling == "sparse" and options.matryoshka_dims is not None:
+        problems.add("finetune.matryoshka_dims: pooling sparse's vectors are the vocabulary's, whose prefixes are "
+                     "no representation; give a dense pooling (cls, mean, last)")
+    for key in ("flops_query", "flops_passage"):
+        value = getattr(options, key)
+        if value is not None and (options.pooling != "sparse" or options.model != "dual"):
+            problems.add(f"finetune.{key}: weighs pooling sparse's FLOPS regulariser; this run pools with "
+                         f"{options.pooling} (give finetune.pooling: sparse, or drop the key)")
+        elif value is not None and value < 0:
+            problems.add(f"finetune.{key}: must be >= 0, got {value}")
 
 
 def _check_passage_prompt(options: FinetuneOptions, problems: Problems) -> None:
@@ -306,6 +326,8 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
         for key, ids in batch.items():
             if key.endswith("input_ids"):
                 forward = config.num_hidden_layers * layer_flops(config, ids.shape[0], ids.shape[1], ids.shape[1])
+                if o.model == "dual" and o.pooling == "sparse":  # the MLM head at every position
+                    forward += vocab_flops(config, ids.numel())
                 if o.model == "dual" and o.pooling == "dupmae":  # eq. (6)'s LPU at every position
                     forward += (vocab_flops(config, ids.numel()) if module.joint.lpu is None  # MLM head: + transform
                                 else 2 * ids.numel() * config.hidden_size * config.vocab_size)
@@ -353,11 +375,20 @@ def build_model(o: FinetuneOptions, config_file: Path | None = None):
     dual = DualEncoder(encoder, loss=o.loss, pooling=o.pooling, normalize=o.normalize, temperature=o.temperature,
                        in_batch=o.in_batch, cross_device=o.cross_device, margin=o.margin, text_experts=o.text_experts,
                        joint=joint, grad_cache=o.grad_cache["chunk"] if o.grad_cache else None,
-                       matryoshka=matryoshka_of(o.matryoshka_dims, o.matryoshka_weights, "finetune"))
+                       matryoshka=matryoshka_of(o.matryoshka_dims, o.matryoshka_weights, "finetune"),
+                       flops=flops_weights(o))
     lora = lora_of(o)
     if lora.r:  # the base model's layers only: DupMAE's W^cls and LPU, CoT-MoTE's query experts train whole
         add_lora(dual.encoder.model, lora, "finetune.lora")
     return dual
+
+
+def flops_weights(o: FinetuneOptions) -> tuple[float, float]:
+    """(query, passage) weights of the FLOPS regulariser: pooling sparse's given or default ones, else none."""
+    if o.pooling != "sparse":
+        return (0.0, 0.0)
+    return tuple(FLOPS_WEIGHTS[i] if given is None else float(given)
+                 for i, given in enumerate((o.flops_query, o.flops_passage)))
 
 
 def _meta(module, o: FinetuneOptions) -> dict:
@@ -368,6 +399,8 @@ def _meta(module, o: FinetuneOptions) -> dict:
     if o.model == "dual":
         meta["query_experts"] = module.encoder.query_experts is not None
         meta["text_experts"] = module.routed
+        if module.sparse:
+            meta["flops"] = dict(zip(("query", "passage"), module.flops))
         if module.joint is not None:
             meta["joint"] = {"cls_dim": module.joint.cls_dim, "ot_topk": module.joint.ot_topk,
                              "lpu": "mlm_head" if module.joint.lpu is None else "linear"}
@@ -422,10 +455,13 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
                  if not k.startswith(ENCODER_MODEL)}
         save_file(extra, str(tmp / HEAD_WEIGHTS))
         dupmae = options.pooling == "dupmae"  # sentence-transformers gets eq. 12's dense part: [CLS] through W^cls
-        write_st_config(tmp, "cls" if dupmae else options.pooling, options.normalize, options.passage_max_len,
-                        dense_weight=module.joint.cls_proj.weight if dupmae else None,
-                        prompts={"query": options.query_prompt or "", "passage": options.passage_prompt or ""},
-                        matryoshka_dims=options.matryoshka_dims)
+        # no sentence-transformers files for a sparse model: they describe a dense vector, and its SparseEncoder
+        # reads the MLM head from the HF weights, which hold the backbone alone; pretrieve_finetune.json says it
+        if options.pooling != "sparse":
+            write_st_config(tmp, "cls" if dupmae else options.pooling, options.normalize, options.passage_max_len,
+                            dense_weight=module.joint.cls_proj.weight if dupmae else None,
+                            prompts={"query": options.query_prompt or "", "passage": options.passage_prompt or ""},
+                            matryoshka_dims=options.matryoshka_dims)
     AutoTokenizer.from_pretrained(str(run_dir / TOKENIZER)).save_pretrained(str(tmp))
     (tmp / FINETUNE_META).write_text(json.dumps({**meta, "checkpoint": tag, "options": asdict(options)}, indent=1)
                                      + "\n")

@@ -124,6 +124,23 @@ def joint_scores(queries: JointVectors, docs: JointVectors) -> torch.Tensor:
     return dense + (mu_q_at_docs * docs.ot_values.unsqueeze(0)).sum(dim=-1)
 
 
+def splade_vectors(encoder, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, vocab] SPLADE-style vectors (cot-mote.txt eq. 4) of token states [B, L, hidden] through the encoder's
+    MLM head (an untied LM head's own weights where it has one): max over the real tokens of log(1 + relu(logits)),
+    the max taken vocabulary chunk by chunk (max_pooled_linear: no [B, L, vocab] logits; log(1 + relu) is
+    monotone, so it commutes with the max), differentiable through each entry's winning position."""
+    pooled = max_pooled_linear(encoder.mlm_transform(hidden), encoder.output_weight, encoder.mlm_bias,
+                               attention_mask.bool())
+    return torch.log1p(torch.relu(pooled))
+
+
+def flops_regularizer(vectors: torch.Tensor) -> torch.Tensor:
+    """Paria et al. 2020's FLOPS loss of a batch of non-negative sparse vectors [N, vocab]: sum over the vocabulary
+    of the squared mean weight, a smooth stand-in for the expected number of multiplications an inverted index
+    makes per query-document pair (SPLADE's regulariser; LexMAE fine-tunes with it)."""
+    return vectors.float().mean(dim=0).square().sum()
+
+
 def sparse_representation(logits: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """SPLADE-style [B, vocab] vector (cot-mote.txt eq. 4): max over the sequence's tokens of log(1 + relu(logits)),
     `logits` [B, L, vocab] from the MLM head; padding contributes nothing (the terms are >= 0)."""

@@ -80,7 +80,7 @@ def lpu_parts(encoder, lpu: nn.Linear | None, hidden: torch.Tensor) -> tuple[tor
     """(input, weight, bias) of W^O in eq. (6): a separate linear map `lpu`, or else the encoder's tied MLM head."""
     if lpu is not None:
         return hidden, lpu.weight, lpu.bias
-    return encoder.mlm_transform(hidden), encoder.word_embeddings.weight, encoder.mlm_bias
+    return encoder.mlm_transform(hidden), encoder.output_weight, encoder.mlm_bias
 
 
 def ot_vector(logits: torch.Tensor, ot_mask: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""SimLM (Wang et al., ACL 2023; no equation numbers: the paper's text was not available, the loss is the released
-code's, docs/methods.md "simlm"), each part against a hand computation: the two maskings, the generator's draws
-(from its own distribution, at the masked positions only), the encoder's and the decoder's token losses at every
-ordinary position, the decoder run as the released code runs it (the encoder's own last layers, HF's attention
-mask), the generator frozen or trained, and a resumed DeepSpeed run at ZeRO 3 repeating the uninterrupted one."""
+"""SimLM (Wang et al., ACL 2023, §3.1 eqs. 1-2; where the paper leaves details open, the released code's,
+docs/methods.md "simlm"), each part against a hand computation: the two maskings and the generator's draws of eq. 1
+(from its own distribution, at the masked positions only), the encoder's and the decoder's token losses of eq. 2 at
+every ordinary position and their sum L_pt, the decoder run as the released code runs it (the encoder's own last
+layers, HF's attention mask), the generator frozen or trained, and a resumed DeepSpeed run at ZeRO 3 repeating the
+uninterrupted one."""
 
 from pathlib import Path
 
@@ -29,6 +30,9 @@ def generator_dir(tmp_path_factory) -> Path:
 
 
 def test_the_two_maskings_and_the_targets(vocab, wiki_samples):
+    """Eq. 1's Mask(x, p_enc) and Mask(x, p_dec) at 0.30 and 0.50 (§5.2, appendix B), the decoder's covering the
+    encoder's (§3.1), all [MASK]; eq. 2's targets: the original token at every ordinary position (the paper's every
+    position of x, less the special tokens, as the released labels)."""
     method, options, _ = tiny_simlm()
     batch, ids = collated_with_a_pad_sample(method, options, vocab, wiki_samples)
     masked, dec_masked = batch["mlm_labels"] != -100, batch["dec_masked"]
@@ -60,9 +64,10 @@ def nll(head, states, labels):
 
 
 def test_loss_by_hand(vocab, wiki_samples):
-    """A generator that always says "the": both texts hold "the" at their masked positions, and the losses are
-    L_enc + L_dec + 0.2 L_gen, the decoder being the encoder's own last two BertLayers (the decoder's copies) run
-    through HF's forward with its extended attention mask, as the released ReplaceLM runs its deep copies."""
+    """A generator that always says "the": both texts hold "the" at their masked positions (eq. 1), and the losses
+    are eq. 2's L_enc and L_dec, summed as L_pt (§3.1) + 0.2 L_gen (the released weight of a trained generator), the
+    decoder being the encoder's own last two BertLayers (the decoder's copies) run through HF's forward with its
+    extended attention mask, as the released ReplaceLM runs its deep copies."""
     method, options, head = tiny_simlm()
     head = head.double().eval()
     batch = method.collator.from_options(options, vocab, seed=0)(wiki_samples[:4])
@@ -94,9 +99,10 @@ def test_loss_by_hand(vocab, wiki_samples):
 
 
 def test_the_draws_follow_the_generators_distribution(vocab, wiki_samples):
-    """Two tokens with equal, overwhelming logits: every masked position gets one of them, each about half the
-    time (the padding token, with a larger logit still, never); no other position changes. The draws are the batch's: its collator's seed fixes them, in training and
-    eval mode alike, and torch's global random state is neither read nor moved."""
+    """Eq. 1's Sample(g, .): two tokens with equal, overwhelming logits: every masked position gets one of them,
+    each about half the time (the padding token, with a larger logit still, never); no other position changes.
+    The draws are the batch's: its collator's seed fixes them, in training and eval mode alike, and torch's global
+    random state is neither read nor moved."""
     method, options, head = tiny_simlm()
     batch = method.collator.from_options(options, vocab, seed=0)(wiki_samples[:16])
     a, b = vocab.tokens.index("the"), vocab.tokens.index("of")
@@ -123,6 +129,8 @@ def test_the_draws_follow_the_generators_distribution(vocab, wiki_samples):
 
 
 def test_a_loaded_generator_is_frozen_and_a_new_one_learns(vocab, wiki_samples, generator_dir, tmp_path):
+    """A loaded generator is frozen and the loss is L_pt = L_enc + L_dec, as §3.1 and appendix B pre-train; a new
+    one trains with the encoder (appendix C's "joint train w/ random init"), its MLM loss in the total."""
     method, options, head = tiny_simlm(f"method.generator_init={generator_dir}")
     assert not any(p.requires_grad for p in head.generator.parameters())
     assert head.train().training and not head.generator.training  # the frozen generator keeps no dropout
@@ -157,6 +165,7 @@ def test_a_loaded_generator_is_frozen_and_a_new_one_learns(vocab, wiki_samples, 
 
 
 def test_the_decoder_starts_as_the_encoders_last_layers():
+    """§4.1: the 2-layer decoder is initialised with the encoder's last two layers; `decoder_init: new` is not."""
     _, _, copied = tiny_simlm()
     _, _, new = tiny_simlm("method.decoder_init=new")
     for head, equal in ((copied, True), (new, False)):

@@ -1,7 +1,7 @@
-"""`simlm`: SimLM (Wang et al., ACL 2023, arXiv 2207.02578 §3.1): a representation bottleneck trained by replaced
-language modelling. The paper's text was not available to this implementation: no equation numbers are cited;
-the loss follows its abstract and the released code (microsoft/unilm `simlm/src/models/rlm.py`,
-`collators/rlm_collator.py`, `scripts/train_rlm.sh`), which docs/methods.md compares.
+"""`simlm`: SimLM (Wang et al., ACL 2023, arXiv 2207.02578 §3.1, eqs. 1-2): a representation bottleneck trained
+by replaced language modelling. Equation numbers are the ACL 2023 text's; where the paper leaves a detail open
+(which tokens are targets, the generator's loss weight) the code follows the released code (microsoft/unilm
+`simlm/src/models/rlm.py`, `collators/rlm_collator.py`, `scripts/train_rlm.sh`), which docs/methods.md compares.
 
 A small MLM generator, a second model inside this head, fills the masked positions of the encoder's input and,
 drawn again independently, those of the decoder's more heavily masked input with tokens sampled from its
@@ -87,18 +87,20 @@ def generator_frozen(options: SimLMOptions) -> bool:
 
 
 class SimLMHead(PretrainingHead):
-    """L = L_enc + L_dec (+ generator_weight x L_gen when the generator trains), as the released `ReplaceLM`.
+    """L_pt = L_enc + L_dec (§3.1, after eq. 2), + generator_weight x L_gen when the generator trains (the
+    released `ReplaceLM`; the paper freezes it and names no weight).
 
-    Replacement: at the masked positions M of a [MASK]ed text, x'_i ~ softmax(G(x_masked)_i) for i in M, x'_i =
-    x_i elsewhere (the padding token never drawn); the encoder's text x^enc and the decoder's x^dec are two such
-    draws, from two maskings (the decoder's covers the encoder's), with no gradient through the sampling.
-    L_enc = -(1/|T|) sum_{i in T} log p(x_i | Enc(x^enc)_i), T the ordinary tokens of the text (all of them, not
-    only M: replaced language modelling), through the encoder's MLM head.
-    L_dec = -(1/|T|) sum_{i in T} log p(x_i | Dec([h_cls; e(x^dec_1..n)])_i): `decoder_layers` layers of the
-    encoder's family with full self-attention over the text (padding hidden), position 0 the encoder's last
-    [CLS] state, the rest the decoder text's embeddings; the same MLM head. Both are token means over the batch.
-    L_gen = the generator's own MLM loss at the encoder's masked positions (its decoder-side draw has no
-    gradient, as released). With the generator frozen (the released recipe) the total is L_enc + L_dec.
+    Eq. 1, x_enc = Sample(g, Mask(x, p_enc)), x_dec = Sample(g, Mask(x, p_dec)): at the masked positions M of a
+    [MASK]ed text, x'_i ~ softmax(G(x_masked)_i) for i in M, x'_i = x_i elsewhere (the padding token never
+    drawn); two draws from two maskings, the decoder's covering the encoder's, no gradient through the sampling.
+    Eq. 2, L_enc = -(1/|T|) sum_{i in T} log p(x_i | Enc(x_enc)_i), through the encoder's MLM head: the paper
+    sums over every position of x; T here is the text's ordinary tokens (special tokens and padding left out, as
+    the released labels), all of them, not only M: replaced language modelling.
+    L_dec ("similarly", §3.1) = -(1/|T|) sum_{i in T} log p(x_i | Dec([h_cls; e(x_dec_1..n)])_i): `decoder_layers`
+    layers of the encoder's family with full (bidirectional) self-attention over the text (padding hidden),
+    position 0 the encoder's last [CLS] state h_cls, the rest the decoder text's embeddings; the same MLM head.
+    Both are token means over the batch, as the released cross-entropies. L_gen = the generator's own MLM loss
+    at the encoder's masked positions (its decoder-side draw has no gradient, as released).
     """
 
     def __init__(self, encoder, options):
@@ -144,14 +146,18 @@ class SimLMHead(PretrainingHead):
         attention_mask, mlm_labels = batch["attention_mask"], batch["mlm_labels"]
         masked = mlm_labels != -100
         draws = torch.Generator(mlm_labels.device).manual_seed(int(batch["replace_seed"][0]))
+        # eq. 1: x_enc and x_dec, two draws of the generator at the two maskings
         enc_ids, gen = self.replace(batch["input_ids"], attention_mask, masked, draws, mlm_labels)
         dec_ids, _ = self.replace(batch["dec_input_ids"], attention_mask, batch["dec_masked"], draws)
         hidden = self.encoder(enc_ids, attention_mask)
-        enc = self.encoder.token_loss(hidden, batch["rlm_labels"])
+        enc = self.encoder.token_loss(hidden, batch["rlm_labels"])  # eq. 2, L_enc
+        # the decoder reads h_cls in place of its own [CLS] embedding: the bottleneck (§3.1)
         states = torch.cat([hidden[:, :1], self.encoder.embeddings(input_ids=dec_ids)[:, 1:]], dim=1)
         width = attention_mask.shape[1]
         visible = attention_mask.bool()[:, None, :].expand(-1, width, -1)  # padding hidden, as in the encoder
+        # L_dec, eq. 2's form over the decoder's output
         dec = self.encoder.token_loss(self.decoder(states, None, masked_attention(visible)), batch["rlm_labels"])
+        # L_pt = L_enc + L_dec (§3.1); a generator that trains adds its weighted MLM loss, as released
         loss = enc + dec if self.generator_frozen else enc + dec + self.options.generator_weight * gen
         replaced = (masked & (enc_ids != mlm_labels)).sum() / masked.sum().clamp(min=1)
         return {"loss": loss, "enc": enc.detach(), "dec": dec.detach(), "gen": gen.detach(),
@@ -159,11 +165,11 @@ class SimLMHead(PretrainingHead):
 
     def replace(self, ids: torch.Tensor, attention_mask: torch.Tensor, masked: torch.Tensor,
                 draws: torch.Generator, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids with a generator sample at each `masked` position, drawn from `draws`, the generator's MLM loss
-        there against `labels`, the original tokens). Given labels and a generator that trains, the loss takes
-        gradients; without labels (the decoder's text) nothing does. The draws never touch torch's global random
-        state: the batch's seed fixes them, at every ZeRO stage, padded or unpadded, in validation and after a
-        resume."""
+        """(ids with a generator sample at each `masked` position, drawn from `draws`: eq. 1's Sample(g, .), the
+        generator's MLM loss there against `labels`, the original tokens). Given labels and a generator that
+        trains, the loss takes gradients; without labels (the decoder's text) nothing does. The draws never touch
+        torch's global random state: the batch's seed fixes them, at every ZeRO stage, padded or unpadded, in
+        validation and after a resume."""
         with torch.set_grad_enabled(labels is not None and not self.generator_frozen and torch.is_grad_enabled()):
             hidden = self.generator(ids, attention_mask)
             logits = self.generator.mlm_logits(hidden[masked])  # [masked positions, vocab]

@@ -11,7 +11,8 @@ Pooling (`pooling`), the same in fine-tuning and evaluation, is each method's pa
 SEED-Encoder, COSTA and CoT-MAE (the representation their papers fine-tune and evaluate); for DupMAE its joint
 representation of eq. 12 ([CLS] through W^cls plus the top-384 entries of the max-pooled vocabulary vector): its
 default, which §4.2 Table 4 shows beating either half (0.4102 MRR@10 against 0.3941 for "CLS:768", [CLS]
-alone), and what its fine-tuning, eqs. 13-15, scores with. `none` and `mlm` keep the base's own pooling
+alone), and what its fine-tuning, eqs. 13-15, scores with; for LexMAE its SPLADE vector (`sparse`: what its
+paper fine-tunes, with the FLOPS regulariser at its released stage-1 weights). `none` and `mlm` keep the base's own pooling
 (`base`): [CLS] for the study's BERT (RetroMAE's BERT baseline), mean for MiniLM (what sentence-transformers
 trained it with). Fine-tuning scores with the inner product (eq. 12 is one; no normalisation, temperature 1)
 for every arm alike.
@@ -28,11 +29,13 @@ import json
 import time
 from pathlib import Path
 
-ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "bow", "condenser", "cocondenser", "simlm")
+ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "bow", "condenser", "cocondenser", "simlm",
+        "lexmae")
 CPU_ARMS = ARMS[:7]  # the cpu study's, run and committed; the arms added since are for the gpu scales
 REFERENCES = ("none", "mlm")  # the arms every other is compared with
 POOLING = {"none": "base", "mlm": "base", "retromae": "cls", "dupmae": "dupmae", "seed": "cls", "costa": "cls",
-           "cotmae": "cls", "bow": "cls", "condenser": "cls", "cocondenser": "cls", "simlm": "cls"}  # "base": its own
+           "cotmae": "cls", "bow": "cls", "condenser": "cls", "cocondenser": "cls", "simlm": "cls",
+           "lexmae": "sparse"}  # "base": its own
 # an arm's own overrides of its tiny config: GradCache saves memory these small models do not need (its loss and
 # gradients are the one-graph ones: tests/test_equations_condenser.py), and would only encode each span twice
 ARM_OVERRIDES = {"cocondenser": ["method.grad_cache=null"]}
@@ -133,7 +136,7 @@ GPU_SHORT = merge(GPU, {
     "curve": {"arm": "retromae", "seed": 0, "points": 2},
 })
 GPU_SHORT["general"]["arms"] = {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3, "bow": 3, "condenser": 3,
-                                "cocondenser": 3, "simlm": 3}
+                                "cocondenser": 3, "simlm": 3, "lexmae": 3}
 GPU_SHORT["domain"] = {"arms": {}, "bases": {}}
 SCALES = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}
 
@@ -210,8 +213,8 @@ def build_plan(scale: str, smoke: bool = False, beir: list[str] = (), sets: list
         if unknown:
             raise ValueError(f"{key}: unknown arm {unknown[0]!r} (known: {', '.join(ARMS)})")
     for arm, pooling in plan["pooling"].items():
-        if pooling not in ("base", "cls", "mean", "dupmae"):
-            raise ValueError(f"pooling.{arm}: {pooling!r} is not base, cls, mean or dupmae")
+        if pooling not in ("base", "cls", "mean", "dupmae", "sparse"):
+            raise ValueError(f"pooling.{arm}: {pooling!r} is not base, cls, mean, dupmae or sparse")
     if plan["curve"]["arm"] not in plan["general"]["arms"]:
         raise ValueError(f"curve.arm: {plan['curve']['arm']!r} is not an arm of the general study")
     if plan["pretrain"]["steps"] % plan["curve"]["points"]:

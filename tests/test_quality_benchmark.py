@@ -24,7 +24,7 @@ import pytest
 from conftest import pretrain_env
 
 ROOT = Path(__file__).resolve().parent.parent
-ARMS = '{"none": 1, "mlm": 1, "retromae": 1, "dupmae": 1, "bow": 1}'
+ARMS = '{"none": 1, "mlm": 1, "retromae": 1, "dupmae": 1, "bow": 1, "lexmae": 1}'
 
 
 def _benchmark(name: str, tmp_path, *args) -> subprocess.CompletedProcess:
@@ -52,7 +52,7 @@ def _finetuned(work: Path, arm: str) -> dict:
 
 
 def _check_general(general: dict, work: Path) -> None:
-    assert set(general["arms"]) == {"none", "mlm", "retromae", "dupmae", "bow"}
+    assert set(general["arms"]) == {"none", "mlm", "retromae", "dupmae", "bow", "lexmae"}
     for arm, per in general["arms"].items():
         entry = per["scifact-sample"]
         assert len(entry["ndcg@10"]) == 1 and 0 <= entry["ci95"][0] <= entry["mean"] <= entry["ci95"][1] <= 1
@@ -63,8 +63,10 @@ def _check_general(general: dict, work: Path) -> None:
     budget = general["budget"]
     assert len({b["encoder_tokens"] for b in budget.values()}) == 1  # the equal token budget
     assert budget["dupmae"]["flops"] > budget["retromae"]["flops"] > budget["bow"]["flops"] > budget["mlm"]["flops"] > 0
-    # every arm fine-tuned on the same labelled set with its paper's pooling (DupMAE: eq. 12), evaluated with it
-    for arm, pooling in (("none", "cls"), ("mlm", "cls"), ("retromae", "cls"), ("dupmae", "dupmae"), ("bow", "cls")):
+    # every arm fine-tuned on the same labelled set with its paper's pooling (DupMAE: eq. 12; LexMAE: sparse),
+    # evaluated with it
+    for arm, pooling in (("none", "cls"), ("mlm", "cls"), ("retromae", "cls"), ("dupmae", "dupmae"), ("bow", "cls"),
+                         ("lexmae", "sparse")):
         assert _finetuned(work, arm)["pooling"] == pooling
         assert json.loads((work / "general" / "farm" / f"{arm}-s0" / "scifact-sample" / "stage1" /
                            "metrics.json").read_text())["pooling"] == pooling

@@ -144,7 +144,8 @@ def test_scales_follow_the_protocol():
     # the CPU arms tie
     assert set(cpu["general"]["arms"]) == set(quality_plan.CPU_ARMS) < set(quality_plan.ARMS)
     assert set(gpu["general"]["arms"]) == set(gpu["pooling"]) == set(quality_plan.ARMS)
-    assert {"bow", "condenser", "cocondenser", "simlm"} <= set(quality_plan.build_plan("gpu-short")["general"]["arms"])
+    assert {"bow", "condenser", "cocondenser", "simlm", "lexmae"} <= \
+        set(quality_plan.build_plan("gpu-short")["general"]["arms"])
     assert gpu["pooling"]["bow"] == "cls"
     assert cpu["pooling"]["dupmae"] == gpu["pooling"]["dupmae"] == "dupmae"  # eq. 12
     assert {cpu["pooling"][arm] for arm in ("retromae", "seed", "costa", "cotmae")} == {"cls"}

@@ -166,9 +166,10 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
               [Command(ladder_ends_of(bert_base, method, work, extra), results=str(work / "pretrain_throughput_gpu.json"))
                for method, extra in LADDER_NEW_METHODS.items()]),
         # the first job's quality stage had its data (39 s) and base (41 s) when its box ran out; each arm added since
-        # (bow, condenser, cocondenser, simlm) adds a pre-training run, one fine-tuning and its evaluations: ~20 s each
-        Stage("quality", "the quality study at --scale gpu-short: base -> arms -> the same fine-tuning -> eval", 300,
-              360, merge_into + [Command([python, "benchmarks/quality.py", "--scale", "gpu-short", "--seeds", quality_seeds,
+        # (bow, condenser, cocondenser, simlm, lexmae) adds a pre-training run, one fine-tuning and its evaluations:
+        # ~20 s each
+        Stage("quality", "the quality study at --scale gpu-short: base -> arms -> the same fine-tuning -> eval", 320,
+              380, merge_into + [Command([python, "benchmarks/quality.py", "--scale", "gpu-short", "--seeds", quality_seeds,
                              "--data", str(bundle / "data"), "--out", str(work / "quality"),
                              "--results", str(work / "quality-gpu.json")],
                             results=str(work / "quality-gpu.json"))]),

@@ -116,7 +116,9 @@ def test_query_stream_positions_follow_the_backbone(corpora):
                                              ("modernbert", "retromae"),
                                              *(("bert", "bow"), ("roberta", "bow"), ("xlm-roberta", "bow"),
                                                ("modernbert", "bow")), ("bert", "condenser"),
-                                             ("modernbert", "cocondenser")])
+                                             ("modernbert", "cocondenser"), ("roberta", "simlm"),
+                                             ("modernbert", "simlm"), ("xlm-roberta", "lexmae"),
+                                             ("modernbert", "lexmae")])
 def test_exports_load_in_automodel_and_sentence_transformers(backbone, method, corpora, tmp_path):
     from sentence_transformers import SentenceTransformer
 
@@ -143,6 +145,34 @@ def test_exports_load_in_automodel_and_sentence_transformers(backbone, method, c
     resumed = get_method(method).build(head.options, ModelOptions(init_from=str(out)))  # continue pre-training
     for key, value in head.state_dict().items():
         assert torch.equal(resumed.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("backbone", sorted(BACKBONES))
+def test_a_lexmae_export_encodes_and_fine_tunes_sparse_on_every_backbone(backbone, corpora, tmp_path):
+    """The sparse path on each family: eval's VocabEncoder reads a LexMAE export's SPLADE vectors as the head's
+    own MLM logits give them, and the dual encoder's pooling sparse trains on them (loss and gradients)."""
+    from pretrieve.eval.encode import EncodeOptions, VocabEncoder
+    from pretrieve.finetune.models import DualEncoder
+    from pretrieve.models.representation import sparse_representation
+
+    tokenizer = corpora[BACKBONES[backbone][0]][0]
+    head, _ = head_and_batch(backbone, "lexmae", corpora)
+    out = export(head.eval(), tmp_path / "export", tokenizer=tokenizer)
+    texts = ["the anarchism movement", "a political philosophy of the nineteenth century and after"]
+    encoder = VocabEncoder(out, EncodeOptions("sparse", 32, 2), top_k=10_000)
+    _, vectors = encoder.encode(texts, documents=True, progress=False)
+    batch = AutoTokenizer.from_pretrained(str(out))(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = head.encoder(batch["input_ids"], batch["attention_mask"])
+        expected = sparse_representation(head.encoder.mlm_logits(hidden), batch["attention_mask"])
+    np.testing.assert_allclose(vectors.toarray(), expected.numpy(), rtol=1e-4, atol=1e-5)
+
+    dual = DualEncoder(load_encoder(out).train(), pooling="sparse", flops=(0.1, 0.1))
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    loss = dual({"query_input_ids": ids, "query_attention_mask": mask, "passage_input_ids": ids.flip(0),
+                 "passage_attention_mask": mask.flip(0)})["loss"]
+    loss.backward()
+    assert torch.isfinite(loss) and dual.encoder.mlm_transform.dense.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("backbone", ["roberta", "xlm-roberta", "modernbert"])

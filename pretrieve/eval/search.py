@@ -206,6 +206,14 @@ def sparse_search(doc_weights, doc_ids: list[str], query_weights, query_ids: lis
     multiplied by a batch of queries, at most SCORE_FLOATS scores at once, and each query keeps a running top
     k: memory holds the documents' vectors and one [query batch, part] of scores, never [Q, D]."""
     docs = doc_weights if isinstance(doc_weights, SparseVectors) else SparseVectors([doc_weights.tocsr()], doc_ids)
+    scores, rows = sparse_top_k(docs, query_weights, k)
+    return {qid: {doc_ids[r]: float(s) for r, s in zip(row, score) if r >= 0}
+            for qid, row, score in zip(query_ids, rows.tolist(), scores.tolist())}
+
+
+def sparse_top_k(docs: SparseVectors, query_weights, k: int) -> TopK:
+    """sparse_search's (scores, global rows) of each query's top min(k, documents); a query sharing a term with
+    fewer documents keeps -inf / -1 in the places left."""
     queries = query_weights.tocsr()
     k = min(k, len(docs))
     best_scores = np.full((queries.shape[0], k), -np.inf, dtype=np.float32)
@@ -220,8 +228,7 @@ def sparse_search(doc_weights, doc_ids: list[str], query_weights, query_ids: lis
             part_rows = slice(first, first + batch)
             best_scores[part_rows], best_rows[part_rows] = _merge((best_scores[part_rows], best_rows[part_rows]),
                                                                   found, k)
-    return {qid: {doc_ids[r]: float(s) for r, s in zip(row, score) if r >= 0}
-            for qid, row, score in zip(query_ids, best_rows.tolist(), best_scores.tolist())}
+    return best_scores, best_rows
 
 
 def hybrid_search(dense_docs: np.ndarray, dense_queries: np.ndarray, sparse_docs, sparse_queries,

@@ -2,7 +2,8 @@
 `pretrieve teacher-scores`: cross-encoder soft labels for stage 3 (eq. 15).
 
 Mining encodes the corpus and the training queries with the stage-1 model, searches (eval.search; with pooling
-`dupmae`: eq. 12 through eval.evaluate's vocabulary search, as `pretrieve eval` does), removes each query's
+`dupmae`: eq. 12 through eval.evaluate's vocabulary search, as `pretrieve eval` does; with `sparse`: the
+SPLADE vectors through inverted indexes, the corpus streamed as for dense vectors), removes each query's
 positives from its ranking, leaves out the top `skip` ranks (likely unjudged positives), and samples
 `negatives` of the remaining results down to rank `depth` (CoT-MoTE: 15 negatives from depth 200), from a
 generator seeded by (seed, the query's place in the data). The corpus is the set's corpus for MS MARCO / BEIR
@@ -100,7 +101,8 @@ def mine(opts: MineOptions) -> dict:
     k = opts.depth + max(map(len, source.positives), default=0)  # over all queries: every worker searches as deep
     short = None
     if not (opts.workers > 1 and part.is_file()):  # a part written before a worker was stopped stands
-        rank = _vocab_ranking if encoding.pooling in VOCAB_POOLINGS else _dense_ranking
+        rank = _sparse_ranking if encoding.pooling == "sparse" else \
+            _vocab_ranking if encoding.pooling in VOCAB_POOLINGS else _dense_ranking
         short = _write_negatives(opts, source, rank(opts, encoding, source, lo, hi, k), lo, hi, part)
     return {"out": opts.out, "queries": hi - lo, "corpus": len(source.doc_ids), "pooling": encoding.pooling,
             "normalize": encoding.normalize, "queries_with_fewer_negatives": short,
@@ -162,8 +164,27 @@ def _dense_ranking(opts: MineOptions, encoding, source: MiningData, lo: int, hi:
     return lambda i: [source.doc_ids[r] for r in rows[i - lo].tolist() if r >= 0]
 
 
+def _sparse_ranking(opts: MineOptions, encoding, source: MiningData, lo: int, hi: int, k: int) -> Ranking:
+    """As _dense_ranking, by SPLADE vectors: the corpus streamed through the encoder part by part and searched
+    through each part's inverted index (eval.sparse_vectors, eval.search.sparse_top_k), its texts never held."""
+    from dataclasses import replace
+
+    from pretrieve.eval.encode import EncodeOptions, VocabEncoder
+    from pretrieve.eval.search import sparse_top_k
+    from pretrieve.eval.sparse_vectors import encode_sparse_corpus
+    from pretrieve.eval.vectors import check_same_documents
+
+    encoder = VocabEncoder(opts.model, EncodeOptions(encoding.pooling, encoding.max_length, opts.batch_size))
+    docs = encode_sparse_corpus(encoder, source.documents(), progress=opts.progress)
+    check_same_documents(opts.beir or opts.msmarco or "the training data", docs.ids, source.doc_ids)
+    encoder.options = replace(encoder.options, max_length=opts.query_max_length)
+    _, queries = encoder.encode(source.queries, documents=False, desc="encode queries", progress=opts.progress)
+    _, rows = sparse_top_k(docs, queries[lo:hi], k)
+    return lambda i: [source.doc_ids[r] for r in rows[i - lo].tolist() if r >= 0]
+
+
 def _vocab_ranking(opts: MineOptions, encoding, source: MiningData, lo: int, hi: int, k: int) -> Ranking:
-    """As _dense_ranking, by DupMAE's eq. (12) (or sparse / hybrid); the corpus's texts are held to encode them."""
+    """As _dense_ranking, by DupMAE's eq. (12) (or hybrid); the corpus's texts are held to encode them."""
     from dataclasses import replace
 
     from pretrieve.eval.encode import EncodeOptions, VocabEncoder

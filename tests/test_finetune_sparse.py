@@ -141,6 +141,9 @@ def test_a_lexmae_export_fine_tuned_sparse_is_evaluated_and_mined_sparse(tmp_pat
     meta = json.loads((export / "pretrieve_finetune.json").read_text())
     assert meta["pooling"] == "sparse" and meta["flops"] == {"query": 0.001, "passage": 0.002}
     assert not (export / "modules.json").exists()
+    card = (export / "README.md").read_text()  # the model card says what it is and how to use it
+    assert "A learned sparse retriever" in card and "pipeline_tag: feature-extraction" in card
+    assert f"pretrieve eval --model {export}" in card and "AutoModelForSequenceClassification" not in card
 
     data = load_beir(SAMPLES / "beir" / "scifact-sample")
     query_ids = list(data.queries)[:4]

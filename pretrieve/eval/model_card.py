@@ -80,9 +80,10 @@ def model_card(model_dir: Path, run_dir: Path, tag: str | None = None, evaluatio
     facts = _finetuning_facts(files, config) if "finetune" in config else _pretraining_facts(files, config)
     name = run_dir.name
     st = read_st_config(files)
+    sparse = _read_json(files / FINETUNE_META).get("pooling") == "sparse"
     own = [e for e in evaluations if e["this_model"]]
     meta = {"library_name": "sentence-transformers" if st else "transformers",
-            "pipeline_tag": "sentence-similarity" if st else "text-classification",
+            "pipeline_tag": "sentence-similarity" if st else "feature-extraction" if sparse else "text-classification",
             "tags": [*(["sentence-transformers", "feature-extraction", "sentence-similarity"] if st else []),
                      "pretrieve", facts["tag"]],
             **({"base_model": facts["base_model"]} if facts["base_model"] else {}),
@@ -93,7 +94,8 @@ def model_card(model_dir: Path, run_dir: Path, tag: str | None = None, evaluatio
     training = ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in _training_rows(run_dir, files, raw, tag, facts)),
                 "", f"{facts['options_title']}:", "", "```yaml",
                 yaml.safe_dump(facts["options"], sort_keys=False).rstrip(), "```"]
-    lines = [*header, "", f"# {name}", "", facts["summary"], "", "## Use", "", *_usage(model_dir, files, st), "",
+    lines = [*header, "", f"# {name}", "", facts["summary"], "", "## Use", "",
+             *(_sparse_usage(model_dir) if sparse else _usage(model_dir, files, st)), "",
              "## Training", "", *training, "", "## Evaluation", "", *_evaluation_lines(evaluations, run_dir)]
     return "\n".join(lines) + "\n"
 
@@ -157,6 +159,11 @@ def _finetuning_facts(model_dir: Path, config: dict) -> dict:
         pooling = meta.get("pooling", options.get("pooling"))
         norm = "normalised (cosine)" if meta.get("normalize") else "not normalised (inner product)"
         summary = f"A dense retriever fine-tuned by pretrieve ({meta.get('loss')} loss): {pooling} pooling, {norm}."
+        if pooling == "sparse":
+            weights = meta.get("flops", {})
+            summary = (f"A learned sparse retriever fine-tuned by pretrieve ({meta.get('loss')} loss): SPLADE vectors "
+                       "over the vocabulary through its MLM head, trained with the FLOPS regulariser (queries "
+                       f"{weights.get('query')}, passages {weights.get('passage')}).")
         if pooling == "dupmae":
             summary += (" It scores with DupMAE's joint representation (eq. 12): sentence-transformers gets the "
                         "dense part only (the [CLS] vector through the learned W^cls), `pretrieve eval` both.")
@@ -166,6 +173,15 @@ def _finetuning_facts(model_dir: Path, config: dict) -> dict:
             "method": f"fine-tuning, {meta.get('loss', options.get('loss'))} loss from {options.get('init_from')}",
             "options_title": "Fine-tuning options", "options": options, "data": ", ".join(data),
             "samples": "queries (each with its passages)"}
+
+
+def _sparse_usage(model_dir: Path) -> list[str]:
+    return ["```bash", f"pretrieve eval --model {model_dir} --beir DIR --out OUT",
+            f"pretrieve mine --model {model_dir} --msmarco DIR --out hard.jsonl", "```", "",
+            "pretrieve reads pooling sparse from `pretrieve_finetune.json` and searches through an inverted index. "
+            "The directory has no sentence-transformers files: the HF weights hold the backbone, and the MLM head "
+            "the vectors come from is in `pretrieve_head.safetensors` (`pretrieve.models.encoder.load_encoder` "
+            "reads both)."]
 
 
 def _usage(model_dir: Path, files: Path, st) -> list[str]:

@@ -120,7 +120,6 @@ class DualEncoder(nn.Module):
         accuracy = (scores.argmax(dim=-1) == target).float().mean()
         return {"loss": loss, "accuracy": accuracy.detach()}
 
-
     def with_flops(self, out: dict[str, torch.Tensor], q: torch.Tensor, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """`out` with the FLOPS regulariser of this rank's queries and passages added to its loss (per device, as
         SPLADE's and LexMAE's released code do), and the sparsity logged."""

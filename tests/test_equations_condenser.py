@@ -1,12 +1,13 @@
-"""Condenser (arXiv 2104.08253 §3) and coCondenser (arXiv 2108.05540 §3) written out in plain torch against the
-`condenser` and `cocondenser` heads and the span collator. Neither paper's method section could be read here, so
-no equation numbers are cited (section numbers unchecked); the losses are those of docs/methods.md, which the
-released code matches.
+"""Condenser (arXiv 2104.08253 §3.3-3.4, eqs. 6-11) and coCondenser (arXiv 2108.05540 §3.2-3.3, eqs. 6-7, 9,
+11-12) written out in plain torch against the `condenser` and `cocondenser` heads and the span collator. Where the
+code follows the released code instead of the paper (token means for the MLM terms, the late MLM term in
+coCondenser's total), the tests check docs/methods.md's loss, which the released code matches.
 
 The encoder is BERT computed layer by layer from its weights (tests/paper_math.py): the embeddings, the early states
-after `skip_from` layers and the late ones after all, the head's layers over [h^late_cls; h^early], the MLM head by
-hand; the span contrastive loss L^co as a loop over the spans and their candidates; GradCache and two gloo ranks
-against one process over the same spans.
+after `skip_from` layers (eq. 6) and the late ones after all (eq. 7), the head's layers over [h^late_cls; h^early]
+(eq. 8), the MLM head by hand (eqs. 9-10); the span contrastive loss L^co (eq. 6 of coCondenser) as a loop over the
+spans and their candidates; GradCache (coCondenser's eqs. 9, 11-12) and two gloo ranks against one process over the
+same spans.
 """
 
 import math
@@ -30,7 +31,8 @@ def build(method, samples, vocab, **overrides):
 
 
 def condenser_by_hand(head, batch, skip_from):
-    """Condenser's forward and MLM losses: (the late states, L_mlm of the head, L_mlm of the late states)."""
+    """Condenser's forward (eqs. 6-8) and MLM losses: (the late states, L_mlm of the head (eq. 9), L^c_mlm of the
+    late states (eq. 10)), each a token mean."""
     encoder, heads = head.encoder, head.encoder.config.num_attention_heads
     visible = key_padding(batch["attention_mask"])
     h = embed(encoder, batch["input_ids"])  # embeddings
@@ -48,12 +50,14 @@ def condenser_by_hand(head, batch, skip_from):
 
 @pytest.mark.parametrize("skip_from", [1, 2])
 def test_condenser_loss_by_hand(skip_from, wiki_samples, vocab):
+    """Condenser's L = L_mlm + L^c_mlm (eq. 11): the head over [h^late_cls; h^early] (eqs. 6-8) and its MLM loss
+    (eq. 9), the late states' MLM loss (eq. 10), token means as the released code's."""
     head, batch = build("condenser", wiki_samples[:4], vocab, skip_from=skip_from)
     _, head_loss, late_loss = condenser_by_hand(head, batch, skip_from)
     out = head(batch)
-    assert out["head"].item() == pytest.approx(head_loss.item(), rel=1e-10)
-    assert out["mlm"].item() == pytest.approx(late_loss.item(), rel=1e-10)
-    assert out["loss"].item() == pytest.approx((head_loss + late_loss).item(), rel=1e-10)
+    assert out["head"].item() == pytest.approx(head_loss.item(), rel=1e-10)  # eq. 9
+    assert out["mlm"].item() == pytest.approx(late_loss.item(), rel=1e-10)  # eq. 10
+    assert out["loss"].item() == pytest.approx((head_loss + late_loss).item(), rel=1e-10)  # eq. 11
 
 
 def test_skip_from_defaults_to_half_the_layers_and_is_checked(vocab, wiki_samples):
@@ -66,7 +70,8 @@ def test_skip_from_defaults_to_half_the_layers_and_is_checked(vocab, wiki_sample
 
 
 def span_contrastive_by_loops(reps, pad):
-    """L^co for every real span ij: -log exp(<h_ij, h_ij'>) / sum_{kl != ij, kl real} exp(<h_ij, h_kl>)."""
+    """coCondenser's eq. 6 for every real span ij:
+    -log exp(<h_ij, h_ij'>) / sum_{kl != ij, kl real} exp(<h_ij, h_kl>)."""
     losses = []
     for a in range(len(reps)):
         if pad[a]:
@@ -78,6 +83,7 @@ def span_contrastive_by_loops(reps, pad):
 
 
 def test_span_contrastive_loss_by_loops():
+    """coCondenser's L^co_ij (eq. 6) summed over a batch's real spans, and over one rank's rows of it."""
     torch.manual_seed(0)
     reps = torch.randn(10, 6, dtype=torch.float64)
     pad = torch.tensor([False] * 8 + [True] * 2)  # a stream pad sample's two spans
@@ -88,6 +94,8 @@ def test_span_contrastive_loss_by_loops():
 
 
 def test_cocondenser_total_loss_by_hand(wiki_samples, vocab):
+    """coCondenser's total: the mean of eq. 6 over the real spans (eq. 7's 1/2n) plus the head's (eq. 5) and the
+    late layers' (Condenser's eq. 10) MLM losses as token means, the released code's form of eq. 7."""
     samples = wiki_samples[:4] + [dict(wiki_samples[4], pad=True)]
     head, batch = build("cocondenser", samples, vocab, grad_cache="null")
     late, head_loss, late_loss = condenser_by_hand(head, batch, 1)
@@ -127,8 +135,9 @@ def test_span_collator_cuts_two_disjoint_spans_of_each_block(wiki_samples, vocab
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_grad_cache_gives_the_one_graph_loss_and_gradients(dropout, wiki_samples, vocab):
-    """GradCache in chunks of 3 spans equals the same chunks under one graph (dropout masks drawn per chunk);
-    without dropout it also equals one pass over the whole batch: the MLM terms are normalised once."""
+    """GradCache (coCondenser §3.3: v_ij = dL^co/dh_ij cached, eq. 9; each chunk back-propagated with it, eqs.
+    11-12) in chunks of 3 spans equals the same chunks under one graph (dropout masks drawn per chunk); without
+    dropout it also equals one pass over the whole batch: the MLM terms are normalised once."""
     results = {}
     for variant in ("whole", "one graph", "cache"):
         spec, options, model = tiny("cocondenser", grad_cache="null" if variant == "whole" else "{chunk: 3}")
@@ -166,8 +175,9 @@ def _two_ranks(rank, port, reps, pad, results):
 
 
 def test_cross_rank_negatives_are_the_one_process_batch():
-    """Two gloo ranks of two documents (four spans) each, gathered: the ranks' sums add up to the one-process
-    sum over all eight spans, and each rank's gradients are that sum's for its own spans."""
+    """Two gloo ranks of two documents (four spans) each, gathered: the ranks' sums of eq. 6 add up to the
+    one-process sum over all eight spans (every other span of the global batch a candidate), and each rank's
+    gradients are that sum's for its own spans."""
     import torch.multiprocessing as mp
 
     torch.manual_seed(2)

@@ -1,20 +1,21 @@
-"""`cocondenser`: coCondenser (Gao & Callan 2022, arXiv 2108.05540 §3.2-3.3): Condenser (heads/condenser.py)
-plus a corpus-aware contrastive loss over the [CLS] states of two spans of each document. The paper's method
-section could not be read here: no equation numbers are cited, and the section numbers are not checked against the
-text; the loss is checked against the released code (docs/methods.md).
+"""`cocondenser`: coCondenser (Gao & Callan, ACL 2022, arXiv 2108.05540 §3.1-3.3, eqs. 1-7, 9, 11-12): Condenser
+(heads/condenser.py; §3.1, eqs. 1-5) plus a corpus-aware contrastive loss over the [CLS] states of two spans of
+each document (§3.2).
 
 For the n documents of the global batch, each with spans s_i1 and s_i2 and late [CLS] states h_ij, the contrastive
-loss:
+loss (eq. 6):
 L^co_ij = -log( exp(<h_ij, h_ij'>) / sum_{k, l: kl != ij} exp(<h_ij, h_kl>) ), j' the document's other span; the
 candidates are every span of every rank (gathered in rank order, with gradients; models/infonce.py) but h_ij
-itself and the stream pad samples' spans. The total loss adds the Condenser MLM losses, token means over the
-masked positions of every span, and the mean of L^co over the spans.
+itself and the stream pad samples' spans. Eq. 7 averages the head's MLM loss and L^co over the 2n spans,
+L = 1/(2n) sum_ij [L^mlm_ij + L^co_ij]; here the mean of L^co over the spans is added to Condenser's two MLM
+losses, the head's and the late layers' (Condenser's eq. 10, which eq. 7 leaves out), each a token mean over the
+masked positions of every span: the released code's loss (docs/methods.md).
 
 GradCache (§3.3; models/grad_cache.py), `grad_cache: {chunk: N}`: the 2B spans are encoded N at a time without a
-graph, the contrastive loss's gradient with respect to their [CLS] states is taken on the whole (global) batch,
-and each chunk is encoded again and back-propagated with its slice of it. The chunk's MLM losses travel with its
-[CLS] states as two more columns (their sums over the chunk's masked tokens, on its first row), so the MLM terms
-are normalised once, by the micro-batch's masked tokens, whatever the chunk.
+graph, the contrastive loss's gradient with respect to their [CLS] states (v_ij, eq. 9) is taken on the whole
+(global) batch, and each chunk is encoded again and back-propagated with its slice of it (eqs. 11-12). The chunk's
+MLM losses travel with its [CLS] states as two more columns (their sums over the chunk's masked tokens, on its
+first row), so the MLM terms are normalised once, by the micro-batch's masked tokens, whatever the chunk.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class CoCondenserOptions(MethodOptions):
     skip_from: int | None = option(None, at_least=1)  # as condenser's: None, half the encoder's layers
     head_layers: int = option(2, at_least=1)
     cross_device: bool = True  # every rank's spans are candidates (the released code gathers them)
-    grad_cache: dict | None = None  # {chunk: N}: GradCache over the micro-batch's 2B spans (§3.3)
+    grad_cache: dict | None = None  # {chunk: N}: GradCache over the micro-batch's 2B spans (§3.3, eqs. 9-12)
     texts_per_sample: ClassVar[int] = 2  # two spans of each block: a GradCache chunk must split 2B texts
 
     def __post_init__(self):
@@ -48,7 +49,7 @@ class CoCondenserOptions(MethodOptions):
 
 
 def span_contrastive_loss(reps: torch.Tensor, pad: torch.Tensor, first: int, rows: int) -> torch.Tensor:
-    """Sum of the span contrastive loss L^co over the anchors reps[first : first + rows] that are real spans;
+    """Sum of the span contrastive loss L^co (eq. 6) over the anchors reps[first : first + rows] that are real spans;
     `reps` [N, d] holds every candidate span, documents in pairs (2i, 2i + 1), `pad` [N] the stream pad samples'
     spans (no anchors, no candidates)."""
     anchors = torch.arange(first, first + rows, device=reps.device)
@@ -62,7 +63,7 @@ def span_contrastive_loss(reps: torch.Tensor, pad: torch.Tensor, first: int, row
 
 
 class CoCondenserHead(CondenserHead):
-    """L = L_mlm(head) + L_mlm(late) + L_co, see the module docstring."""
+    """L = L_mlm(head) + L_mlm(late) + L_co (eq. 7 with Condenser's eq. 10), see the module docstring."""
 
     def __init__(self, encoder, options):
         super().__init__(encoder, options)
@@ -85,10 +86,11 @@ class CoCondenserHead(CondenserHead):
         labels = batch["mlm_labels"]
         params = [p for p in self.parameters() if p.requires_grad]
         group = (batch["input_ids"], batch["attention_mask"], labels)
+        # with a chunk, GradCache: v_ij (eq. 9) cached, each chunk back-propagated again with it (eqs. 11-12)
         (out,) = encode_in_chunks(self.encode, [group], self.chunk, params, cache=self.grad_cache)
         reps, sums = out[:, :-2], out[:, -2:].sum(dim=0)
         masked = (labels != -100).sum().clamp(min=1)
-        head, mlm = sums[0] / masked, sums[1] / masked
+        head, mlm = sums[0] / masked, sums[1] / masked  # token means, where eq. 7 averages per-span sums
         pad = batch["pad"].bool()
         all_reps, first = gather_candidates(reps, self.options.cross_device)
         all_pad, _ = gather_candidates(pad, self.options.cross_device)
@@ -98,6 +100,7 @@ class CoCondenserHead(CondenserHead):
         rank_count = world()[1]
         if rank_count > 1 and not self.options.cross_device:
             torch.distributed.all_reduce(spans)
+        # the mean of eq. 6 over the global batch's spans; the loss is eq. 7's sum with the late MLM term added
         co = span_contrastive_loss(all_reps, all_pad, first, len(reps)) * rank_count / spans.clamp(min=1)
         return {"loss": head + mlm + co, "mlm": mlm.detach(), "head": head.detach(), "co": co.detach()}
 

@@ -1,14 +1,16 @@
-"""`condenser`: Condenser (Gao & Callan 2021, arXiv 2104.08253 §3; restated in coCondenser, arXiv 2108.05540 §3.1).
-Neither paper's method section could be read here: no equation numbers are cited, and the section numbers are not
-checked against the text; the loss is checked against the released code (docs/methods.md).
+"""`condenser`: Condenser (Gao & Callan, EMNLP 2021, arXiv 2104.08253 §3.3-3.4, eqs. 6-11; restated in
+coCondenser, arXiv 2108.05540 §3.1, eqs. 1-5).
 
-The encoder's layers split into early and late ones: h^early after the first `skip_from`, h^late after
-all of them. The Condenser head, `head_layers` layers of the encoder's family, reads the late [CLS] state with the
-early token states, [h^late_cls; h^early], and predicts the masked tokens from its output through the
-encoder's MLM head. Its MLM loss is added to the backbone's own MLM loss on h^late (the released code's
-`late_mlm`), so the late layers keep learning language while the head pulls the text's information into the [CLS]
-state. Only the encoder is exported; the head is dropped for fine-tuning (its weights stay in
-pretrieve_head.safetensors for further pre-training).
+The encoder's layers split into early and late ones: h^early after the first `skip_from` (eq. 6), h^late after
+all of them (eq. 7). The Condenser head, `head_layers` layers of the encoder's family, reads the late [CLS] state
+with the early token states, [h^cd_cls; h^cd] = Head([h^late_cls; h^early]) (eq. 8), and predicts the masked
+tokens from its output through the encoder's MLM head (L_mlm, eq. 9). The backbone's own MLM loss on h^late
+(L^c_mlm, eq. 10: §3.4's constraint for a head started from scratch on a warm-started backbone; the released
+code's `late_mlm`) is added, L = L_mlm + L^c_mlm (eq. 11), so the late layers keep learning language while the
+head pulls the text's information into the [CLS] state. Eqs. 9-10 sum cross-entropies over the masked tokens;
+both terms here are token means, as the released code's cross-entropies (docs/methods.md). Only the encoder is
+exported; the head is dropped for fine-tuning (its weights stay in pretrieve_head.safetensors for further
+pre-training).
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from pretrieve.models.heads.registry import MethodOptions, option, register_meth
 class CondenserOptions(MethodOptions):
     max_len: int = option(512, at_least=3, why="[CLS], a token, [SEP]")
     mlm_ratio: float = option(0.15, above=0, at_most=1)  # the released collator's mlm_probability
-    # the early layers whose token states the head reads (released: --skip_from 6 of BERT-base's 12); None: half
-    # the encoder's layers
+    # the early layers whose token states the head reads (§4.1: 6 early and 6 late of BERT-base's 12; released:
+    # --skip_from 6); None: half the encoder's layers
     skip_from: int | None = option(None, at_least=1)
-    head_layers: int = option(2, at_least=1)  # released: --n_head_layers 2
+    head_layers: int = option(2, at_least=1)  # §4.1's 2 head layers; released: --n_head_layers 2
 
 
 def early_layer(options, encoder) -> int:
@@ -45,9 +47,10 @@ def early_layer(options, encoder) -> int:
 
 
 class CondenserHead(PretrainingHead):
-    """L = L_mlm(head) + L_mlm(late): the Condenser head's MLM loss on
-    [h^cd_cls; h^cd] = Head([h^late_cls; h^early]), plus the backbone's MLM loss on h^late; both are
-    token means over the masked positions, as the released code's two cross-entropies."""
+    """L = L_mlm + L^c_mlm (eq. 11): the Condenser head's MLM loss (eq. 9) on
+    [h^cd_cls; h^cd] = Head([h^late_cls; h^early]) (eq. 8), plus the backbone's MLM loss on h^late (eq. 10); both
+    are token means over the masked positions, as the released code's two cross-entropies (the paper's are
+    sums)."""
 
     def __init__(self, encoder, options):
         super().__init__(encoder, options)
@@ -56,17 +59,17 @@ class CondenserHead(PretrainingHead):
 
     def condense(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(h^late [B, L, d], the head's output [B, L, d]): the early/late split and the head on one encoder pass."""
-        late, early = self.encoder.forward_with_early(input_ids, attention_mask, self.skip_from)
-        states = torch.cat([late[:, :1], early[:, 1:]], dim=1)
+        late, early = self.encoder.forward_with_early(input_ids, attention_mask, self.skip_from)  # eqs. 6-7
+        states = torch.cat([late[:, :1], early[:, 1:]], dim=1)  # [h^late_cls; h^early], eq. 8's input
         width = attention_mask.shape[1]
         visible = attention_mask.bool()[:, None, :].expand(-1, width, -1)  # padding hidden, as in the encoder
-        return late, self.head(states, None, masked_attention(visible))
+        return late, self.head(states, None, masked_attention(visible))  # eq. 8
 
     def forward(self, batch):
         late, condensed = self.condense(batch["input_ids"], batch["attention_mask"])
-        head = self.encoder.token_loss(condensed, batch["mlm_labels"])
-        mlm = self.encoder.token_loss(late, batch["mlm_labels"])
-        return {"loss": head + mlm, "mlm": mlm.detach(), "head": head.detach()}
+        head = self.encoder.token_loss(condensed, batch["mlm_labels"])  # L_mlm, eq. 9 (a token mean)
+        mlm = self.encoder.token_loss(late, batch["mlm_labels"])  # L^c_mlm, eq. 10 (a token mean)
+        return {"loss": head + mlm, "mlm": mlm.detach(), "head": head.detach()}  # L, eq. 11
 
 
 def condenser_flops(options, config, batch: dict[str, torch.Tensor]) -> int:

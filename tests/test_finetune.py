@@ -504,7 +504,8 @@ def test_finetune_stages_runs_each_fine_tuning_over_nproc_ranks(tmp_path, tokeni
     options = StagesOptions(model=str(tmp_path / "bert"), out=str(tmp_path / "chain"), up_to="stage1",
                             config=str(Path(__file__).parent.parent / "configs" / "finetune" / "tiny.yaml"),
                             data=[str(FLAG)], nproc=2,
-                            overrides=["train.micro_batch_size=2", "train.max_steps=6", "checkpoint.every=6"])
+                            # steps enough that the signal lands before the last on a loaded machine
+                            overrides=["train.micro_batch_size=2", "train.max_steps=24", "checkpoint.every=24"])
     with pytest.raises(ConfigError, match="train.micro_batch_size"):
         run_stages(StagesOptions(**{**options.__dict__, "overrides": ["train.micro_batch_size=0"]}))
 
@@ -517,10 +518,10 @@ def test_finetune_stages_runs_each_fine_tuning_over_nproc_ranks(tmp_path, tokeni
     with pytest.raises(Preempted):
         run_stages(options)
     stopped = int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step"))
-    assert 1 <= stopped < 6 and not (run_dir / "export").exists()
+    assert 1 <= stopped < 24 and not (run_dir / "export").exists()
     assert run_stages(options) == {"stage1": str(run_dir / "export")}
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 7))  # resumed after the preemption checkpoint
+    assert [r["step"] for r in records] == list(range(1, 25))  # resumed after the preemption checkpoint
     assert records[0]["loss"] == pytest.approx(math.log(4), abs=0.02)
 
 

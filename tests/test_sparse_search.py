@@ -84,6 +84,9 @@ def test_a_streamed_corpus_is_encoded_as_the_whole_list_and_eval_holds_no_texts(
     result = run_eval(EvalOptions(out=str(tmp_path / "eval"), model=str(model), beir=str(mini), pooling="sparse",
                                   max_length=48, batch_size=4, vocab_top_k=40, depth=10, progress=False))
     assert result["retriever"] == "sparse" and not any(kw.get("texts") for kw in asked)
+    with pytest.raises(ValueError, match="--embeddings: vectors of a cls, mean or last encoder"):  # not ignored
+        run_eval(EvalOptions(out=str(tmp_path / "refused"), model=str(model), beir=str(mini), pooling="sparse",
+                             embeddings=str(tmp_path / "vectors"), progress=False))
     _, queries = encoder.encode([data.queries[q] for q in query_ids], documents=False, progress=False)
     expected = sparse_search(whole, streamed.ids, queries, query_ids, k=10)
     lines = [line.split() for line in (tmp_path / "eval" / "run.trec").read_text().splitlines()]

@@ -8,11 +8,12 @@ entropy against K fixed sampled negatives (eval.contrastive, Fang et al. 2024; d
 metrics"), computed on the vectors the search used.
 
 Dense and sparse retrieval and BM25 never hold the corpus's texts, and the corpus is read once: streamed through
-the encoder (eval.vectors.encode_corpus, eval.sparse_vectors.encode_sparse_corpus; vectors in memory) and, with `bm25`, through BM25's index writer at the same
-time (eval.bm25: an index on disk in OUT[/bm25]/bm25-index while the evaluation runs, searched memory-mapped),
-the set's document ids taken from that stream. With `embeddings` and no `bm25` only the ids are read:
-`pretrieve encode`'s shards are memory-mapped and searched block by block. The hybrid and dupmae poolings hold
-the texts (their candidates need the dense and sparse halves at once), and BM25 beside them indexes those. An approximate `index`
+the encoder (eval.vectors.encode_corpus, eval.sparse_vectors.encode_sparse_corpus; vectors in memory) and, with
+`bm25`, through BM25's index writer at the same time (eval.bm25: an index on disk in OUT[/bm25]/bm25-index while
+the evaluation runs, searched memory-mapped), the set's document ids taken from that stream. With `embeddings`
+(dense poolings only) and no `bm25` only the ids are read: `pretrieve encode`'s shards are memory-mapped and
+searched block by block. The hybrid and dupmae poolings hold the texts (their candidates need the dense and
+sparse halves at once), and BM25 beside them indexes those. An approximate `index`
 (ivf, ivfpq, hnsw) adds `index_recall@<depth>` to metrics.json: the share of the exact top `depth` it found,
 over up to RECALL_QUERIES of the queries (evenly spaced) searched again with `flat`. `dim` searches a dense
 model's vectors cut to their first N coordinates (a Matryoshka model's prefix, eval.encode), recorded in
@@ -69,6 +70,9 @@ def run_eval(opts: EvalOptions) -> dict:
         raise ValueError(f"--dim {opts.dim}: cuts a dense model's vectors to their first coordinates (Matryoshka); "
                          + ("give --model DIR" if opts.model is None else
                             f"pooling {opts.pooling} is not dense (give --pooling cls, mean or last)"))
+    if opts.embeddings and opts.pooling in VOCAB_POOLINGS:
+        raise ValueError(f"--embeddings: vectors of a cls, mean or last encoder (`pretrieve encode`); pooling "
+                         f"{opts.pooling} searches by vocabulary vectors, which eval computes itself: drop --embeddings")
     if opts.mteb is not None:
         return _mteb(opts, encoding)
     if opts.contrastive_entropy is not None:  # the settings now; K against the corpus once its size is known
@@ -119,8 +123,9 @@ def _mteb(opts: EvalOptions, encoding) -> dict:
 
 def read_set_once(opts: EvalOptions, bm25_index: IndexWriter | None = None):
     """(the retrieval set, the dense corpus vectors when they are encoded here, else None), reading the corpus
-    once: the texts held for sparse and hybrid poolings, else streamed through the dense encoder and `bm25_index`
-    (those that need it), the set's ids taken from the stream; only the ids when nothing needs the texts."""
+    once: the texts held for the hybrid and dupmae poolings, else streamed through the dense or sparse encoder and
+    `bm25_index` (those that need it), the set's ids taken from the stream; only the ids when nothing needs the
+    texts."""
     # sparse streams as dense does; hybrid and dupmae hold the texts (their candidates need both halves at once)
     held = opts.model is not None and opts.pooling in VOCAB_POOLINGS and opts.pooling != "sparse"
     encoder = None

@@ -222,8 +222,8 @@ def sparse_top_k(docs: SparseVectors, query_weights, k: int) -> TopK:
         inverted = part.T.tocsr()  # [V, n]: row t lists the part's documents holding term t
         batch = max(1, SCORE_FLOATS // max(1, part.shape[0]))
         for first in range(0, queries.shape[0], batch):
-            scores, rows = top_k_of_scores((queries[first:first + batch] @ inverted).toarray().astype(np.float32),
-                                           k)
+            scores, rows = top_k_of_scores((queries[first:first + batch] @ inverted).toarray().astype(
+                np.float32, copy=False), k)  # float32 rows already: no copy
             found = (np.where(scores > 0, scores, -np.inf), np.where(scores > 0, rows + start, -1))
             part_rows = slice(first, first + batch)
             best_scores[part_rows], best_rows[part_rows] = _merge((best_scores[part_rows], best_rows[part_rows]),

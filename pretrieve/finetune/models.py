@@ -54,12 +54,8 @@ class DualEncoder(nn.Module):
             raise ValueError(f"finetune.temperature: must be > 0, got {temperature}")
         if matryoshka is not None and joint is not None:
             raise ValueError("finetune.matryoshka_dims: pooling dupmae's eq. (12) vectors have no prefixes to train")
-        if pooling == "sparse" and normalize:
-            raise ValueError("finetune.normalize: pooling sparse scores SPLADE vectors by their inner product, as "
-                             "their inverted index does; leave normalize off")
-        if pooling == "sparse" and matryoshka is not None:
-            raise ValueError("finetune.matryoshka_dims: pooling sparse's vectors are the vocabulary's, whose "
-                             "prefixes are no representation; give a dense pooling (cls, mean, last)")
+        if pooling == "sparse" and sparse_problems(normalize, matryoshka is not None):
+            raise ValueError(sparse_problems(normalize, matryoshka is not None)[0])
         if pooling == "sparse" and any(line.startswith("MLM head") for line in encoder.load_report):
             raise ValueError("finetune.pooling: sparse scores through the model's MLM head, and init_from has none")
         if any(weight < 0 for weight in flops) or (pooling != "sparse" and any(flops)):
@@ -129,6 +125,14 @@ class DualEncoder(nn.Module):
                 "ranking_loss": ranking.detach(), "flops_query": query_flops.detach(),
                 "flops_passage": passage_flops.detach(), "query_terms": (q > 0).sum(dim=1).float().mean().detach(),
                 "passage_terms": (p > 0).sum(dim=1).float().mean().detach()}
+
+
+def sparse_problems(normalize: bool, matryoshka: bool) -> list[str]:
+    """What pooling sparse cannot train with, one message a setting (the model and the config check share them)."""
+    return [*(["finetune.normalize: pooling sparse scores SPLADE vectors by their inner product, as their inverted "
+               "index does; leave normalize off"] if normalize else []),
+            *(["finetune.matryoshka_dims: pooling sparse's vectors are the vocabulary's, whose prefixes are no "
+               "representation; give a dense pooling (cls, mean, last)"] if matryoshka else [])]
 
 
 def group_scores(q: torch.Tensor, p: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -200,7 +200,7 @@ def lora_of(options: FinetuneOptions):
 
 def _check_encoding(options: FinetuneOptions, problems: Problems) -> None:
     """Checks of the options as filled in from init_from (pooling, normalize, passage_max_len)."""
-    from pretrieve.finetune.models import DUAL_POOLINGS
+    from pretrieve.finetune.models import DUAL_POOLINGS, sparse_problems
 
     if options.passage_max_len < 3:
         problems.add(f"finetune.passage_max_len: must be >= 3, got {options.passage_max_len}")
@@ -211,12 +211,9 @@ def _check_encoding(options: FinetuneOptions, problems: Problems) -> None:
     if options.pooling == "dupmae" and options.matryoshka_dims is not None:
         problems.add("finetune.matryoshka_dims: pooling dupmae scores with eq. (12), dense and vocabulary parts "
                      "together, whose prefixes are no representation; give a dense pooling (cls, mean, last)")
-    if options.pooling == "sparse" and options.normalize:
-        problems.add("finetune.normalize: pooling sparse scores SPLADE vectors by their inner product, as their "
-                     "inverted index does; leave normalize off")
-    if options.pooling == "sparse" and options.matryoshka_dims is not None:
-        problems.add("finetune.matryoshka_dims: pooling sparse's vectors are the vocabulary's, whose prefixes are "
-                     "no representation; give a dense pooling (cls, mean, last)")
+    if options.pooling == "sparse":
+        for message in sparse_problems(bool(options.normalize), options.matryoshka_dims is not None):
+            problems.add(message)
     for key in ("flops_query", "flops_passage"):
         value = getattr(options, key)
         if value is not None and (options.pooling != "sparse" or options.model != "dual"):

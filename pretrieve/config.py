@@ -136,6 +136,8 @@ class TrainOptions:
     # torch.compile each encoder and decoder layer on its own (models/regional_compile.py): how a step runs, not
     # what the model is (the checkpoints and the export are the eager model's), hence train., beside the above
     compile: bool = False
+    # under bf16-autocast, the LayerNorms normalise in bf16 (models/low_precision_norm.py): how a step runs, as above
+    low_precision_norm: bool = False
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step on the CPU (zero_stage >= 1)
     offload_params: bool = False  # ZeRO-Infinity: the parameters too, fetched layer by layer (zero_stage 3)
     max_runtime: float | None = None  # seconds of wall clock; then checkpoint and exit 85, as on SIGTERM
@@ -542,6 +544,9 @@ def _check_train(train: TrainOptions, world_size: int, problems: Problems) -> No
         problems.add("train.compile: ZeRO 3 gathers each layer's parameters by hooks inside it, on which "
                      "torch.compile recompiles layer after layer until its limit, then runs them eager; use "
                      "train.zero_stage 0, 1 or 2")
+    if train.low_precision_norm and train.precision != "bf16-autocast":
+        problems.add(f"train.low_precision_norm: changes only a train.precision bf16-autocast run (its norms run in "
+                     f"fp32 there), not {train.precision}: set train.precision=bf16-autocast or remove it")
     if train.ds_config is not None and not Path(train.ds_config).is_file():
         problems.add(f"train.ds_config: {train.ds_config} not found")
 

@@ -20,6 +20,7 @@ from pretrieve.engine.tracking import run_tags
 from pretrieve.engine.train import TrainingJob, run_training
 from pretrieve.engine.validation import VALIDATION_SEED, Validation
 from pretrieve.models.lora import adapter_shape, trained_summary
+from pretrieve.models.low_precision_norm import lower_norm_precision
 from pretrieve.models.regional_compile import compile_layers
 from pretrieve.utils.run_dir import locate
 
@@ -43,6 +44,8 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
         head.encoder.config.to_json_file(exp.run_dir / ENCODER_CONFIG)
     if exp.train.activation_checkpointing:
         head.encoder.enable_activation_checkpointing()
+    if exp.train.low_precision_norm:  # before compiling: the compiled layers hold the swapped norms
+        lower_norm_precision(head)
     if exp.train.compile:
         compile_layers(head)
     adapters = adapter_shape(head.encoder.model)  # LoRA: FLOPs without the frozen weights' gradients

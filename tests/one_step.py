@@ -2,7 +2,7 @@
 launched by it), so DeepSpeed's import and process group are paid once. Prints one JSON line per run on rank 0:
 the step count, the first and last logged losses, and how many trainable encoder tensors the steps changed.
 
-    python tests/one_step.py OUT MANIFEST retromae,dupmae,finetune 0,2,3 [fp32|bf16]
+    python tests/one_step.py OUT MANIFEST retromae,dupmae,finetune 0,2,3 [fp32|bf16 [KEY=VALUE ...]]
 
 A stage that is not a number names a file of ds_configs/ (cpu_test, zero3_offload) to train with instead.
 `finetune` is stage 1 of fine-tuning (configs/finetune/tiny.yaml: in-batch negatives, gathered from every
@@ -26,7 +26,7 @@ CONFIGS = ROOT / "configs" / "pretrain"
 SCIFACT = ROOT / "pretrieve" / "assets" / "samples" / "beir" / "scifact-sample"
 
 
-def main(out: str, manifest: str, methods: str, stages: str, precision: str = "fp32") -> None:
+def main(out: str, manifest: str, methods: str, stages: str, precision: str = "fp32", *overrides: str) -> None:
     import os
 
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -37,7 +37,7 @@ def main(out: str, manifest: str, methods: str, stages: str, precision: str = "f
             common = [f"run_dir={run_dir}", "train.max_steps=3", "train.log_every=1", "train.micro_batch_size=4",
                       f"train.zero_stage={stage}" if ds is None else f"train.ds_config={ROOT / ds}",
                       "tracking.enabled=false", "train.warmup_ratio=0",  # the peak lr from step 1
-                      f"train.precision={precision}"]
+                      f"train.precision={precision}", *overrides]
             if method == "finetune":
                 initial = load_file(Path(os.environ["FINETUNE_INIT"]) / "model.safetensors")
                 config = load_config(ROOT / "configs" / "finetune" / "tiny.yaml", [

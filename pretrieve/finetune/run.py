@@ -38,6 +38,7 @@ from omegaconf import DictConfig
 from pretrieve.config import (RUN_KEYS, RUN_SECTIONS, CheckpointOptions, Problems, RunExperiment, TrainOptions,
                               resume_of, run_sections, section, unknown_top_level)
 from pretrieve.models.encoder import FINETUNE_META, checkpoint_activations
+from pretrieve.models.low_precision_norm import lower_norm_precision
 from pretrieve.models.regional_compile import compile_layers
 
 MODEL_CONFIG = "model_config.json"  # in the run directory: the architecture, for the export
@@ -305,6 +306,8 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
         tokenizer.save_pretrained(str(exp.run_dir / TOKENIZER))  # the export's, even if init_from moves
     if exp.train.activation_checkpointing:
         checkpoint_activations(module.encoder.model if o.model == "dual" else module.model)
+    if exp.train.low_precision_norm:  # before compiling: the compiled layers hold the swapped norms
+        lower_norm_precision(module)
     if exp.train.compile:
         compile_layers(module)
     loader_class = GroupLoader if o.model == "dual" else PairLoader

@@ -98,9 +98,12 @@ class _MaxPooledLinear(torch.autograd.Function):
         grad = grad.masked_fill(empty[:, None], 0.0)
         grad_x = torch.zeros_like(x)
         grad_weight = torch.zeros_like(weight)
+        # products in the weight's dtype: under autocast with bf16 states (train.low_precision_norm) x is bf16
+        # and the weight fp32
+        grad = grad.to(weight.dtype)
         for b in range(x.shape[0]):  # per text: O(vocab x hidden) memory, never batch x vocab x hidden
-            grad_x[b].index_add_(0, winner[b], grad[b, :, None] * weight)
-            grad_weight += grad[b, :, None] * x[b].index_select(0, winner[b])
+            grad_x[b].index_add_(0, winner[b], (grad[b, :, None] * weight).to(x.dtype))
+            grad_weight += grad[b, :, None] * x[b].index_select(0, winner[b]).to(weight.dtype)
         return grad_x, grad_weight, grad.sum(dim=0), None
 
 

@@ -8,6 +8,7 @@ kernels and their launches) is what to make faster.
 
 Variants, timed in turns (`--rounds`), each over `--steps` steps after `--warmup`, all in this process:
   autocast       fp32 weights and torch AdamW(fused), the step under bf16 autocast (what HF's Trainer does)
+  autocast-lpnorm  as autocast, the LayerNorms in bf16 (train.low_precision_norm)
   bf16           the weights in bf16, AdamW(fused) on them: no master copy (a floor, not a recipe)
   bf16-compile   as bf16, each layer compiled (train.compile's regional torch.compile)
 On CPU every variant runs in fp32 (autocast off), for the test. Per variant: median tokens/s, TFLOP/s and MFU by
@@ -29,7 +30,7 @@ import torch
 
 from pretrain_throughput import ROOT, SAMPLES, SIZES, append_record, engine_overrides, profiled
 
-VARIANTS = ("autocast", "bf16", "bf16-compile")
+VARIANTS = ("autocast", "autocast-lpnorm", "bf16", "bf16-compile")
 
 
 def batches(args, work: Path, overrides: list[str] = ()) -> tuple[torch.nn.Module, list[dict], int, float]:
@@ -61,15 +62,18 @@ def batches(args, work: Path, overrides: list[str] = ()) -> tuple[torch.nn.Modul
 
 def variant(name: str, head: torch.nn.Module, gpu: bool):
     """(module, optimizer, autocast context) of a variant, on its own copy of the head."""
+    from pretrieve.models.low_precision_norm import lower_norm_precision
     from pretrieve.models.regional_compile import compile_layers
 
     module = copy.deepcopy(head)
     if gpu and name.startswith("bf16"):
         module = module.to(torch.bfloat16)
+    if name == "autocast-lpnorm":
+        lower_norm_precision(module)
     if name == "bf16-compile":
         compile_layers(module)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=gpu and name == "autocast")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=gpu and name.startswith("autocast"))
     return module, optimizer, autocast
 
 

@@ -38,6 +38,9 @@ LADDER = (
     # step's ~3,900 kernel launches. Under autocast the module keeps fp32 weights and no wrapper is built: the bare
     # loop's autocast step ran 2x the engine's bf16 one (benchmarks/results/gpu-check/2026-11-28-h200-c)
     Rung("autocast", ("train.precision=bf16-autocast",)),
+    # autocast runs each LayerNorm in fp32, and with it the residual stream, its adds and dropouts: the bare loop
+    # under autocast ran 0.80x the same step with bf16 weights (step_floor.py, the third H200 job)
+    Rung("lp-norm", ("train.low_precision_norm=true",)),
     Rung("vocab-plain", ("model.vocab_loss=plain",)),  # bf16 F.linear + cross-entropy on the masked positions
     Rung("fused-adamw", ("train.optimizer=torch-fused",)),
     Rung("unpad", ("model.unpad=true",)),  # varlen attention, no compute on padding

@@ -36,20 +36,23 @@ def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     # 10 records, the summary and the logs: more than a job returns
     assert done.returncode == 1 and "12 files of the 8 a job returns: TOO MANY" in done.stdout
     # the methods added since the first ladder job: their ladder ends, coCondenser through GradCache
-    assert "--ladder --ends-only --no-peers --methods bow --skip batch-128 decoder-fused vocab-liger --out" in done.stdout
-    assert ("--ladder --ends-only --no-peers --methods cocondenser --skip batch-128 decoder-fused vocab-liger --set "
+    assert ("--ladder --ends-only --no-peers --methods bow --skip unpad batch-128 decoder-fused vocab-liger --out"
+            in done.stdout)
+    assert ("--ladder --ends-only --no-peers --methods cocondenser --skip unpad batch-128 decoder-fused vocab-liger --set "
             "method.grad_cache.chunk=16") in done.stdout
     assert "make gpu-bundle" in done.stdout  # no bundle: said, since the install then needs network
 
     # what a job runs unless told (DEFAULT_STAGES: the speed ladder's job) fits the default budget
     assert gpu_check.DEFAULT_STAGES == ("install", "floor", "mfu", "profile")
     default = _tool("--dry-run", "--bundle", str(tmp_path / "no-bundle"))
-    assert "--ladder --methods mlm retromae --skip batch-128 decoder-fused vocab-liger --out" in default.stdout
+    assert "--ladder --methods mlm retromae --skip unpad batch-128 decoder-fused vocab-liger --out" in default.stdout
     # the profile of the engine's step at batch 32 beside the floor's: the switches before unpadding and compile
     assert ("--rung fused-adamw --set model.vocab_loss=plain --set train.optimizer=torch-fused --set model.unpad=false "
-            "--set train.compile=false --set train.precision=bf16-autocast --batch 32 --profile") in default.stdout
+            "--set train.compile=false --set train.precision=bf16-autocast --set train.low_precision_norm=true "
+            "--batch 32 --profile") in default.stdout
     assert "benchmarks/step_floor.py --method mlm --size base --seq-len 512 --batch 32" in default.stdout
-    assert "--variants autocast bf16 --out" in default.stdout
+    assert "--variants autocast autocast-lpnorm bf16 --out" in default.stdout
+    assert "pytest -q -rs -p no:cacheprovider tests/test_sdpa_kernels_gpu.py" in default.stdout
     total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0")
                 if stage.name in gpu_check.DEFAULT_STAGES)
     assert default.returncode == 0 and f"estimated total {total} s of 540 s: fits" in default.stdout, default.stdout

@@ -29,10 +29,11 @@ def test_the_first_method_climbs_every_rung_with_the_switches_before_it():
     assert _settings(mlm[0][2]) == {"model.vocab_loss": "chunked", "train.optimizer": "deepspeed",
                                     "model.unpad": "false", "train.compile": "false"}
     # each rung keeps the ones before it; a key set again takes its new value, once
-    assert _settings(mlm[5][2]) == {"model.vocab_loss": "plain", "train.optimizer": "torch-fused",
-                                    "model.unpad": "true", "train.compile": "true", "train.precision": "bf16-autocast"}
+    assert _settings(mlm[6][2]) == {"model.vocab_loss": "plain", "train.optimizer": "torch-fused",
+                                    "model.unpad": "true", "train.compile": "true", "train.precision": "bf16-autocast",
+                                    "train.low_precision_norm": "true"}
     assert all(len(r[2]) == len(_settings(r[2])) for r in runs)
-    assert [r[3] for r in mlm] == [32, 32, 32, 32, 32, 32, 64, 128, 128]
+    assert [r[3] for r in mlm] == [32, 32, 32, 32, 32, 32, 32, 64, 128, 128]
     assert _settings(mlm[-1][2])["model.vocab_loss"] == "liger"
     retromae = [r for r in runs if r[0] == "retromae"]
     assert [r[1] for r in retromae] == ["baseline", "batch-128", "decoder-fused"]  # the ends, its alternative
@@ -142,3 +143,18 @@ def test_the_ladder_and_its_peers_run_at_the_tiny_size_on_cpu(tmp_path):
         assert r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0, r
         if "rung" in r and r.get("peer") is None:
             assert r["overrides"] == next(o for m, n, o, _ in runs if (m, n) == (r["method"], r["rung"]))
+
+
+def test_the_floor_runs_its_variants_at_the_tiny_size_on_cpu(tmp_path):
+    """benchmarks/step_floor.py, the GPU job's floor stage, as the job runs it (all but the compiled variant,
+    whose inductor build is tested in test_regional_compile.py): one record, each variant timed."""
+    out = tmp_path / "floor.json"
+    variants = ["autocast", "autocast-lpnorm", "bf16"]
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_floor.py"), "--size", "tiny", "--seq-len",
+                           "64", "--batch", "4", "--steps", "2", "--warmup", "1", "--rounds", "1", "--variants",
+                           *variants, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [record] = json.loads(out.read_text())
+    assert record["device"] == "cpu" and list(record["variants"]) == variants
+    for timing in record["variants"].values():
+        assert timing["tokens_per_s"] > 0 and 0 < timing["host_issue_share"] <= 1, timing

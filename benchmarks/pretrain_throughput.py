@@ -347,13 +347,17 @@ def last_set(overrides: list[str], key: str, default):
 
 
 def engine_overrides(args, shards: Path, tokenizer: str | None) -> list[str]:
-    """The config overrides of a benchmark run: --size's shape, the prepared `shards`, the length, batch and steps,
-    a log line every step, no checkpoint before the end, `args.precision`; `tokenizer` for a decoder LLM's shards."""
+    """The config overrides of a benchmark run: --size's shape, the prepared `shards`, the length, batch and steps
+    (then a stop, no export), a log line every step, no checkpoint before the end, `args.precision`; `tokenizer` for
+    a decoder LLM's shards."""
     return [f"model.{k}={v}" for k, v in SIZES[args.size].items()] + [
         *([f"data.tokenizer={tokenizer}"] if tokenizer else []), f"model.lora.r={args.lora}",
         f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
         f"data.manifests=[{shards / 'manifest.json'}]", "data.weights=null",
-        f"method.max_len={args.seq_len}", f"train.micro_batch_size={args.batch}", f"train.max_steps={args.steps}",
+        # ends at --steps with its checkpoint, not the export: the export (consolidating the weights and writing
+        # them, ~3 s at BERT-base) is no part of the speed, and a GPU job runs a dozen of these
+        f"method.max_len={args.seq_len}", f"train.micro_batch_size={args.batch}", f"train.max_steps={args.steps + 1}",
+        f"train.stop_at={args.steps}",
         "train.global_batch_size=null", "train.grad_accum=1", "train.log_every=1", "checkpoint.every=1000000",
         f"train.zero_stage={args.zero_stage}", f"train.precision={args.precision}",
         "tracking.enabled=false", "model.init_from=null"]

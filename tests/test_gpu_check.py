@@ -45,7 +45,8 @@ def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     # what a job runs unless told (DEFAULT_STAGES: the speed ladder's job) fits the default budget
     assert gpu_check.DEFAULT_STAGES == ("install", "floor", "mfu", "profile")
     default = _tool("--dry-run", "--bundle", str(tmp_path / "no-bundle"))
-    assert "--ladder --methods mlm retromae --skip unpad batch-128 decoder-fused vocab-liger --out" in default.stdout
+    assert ("--ladder --methods mlm retromae --skip unpad batch-128 decoder-fused vocab-liger --top-only retromae "
+            "--out") in default.stdout
     # the profile of the engine's step at batch 32 beside the floor's: the switches before unpadding and compile
     assert ("--rung fused-adamw --set model.vocab_loss=plain --set train.optimizer=torch-fused --set model.unpad=false "
             "--set train.compile=false --set train.precision=bf16-autocast --set train.low_precision_norm=true "

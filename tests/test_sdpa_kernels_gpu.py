@@ -10,6 +10,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conftest import tiny_head
+from test_unpadding_gpu import batch as padded_batch  # 8 texts of 20 to `width` tokens, padded
 from pretrieve.models.encoder import Encoder, ModelOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -24,14 +25,6 @@ def trained(module) -> bool:
     return bool(grads) and all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
-def padded_batch(rows: int = 8, width: int = 256):
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(32, width + 1, (rows,), generator=generator)
-    mask = (torch.arange(width)[None] < lengths[:, None]).long()
-    ids = torch.randint(5, 1000, (rows, width), generator=generator) * mask
-    return ids.cuda(), mask.cuda()
-
-
 @pytest.mark.parametrize("unpad", [False, True])
 @pytest.mark.parametrize("backbone", BACKBONES)
 def test_the_encoders_attention_trains_without_the_math_kernel(backbone, unpad):
@@ -41,7 +34,7 @@ def test_the_encoders_attention_trains_without_the_math_kernel(backbone, unpad):
     encoder = Encoder.build(ModelOptions(backbone=backbone, vocab_size=1000, hidden_size=128, num_layers=2,
                                          num_heads=2, intermediate_size=256, max_position_embeddings=512,
                                          dropout=0.1, pad_token_id=0, unpad=unpad)).cuda().train()
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(width=256)
     with sdpa_kernel(FUSED), torch.autocast("cuda", dtype=torch.bfloat16):
         states = encoder(ids, mask)
         states[mask.bool()].float().square().mean().backward()

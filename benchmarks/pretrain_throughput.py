@@ -355,7 +355,7 @@ def engine_overrides(args, shards: Path, tokenizer: str | None) -> list[str]:
         f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
         f"data.manifests=[{shards / 'manifest.json'}]", "data.weights=null",
         # ends at --steps with its checkpoint, not the export: the export (consolidating the weights and writing
-        # them, ~3 s at BERT-base) is no part of the speed, and a GPU job runs a dozen of these
+        # them, 2-3 s at BERT-base on CPU) is no part of the speed, and a GPU job runs a dozen of these
         f"method.max_len={args.seq_len}", f"train.micro_batch_size={args.batch}", f"train.max_steps={args.steps + 1}",
         f"train.stop_at={args.steps}",
         "train.global_batch_size=null", "train.grad_accum=1", "train.log_every=1", "checkpoint.every=1000000",

@@ -68,10 +68,11 @@ DEFAULT_STAGES = ("install", "floor", "mfu", "profile")
 # the ladder's rungs the profile stage profiles: every switch at batch 32 but unpadding and compile, as the floor
 PROFILED_RUNGS = ("fused-adamw",)
 # the ladder's BERT-base L512 runs (benchmarks/throughput_ladder.py): mlm climbs every rung, retromae takes the
-# top alone (its baseline ran in both H200 ladders: 93,102 and 108,514 tokens/s); the 128 micro-batch, Liger's loss (0.70x the plain loss at batch 64 on the H200) and the
-# fused decoder attention wait for a later job. Unpadding lost in both H200 ladders (-19 %, -16 %): the ladder's
-# batches are 7 % padding (Wikipedia at L512), and under BERT's attention dropout its attention goes back to padded
-# SDPA, so it pays the packing for little; left out, the compile rung also runs without it
+# top alone (its baseline ran in both H200 ladders: 93,102 and 108,514 tokens/s); the 128 micro-batch, Liger's
+# loss (0.70x the plain loss at batch 64 on the H200) and the fused decoder attention wait for a later job.
+# Unpadding lost in both H200 ladders (-19 %, -16 %): the ladder's batches are 7 % padding (Wikipedia at L512), and
+# under BERT's attention dropout its attention goes back to padded SDPA, so it pays the packing for little; left
+# out, the compile rung also runs without it
 LADDER_METHODS = ("mlm", "retromae")
 LADDER_SKIP = ("unpad", "batch-128", "decoder-fused", "vocab-liger")
 # methods added since: each at the ladder's baseline and top rungs in a stage of its own (the default job is full),
@@ -143,7 +144,7 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
                Command(pytest + ["tests/test_sdpa_kernels_gpu.py"])]),
         # each run ~26 s (the H200 jobs: start-up included), the compiled rungs ~35 s: the second H200 job's 11
         # runs (7 mlm rungs, 2 peers, 2 retromae) reached the last at its box of 370 s. Now 7 mlm rungs, 2 peers and
-        # retromae's top, and no run writes an export (~3 s each)
+        # retromae's top, and no run writes an export (2-3 s at BERT-base on CPU)
         Stage("mfu", "the speed ladder at BERT-base L512 bf16 (each switch on top of the ones before, each rung "
               f"its own process: {', '.join(LADDER_METHODS)}) and its peers, HF's Trainer with BertForMaskedLM and "
               "the official RetroMAE model re-stated", 340, 380,

@@ -9,14 +9,18 @@ The model is BERT-base's depth at a tiny width (12 layers, 202 parameter tensors
 BERT-base's, its arithmetic negligible. Counted per optimizer step, as the median over the steps after the first
 (the optimizer's state is made there); the engine's batches are collated in a loader worker, whose ops are not
 the step's. Prints one JSON record: both counts, the engine's extra ops, and those per trainable parameter tensor
-(DeepSpeed's per-parameter work shows there); `--out` appends it to a JSON list.
+(DeepSpeed's per-parameter work shows there), and the host reads of a step by the line that asks for them (an
+op whose result the host needs: a value read by item/bool/int/float, nonzero, a boolean mask's indexing; on a GPU
+each waits for the device to get there); `--out` appends it to a JSON list.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -28,21 +32,52 @@ from step_floor import batches, run_steps, variant
 WIDE = {"hidden_size": 64, "num_layers": 12, "num_heads": 2, "intermediate_size": 128}
 
 
+aten = torch.ops.aten
+# ops whose result the host reads (on a GPU each waits for the device): a value (item, bool(), int(), float()) or
+# an output size that depends on the data
+READ_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default,
+            aten.masked_select.default, aten._unique2.default, aten.unique_consecutive.default}
+# indexing by a boolean mask: a nonzero inside the kernel, on a GPU the same wait
+MASK_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+PACKAGES = ("/pretrieve/", "/transformers/", "/deepspeed/", "/benchmarks/")
+
+
+def reads_device(func, args) -> bool:
+    if func in READ_OPS:
+        return True
+    return func in MASK_INDEXED and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                                        for i in args[1] if i is not None)
+
+
+def site() -> str:
+    """The innermost frame of pretrieve, transformers, DeepSpeed or a benchmark: where a read is asked for."""
+    for frame in reversed(traceback.extract_stack()[:-2]):  # not this function's frame and the mode's
+        for package in PACKAGES:
+            if package in frame.filename:
+                return f"{package.strip('/')}/{frame.filename.split(package, 1)[1]}:{frame.lineno}"
+    return "elsewhere"
+
+
 class Dispatched(TorchDispatchMode):
-    """Counts the ops dispatched in this thread while active."""
+    """Counts the ops dispatched in this thread while active, and the host reads among them by site. Reads that
+    do not dispatch an op (`tolist`, `numpy` of a CPU tensor) are not seen here."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.reads = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        if reads_device(func, args):
+            self.reads[site()] += 1
         return func(*args, **(kwargs or {}))
 
 
-def engine_ops(args, work: Path) -> list[int]:
+def engine_ops(args, work: Path) -> tuple[list[int], collections.Counter]:
     """The ops each optimizer step of `pretrieve pretrain` dispatches: between the loop's calls of the job's
-    `at_step` (before each step's forward), so neither start-up nor the final checkpoint counts."""
+    `at_step` (before each step's forward), so neither start-up nor the final checkpoint counts; and the host
+    reads of its last counted step by site."""
     from pretrieve.config import experiment, load_config
     from pretrieve.engine.train import run_training
     from pretrieve.pretrain import pretraining_job
@@ -54,7 +89,7 @@ def engine_ops(args, work: Path) -> list[int]:
         schedule = job.at_step
 
         def at_step(step):
-            marks.append(counter.count)
+            marks.append((counter.count, collections.Counter(counter.reads)))
             if schedule is not None:
                 schedule(step)
         job.at_step = at_step
@@ -65,11 +100,12 @@ def engine_ops(args, work: Path) -> list[int]:
                           f"run_dir={work / 'run'}", *args.set])
     with counter:
         run_training(experiment(config), marked_job)
-    return [b - a for a, b in zip(marks[1:], marks[2:])]
+    return [b - a for (a, _), (b, _) in zip(marks[1:], marks[2:])], marks[-1][1] - marks[-2][1]
 
 
-def floor_ops(head_batches) -> list[int]:
-    """The ops each step of the bare loop dispatches (fp32 on CPU), after its first."""
+def floor_ops(head_batches) -> tuple[list[int], collections.Counter]:
+    """The ops each step of the bare loop dispatches (fp32 on CPU), after its first; the host reads of its last
+    step by site."""
     head, on_device, _, _ = head_batches
     module, optimizer, autocast = variant("autocast", head, gpu=False)
     run_steps(module, optimizer, autocast, on_device[:1])
@@ -78,7 +114,7 @@ def floor_ops(head_batches) -> list[int]:
         with Dispatched() as counter:
             run_steps(module, optimizer, autocast, [batch])
         counts.append(counter.count)
-    return counts
+    return counts, counter.reads
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -97,12 +133,15 @@ def main(argv: list[str] | None = None) -> dict:
         work = Path(work)
         args.set = [f"model.{k}={v}" for k, v in WIDE.items()] + args.set
         head_batches = batches(args, work, args.set)  # the sample prepared once, for both
-        floor = statistics.median(floor_ops(head_batches))
-        engine = statistics.median(engine_ops(args, work))
+        floor_counts, floor_reads = floor_ops(head_batches)
+        engine_counts, engine_reads = engine_ops(args, work)
+    floor, engine = statistics.median(floor_counts), statistics.median(engine_counts)
     tensors = sum(p.requires_grad for p in head_batches[0].parameters())
     record = {"method": args.method, "overrides": args.set[len(WIDE):], "parameter_tensors": tensors,
               "engine_ops_per_step": engine, "floor_ops_per_step": floor, "extra_ops_per_step": engine - floor,
-              "extra_ops_per_parameter": round((engine - floor) / tensors, 2), "torch": torch.__version__}
+              "extra_ops_per_parameter": round((engine - floor) / tensors, 2),
+              "floor_reads_per_step": dict(sorted(floor_reads.items())),
+              "engine_reads_per_step": dict(sorted(engine_reads.items())), "torch": torch.__version__}
     if args.out:
         append_record(Path(args.out), record)
     else:

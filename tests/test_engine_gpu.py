@@ -80,8 +80,9 @@ print(json.dumps(sites))
 def test_micro_steps_do_not_wait_for_the_device(tmp_path, wiki_shards):
     """torch's sync debug mode on a bf16 run with the fused kernel: the training loop's own lines make no
     synchronising call outside its log step (engine/metrics.py: the window's `log`, `plain_grad_norm`) and its
-    checkpoints (engine/checkpoint.py). DeepSpeed's step and the heads' masked-position selection (a boolean
-    index: the sparse MLM loss) may; their sites are printed."""
+    checkpoints (engine/checkpoint.py). DeepSpeed's step and the heads' count of each token loss's labelled
+    positions (models/encoder.py; benchmarks/dispatch_count.py counts these reads on CPU) may; their sites are
+    printed."""
     from pretrieve.engine import train as engine
 
     overrides = [f"run_dir={tmp_path}", f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null",

@@ -277,10 +277,13 @@ def masked_token_loss(hidden: torch.Tensor, labels: torch.Tensor, transform, wei
     """Mean cross-entropy of an MLM head (`transform`, output `weight`, `bias`) over the positions whose label is
     not -100, only those projected: == F.cross_entropy(F.linear(transform(hidden[selected]), weight, bias), ...),
     by the path `vocab_loss` (model.vocab_loss) names."""
-    selected = labels != -100
-    if not selected.any():
+    # one read of the device a call (the count; on a GPU a wait): index_select, not a boolean index, whose forward
+    # reads the mask twice (states, labels) and whose backward (an index_put by the mask) twice more
+    index = (labels != -100).flatten().nonzero().squeeze(1)
+    if not len(index):
         return hidden.sum() * 0.0  # a batch of pad samples: zero loss, graph kept
-    return vocab_cross_entropy(transform(hidden[selected]), weight, bias, labels[selected], vocab_loss)
+    return vocab_cross_entropy(transform(hidden.flatten(0, -2).index_select(0, index)), weight, bias,
+                               labels.flatten().index_select(0, index), vocab_loss)
 
 
 def _rename_old_keys(module, state_dict, prefix, *args) -> None:

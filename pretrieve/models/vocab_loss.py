@@ -60,9 +60,9 @@ def vocab_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """Mean cross-entropy of the logits x @ weight.T + bias [N, V] against labels [N], over the labels that are
     not IGNORE_INDEX, computed by path `impl` (VOCAB_LOSSES); bias None: none."""
     path = resolve(impl, x.device)
-    if path == "chunked":  # a CPU path: dropping the unlabelled rows costs no device sync there
-        keep = labels != IGNORE_INDEX
-        return linear_cross_entropy(x[keep], weight, bias, labels[keep])
+    if path == "chunked":  # drops the unlabelled rows: one read of the count (a device sync on a GPU)
+        keep = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+        return linear_cross_entropy(x.index_select(0, keep), weight, bias, labels.index_select(0, keep))
     # the GPU paths skip unlabelled rows by ignore_index: a boolean index would make the host wait for the device
     # (the heads pass the labelled positions alone anyway)
     if path == "liger":

@@ -53,8 +53,8 @@ HOST_SIDE = ("pretrieve/pretrain.py", "pretrieve/models/flops.py", "pretrieve/en
 def test_a_step_reads_the_device_once_a_token_loss_and_once_for_padding(tmp_path, method, token_losses):
     """With the GPU's vocabulary loss (plain): the head reads the count of each token loss's labelled positions
     (models/encoder.py) and HF's mask builder checks the padding (transformers' masking_utils); measured before
-    the count replaced boolean indexing, which read the mask again for the states, the labels and twice in
-    backward: 6 reads a step for mlm, 11 for retromae, now 2 and 3. The engine's step reads nothing of the device
+    the count replaced boolean indexing, which read the mask again for the states, the labels and once in
+    backward: 5 reads a step for mlm, 9 for retromae, now 2 and 3. The engine's step reads nothing of the device
     beyond the head's but at its log step."""
     record = _count(tmp_path, "train.optimizer=torch-fused", "model.vocab_loss=plain", method=method)
     floor = _by_file(record["floor_reads_per_step"])

@@ -278,7 +278,7 @@ def masked_token_loss(hidden: torch.Tensor, labels: torch.Tensor, transform, wei
     not -100, only those projected: == F.cross_entropy(F.linear(transform(hidden[selected]), weight, bias), ...),
     by the path `vocab_loss` (model.vocab_loss) names."""
     # one read of the device a call (the count; on a GPU a wait): index_select, not a boolean index, whose forward
-    # reads the mask twice (states, labels) and whose backward (an index_put by the mask) twice more
+    # reads the mask twice (states, labels) and whose backward (an index_put by the mask) once more
     index = (labels != -100).flatten().nonzero().squeeze(1)
     if not len(index):
         return hidden.sum() * 0.0  # a batch of pad samples: zero loss, graph kept

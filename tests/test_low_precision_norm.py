@@ -106,3 +106,9 @@ def test_low_precision_norm_needs_bf16_autocast(wiki_shards):
                                               f"bf16-autocast run .* not {precision}"):
             experiment(load_config(TINY_CONFIGS / "tiny-mlm.yaml",
                                    [*base, f"train.precision={precision}"]))
+
+
+def test_a_model_without_a_layer_norm_is_refused():
+    """A decoder LLM's RMSNorms keep their own precision: the switch would change nothing, so it says so."""
+    with pytest.raises(ValueError, match="train.low_precision_norm: Sequential has no nn.LayerNorm"):
+        lower_norm_precision(nn.Sequential(nn.Linear(4, 4), nn.RMSNorm(4)))

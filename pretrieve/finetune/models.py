@@ -54,8 +54,8 @@ class DualEncoder(nn.Module):
             raise ValueError(f"finetune.temperature: must be > 0, got {temperature}")
         if matryoshka is not None and joint is not None:
             raise ValueError("finetune.matryoshka_dims: pooling dupmae's eq. (12) vectors have no prefixes to train")
-        if pooling == "sparse" and sparse_problems(normalize, matryoshka is not None):
-            raise ValueError(sparse_problems(normalize, matryoshka is not None)[0])
+        if pooling == "sparse" and (problems := sparse_problems(normalize, matryoshka is not None)):
+            raise ValueError(problems[0])
         if pooling == "sparse" and any(line.startswith("MLM head") for line in encoder.load_report):
             raise ValueError("finetune.pooling: sparse scores through the model's MLM head, and init_from has none")
         if any(weight < 0 for weight in flops) or (pooling != "sparse" and any(flops)):

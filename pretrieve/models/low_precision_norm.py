@@ -34,7 +34,8 @@ class LowPrecisionLayerNorm(nn.LayerNorm):
 
 
 def lower_norm_precision(module: nn.Module) -> int:
-    """Swap each nn.LayerNorm in `module` for a LowPrecisionLayerNorm holding the same parameters; how many."""
+    """Swap each nn.LayerNorm in `module` for a LowPrecisionLayerNorm holding the same parameters; how many.
+    Refuses a module without one (a decoder LLM's RMSNorms), where the switch would change nothing unseen."""
     swapped = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
@@ -47,4 +48,7 @@ def lower_norm_precision(module: nn.Module) -> int:
             low.train(child.training)
             setattr(parent, name, low)
             swapped += 1
+    if not swapped:
+        raise ValueError(f"train.low_precision_norm: {type(module).__name__} has no nn.LayerNorm to run in bf16 "
+                         "(RMSNorms keep their own precision); remove it")
     return swapped

@@ -33,13 +33,10 @@ class Rung:
 LADDER = (
     Rung("baseline", ("model.vocab_loss=chunked", "train.optimizer=deepspeed", "model.unpad=false",
                       "train.compile=false")),
-    # bf16 steps through DeepSpeed's bf16 wrapper: fp32 masters and checks a parameter at a time (ZeRO 0's copies
-    # and syncs, ZeRO 1's flat partition filled and checked per parameter: no faster on the H200), ~2,700 of the
-    # step's ~3,900 kernel launches. Under autocast the module keeps fp32 weights and no wrapper is built: the bare
-    # loop's autocast step ran 2x the engine's bf16 one (benchmarks/results/gpu-check/2026-11-28-h200-c)
+    # bf16 steps through DeepSpeed's bf16 wrapper: fp32 masters and checks a parameter at a time, most of the step's
+    # kernel launches. Under autocast the module keeps fp32 weights and no wrapper is built
     Rung("autocast", ("train.precision=bf16-autocast",)),
-    # autocast runs each LayerNorm in fp32, and with it the residual stream, its adds and dropouts: the bare loop
-    # under autocast ran 0.80x the same step with bf16 weights (step_floor.py, the third H200 job)
+    # autocast runs each LayerNorm in fp32, and with it the residual stream, its adds and dropouts
     Rung("lp-norm", ("train.low_precision_norm=true",)),
     Rung("vocab-plain", ("model.vocab_loss=plain",)),  # bf16 F.linear + cross-entropy on the masked positions
     Rung("fused-adamw", ("train.optimizer=torch-fused",)),

@@ -59,20 +59,13 @@ class Stage:
     results: dict = field(default_factory=dict)
 
 
-# what a job runs unless told: the speed ladder's job. The first H200 job (benchmarks/results/gpu-check/
-# 2026-11-28-h200) passed the correctness stage and found the baseline's device 65 % idle; the second (-h200-b)
-# found ZeRO 1's flat masters no faster and its top rung as idle. So the job asks where the idle time goes: the
-# floor (the head without the engine) and a profile with the host's side come before the ladder. The correctness
-# stage runs again when a kernel changes; the quality and recipe stages follow in a later job.
+# what a job runs unless told: the speed ladder's job (docs/benchmarks.md, "Three H200 jobs", says why each stage
+# is here and why the ladder skips what it skips)
 DEFAULT_STAGES = ("install", "floor", "mfu", "profile")
 # the ladder's rungs the profile stage profiles: every switch at batch 32 but unpadding and compile, as the floor
 PROFILED_RUNGS = ("fused-adamw",)
-# the ladder's BERT-base L512 runs (benchmarks/throughput_ladder.py): mlm climbs every rung, retromae takes the
-# top alone (its baseline ran in both H200 ladders: 93,102 and 108,514 tokens/s); the 128 micro-batch, Liger's
-# loss (0.70x the plain loss at batch 64 on the H200) and the fused decoder attention wait for a later job.
-# Unpadding lost in both H200 ladders (-19 %, -16 %): the ladder's batches are 7 % padding (Wikipedia at L512), and
-# under BERT's attention dropout its attention goes back to padded SDPA, so it pays the packing for little; left
-# out, the compile rung also runs without it
+# the ladder's BERT-base L512 runs (benchmarks/throughput_ladder.py): mlm climbs every rung, retromae takes the top
+# alone; the rungs skipped wait for a later job (unpadding lost on batches with 7 % padding)
 LADDER_METHODS = ("mlm", "retromae")
 LADDER_SKIP = ("unpad", "batch-128", "decoder-fused", "vocab-liger")
 # methods added since: each at the ladder's baseline and top rungs in a stage of its own (the default job is full),
@@ -114,14 +107,13 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
              "512", "--batch", "8", "--steps", "12", "--warmup", "4", "--zero-stage", "1",
              "--out", str(work / "pretrain_throughput_gpu.json")]
     return [
-        # estimates: what the stage took on an H100 on 2026-11-27 (benchmarks/results/gpu-check/), where it ran whole
+        # estimates and boxes: what each stage took where a job ran it whole (docs/benchmarks.md)
         Stage("install", "offline install from the bundle's wheelhouse, its data unpacked, then torch.cuda sanity", 35, 90,
               ([Command(make_install)] if install else []) + unpack
               + [Command([python, str(Path(__file__)), "--sanity", str(work / "sanity.json")],
                          results=str(work / "sanity.json"))], needs_cuda=False),
-        # the kernels' and the unpadded path's GPU tests (the fused kernel is new since the first job); the engine's
-        # bf16 step and resume, the farm's placement and the fp16 variants are left to `make test-gpu` (the first
-        # job spent 123 s on the engine file's first two tests and ran out of its box)
+        # the kernels' and the unpadded path's GPU tests; the engine's bf16 step and resume, the farm's placement and
+        # the fp16 variants are left to `make test-gpu`, whose engine tests alone outgrow this box
         Stage("correctness", "the fused decoder-attention kernel against eager in bf16 on real shapes, unpadded "
               "varlen against padded", 90, 120,
               [Command(pytest + ["tests/test_kernels_gpu.py"]),
@@ -130,10 +122,9 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
               [Command([python, "benchmarks/two_stream_attention.py", "--lengths", "512",
                         "--out", str(work / "two_stream_attention.json")],
                        results=str(work / "two_stream_attention.json"))]),
-        # the head without the engine at batch 32 (benchmarks/step_floor.py), beside the ladder of the same job: the
-        # third H200 job ran three variants and a profiled round in 55 s; three variants, no compile, no profile
-        # here. Then that every backbone's attention trains on a fused SDPA kernel (pytest ~15 s), here and not in
-        # the install stage, whose failure would stop the job
+        # the head without the engine at batch 32 (benchmarks/step_floor.py), beside the ladder of the same job;
+        # then that every backbone's attention trains on a fused SDPA kernel, here and not in the install stage,
+        # whose failure would stop the job
         Stage("floor", "BERT-base L512 mlm's head trained by a bare loop (no DeepSpeed, batches on the device): "
               "bf16 autocast, with bf16 LayerNorms, and bf16 weights, in turns; then each backbone's attention "
               "trained with SDPA's math kernel off", 55, 80,
@@ -142,15 +133,14 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
                         "autocast-lpnorm", "bf16", "--out", str(work / "step_floor_gpu.json")],
                        results=str(work / "step_floor_gpu.json")),
                Command(pytest + ["tests/test_sdpa_kernels_gpu.py"])]),
-        # each run ~26 s (the H200 jobs: start-up included), the compiled rungs ~35 s: the second H200 job's 11
-        # runs (7 mlm rungs, 2 peers, 2 retromae) reached the last at its box of 370 s. Now 7 mlm rungs, 2 peers and
-        # retromae's top, and no run writes an export (2-3 s at BERT-base on CPU)
+        # each run ~26 s with its start-up, a compiled rung ~35 s: 7 mlm rungs, 2 peers and retromae's top fit the
+        # box; no benchmark run writes an export
         Stage("mfu", "the speed ladder at BERT-base L512 bf16 (each switch on top of the ones before, each rung "
               f"its own process: {', '.join(LADDER_METHODS)}) and its peers, HF's Trainer with BertForMaskedLM and "
               "the official RetroMAE model re-stated", 340, 380,
               [Command(ladder, results=str(work / "pretrain_throughput_gpu.json"))]),
-        # where the time goes in the engine's step at batch 32 (mlm), beside the floor's: the baseline's profile is
-        # the first H200 job's, the top rung's the second's. Start-up ~25 s, the profiler's summary ~40 s
+        # where the time goes in the engine's step at batch 32 (mlm), beside the floor's. Start-up ~25 s, the
+        # profiler's summary ~40 s
         Stage("profile", f"torch.profiler over BERT-base L512 bf16 mlm at the ladder's {', '.join(PROFILED_RUNGS)} "
               "rung: kernels by device time, the share of GEMMs, attention, elementwise, copies and idle, and the "
               "host's launches, waits, data loading and optimizer steps per step", 80, 110,
@@ -158,7 +148,7 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
                                        "--batch", str(batch), "--profile", str(work / f"profile_{name}.json"),
                                        "--out", str(work / "profiled_throughput.json")],  # slowed by the profiler
                        results=str(work / f"profile_{name}.json")) for name, overrides, batch in profiled]),
-        # the first ladder-less job's mlm / retromae / dupmae runs, ModernBERT unpadded, a Qwen3-0.6B llama2vec
+        # mlm / retromae / dupmae at their defaults, ModernBERT unpadded, a Qwen3-0.6B llama2vec
         Stage("mfu-models", "BERT-base L512 bf16 throughput and MFU of mlm, retromae, dupmae at the defaults; "
               "ModernBERT-base unpadded against padded; a Qwen3-0.6B-shaped llama2vec at L512, full and LoRA r 16",
               250, 300,
@@ -168,8 +158,8 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
                          results=str(work / "unpadding_gpu.json"))]
               + [Command(qwen3 + ["--lora", str(rank)], results=str(work / "pretrain_throughput_gpu.json"))
                  for rank in (0, 16)]),
-        # the methods added since the first ladder job, at the ladder's baseline and top (ends only, no peers): 10
-        # runs of ~35 s as the ladder's, coCondenser's GradCache (chunks of 16 of its 64 spans) encoding each span twice
+        # the newer methods at the ladder's baseline and top (ends only, no peers): 10 runs of ~35 s, coCondenser's
+        # GradCache (chunks of 16 of its 64 spans) encoding each span twice
         Stage("mfu-methods", "the speed ladder's baseline and top rungs at BERT-base L512 bf16 for "
               f"{', '.join(LADDER_NEW_METHODS)} (coCondenser through GradCache, chunks of 16 spans)", 380, 440,
               [Command(ladder_ends_of(bert_base, method, work, extra), results=str(work / "pretrain_throughput_gpu.json"))

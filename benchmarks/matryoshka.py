@@ -22,11 +22,12 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pretrieve.study.data import log, write_atomic
+from pretrieve.study.plan import build_plan
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from quality import ROOT, collection, timed  # noqa: E402
-from quality_data import log, write_atomic  # noqa: E402
-from quality_plan import build_plan  # noqa: E402
 from recipe import (ARMS, BUDGET, DATASETS, base_and_pairs, contrastive_overrides, evaluate,  # noqa: E402
                     train_runs)
 

@@ -6,10 +6,10 @@ way, then evaluate.
     python benchmarks/quality.py --tables [--results FILE]      # the markdown tables of a result file
     python benchmarks/quality.py --scale cpu|gpu --plan          # the settings a run would fix
 
-Every arm follows one protocol (benchmarks/quality_plan.py has the settings of each scale and why): initial
+Every arm follows one protocol (pretrieve/study/plan.py has the settings of each scale and why): initial
 weights -> the arm's pre-training (none, mlm, retromae, dupmae, seed, costa, cotmae, bow) for the same number of
 encoder tokens -> the same fine-tuning (`pretrieve finetune-stages --up-to stage1` through the farm: the
-labelled set of benchmarks/quality_data.py, the same steps, lr, batch and seed, the pooling of the method's
+labelled set of pretrieve/study/data.py, the same steps, lr, batch and seed, the pooling of the method's
 paper) -> `pretrieve eval` on held-out test collections. Two studies:
 
 - general (RetroMAE's main table in miniature): a base encoder trained by MLM from scratch on the Wikipedia
@@ -20,7 +20,7 @@ paper) -> `pretrieve eval` on held-out test collections. Two studies:
   corpus only, the same fine-tuning (plus SciFact's training claims where the target is not SciFact),
   evaluated on that target.
 
-Statistics (benchmarks/quality_stats.py): per query the mean over seeds, then a paired bootstrap over queries
+Statistics (pretrieve/study/stats.py): per query the mean over seeds, then a paired bootstrap over queries
 against `none` and against `mlm`, 95 % intervals; one plot per study and the curve, PNGs beside --results.
 
 Resumable: every stage skips work whose output exists (prepared manifests, the labelled sets, pre-training
@@ -50,12 +50,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from quality_data import (build_labelled, check_no_leak, log, prepare, split_pretrain,  # noqa: E402
-                          write_atomic)
-from quality_plan import ARM_OVERRIDES, REFERENCES, build_plan, fix_settings  # noqa: E402
-from quality_stats import per_query, plot_arms, plot_curve, summarize  # noqa: E402
+from pretrieve.study.data import build_labelled, check_no_leak, log, prepare, split_pretrain, write_atomic
+from pretrieve.study.plan import ARM_OVERRIDES, REFERENCES, build_plan, fix_settings
+from pretrieve.study.stats import per_query, plot_arms, plot_curve, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data"
@@ -223,7 +220,7 @@ def wikipedia(plan: dict) -> Path:
 
 
 def text_split(plan: dict, work: Path) -> dict:
-    """The Wikipedia sample and the books split into train and held-out parts (quality_data.split_pretrain)."""
+    """The Wikipedia sample and the books split into train and held-out parts (study.data.split_pretrain)."""
     books = sorted((SAMPLES / "books" if plan["smoke"] else SHARED / "pretrain" / "gutenberg").glob("*.txt"))
     return split_pretrain(wikipedia(plan), books, work / "data" / "raw")
 
@@ -292,7 +289,7 @@ def checkpoint(name: str, model: Path, pooling: str, run_dir: Path | None = None
 
 
 def pooling(plan: dict, arm: str, base_pooling: str) -> str:
-    """The arm's pooling in fine-tuning and evaluation (quality_plan: its paper's; `base`: the base's own)."""
+    """The arm's pooling in fine-tuning and evaluation (study.plan: its paper's; `base`: the base's own)."""
     chosen = plan["pooling"][arm]
     return base_pooling if chosen == "base" else chosen
 
@@ -568,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--results", default=None, help="default benchmarks/results/quality.json (gpu: quality-gpu.json; "
                                                      "--smoke: quality.json in the work directory)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="change a setting of the plan (benchmarks/quality_plan.py), e.g. general.arms='{\"none\": 1}'")
+                   help="change a setting of the plan (pretrieve/study/plan.py), e.g. general.arms='{\"none\": 1}'")
     p.add_argument("--tables", action="store_true", help="print the markdown tables of --results and exit")
     p.add_argument("--plan", action="store_true", help="print the settings this command would fix, and exit")
     p.add_argument("--data", default=str(SHARED), metavar="DIR",
@@ -586,7 +583,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tables:
         if not results_path.is_file():
             p.error(f"{results_path}: no results yet (run the study first)")
-        from quality_stats import tables
+        from pretrieve.study.stats import tables
 
         print(tables(json.loads(results_path.read_text())))
         return

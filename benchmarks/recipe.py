@@ -40,14 +40,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pretrieve.study.data import log, write_atomic
+from pretrieve.study.plan import REFERENCES, build_plan
+from pretrieve.study.stats import per_query, summarize
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from quality import (ROOT, SHARED, arm_overrides, base_model, checkpoint, collection, config_of,  # noqa: E402
                      general_collections, labelled_sets, parse_seeds, pretrain_runs, pretraining_text, pretrieve,
                      run_farm, scores_of, text_split, timed, use_data)
-from quality_data import log, write_atomic  # noqa: E402
-from quality_plan import REFERENCES, build_plan  # noqa: E402
-from quality_stats import per_query, summarize  # noqa: E402
 
 CONFIG = ROOT / "configs" / "pretrain" / "tiny-contrastive.yaml"
 DATASETS = ("scifact", "cacm", "cranfield")

@@ -1,4 +1,4 @@
-"""The quality benchmark's protocol parts that need no training (benchmarks/quality_*.py): the paired bootstrap
+"""The quality study's protocol parts that need no training (pretrieve/study/): the paired bootstrap
 and its summaries, the labelled fine-tuning set (deterministic, no evaluated query in it), the settings of each
 scale and their fixing before any result. The end-to-end run is tests/test_quality_benchmark.py."""
 
@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import quality  # noqa: E402
-import quality_data  # noqa: E402
-import quality_plan  # noqa: E402
-import quality_stats  # noqa: E402
+
+from pretrieve.study import data as quality_data  # noqa: E402
+from pretrieve.study import plan as quality_plan  # noqa: E402
+from pretrieve.study import stats as quality_stats  # noqa: E402
 
 SAMPLES = ROOT / "pretrieve" / "assets" / "samples"
 

@@ -1,4 +1,4 @@
-"""Settings of the quality benchmark (benchmarks/quality.py) at each scale, and their fixing before any result.
+"""Settings of the quality study (benchmarks/quality.py) at each scale, and their fixing before any result.
 
 One protocol for every arm (docs/benchmarks.md, "Retrieval quality"): initial weights -> the arm's pre-training
 at an equal token budget -> the same fine-tuning -> `pretrieve eval` on held-out collections. An arm is `none`

@@ -1,4 +1,4 @@
-"""Statistics and pictures of the quality benchmark (benchmarks/quality.py).
+"""Statistics and pictures of the quality study (benchmarks/quality.py).
 
 Each arm is run with several seeds (pre-training and fine-tuning seed together); each run's evaluation gives
 NDCG@10 per test query (per_query.jsonl). Per dataset, an arm's per-query NDCG@10 is first averaged over its

@@ -1,4 +1,4 @@
-"""Data of the quality benchmark (benchmarks/quality.py): the pre-training text, the target corpora, and the
+"""Data of the quality study (benchmarks/quality.py): the pre-training text, the target corpora, and the
 labelled fine-tuning set every arm is fine-tuned on.
 
 The labelled set (docs/benchmarks.md, "The labelled set"). No MS MARCO is available offline, so the
@@ -25,8 +25,6 @@ import sys
 import time
 import zlib
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def log(message: str) -> None:

@@ -217,6 +217,11 @@ def test_finetune_config_errors_name_the_key(tmp_path):
                             ({"finetune": {"lora": {"r": 0, "targets": ["q_proj"]}}},
                              r"^finetune.lora.targets: set, but finetune.lora.r is 0: no LoRA, every weight"),
                             ({"finetune": {"model": "cross", "lora": {"r": 8}}}, "finetune.lora: for the dual encoder"),
+                            # the cross-encoder scores [CLS] through a linear layer: these would change nothing
+                            ({"finetune": {"model": "cross", "pooling": "sparse"}},
+                             r"finetune.pooling: sparse is for the dual encoder's vectors; the cross-encoder"),
+                            ({"finetune": {"model": "cross", "normalize": True}},
+                             "finetune.normalize: True is for the dual encoder's vectors"),
                             ({"method": {"name": "mlm"}}, "method: unknown top-level key")):
         config = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(change))
         with pytest.raises(ConfigError, match=message):

@@ -235,8 +235,6 @@ def test_method_options_out_of_range_are_refused_by_key(wiki_shards, method, opt
     ("lexmae", ["method.decoder_mask_ratio=0.1"], r"method.decoder_mask_ratio: 0.1 is below method.mlm_ratio 0.3, "
                                                   r"but the decoder's mask covers the encoder's, so it would mask 0.3",
      {"decoder_mask_ratio": 0.3}),
-    ("simlm", ["method.decoder_mask_ratio=0.2"], r"method.decoder_mask_ratio: 0.2 is below method.mlm_ratio 0.3",
-     {"decoder_mask_ratio": 0.3}),
     # a span is cut to max_len - 2 tokens
     ("cocondenser", ["method.span_len=200"], r"method.span_len: 200 tokens do not fit method.max_len 64 with \[CLS\] "
                                              r"and \[SEP\] \(62 at most\)", {"max_len": 64, "span_len": 62}),

@@ -39,15 +39,6 @@ class BottleneckDecoderOptions(MethodOptions):
     decoder_mask_ratio: float = option(0.50, at_least=0, at_most=1)  # the decoder's: --rlm_decoder_mask_prob 0.5
     decoder_layers: int = option(2, at_least=1)  # released: --rlm_decoder_layers 2
 
-    def __post_init__(self):
-        super().__post_init__()
-        # the decoder's mask covers the encoder's (LexMAE's released --dec_mlm_overlap inclusive asserts it; SimLM's
-        # collator then takes the encoder's mask as it is): a lower ratio would not be the one trained
-        if self.decoder_mask_ratio < self.mlm_ratio:
-            raise ValueError(f"method.decoder_mask_ratio: {self.decoder_mask_ratio} is below method.mlm_ratio "
-                             f"{self.mlm_ratio}, but the decoder's mask covers the encoder's, so it would mask "
-                             f"{self.mlm_ratio}: give a decoder_mask_ratio of {self.mlm_ratio} or more")
-
 
 @dataclass
 class SimLMOptions(BottleneckDecoderOptions):

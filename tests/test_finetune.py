@@ -530,6 +530,29 @@ def test_finetune_stages_runs_each_fine_tuning_over_nproc_ranks(tmp_path, tokeni
     assert records[0]["loss"] == pytest.approx(math.log(4), abs=0.02)
 
 
+def test_the_teacher_stage_leaves_the_dual_stages_pooling_out(tmp_path, tokenizer):
+    """A base config pooling `mean` with `normalize` (an E5-style dual encoder): the chain's cross-encoder teacher,
+    which refuses both, trains without them. The dual stages are done (their exports in place, as a re-run of the
+    chain finds them), so the teacher trains, then scores the hard negatives."""
+    from pretrieve.finetune.run import FINETUNE_META
+    from pretrieve.orchestrate.finetune_stages import StagesOptions, run_stages
+
+    _tiny_encoder().model.save_pretrained(str(tmp_path / "bert"))
+    tokenizer.save_pretrained(str(tmp_path / "bert"))
+    chain = tmp_path / "chain"
+    for stage in ("stage1", "stage2", "stage3"):
+        (chain / stage / "export").mkdir(parents=True)
+        (chain / stage / "export" / FINETUNE_META).write_text("{}")
+    (chain / "hard.jsonl").write_text(FLAG.read_text())
+    base = OmegaConf.load(Path(__file__).parent.parent / "configs" / "finetune" / "tiny.yaml")
+    base.finetune.pooling, base.finetune.normalize = "mean", True
+    OmegaConf.save(base, tmp_path / "e5.yaml")
+    run_stages(StagesOptions(model=str(tmp_path / "bert"), out=str(chain), config=str(tmp_path / "e5.yaml"),
+                             data=[str(FLAG)], negatives=3, overrides=["train.max_steps=2", "checkpoint.every=2"]))
+    assert json.loads((chain / "teacher" / "export" / FINETUNE_META).read_text())["model"] == "cross"
+    assert (chain / "distill.jsonl").is_file()
+
+
 def test_finetune_stages_passes_ctrl_c_to_its_ranks_once_and_holds_signals_from_its_start(tmp_path, tokenizer,
                                                                                           sigint_at_default):
     """Ctrl-C to the chain's process group (`finetune-stages --nproc 2`, as a terminal sends it): its ranks, each

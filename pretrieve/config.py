@@ -256,6 +256,7 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
         _check_model(model, options, data, manifests, problems)
         if method is not None:
             _check_attention(model, method, options, problems)
+            _check_method_fit(model, method, options, problems)
     if method is not None and data is not None:
         _check_data_kind(method, data, manifests or {}, problems)
     if options is not None and sections is not None:
@@ -465,6 +466,17 @@ def _check_attention(model: ModelOptions, method, options: Any, problems: Proble
     if getattr(options, "pooling", None) == "cls" and not model.bidirectional:
         problems.add(f"method.pooling: cls on a causal {backbone.display_name} is its first token's state, which "
                      "sees nothing of the text after it (every text gets the same vector): use last or mean")
+
+
+def _check_method_fit(model: ModelOptions, method, options: Any, problems: Problems) -> None:
+    """Settings the method would ignore, or this machine cannot run: refused by key, not found at the first step."""
+    from pretrieve.kernels import fused_problem
+
+    if model.vocab_loss != "auto" and not method.head.predicts_tokens:
+        problems.add(f"model.vocab_loss: {model.vocab_loss}, but method {method.name} computes no vocabulary loss "
+                     "(it sets how the methods that predict tokens compute theirs): leave it out")
+    if getattr(options, "attention_impl", None) == "fused" and (problem := fused_problem()) is not None:
+        problems.add(problem)
 
 
 def _init_config(path: str):

@@ -1,6 +1,7 @@
 """Every loader of an export encodes as the model was trained: pretrieve's `eval` / `encode` / `mine` encoder and
 sentence-transformers, for a bidirectional decoder LLM (LLM2Vec's MNTP) and for a LoRA export whose adapter is kept
-apart (models/hf_model_code.py, models/export.py write_model_code / load_base_model)."""
+apart (models/hf_model_code.py, models/export.py write_model_code / load_base_model). A weights file cut short is an
+error naming it, in every loader."""
 
 import pytest
 import torch
@@ -153,3 +154,36 @@ def test_a_contrastive_decoder_card_says_what_the_model_is(llm, tmp_path):
     counts = _parameter_counts(out)
     assert 0 < counts["embeddings"] < counts["encoder"]
     assert _dataset_names({"manifests": [str(tmp_path / "gone.json")], "corpora": ["wikipedia"]}) == ["wikipedia"]
+
+
+def test_a_truncated_weights_file_is_named_by_every_loader(tmp_path, capsys):
+    """A model.safetensors cut short (an interrupted copy) gives safetensors' SafetensorError, which names no file
+    and is no ValueError (a traceback from the command line): every loader names the file instead."""
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    from pretrieve.cli import main as cli
+    from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
+    from pretrieve.finetune.mine import TeacherOptions, teacher_scores
+    from pretrieve.finetune.run import FinetuneOptions, build_model
+    from pretrieve.models.encoder import Encoder, load_encoder
+    from pretrieve.models.export import load_base_model
+
+    model = tmp_path / "model"
+    BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64)).save_pretrained(str(model))
+    AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER).save_pretrained(str(model))
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    named = f"{weights}: not a readable safetensors file"
+    loaders = {"pretrain init_from": lambda: Encoder.build(ModelOptions(init_from=str(model))),
+               "eval, encode, finetune dual": lambda: load_encoder(model), "eval dense": lambda: load_base_model(model),
+               "finetune cross": lambda: build_model(FinetuneOptions(init_from=str(model), model="cross")),
+               "teacher-scores": lambda: teacher_scores(TeacherOptions(str(model), [str(FLAG)], str(tmp_path / "s")))}
+    for name, load in loaders.items():
+        with pytest.raises(ValueError, match=named):
+            load()
+    for pooling in ("mean", "sparse"):
+        assert cli(["eval", "--model", str(model), "--beir", str(SAMPLES / "beir" / "scifact-sample"), "--pooling",
+                    pooling, "--out", str(tmp_path / f"eval-{pooling}")]) == 1
+        assert f"pretrieve eval: error: {named}" in capsys.readouterr().err
+

@@ -217,6 +217,11 @@ def test_finetune_config_errors_name_the_key(tmp_path):
                             ({"finetune": {"lora": {"r": 0, "targets": ["q_proj"]}}},
                              r"^finetune.lora.targets: set, but finetune.lora.r is 0: no LoRA, every weight"),
                             ({"finetune": {"model": "cross", "lora": {"r": 8}}}, "finetune.lora: for the dual encoder"),
+                            # the cross-encoder scores [CLS] through a linear layer: these would change nothing
+                            ({"finetune": {"model": "cross", "pooling": "sparse"}},
+                             r"finetune.pooling: sparse is for the dual encoder's vectors; the cross-encoder"),
+                            ({"finetune": {"model": "cross", "normalize": True}},
+                             "finetune.normalize: True is for the dual encoder's vectors"),
                             ({"method": {"name": "mlm"}}, "method: unknown top-level key")):
         config = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(change))
         with pytest.raises(ConfigError, match=message):
@@ -523,6 +528,29 @@ def test_finetune_stages_runs_each_fine_tuning_over_nproc_ranks(tmp_path, tokeni
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 25))  # resumed after the preemption checkpoint
     assert records[0]["loss"] == pytest.approx(math.log(4), abs=0.02)
+
+
+def test_the_teacher_stage_leaves_the_dual_stages_pooling_out(tmp_path, tokenizer):
+    """A base config pooling `mean` with `normalize` (an E5-style dual encoder): the chain's cross-encoder teacher,
+    which refuses both, trains without them. The dual stages are done (their exports in place, as a re-run of the
+    chain finds them), so the teacher trains, then scores the hard negatives."""
+    from pretrieve.finetune.run import FINETUNE_META
+    from pretrieve.orchestrate.finetune_stages import StagesOptions, run_stages
+
+    _tiny_encoder().model.save_pretrained(str(tmp_path / "bert"))
+    tokenizer.save_pretrained(str(tmp_path / "bert"))
+    chain = tmp_path / "chain"
+    for stage in ("stage1", "stage2", "stage3"):
+        (chain / stage / "export").mkdir(parents=True)
+        (chain / stage / "export" / FINETUNE_META).write_text("{}")
+    (chain / "hard.jsonl").write_text(FLAG.read_text())
+    base = OmegaConf.load(Path(__file__).parent.parent / "configs" / "finetune" / "tiny.yaml")
+    base.finetune.pooling, base.finetune.normalize = "mean", True
+    OmegaConf.save(base, tmp_path / "e5.yaml")
+    run_stages(StagesOptions(model=str(tmp_path / "bert"), out=str(chain), config=str(tmp_path / "e5.yaml"),
+                             data=[str(FLAG)], negatives=3, overrides=["train.max_steps=2", "checkpoint.every=2"]))
+    assert json.loads((chain / "teacher" / "export" / FINETUNE_META).read_text())["model"] == "cross"
+    assert (chain / "distill.jsonl").is_file()
 
 
 def test_finetune_stages_passes_ctrl_c_to_its_ranks_once_and_holds_signals_from_its_start(tmp_path, tokenizer,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from conftest import SAMPLES, pretrain_env, write_beir
 from omegaconf import OmegaConf
-from transformers import AutoTokenizer, BertConfig
+from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
 from pretrieve.config import ConfigError
 from pretrieve.data.retrieval import load_beir
@@ -76,12 +76,17 @@ def test_sparse_pooling_refusals_name_their_key(tmp_path):
     encoder.load_report = ["MLM head: not in init_from (initialised)"]
     with pytest.raises(ValueError, match="sparse scores through the model's MLM head"):
         DualEncoder(encoder, pooling="sparse")
+    with pytest.raises(ValueError, match="(?s)^finetune.pooling: sparse scores through .*\nfinetune.normalize"):
+        DualEncoder(encoder, pooling="sparse", normalize=True)  # every problem, the missing head first
 
     from pretrieve.finetune.run import finetune_experiment, flops_weights
 
-    model = tmp_path / "bert"
-    _tiny_encoder().model.save_pretrained(str(model))
-    AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER).save_pretrained(str(model))
+    model, backbone = tmp_path / "bert-mlm", tmp_path / "bert"  # with its MLM head, and the backbone alone
+    torch.manual_seed(0)
+    BertForMaskedLM(_tiny_encoder().config).save_pretrained(str(model))
+    _tiny_encoder().model.save_pretrained(str(backbone))
+    for folder in (model, backbone):
+        AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER).save_pretrained(str(folder))
     config = OmegaConf.load(CONFIGS / "tiny.yaml")
     for overrides, message in ((["finetune.flops_query=0.1"], "finetune.flops_query: weighs pooling sparse"),
                                (["finetune.pooling=sparse", "finetune.flops_passage=-1"],
@@ -94,6 +99,15 @@ def test_sparse_pooling_refusals_name_their_key(tmp_path):
                                                                  f"finetune.data=[{FLAG}]", *overrides]))
         with pytest.raises(ConfigError, match=message):
             finetune_experiment(merged)
+
+    # a model with no MLM head (a sentence-transformers MiniLM, say) asked to normalize: both problems at once, the
+    # missing head first
+    with pytest.raises(ConfigError) as refused:
+        finetune_experiment(OmegaConf.merge(config, OmegaConf.from_dotlist([
+            f"finetune.init_from={backbone}", f"finetune.data=[{FLAG}]", "finetune.pooling=sparse",
+            "finetune.normalize=true"])))
+    assert [p.split(":")[0] for p in refused.value.problems] == ["finetune.pooling", "finetune.normalize"]
+    assert "sparse scores through the model's MLM head, and init_from has none" in refused.value.problems[0]
 
     recipe = OmegaConf.merge(OmegaConf.load(CONFIGS / "sparse.yaml"), OmegaConf.from_dotlist(  # LexMAE's stage 1
         [f"finetune.init_from={model}", "finetune.msmarco=null", "finetune.hard_negatives=null",

@@ -65,13 +65,18 @@ def test_a_streamed_dataset_gives_the_shards_of_its_records_as_json_lines(tmp_pa
                     inputs=[str(write_jsonl(tmp_path / "w.jsonl", articles))])
     folder = write_parquet_shards(tmp_path / "wiki-parquet", articles, [12, 10, 8])
     datasets.Dataset.from_list(articles).save_to_disk(str(tmp_path / "wiki-saved"), num_shards=2)
-    for name, extra in ((str(folder), {}), ("parquet", {"hf_data_files": [str(folder / "*.parquet")]}),
-                        (str(tmp_path / "wiki-saved"), {})):
+    parquet = {"split": "train", "files": [str(folder / f"train-{k:05d}.parquet") for k in range(3)]}
+    # the manifest names the data files read; a single saved Dataset has no split to name
+    for name, extra, recorded in (
+            (str(folder), {}, parquet),
+            ("parquet", {"hf_data_files": [str(folder / "*.parquet")]},
+             {**parquet, "data_files": [str(folder / "*.parquet")]}),
+            (str(tmp_path / "wiki-saved"), {}, {"files": [str(tmp_path / f"wiki-saved/data-0000{k}-of-00002.arrow")
+                                                          for k in range(2)]})):
         out = tmp_path / f"hf-{len(list(tmp_path.iterdir()))}"
         streamed = run(out, source="wikipedia", hf_dataset=name, shard_size=64, **extra)
         same_output(streamed, reference)
-        assert streamed["inputs"] == [{"hf_dataset": name, "config": None, "split": "train", **(
-            {"data_files": extra["hf_data_files"]} if extra else {})}]
+        assert streamed["inputs"] == [{"hf_dataset": name, **recorded}]
 
 
 def test_pairs_from_a_dataset_and_the_field_mapping(tmp_path):
@@ -171,6 +176,61 @@ def test_arguments_are_checked(tmp_path):
     with pytest.raises(DatasetError, match=r"hf-dataset .*/d/test: .*test"):
         run(tmp_path / "o", source="jsonl", hf_dataset=str(folder), hf_split="test")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_builder_reads_only_the_files_named(tmp_path, monkeypatch, capsys):
+    """A file builder (parquet, json, ...) without --hf-data-files would read every file under the current
+    folder: refused by flag before any work, here in a folder holding a parquet file it would have prepared."""
+    monkeypatch.chdir(write_parquet_shards(tmp_path / "cwd", WIKI[:5], [5]))
+    for builder in ("parquet", "json", "csv", "text", "arrow"):
+        assert cli(["prepare", "--source", "jsonl", "--hf-dataset", builder, "--out", str(tmp_path / "o"),
+                    "--workers", "0"]) == 1
+        assert f"--hf-dataset {builder} is the {builder} builder of datasets, which reads the files " \
+               "--hf-data-files names" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_split_and_config_are_refused_where_they_do_not_apply(tmp_path):
+    """--hf-config on a file builder or a saved dataset, --hf-split on a single saved Dataset, --hf-data-files on
+    a saved dataset would change nothing: refused by flag. A saved DatasetDict's split is read and recorded."""
+    folder = write_parquet_shards(tmp_path / "d", WIKI[:10], [10])
+    datasets.Dataset.from_list(WIKI[:10]).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict(train=datasets.Dataset.from_list(WIKI[:3]), validation=datasets.Dataset.from_list(
+        WIKI[3:10])).save_to_disk(str(tmp_path / "dict"))
+    builder = {"hf_dataset": "parquet", "hf_data_files": [str(folder / "*.parquet")]}
+    saved = {"hf_dataset": str(tmp_path / "saved")}
+    for kwargs, message in (({**builder, "hf_config": "nope"}, "--hf-config nope: the parquet builder has no "
+                                                               "configurations"),
+                            ({**saved, "hf_split": "validation"}, "--hf-split validation: .*/saved is one Dataset "
+                                                                  "written by save_to_disk, which has no splits"),
+                            ({**saved, "hf_config": "nope"}, "--hf-config: .*/saved was written by save_to_disk"),
+                            ({**saved, "hf_data_files": ["x"]}, "--hf-data-files: .*/saved was written by "),
+                            ({"hf_dataset": str(tmp_path / "dict"), "hf_config": "c"}, "--hf-config: .*/dict was"),
+                            ({"inputs": ["x"], "hf_split": "train"}, "go with --hf-dataset")):
+        with pytest.raises((DatasetError, PrepareError), match=message):
+            run(tmp_path / "o", source="wikipedia", **kwargs)
+        assert not (tmp_path / "o").exists()
+    with pytest.raises(DatasetError, match=r"hf-dataset .*/dict/test: no split 'test' \(splits: train, validation\)"):
+        run(tmp_path / "o", source="wikipedia", hf_dataset=str(tmp_path / "dict"), hf_split="test")
+    m = run(tmp_path / "v", source="wikipedia", hf_dataset=str(tmp_path / "dict"), hf_split="validation")
+    assert m["num_documents"] == 7 and m["inputs"] == [{"hf_dataset": str(tmp_path / "dict"), "split": "validation",
+                                                         "files": [str(next((tmp_path / "dict/validation").glob(
+                                                             "*.arrow")))]}]
+
+
+def test_an_empty_saved_dataset_is_named(tmp_path, capsys):
+    """datasets cannot load a saved dataset of no rows (an IndexError, raised in prepare's worker pool): one line
+    naming the folder, before any work, for a Dataset and a DatasetDict's split."""
+    empty = datasets.Dataset.from_dict({"id": [], "text": []})
+    empty.save_to_disk(str(tmp_path / "empty"))
+    datasets.DatasetDict(train=empty, validation=datasets.Dataset.from_list(WIKI[:2])).save_to_disk(
+        str(tmp_path / "dict"))
+    for name in ("empty", "dict"):
+        assert cli(["prepare", "--source", "jsonl", "--hf-dataset", str(tmp_path / name), "--out",
+                    str(tmp_path / "o"), "--workers", "2"]) == 1
+        folder = tmp_path / ("dict/train" if name == "dict" else name)
+        assert f"{folder} holds no rows (an empty dataset written by save_to_disk)" in capsys.readouterr().err
+        assert not (tmp_path / "o").exists()
 
 
 def test_rows_resume_anywhere(tmp_path):

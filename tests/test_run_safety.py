@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import pretrain_env
 from pretrieve.config import ConfigError, experiment, load_config
@@ -226,6 +227,41 @@ def test_method_options_out_of_range_are_refused_by_key(wiki_shards, method, opt
     config = load_config(CONFIGS / f"tiny-{method}.yaml", [f"data.manifests=[{wiki_shards / 'manifest.json'}]",
                                                            "data.weights=null", f"method.{option}={value}"])
     with pytest.raises(ConfigError, match=f"method.{option}: must be {rule}.*, got {value}"):
+        experiment(config)
+
+
+@pytest.mark.parametrize("method,overrides,message,bound", [
+    # the decoder's mask covers the encoder's: below the encoder's ratio it would be the encoder's mask
+    ("lexmae", ["method.decoder_mask_ratio=0.1"], r"method.decoder_mask_ratio: 0.1 is below method.mlm_ratio 0.3, "
+                                                  r"but the decoder's mask covers the encoder's, so it would mask 0.3",
+     {"decoder_mask_ratio": 0.3}),
+    # a span is cut to max_len - 2 tokens
+    ("cocondenser", ["method.span_len=200"], r"method.span_len: 200 tokens do not fit method.max_len 64 with \[CLS\] "
+                                             r"and \[SEP\] \(62 at most\)", {"max_len": 64, "span_len": 62}),
+    ("contrastive", ["model.vocab_loss=plain"], "model.vocab_loss: plain, but method contrastive computes no "
+                                                "vocabulary loss", {}),
+])
+def test_options_that_contradict_or_do_nothing_are_refused_by_key(wiki_shards, method, overrides, message, bound):
+    config = load_config(CONFIGS / f"tiny-{method}.yaml", [f"data.manifests=[{wiki_shards / 'manifest.json'}]",
+                                                           "data.weights=null", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        experiment(config)
+    get_method(method).options_from(bound)  # at the bound, the option does what it says
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_the_fused_kernel_without_cuda_is_refused_by_key_unless_interpreted(wiki_shards, monkeypatch):
+    """Triton without a GPU ends the first step in "0 active drivers": refused before, as model.vocab_loss liger
+    is. Under Triton's interpreter (TRITON_INTERPRET=1, how the tests run the kernel on CPU) it runs."""
+    pytest.importorskip("triton")
+    config = load_config(CONFIGS / "tiny-retromae.yaml", [f"data.manifests=[{wiki_shards / 'manifest.json'}]",
+                                                          "data.weights=null", "method.attention_impl=fused",
+                                                          "method.decoder_attention_dropout=0"])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert experiment(config).options.attention_impl == "fused"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ConfigError, match="method.attention_impl: fused runs a Triton kernel, which needs a CUDA "
+                                          "device; use auto, sdpa or eager on CPU"):
         experiment(config)
 
 

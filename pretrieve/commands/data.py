@@ -86,7 +86,7 @@ def add_prepare(commands) -> None:
          "local folder (of data files, or from save_to_disk), or a builder with --hf-data-files (parquet, json)",
          shown="none", metavar="NAME")
     flag("--hf-config", "--hf-dataset: its configuration (subset), e.g. 20231101.en", shown="none", metavar="C")
-    flag("--hf-split", "--hf-dataset: the split to read", metavar="S")
+    flag("--hf-split", "--hf-dataset: the split to read (a dataset with splits)", shown="train", metavar="S")
     flag("--hf-data-files", "--hf-dataset: the data files a builder reads (paths or glob patterns)", shown="none",
          nargs="+", metavar="FILE")
     flag("--hf-rows-per-document", "--hf-dataset: consecutive rows that make one document, their texts its lines "

@@ -4,7 +4,9 @@ at a row.
 NAME is what `datasets.load_dataset` takes, read with `streaming=True` (nothing is downloaded ahead: the rows
 arrive as they are read): a dataset of the Hub (`wikimedia/wikipedia` with `--hf-config 20231101.en`), a local
 folder of data files, or a packaged builder with `--hf-data-files` (`parquet`, `json`, `csv`). A folder written
-by `Dataset.save_to_disk` is read with `load_from_disk`, one shard per arrow file.
+by `save_to_disk` is read with `load_from_disk`, one shard per arrow file (a `DatasetDict`: its split alone).
+Options that would do nothing are refused (`HFDataset.check`), and the manifest records the options used and
+the data files they resolved to (`as_input`).
 
 A dataset of one sentence a row (BookCorpus) has no document to pack sentences within: `rows_per_document`
 consecutive rows of a shard then make one document, their texts its lines.
@@ -22,6 +24,7 @@ once (streaming reads its data files from the Hub); with a network that fails, d
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Iterator
@@ -30,26 +33,53 @@ from pretrieve.optional import DATASETS, require
 
 
 class DatasetError(ValueError):
-    """A dataset that cannot be opened or read; the message names it."""
+    """A dataset that cannot be opened or read, or options that do not apply to it; the message names it."""
 
 
 @dataclass(frozen=True)
 class HFDataset:
     name: str
     config: str | None = None
-    split: str = "train"
+    split: str | None = None  # None: "train", where the dataset has splits
     data_files: tuple[str, ...] = ()
     rows_per_document: int = 1
 
     def __str__(self) -> str:
-        named = [self.name] + ([self.config] if self.config else []) + [self.split]
+        named = [self.name] + ([self.config] if self.config else []) + [self.split or "train"]
         return f"hf-dataset {'/'.join(named)}"
 
+    def check(self) -> None:
+        """Refuse, before any work, the options that would read what was not meant or would do nothing."""
+        require(DATASETS, "--hf-dataset")
+        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+        if self.name in _PACKAGED_DATASETS_MODULES:  # datasets takes the builder even where a folder has the name
+            if not self.data_files:  # datasets would read every file under the current folder
+                raise DatasetError(f"--hf-dataset {self.name} is the {self.name} builder of datasets, which reads "
+                                   f"the files --hf-data-files names: pass them (or --hf-dataset ./{self.name} for a "
+                                   "folder of that name)")
+            if self.config:
+                raise DatasetError(f"--hf-config {self.config}: the {self.name} builder has no configurations "
+                                   "(it reads --hf-data-files); leave --hf-config out")
+        saved = _saved_to_disk(self.name)
+        if saved:
+            for flag, given in (("--hf-config", self.config), ("--hf-data-files", self.data_files)):
+                if given:
+                    raise DatasetError(f"{flag}: {self.name} was written by save_to_disk, which has no "
+                                       f"configurations or data files to choose; leave {flag} out")
+        if saved == "dataset" and self.split:
+            raise DatasetError(f"--hf-split {self.split}: {self.name} is one Dataset written by save_to_disk, "
+                               "which has no splits; leave --hf-split out")
+
     def as_input(self) -> dict:
-        """What a manifest records of this input (the job id is made of it)."""
-        entry = {"hf_dataset": self.name, "config": self.config, "split": self.split}
+        """What a manifest records of this input (the job id is made of it): the options used and the data files
+        they resolve to (opens the dataset)."""
+        _, split, files = open_stream(self)
+        entry = {"hf_dataset": self.name, **({"config": self.config} if self.config else {}),
+                 **({"split": split} if split else {})}
         if self.data_files:
             entry["data_files"] = list(self.data_files)
+        entry["files"] = files
         if self.rows_per_document > 1:
             entry["rows_per_document"] = self.rows_per_document
         return entry
@@ -58,7 +88,7 @@ class HFDataset:
 def rows(dataset: HFDataset, shard: int = 0, row: int = 0) -> Iterator[tuple[int, int, list[dict]]]:
     """(shard, first row, rows) of every group of `rows_per_document` rows from position (shard, row) on, in the
     stream's order; a shard's last group may be shorter, and no group spans two shards."""
-    stream = open_stream(dataset)
+    stream = open_stream(dataset)[0]
     size = dataset.rows_per_document
     for k in range(shard, stream.num_shards):
         part = stream.shard(num_shards=stream.num_shards, index=k, contiguous=True)
@@ -78,21 +108,22 @@ def rows(dataset: HFDataset, shard: int = 0, row: int = 0) -> Iterator[tuple[int
             raise DatasetError(f"{dataset}: cannot read shard {k} ({type(e).__name__}: {e})") from e
 
 
-def open_stream(dataset: HFDataset):
-    """The dataset as a `datasets.IterableDataset` (module docstring); a clear error when it cannot be opened."""
+def open_stream(dataset: HFDataset) -> tuple:
+    """(the dataset as a `datasets.IterableDataset`, the split read or None, the data files read); a clear error
+    when it cannot be opened."""
     datasets = require(DATASETS, "--hf-dataset")
     datasets.disable_progress_bars()  # prepare draws its own
-    local = os.path.isdir(dataset.name)
     try:
-        if local and os.path.exists(os.path.join(dataset.name, "dataset_info.json")) and not dataset.data_files:
-            saved = datasets.load_from_disk(dataset.name)  # a save_to_disk folder
-            if isinstance(saved, datasets.DatasetDict):
-                if dataset.split not in saved:
-                    raise DatasetError(f"{dataset}: no split {dataset.split!r} (splits: {', '.join(saved)})")
-                saved = saved[dataset.split]
-            return saved.to_iterable_dataset(num_shards=max(1, len(saved.cache_files)))
-        return datasets.load_dataset(dataset.name, dataset.config, split=dataset.split, streaming=True,
-                                     data_files=list(dataset.data_files) or None)
+        if _saved_to_disk(dataset.name):
+            return _open_saved(datasets, dataset)
+        # what load_dataset(..., streaming=True) does, with the builder's resolved data files at hand
+        builder = datasets.load_dataset_builder(dataset.name, dataset.config,
+                                                data_files=list(dataset.data_files) or None)
+        split = dataset.split or "train"
+        splits = {str(name): files for name, files in (builder.config.data_files or {}).items()}
+        if splits and split not in splits:
+            raise DatasetError(f"{dataset}: no split {split!r} (splits: {', '.join(splits)})")
+        return builder.as_streaming_dataset(split=split), split, [str(f) for f in splits.get(split, ())]
     except ConnectionError as e:  # no network, or HF_HUB_OFFLINE=1
         raise DatasetError(
             f"{dataset}: cannot reach the Hugging Face Hub ({e}). Without a network, stream it on a machine "
@@ -101,3 +132,30 @@ def open_stream(dataset: HFDataset):
         if isinstance(e, DatasetError):
             raise
         raise DatasetError(f"{dataset}: {e}") from e
+
+
+def _saved_to_disk(name: str) -> str | None:
+    """"dataset" or "dict" for a folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
+    if os.path.exists(os.path.join(name, "state.json")):
+        return "dataset"
+    return "dict" if os.path.exists(os.path.join(name, "dataset_dict.json")) else None
+
+
+def _open_saved(datasets, dataset: HFDataset) -> tuple:
+    """open_stream of a save_to_disk folder: one shard per arrow file; a DatasetDict's split is read alone."""
+    folder, split = dataset.name, None
+    if _saved_to_disk(dataset.name) == "dict":
+        split = dataset.split or "train"
+        with open(os.path.join(dataset.name, "dataset_dict.json"), encoding="utf-8") as f:
+            splits = json.load(f)["splits"]
+        if split not in splits:
+            raise DatasetError(f"{dataset}: no split {split!r} (splits: {', '.join(splits)})")
+        folder = os.path.join(dataset.name, split)
+    try:
+        saved = datasets.load_from_disk(folder)
+    except IndexError:  # datasets concatenates the saved arrow files, and fails where there are none
+        saved = []
+    if not len(saved):
+        raise DatasetError(f"{dataset}: {folder} holds no rows (an empty dataset written by save_to_disk)")
+    files = [c["filename"] for c in saved.cache_files]
+    return saved.to_iterable_dataset(num_shards=max(1, len(files))), split, files

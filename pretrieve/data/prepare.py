@@ -30,7 +30,8 @@ corpus by document, disjointly and the same way on every machine; records of the
 
 Hugging Face datasets (`--hf-dataset NAME` in place of `--input`): hf_datasets.py streams the rows, each a record
 read with the field mapping (`--fields`); the cursor is (the stream's shard, the row in it), so a resume starts at
-that shard. The manifest's `inputs` names the dataset, its config and split.
+that shard. The manifest's `inputs` names the dataset, the config and split it was read with (where it has
+them) and the data files they resolved to.
 
 Pairs (`--pairs`): the records are read by pairs.py's readers (the same cursors, so the same resume) and each
 gives (query, positive, negatives) samples instead of blocks; the manifest says `"kind": "pairs"`. A pair
@@ -117,7 +118,7 @@ class PrepareOptions:
     # a Hugging Face dataset streamed in place of `inputs` (hf_datasets.py)
     hf_dataset: str | None = None  # what datasets.load_dataset takes: a Hub name, a folder, or a builder
     hf_config: str | None = None
-    hf_split: str = "train"
+    hf_split: str | None = None  # None: train, where the dataset has splits
     hf_data_files: list[str] | None = None
     hf_rows_per_document: int = 1  # consecutive rows that make one document (a dataset of one sentence a row)
 
@@ -136,10 +137,14 @@ class PrepareOptions:
     def validate(self) -> None:
         if bool(self.inputs) == (self.hf_dataset is not None):
             raise PrepareError("give the corpus as --input PATH... or as --hf-dataset NAME, one of the two")
-        if self.hf_dataset is None and (self.hf_config or self.hf_data_files or self.hf_rows_per_document != 1):
-            raise PrepareError("--hf-config, --hf-data-files and --hf-rows-per-document go with --hf-dataset")
+        if self.hf_dataset is None and (self.hf_config or self.hf_split or self.hf_data_files
+                                        or self.hf_rows_per_document != 1):
+            raise PrepareError("--hf-config, --hf-split, --hf-data-files and --hf-rows-per-document go with "
+                               "--hf-dataset")
         if self.hf_rows_per_document < 1:
             raise PrepareError(f"--hf-rows-per-document must be positive, got {self.hf_rows_per_document}")
+        if self.hf_dataset is not None:
+            self.dataset().check()
         if self.pairs:
             self._validate_pairs()
         elif self.source not in corpora.SOURCES:

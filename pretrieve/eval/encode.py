@@ -126,14 +126,12 @@ class DenseEncoder:
 
 
 def has_query_experts(model_dir: str | Path) -> bool:
-    from safetensors import safe_open
-
-    from pretrieve.models.encoder import HEAD_WEIGHTS
+    from pretrieve.models.encoder import HEAD_WEIGHTS, open_weights
 
     path = Path(model_dir) / HEAD_WEIGHTS
     if not path.is_file():
         return False
-    with safe_open(str(path), framework="pt") as f:
+    with open_weights(path) as f:
         return any(k.startswith("encoder.query_experts.") for k in f.keys())
 
 

@@ -260,8 +260,10 @@ def teacher_scores(opts: TeacherOptions) -> dict:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from pretrieve.finetune.examples import read_all
+    from pretrieve.models.encoder import check_weights
     from pretrieve.progress import track
 
+    check_weights(opts.model)
     check_file_output(opts.out, "scored examples", opts.overwrite)
     examples = read_all(opts.data)
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)

@@ -54,10 +54,9 @@ class DualEncoder(nn.Module):
             raise ValueError(f"finetune.temperature: must be > 0, got {temperature}")
         if matryoshka is not None and joint is not None:
             raise ValueError("finetune.matryoshka_dims: pooling dupmae's eq. (12) vectors have no prefixes to train")
-        if pooling == "sparse" and (problems := sparse_problems(normalize, matryoshka is not None)):
-            raise ValueError(problems[0])
-        if pooling == "sparse" and any(line.startswith("MLM head") for line in encoder.load_report):
-            raise ValueError("finetune.pooling: sparse scores through the model's MLM head, and init_from has none")
+        if pooling == "sparse" and (problems := sparse_problems(normalize, matryoshka is not None, not any(
+                line.startswith("MLM head") for line in encoder.load_report))):
+            raise ValueError("\n".join(problems))
         if any(weight < 0 for weight in flops) or (pooling != "sparse" and any(flops)):
             raise ValueError(f"finetune.flops: weights >= 0 of pooling sparse's FLOPS regulariser, got {list(flops)} "
                              f"with pooling {pooling}")
@@ -127,9 +126,13 @@ class DualEncoder(nn.Module):
                 "passage_terms": (p > 0).sum(dim=1).float().mean().detach()}
 
 
-def sparse_problems(normalize: bool, matryoshka: bool) -> list[str]:
-    """What pooling sparse cannot train with, one message a setting (the model and the config check share them)."""
-    return [*(["finetune.normalize: pooling sparse scores SPLADE vectors by their inner product, as their inverted "
+def sparse_problems(normalize: bool, matryoshka: bool, has_head: bool = True) -> list[str]:
+    """What pooling sparse cannot train with, one message a setting, a model with no MLM head first (the model and
+    the config check share them)."""
+    return [*([] if has_head else ["finetune.pooling: sparse scores through the model's MLM head, and init_from has "
+                                   "none (a checkpoint of the backbone alone, as sentence-transformers and AutoModel "
+                                   "save it): start from one with its MLM head, or give a dense pooling"]),
+            *(["finetune.normalize: pooling sparse scores SPLADE vectors by their inner product, as their inverted "
                "index does; leave normalize off"] if normalize else []),
             *(["finetune.matryoshka_dims: pooling sparse's vectors are the vocabulary's, whose prefixes are no "
                "representation; give a dense pooling (cls, mean, last)"] if matryoshka else [])]

@@ -171,6 +171,10 @@ def _check_options(options: FinetuneOptions, problems: Problems) -> None:
             problems.add(message)
     if lora is not None and lora.r and options.model != "dual":
         problems.add("finetune.lora: for the dual encoder (model: dual); the cross-encoder teacher trains whole")
+    for key, ignored in (("pooling", options.pooling not in (None, "cls")), ("normalize", bool(options.normalize))):
+        if options.model == "cross" and ignored:
+            problems.add(f"finetune.{key}: {getattr(options, key)} is for the dual encoder's vectors; the cross-encoder "
+                         f"scores a pair by a linear layer on its [CLS] state (leave {key} out)")
     if options.model == "cross" and options.loss != "contrastive":
         problems.add(f"finetune.loss: {options.loss} is for the dual encoder; the cross-encoder teacher "
                      "learns with the softmax over each group (leave loss at contrastive)")
@@ -202,6 +206,7 @@ def lora_of(options: FinetuneOptions):
 def _check_encoding(options: FinetuneOptions, problems: Problems) -> None:
     """Checks of the options as filled in from init_from (pooling, normalize, passage_max_len)."""
     from pretrieve.finetune.models import DUAL_POOLINGS, sparse_problems
+    from pretrieve.models.encoder import token_head_missing
 
     if options.passage_max_len < 3:
         problems.add(f"finetune.passage_max_len: must be >= 3, got {options.passage_max_len}")
@@ -213,7 +218,8 @@ def _check_encoding(options: FinetuneOptions, problems: Problems) -> None:
         problems.add("finetune.matryoshka_dims: pooling dupmae scores with eq. (12), dense and vocabulary parts "
                      "together, whose prefixes are no representation; give a dense pooling (cls, mean, last)")
     if options.pooling == "sparse":
-        for message in sparse_problems(bool(options.normalize), options.matryoshka_dims is not None):
+        for message in sparse_problems(bool(options.normalize), options.matryoshka_dims is not None,
+                                       not token_head_missing(options.init_from)):
             problems.add(message)
     for key in ("flops_query", "flops_passage"):
         value = getattr(options, key)
@@ -346,7 +352,7 @@ def build_model(o: FinetuneOptions, config_file: Path | None = None):
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from pretrieve.finetune.models import CrossEncoder, DualEncoder
-    from pretrieve.models.encoder import Encoder, load_encoder
+    from pretrieve.models.encoder import Encoder, check_weights, load_encoder
     from pretrieve.models.lora import add_lora
     from pretrieve.models.matryoshka import matryoshka_of
     from pretrieve.models.representation import JointRepresentation, load_joint
@@ -355,6 +361,7 @@ def build_model(o: FinetuneOptions, config_file: Path | None = None):
         if config_file is not None:
             model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(str(config_file)))
         else:
+            check_weights(o.init_from)
             model = AutoModelForSequenceClassification.from_pretrained(o.init_from, num_labels=1,
                                                                        local_files_only=True)
         return CrossEncoder(model, group_size=1 + o.negatives)

@@ -7,11 +7,13 @@ q from the query stream, k and v from the context stream, all [B, heads, L, d]. 
 scaled_dot_product_attention with the dense boolean mask), `eager` (matmul, softmax, matmul: the
 reference). `auto` = the faster of fused and sdpa as measured on this device at about this length
 (kernels/choice.py and its table); sdpa on CPU, under attention dropout, or where nothing was measured.
-The fused kernel has no attention-probability dropout: asking for both is an error.
+The fused kernel has no attention-probability dropout, and runs on a CUDA device or under Triton's interpreter:
+anything else is an error naming method.attention_impl (`fused_problem`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,10 +39,27 @@ def resolve(impl: str, device: torch.device, dropout_p: float = 0.0, length: int
         if length is None:
             return choice.DEFAULT
         return choice.auto(device, length, dropout_p, available())
-    if impl == "fused" and dropout_p > 0:
-        raise ValueError("the fused two-stream attention has no attention dropout; set the decoder's attention "
-                         "dropout to 0 or use attention_impl sdpa/eager")
+    if impl == "fused" and (problem := fused_problem(dropout_p, device.type == "cuda")) is not None:
+        raise ValueError(problem)
     return impl
+
+
+def fused_problem(dropout_p: float = 0.0, cuda: bool | None = None) -> str | None:
+    """Why the fused kernel cannot run (None: it can): attention dropout, which it has none of; no triton; or no
+    CUDA device (`cuda`; None: whether this machine has one) outside Triton's interpreter (TRITON_INTERPRET=1, set
+    before triton loads: how the tests run it on CPU). Without one, triton fails at the first step with "0 active
+    drivers"."""
+    from pretrieve.kernels.fused import available
+
+    if dropout_p > 0:
+        return ("method.attention_impl: the fused two-stream attention has no attention dropout; set "
+                "method.decoder_attention_dropout to 0 or use attention_impl sdpa/eager")
+    if not available():
+        return "method.attention_impl: fused needs triton, which is not installed: pip install 'pretrieve[gpu]'"
+    if not (torch.cuda.is_available() if cuda is None else cuda) and os.environ.get("TRITON_INTERPRET") != "1":
+        return ("method.attention_impl: fused runs a Triton kernel, which needs a CUDA device; use auto, sdpa or "
+                "eager on CPU")
+    return None
 
 
 def two_stream_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: CompactMask,

@@ -139,6 +139,7 @@ class Encoder(nn.Module):
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"init_from: {path} is not a HF model directory (no config.json)")
+        check_weights(path)
         try:
             backbone = backbone_of(AutoConfig.from_pretrained(str(path), local_files_only=True))
         except ValueError as e:
@@ -345,10 +346,8 @@ def read_weights(path: Path, name: str | None = None,
                  prefixes: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
     """Tensors of a HF model directory (all *.safetensors, else pytorch_model.bin), or of one named file;
     with `prefixes`, only the keys starting with one of them are read from safetensors files."""
-    from safetensors import safe_open
-
     def load(file: Path) -> dict[str, torch.Tensor]:
-        with safe_open(str(file), framework="pt") as f:
+        with open_weights(file) as f:
             return {k: f.get_tensor(k) for k in f.keys() if prefixes is None or k.startswith(prefixes)}
 
     if name is not None:
@@ -359,3 +358,44 @@ def read_weights(path: Path, name: str | None = None,
         return {k: v for f in files for k, v in load(f).items()}
     legacy = path / "pytorch_model.bin"
     return torch.load(legacy, map_location="cpu", weights_only=True) if legacy.is_file() else {}
+
+
+def open_weights(file: Path):
+    """safe_open(file) (a context manager); a file safetensors cannot read, cut short by an interrupted copy say,
+    is an error naming it, where safetensors' own names none."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e}); export or copy it again") from e
+
+
+def check_weights(path: str | Path) -> None:
+    """Every safetensors file of the model directory `path` readable (open_weights): called before transformers
+    loads one, whose error would not name the file."""
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with open_weights(file):
+            pass
+
+
+def token_head_missing(path: str | Path) -> list[str]:
+    """The token head's parameters (Encoder.token_head_parameters) the model directory `path` does not hold, as
+    Encoder.from_pretrained would report them, from the weights' names alone (an untied LM head is large)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    hf_keys = backbone_of(config).hf_mlm_keys
+    keys = {}  # file name -> its tensors' names
+    for file in sorted(path.glob("*.safetensors")):
+        with open_weights(file) as f:
+            keys[file.name] = list(f.keys())
+    if not set(keys) - {HEAD_WEIGHTS}:  # the base model in pytorch_model.bin, read whole
+        keys["pytorch_model.bin"] = list(read_weights(path))
+    names = {key[len("encoder."):] for key in keys.pop(HEAD_WEIGHTS, [])}
+    names |= {new + key[len(old):] for held in keys.values() for key in held for old, new in hf_keys.items()
+              if key.startswith(old)}
+    with torch.device("meta"):  # the parameters' names, no memory
+        own = Encoder(config).token_head_parameters()
+    return [name for name, _ in own if name not in names]

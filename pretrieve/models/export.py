@@ -20,7 +20,7 @@ from typing import Callable
 from pretrieve import __version__
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 from pretrieve.models.encoder import (EXPORT_FORMAT, FINETUNE_META, HEAD_CONFIG, HEAD_WEIGHTS, ModelOptions,
-                                      export_meta, finetune_meta)
+                                      check_weights, export_meta, finetune_meta)
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import METHODS, get_method
 from pretrieve.models.lora import unadapt_for_saving
@@ -70,6 +70,7 @@ def load_base_model(path: str | Path):
     from pretrieve.models.lora import merge_saved_adapter
 
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    check_weights(path)
     try:
         backbone = backbone_of(config)
     except ValueError:  # a model type pretrieve does not train: HF's own class

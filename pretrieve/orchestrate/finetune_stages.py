@@ -124,7 +124,8 @@ def run_stages(opts: StagesOptions) -> dict:
     if "stage3" in wanted:
         teacher = train("teacher", f"finetune.init_from={opts.teacher_init or opts.model}", *mined,
                         f"finetune.data=[{hard}]", "finetune.model=cross", "finetune.loss=contrastive",
-                        f"finetune.negatives={opts.negatives}")
+                        f"finetune.negatives={opts.negatives}",
+                        "finetune.pooling=null", "finetune.normalize=null")  # the dual stages' (a cross run's refused)
         step("scoring with the teacher", distill, teacher_scores,
              TeacherOptions(model=str(teacher), data=[str(hard)], out=str(distill)))
         exports["stage3"] = train("stage3", f"finetune.init_from={exports['stage2']}", *mined,

@@ -21,6 +21,7 @@ class PretrainingHead(nn.Module):
     # family's decoder layer); "bidirectional", with model.bidirectional only; "any", causal attention too;
     # "causal", causal decoder LLMs only (encoder families refused too)
     decoder_llms: str | None = None
+    predicts_tokens = True  # computes a loss over the vocabulary (model.vocab_loss says how)
 
     def __init__(self, encoder: Encoder, options):
         super().__init__()

@@ -46,6 +46,10 @@ class CoCondenserOptions(MethodOptions):
     def __post_init__(self):
         super().__post_init__()
         grad_cache_of(self.grad_cache, "method")
+        if self.span_len is not None and self.span_len > self.max_len - 2:  # the collator would cut it silently
+            raise ValueError(f"method.span_len: {self.span_len} tokens do not fit method.max_len {self.max_len} "
+                             f"with [CLS] and [SEP] ({self.max_len - 2} at most); leave span_len out (max_len - 2) "
+                             "or raise max_len")
 
 
 def span_contrastive_loss(reps: torch.Tensor, pad: torch.Tensor, first: int, rows: int) -> torch.Tensor:

@@ -140,6 +140,7 @@ class ContrastiveHead(PretrainingHead):
     encoder's MLM head takes no part: it is frozen and exported as it came."""
 
     decoder_llms = "any"  # causal decoders pool their last token (pooling: last)
+    predicts_tokens = False
 
     def __init__(self, encoder, options):
         super().__init__(encoder, options)

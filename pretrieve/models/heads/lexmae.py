@@ -40,6 +40,15 @@ class LexMAEOptions(BottleneckDecoderOptions):
     enc_weight: float = option(1.0, at_least=0)  # released: --mlm_enc_loss_weight 1.0
     dec_weight: float = option(1.0, at_least=0)  # released: --mlm_dec_loss_weight 1.0
 
+    def __post_init__(self):
+        super().__post_init__()
+        # the decoder's mask covers the encoder's (the released --dec_mlm_overlap inclusive, which asserts
+        # dec_mlm_prob >= the encoder's): below it, the collator would mask at the encoder's ratio, not this one
+        if self.decoder_mask_ratio < self.mlm_ratio:
+            raise ValueError(f"method.decoder_mask_ratio: {self.decoder_mask_ratio} is below method.mlm_ratio "
+                             f"{self.mlm_ratio}, but the decoder's mask covers the encoder's, so it would mask "
+                             f"{self.mlm_ratio}: give a decoder_mask_ratio of {self.mlm_ratio} or more")
+
 
 class LexMAEHead(PretrainingHead):
     """L = enc_weight x L_enc + dec_weight x L_dec, as the released `LexmaeLearner`.

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pretrieve.data.collators import RetroMAECollator
-from pretrieve.kernels import IMPLEMENTATIONS, CompactMask, resolve, two_stream_attention
+from pretrieve.kernels import IMPLEMENTATIONS, CompactMask, fused_problem, two_stream_attention
 from pretrieve.models.flops import labelled, layer_flops, vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.decoder import Decoder
@@ -50,8 +50,9 @@ class RetroMAEHead(PretrainingHead):
         self.decoder = Decoder(encoder, num_layers=1)
         if options.decoder_attention_dropout is not None:
             self.decoder.attention_dropout = options.decoder_attention_dropout
-        if options.attention_impl == "fused":  # refuse fused + attention dropout up front, not at the first step
-            resolve("fused", torch.device("cpu"), self.decoder.attention_dropout)
+        # fused with attention dropout, or on a machine that cannot run it: refused up front, not at the first step
+        if options.attention_impl == "fused" and (problem := fused_problem(self.decoder.attention_dropout)):
+            raise ValueError(problem)
 
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])

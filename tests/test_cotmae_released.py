@@ -171,3 +171,30 @@ def test_options_say_what_each_objective_reads():
         method.options_from({"decoder_objective": "causal"})
     assert (get_method("cotmote").options_from({}).context, get_method("cotmote").options_from({}).max_len) == \
         ("auto", 144)
+
+
+def test_engine_trains_the_released_objective_and_its_export_loads(tmp_path, wiki_shards):
+    """Three optimizer steps under DeepSpeed (ZeRO 2) of cotmae and cotmote, then the export: the encoder in
+    AutoModel, and the whole head (its 2 decoder layers, CoT-MoTE's query experts) in load_export."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModel
+
+    from conftest import json_lines, pretrain_env
+    from pretrieve.models.export import load_export
+
+    script = Path(__file__).resolve().parent / "one_step.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), str(wiki_shards / "manifest.json"),
+                           "cotmae,cotmote", "2"], env=pretrain_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = json_lines(done.stdout)
+    assert [r["method"] for r in records] == ["cotmae", "cotmote"]
+    for record in records:
+        assert record["step"] == 3 and record["finite"] and record["changed"] == record["trainable"] > 0, record
+        export = tmp_path / f"{record['method']}-zero2" / "export"
+        AutoModel.from_pretrained(export)
+        head = load_export(export)
+        assert head.options.decoder_objective == "mlm" and len(head.decoder.layers) == 2
+        assert (head.encoder.query_experts is not None) == (record["method"] == "cotmote")

@@ -6,7 +6,6 @@ import json
 from collections import Counter
 from itertools import islice
 
-import numpy as np
 import pytest
 import torch
 
@@ -21,6 +20,17 @@ def unmasked(batch: dict, row: int, ids="input_ids", labels="mlm_labels", mask="
     """A row's original text without [CLS] and [SEP]: the label where masked, else the input."""
     text = torch.where(batch[labels][row] != -100, batch[labels][row], batch[ids][row])
     return text[1:int(batch[mask][row].sum()) - 1].tolist()
+
+
+def jsonl_samples(tmp_path, docs: list[dict]) -> dict[str, dict]:
+    """The stream samples of `docs` (JSON-lines records, text in `contents`) after `prepare`, by document id."""
+    from pretrieve.data.prepare import PrepareOptions, prepare
+
+    src = tmp_path / "corpus.jsonl"
+    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    prepare(PrepareOptions(source="jsonl", inputs=[str(src)], out=str(tmp_path / "shards"), workers=0,
+                           text_field="contents", progress=False))
+    return {s["doc"]: s for s in ShardStream([tmp_path / "shards" / "manifest.json"], shuffle_buffer=1)}
 
 
 def written_out(head, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,15 +131,8 @@ def test_contexts_are_the_three_released_kinds_each_fixed_per_anchor(wiki_shards
 
 
 def test_a_one_block_document_never_decodes_itself(tmp_path, vocab):
-    from pretrieve.data.prepare import PrepareOptions, prepare
-
-    docs = [{"id": "short", "contents": "A single block about the moon and the tides of the sea."},
-            {"id": "one", "contents": "moon"}]
-    src = tmp_path / "corpus.jsonl"
-    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    prepare(PrepareOptions(source="jsonl", inputs=[str(src)], out=str(tmp_path / "shards"), workers=0,
-                           text_field="contents", progress=False))
-    samples = {s["doc"]: s for s in ShardStream([tmp_path / "shards" / "manifest.json"], shuffle_buffer=1)}
+    samples = jsonl_samples(tmp_path, [{"id": "short", "contents": "A single block about the moon and the tides."},
+                                       {"id": "one", "contents": "moon"}])
     ids = list(samples["short"]["ids"])
     halves = {tuple(ids[:(len(ids) + 1) // 2]), tuple(ids[(len(ids) + 1) // 2:])}
     anchors = set()
@@ -144,19 +147,13 @@ def test_a_one_block_document_never_decodes_itself(tmp_path, vocab):
 
 
 def test_cotmote_routes_decoded_pseudo_queries_through_the_query_experts(tmp_path, vocab):
-    from pretrieve.data.prepare import PrepareOptions, prepare
-
-    docs = [{"id": "d1", "contents": "A passage about tides. The moon pulls the sea.", "queries": ["what causes tides"]},
-            {"id": "d2", "contents": "Another passage without any queries at all."}]
-    src = tmp_path / "corpus.jsonl"
-    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    prepare(PrepareOptions(source="jsonl", inputs=[str(src)], out=str(tmp_path / "shards"), workers=0,
-                           text_field="contents", progress=False))
-    samples = list(ShardStream([tmp_path / "shards" / "manifest.json"], shuffle_buffer=1))
-    batch = CoTMoTECollator(vocab)(sorted(samples, key=lambda s: s["doc"]))
+    samples = jsonl_samples(tmp_path, [
+        {"id": "d1", "contents": "A passage about tides. The moon pulls the sea.", "queries": ["what causes tides"]},
+        {"id": "d2", "contents": "Another passage without any queries at all."}])
+    batch = CoTMoTECollator(vocab)([samples["d1"], samples["d2"]])
     assert batch["ctx_kind"].tolist()[0] == KIND_IDS["query"] and batch["ctx_kind"].tolist()[1] != KIND_IDS["query"]
     assert batch["text_type"].tolist() == [0, 1, 0, 0]  # d1, its query, d2, its other half
-    assert unmasked(batch, 1) == samples[0]["queries"][0]
+    assert unmasked(batch, 1) == samples["d1"]["queries"][0]
 
 
 def test_options_say_what_each_objective_reads():

@@ -231,19 +231,11 @@ def test_sparse_and_hybrid_representations():
 
 
 def test_cotmae_decodes_pseudo_queries_when_the_corpus_has_them(tmp_path, vocab):
-    import json
+    from test_cotmae_released import jsonl_samples
 
-    from pretrieve.data.prepare import PrepareOptions, prepare
-
-    docs = [{"id": "d1", "contents": "A passage about tides. The moon pulls the sea.",
-             "queries": ["what causes tides", "moon and sea"]},
-            {"id": "d2", "contents": "Another passage without any queries at all."}]
-    src = tmp_path / "corpus.jsonl"
-    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    prepare(PrepareOptions(source="jsonl", inputs=[str(src)], out=str(tmp_path / "shards"), workers=0,
-                           text_field="contents", progress=False))
-    samples = list(ShardStream([tmp_path / "shards" / "manifest.json"], shuffle_buffer=1))
-    by_doc = {s["doc"]: s for s in samples}
+    by_doc = jsonl_samples(tmp_path, [{"id": "d1", "contents": "A passage about tides. The moon pulls the sea.",
+                                       "queries": ["what causes tides", "moon and sea"]},
+                                      {"id": "d2", "contents": "Another passage without any queries at all."}])
     backend_ids = [vocab.tokens.index(t) for t in ("what", "causes", "tides")]
     assert by_doc["d1"]["queries"][0] == backend_ids and "queries" not in by_doc["d2"]
 

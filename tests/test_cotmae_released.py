@@ -195,3 +195,20 @@ def test_engine_trains_the_released_objective_and_its_export_loads(tmp_path, wik
         head = load_export(export)
         assert head.options.decoder_objective == "mlm" and len(head.decoder.layers) == 2
         assert (head.encoder.query_experts is not None) == (record["method"] == "cotmote")
+
+
+def test_an_export_from_before_the_option_continues_with_the_clm_decoder(tmp_path):
+    from pretrieve.models.encoder import ModelOptions
+    from pretrieve.models.export import export, load_export
+    from pretrieve.models.heads.seed import CausalDecoder
+
+    method = get_method("cotmae")
+    options = method.options_from({"decoder_objective": "clm", "decoder_layers": 1, "max_len": 64})
+    out = export(method.build(options, ModelOptions(hidden_size=32, num_layers=1, num_heads=2,
+                                                    intermediate_size=64)), tmp_path / "export")
+    meta_path = out / "pretrieve_head.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["options"]["decoder_objective"], meta["options"]["decoder_mask_ratio"]  # as such exports were
+    meta_path.write_text(json.dumps(meta))
+    head = load_export(out)
+    assert head.options.decoder_objective == "clm" and isinstance(head.decoder, CausalDecoder)

@@ -37,6 +37,11 @@ class CoTMAEOptions(MethodOptions):
         if self.decoder_objective == "mlm" and self.decoder_mask_ratio is None:
             self.decoder_mask_ratio = 0.45
 
+    @classmethod
+    def saved(cls, values):
+        # an export written before `decoder_objective` existed trained the CLM summary: it continues as it was
+        return {"decoder_objective": "clm", **values}
+
 
 class CoTMAEHead(PretrainingHead):
     """L = L_enc + L_dec, each a mean over its batch's targets (the released code's two cross-entropies).

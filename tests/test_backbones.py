@@ -66,7 +66,7 @@ def head_and_batch(backbone: str, method: str, corpora, seed: int = 0):
     options = spec.options_from({"max_len": MAX_LEN})
     batch = spec.collator.from_options(options, Vocabulary.of_tokenizer(tokenizer), seed=0)(samples)
     if method == "cotmote":  # half the texts through the query experts
-        batch["text_type"] = torch.arange(len(samples)) % 2
+        batch["text_type"] = torch.arange(len(batch["input_ids"])) % 2
     return spec.build(options, tiny(backbone, tokenizer), seed=seed), batch
 
 

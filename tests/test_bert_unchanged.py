@@ -26,7 +26,7 @@ def losses_and_grad_norm(method: str, samples, vocab) -> dict[str, str]:
     head = spec.build(options, model, seed=0)
     batch = spec.collator.from_options(options, vocab, seed=0)(samples[:8])
     if method == "cotmote":  # half the texts through the query experts
-        batch["text_type"] = torch.arange(8) % 2
+        batch["text_type"] = torch.arange(len(batch["input_ids"])) % 2
     torch.manual_seed(1)  # dropout
     out = head(batch)
     out["loss"].backward()

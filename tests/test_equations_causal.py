@@ -1,6 +1,7 @@
 """The causal-decoder heads written out from their papers in plain torch (tests/paper_math.py), float64, against
-the heads' losses: SEED-Encoder's weak decoder (seed-encoder.txt eqs. 9-10), CoT-MAE's context decoder
-(cot-mote.txt eqs. 10-12) and CoT-MoTE's textual experts (cot-mote.txt eqs. 7-9).
+the heads' losses: SEED-Encoder's weak decoder (seed-encoder.txt eqs. 9-10), CoT-MAE's context decoder as the
+CoT-MoTE paper summarises it (`decoder_objective: clm`, cot-mote.txt eqs. 10-12) and CoT-MoTE's textual experts
+(cot-mote.txt eqs. 7-9). The released CoT-MAE objective: tests/test_cotmae_released.py.
 
 Masks are built by loops from each paper's definition, targets from the token ids; nothing here calls
 pretrieve's window_mask, decoder layers, attention or token_loss.
@@ -97,7 +98,7 @@ def test_seed_loss_is_equations_9_and_10(wiki_samples, vocab):
 
 @pytest.mark.parametrize("method", ["cotmae", "cotmote"])
 def test_context_decoder_loss_is_equations_10_to_12(method, wiki_samples, vocab):
-    head, batch = build(method, wiki_samples, vocab)
+    head, batch = build(method, wiki_samples, vocab, decoder_objective="clm", decoder_layers=1)
     ids, mask = batch["ctx_input_ids"], batch["ctx_attention_mask"]
     assert not batch["ctx_from_self"].all()  # the decoder does see neighbour blocks here
     assert torch.equal(batch["ctx_labels"], next_token_targets(ids, mask))
@@ -112,7 +113,7 @@ def test_context_decoder_loss_is_equations_10_to_12(method, wiki_samples, vocab)
 
 
 def test_mote_encoder_is_equations_7_to_9(wiki_samples, vocab):
-    head, batch = build("cotmote", wiki_samples, vocab)
+    head, batch = build("cotmote", wiki_samples, vocab, decoder_objective="clm")
     encoder = head.encoder
     batch["text_type"] = torch.tensor([1, 0, 1, 0])
     torch.manual_seed(0)
@@ -142,7 +143,8 @@ def test_decoder_reads_only_its_span(method, layers, window, wiki_samples, vocab
     """Perturb one input token (or h_0) per row and see which of the head's own decoder states move: with
     span k, the state predicting x_t reads x_{t-k..t-1} in each layer, so after L layers x_{t-L(k-1)-1..t-1}
     (eq. 9 exactly for L = 1); CoT-MAE's reads every earlier token (eq. 12). h_0 reaches every position."""
-    overrides = {"decoder_layers": layers} if window is None else {"decoder_layers": layers, "decoder_window": window}
+    overrides = {"decoder_layers": layers, "decoder_objective": "clm"} if window is None \
+        else {"decoder_layers": layers, "decoder_window": window}
     head, batch = build(method, wiki_samples, vocab, **overrides)
     reach = None if window is None else layers * (window - 1)
     n = 14

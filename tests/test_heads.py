@@ -103,9 +103,9 @@ def test_every_config_loads(path, vocab):
     if path.name.startswith("tiny-"):
         assert model.hidden_size <= 64 and model.num_layers <= 2
     else:  # the paper settings (contrastive: E5-base's pre-training, 128 tokens; mntp: LLM2Vec's on Qwen3-0.6B;
-        # llama2vec: the paper's on LLaMA-2-7B)
+        # llama2vec: the paper's on LLaMA-2-7B; cotmae: the released CoT-MAE's 128; cotmote: CoT-MoTE's 144)
         shape = {"contrastive": (768, 12, 128), "cocondenser": (768, 12, 128), "simlm": (768, 12, 144),
-                 "lexmae": (768, 12, 144),
+                 "lexmae": (768, 12, 144), "cotmae": (768, 12, 128), "cotmote": (768, 12, 144),
                  "mntp": (1024, 28, 512), "llama2vec": (4096, 32, 1024)}.get(spec.name, (768, 12, 512))
         assert (model.hidden_size, model.num_layers, options.max_len) == shape
         schedule = {"costa": (5e-5, 0.1, 0.01), "seed": (1e-4, 0.01, 0.01), "contrastive": (2e-4, 0.05, 0.01),

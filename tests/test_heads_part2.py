@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import free_port
 
-from pretrieve.data.collators import COSTACollator, CoTMAECollator
+from pretrieve.data.collators import COSTACollator
+from pretrieve.data.cotmae import CoTMAECollator
 from pretrieve.data.neighbours import NeighbourBlocks
 from pretrieve.data.spans import STOPWORDS
 from pretrieve.data.stream import ShardStream
@@ -163,13 +164,14 @@ def test_cotmae_neighbours_stay_in_their_document(wiki_shards, books_shards, voc
     assert seen > 700 and with_neighbour > 0.8 * seen
 
     samples = list(islice(iter(ShardStream([wiki_shards / "manifest.json"], shuffle_buffer=64)), 16))
-    batch = CoTMAECollator(vocab, max_len=512)(samples)
+    batch = CoTMAECollator(vocab, max_len=512, decoder_objective="clm", context="neighbour")(samples)
     for row, sample in enumerate(samples):
-        options = [ids for ids, _ in lookup.candidates(sample)] or [sample["ids"]]
+        ids = sample["ids"]  # a one-block document: its two halves are each other's neighbours
+        options = [ids for ids, _ in lookup.candidates(sample)] or [ids[:(len(ids) + 1) // 2], ids[(len(ids) + 1) // 2:]]
         n = int(batch["ctx_attention_mask"][row].sum())
         context = batch["ctx_input_ids"][row, 1:n - 1].numpy()
         assert any(np.array_equal(context, ids[:510]) for ids in options)
-        assert bool(batch["ctx_from_self"][row]) == (not lookup.candidates(sample))
+        assert not batch["ctx_from_self"][row]
 
 
 def test_mote_experts_are_independent_and_start_equal(tmp_path, wiki_samples, vocab):
@@ -183,8 +185,9 @@ def test_mote_experts_are_independent_and_start_equal(tmp_path, wiki_samples, vo
     head = method.build(options, ModelOptions(init_from=str(tmp_path / "bert"))).eval()
     batch = method.collator.from_options(options, vocab)(wiki_samples[:4])
     encoder = head.encoder
-    query, passage = torch.ones(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
-    mixed = torch.tensor([1, 0, 1, 0])
+    rows = len(batch["input_ids"])  # each anchor and its context
+    query, passage = torch.ones(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+    mixed = torch.arange(rows) % 2
 
     def encode(kind):
         with torch.no_grad():
@@ -228,30 +231,24 @@ def test_sparse_and_hybrid_representations():
 
 
 def test_cotmae_decodes_pseudo_queries_when_the_corpus_has_them(tmp_path, vocab):
-    import json
+    from test_cotmae_released import jsonl_samples
 
-    from pretrieve.data.prepare import PrepareOptions, prepare
-
-    docs = [{"id": "d1", "contents": "A passage about tides. The moon pulls the sea.",
-             "queries": ["what causes tides", "moon and sea"]},
-            {"id": "d2", "contents": "Another passage without any queries at all."}]
-    src = tmp_path / "corpus.jsonl"
-    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    prepare(PrepareOptions(source="jsonl", inputs=[str(src)], out=str(tmp_path / "shards"), workers=0,
-                           text_field="contents", progress=False))
-    samples = list(ShardStream([tmp_path / "shards" / "manifest.json"], shuffle_buffer=1))
-    by_doc = {s["doc"]: s for s in samples}
+    by_doc = jsonl_samples(tmp_path, [{"id": "d1", "contents": "A passage about tides. The moon pulls the sea.",
+                                       "queries": ["what causes tides", "moon and sea"]},
+                                      {"id": "d2", "contents": "Another passage without any queries at all."}])
     backend_ids = [vocab.tokens.index(t) for t in ("what", "causes", "tides")]
     assert by_doc["d1"]["queries"][0] == backend_ids and "queries" not in by_doc["d2"]
 
-    batch = CoTMAECollator(vocab, max_len=64)([by_doc["d1"], by_doc["d2"]])
-    assert batch["ctx_is_query"].tolist() == [True, False] and batch["ctx_from_self"].tolist() == [False, True]
+    clm = {"max_len": 64, "decoder_objective": "clm"}
+    batch = CoTMAECollator(vocab, context="auto", **clm)([by_doc["d1"], by_doc["d2"]])
+    # d2, a one-block document without queries, decodes its other half, not itself
+    assert batch["ctx_is_query"].tolist() == [True, False] and batch["ctx_from_self"].tolist() == [False, False]
     n = int(batch["ctx_attention_mask"][0].sum())
     assert batch["ctx_input_ids"][0, 1:n - 1].tolist() in [q for q in by_doc["d1"]["queries"]]
-    neighbour_only = CoTMAECollator(vocab, max_len=64, context="neighbour")([by_doc["d1"]])
+    neighbour_only = CoTMAECollator(vocab, context="neighbour", **clm)([by_doc["d1"]])
     assert not neighbour_only["ctx_is_query"].any()
     with pytest.raises(ValueError, match="no pseudo-queries"):
-        CoTMAECollator(vocab, max_len=64, context="query")([by_doc["d2"]])
+        CoTMAECollator(vocab, context="query", **clm)([by_doc["d2"]])
 
 
 def test_bad_queries_field_is_a_bad_row(tmp_path):

@@ -61,7 +61,7 @@ def head_and_batch(method: str, corpus, unpad: bool, backbone: str = "modernbert
     options = spec.options_from({"max_len": max_len})
     batch = spec.collator.from_options(options, Vocabulary.of_tokenizer(tokenizer), seed=0)(samples)
     if method == "cotmote":  # half the texts through the query experts
-        batch["text_type"] = torch.arange(len(samples)) % 2
+        batch["text_type"] = torch.arange(len(batch["input_ids"])) % 2
     return spec.build(options, ModelOptions(init_from=str(checkpoint), unpad=unpad), seed=0), batch
 
 

@@ -10,7 +10,7 @@ padded to an equal batch count, see stream.py) are collated but carry no target.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import numpy as np
@@ -18,7 +18,6 @@ import torch
 
 from pretrieve.data.masking import (Vocabulary, corrupt, decoder_mask_pool, ordinary_positions, whole_word_mask,
                                     word_ids)
-from pretrieve.data.neighbours import NeighbourBlocks
 from pretrieve.data.spans import sample_spans, word_candidates
 
 
@@ -218,59 +217,6 @@ class SEEDCollator(MLMCollator):
     def extend(self, out, batch, words, num_words, rng):
         out["dec_input_ids"] = torch.from_numpy(batch.ids)
         out["dec_labels"] = torch.from_numpy(next_token_labels(batch.ids, batch.lengths, batch.pad))
-
-
-@dataclass
-class CoTMAECollator(MLMCollator):
-    """CoT-MAE batches: MLM keys for the anchor block plus its contextual span for the causal decoder:
-    `ctx_input_ids` ([CLS] span [SEP]), `ctx_attention_mask`, `ctx_labels` (next ordinary token),
-    `ctx_is_query` and `ctx_from_self`.
-
-    The span is one of the document's pseudo-queries when the corpus has them (a jsonl `queries` field kept
-    by `prepare`) and `context` allows it, else a neighbouring block of the same document
-    (data/neighbours.py); a one-block document without queries reconstructs its own block (`ctx_from_self`).
-    """
-
-    mlm_ratio: float = 0.30
-    context: str = "auto"  # auto: pseudo-query when the document has one, else neighbour | neighbour | query
-    neighbours: NeighbourBlocks = field(default_factory=NeighbourBlocks, repr=False)
-
-    def extend(self, out, batch, words, num_words, rng):
-        contexts, is_query, from_self = [], [], []
-        for sample in batch.samples:
-            span, query = self._context(sample, rng)
-            is_query.append(query)
-            from_self.append(span is None)
-            contexts.append({"ids": sample["ids"] if span is None else span, "pad": sample.get("pad", False)})
-        ctx = self.pad(contexts)
-        out["ctx_input_ids"] = torch.from_numpy(ctx.ids)
-        out["ctx_attention_mask"] = torch.from_numpy(
-            (np.arange(ctx.ids.shape[1])[None, :] < ctx.lengths[:, None]).astype(np.int64))
-        out["ctx_labels"] = torch.from_numpy(next_token_labels(ctx.ids, ctx.lengths, ctx.pad))
-        out["ctx_is_query"] = torch.tensor(is_query)
-        out["ctx_from_self"] = torch.tensor(from_self)
-
-    def _context(self, sample: dict, rng: np.random.Generator) -> tuple[np.ndarray | None, bool]:
-        queries = sample.get("queries") if self.context != "neighbour" else None
-        if queries:
-            return np.asarray(queries[int(rng.integers(len(queries)))], dtype=np.int64), True
-        if self.context == "query":
-            raise ValueError(f"method.context is 'query' but document {sample.get('doc')!r} of "
-                             f"{sample.get('source')!r} has no pseudo-queries (prepare a jsonl with a queries field)")
-        picked = self.neighbours.pick(sample, rng) if "shard_file" in sample else None
-        return (None if picked is None else picked[0]), False
-
-
-@dataclass
-class CoTMoTECollator(CoTMAECollator):
-    """CoT-MoTE batches: CoT-MAE keys plus `text_type` [B] (1 = query, 0 = passage): samples whose corpus
-    `source` is listed in `query_sources` go through the query experts."""
-
-    query_sources: tuple[str, ...] = ()
-
-    def extend(self, out, batch, words, num_words, rng):
-        super().extend(out, batch, words, num_words, rng)
-        out["text_type"] = torch.tensor([int(s.get("source") in self.query_sources) for s in batch.samples])
 
 
 @dataclass

@@ -31,18 +31,25 @@ class NeighbourBlocks:
 
     def candidates(self, sample: dict) -> list[tuple[np.ndarray, dict]]:
         """The previous and next blocks of the sample's document found in its shard (0, 1 or 2)."""
-        blocks = self._shard(sample["shard_file"])
-        index = sample["index"]
-        found = []
-        for j in (index - 1, index + 1):
-            if 0 <= j < len(blocks):
-                ids, meta = blocks[j]
-                if (meta["doc"], meta["source"]) == (sample["doc"], sample["source"]) \
-                        and abs(meta["block"] - sample["block"]) == 1:
-                    found.append((ids, meta))
-        return found
+        blocks, at = self.document(sample, reach=1)
+        return [blocks[j] for j in (at - 1, at + 1) if 0 <= j < len(blocks)]
 
-    def pick(self, sample: dict, rng: np.random.Generator) -> tuple[np.ndarray, dict] | None:
-        """A random neighbouring block of the same document, or None for a one-block document."""
-        found = self.candidates(sample)
-        return found[int(rng.integers(len(found)))] if found else None
+    def document(self, sample: dict, reach: int) -> tuple[list[tuple[np.ndarray, dict]], int]:
+        """(the blocks of the sample's document found in its shard, at most `reach` on either side of it, in
+        order, the sample's own included; the sample's place among them)."""
+        blocks = self._shard(sample["shard_file"])
+        key = (sample["doc"], sample["source"])
+
+        def run(step: int) -> list[tuple[np.ndarray, dict]]:
+            found, j, block = [], sample["index"] + step, sample["block"]
+            while len(found) < reach and 0 <= j < len(blocks):
+                ids, meta = blocks[j]
+                if (meta["doc"], meta["source"]) != key or meta["block"] != block + step:
+                    break
+                found.append((ids, meta))
+                j, block = j + step, block + step
+            return found
+
+        before = run(-1)[::-1]
+        own = blocks[sample["index"]]
+        return [*before, own, *run(1)], len(before)

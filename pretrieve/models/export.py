@@ -162,5 +162,6 @@ def load_export(path: str | Path, method_options: dict | None = None) -> Pretrai
     if not meta:
         raise FileNotFoundError(f"{path}: no {HEAD_CONFIG}; not a pretrieve export")
     method = get_method(meta["method"])
-    options = method.options_from({**meta["options"], **(method_options or {})}, where=str(Path(path) / HEAD_CONFIG))
+    options = method.options_from({**method.options.saved(meta["options"]), **(method_options or {})},
+                                  where=str(Path(path) / HEAD_CONFIG))
     return method.build(options, ModelOptions(init_from=str(path)))

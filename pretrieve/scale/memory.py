@@ -28,7 +28,7 @@ Memory of one device while training a micro-batch of b sequences of length s (by
     encoder      = L layer(b, s), or with activation checkpointing L e s b h + layer(b, s) (the layer inputs,
                    and one layer's activations while it is recomputed)
     decoders     = retromae, dupmae: layer(b, s); seed: decoder_layers x layer(b, s_dec); cotmae, cotmote:
-                   decoder_layers x layer(b, s_ctx) (never checkpointed)
+                   decoder_layers x layer(b, s_ctx), s_ctx the decoder's input (never checkpointed)
     vocabulary   = per vocabulary projection 4 V (h + 1), its fp32 gradient kept from forward to backward, and
                    one chunk of logits (models/vocab_projection.py keeps no [positions, V] tensor)
 
@@ -143,8 +143,9 @@ def decoder_layers(method: str, options, batch: dict) -> list[tuple[int, int]]:
         return [(1, length)]
     if method == "seed":
         return [(options.decoder_layers, batch["dec_input_ids"].shape[1])]
-    if method in ("cotmae", "cotmote"):
-        return [(options.decoder_layers, batch["ctx_input_ids"].shape[1])]
+    if method in ("cotmae", "cotmote"):  # clm: over the contexts; mlm: over the partners' texts
+        ctx = batch["ctx_input_ids"] if options.decoder_objective == "clm" else batch["dec_input_ids"]
+        return [(options.decoder_layers, ctx.shape[1])]
     return []
 
 

@@ -82,6 +82,12 @@ class MethodOptions:
             if choices is not None and getattr(self, f.name) not in choices:
                 raise ValueError(f"method.{f.name}: {getattr(self, f.name)!r} is not one of {', '.join(choices)}")
 
+    @classmethod
+    def saved(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """The options an export's pretrieve_head.json records, as this version reads them: a method whose
+        defaults changed maps what an older export left out to what it trained with."""
+        return values
+
 
 def option_range_problems(options: Any, where: str) -> list[str]:
     """One message per option outside its range."""

@@ -22,6 +22,11 @@ loss and its gradients, then writes its weights under the released names (`encod
 computes the loss and gradients there. The JSON holds both losses
 and parts, and the largest gradient difference, for each generator setting, plus the training FLOPs of simlm
 against mlm and retromae at BERT-base (engine.flops).
+
+What it compares is the head on a given batch. It does not compare the collators (the released
+`DataCollatorForReplaceLM` draws no mask here: both sides read pretrieve's) nor the generator's draws (forced to
+one token); how pretrieve's masks follow the released collator's is docs/methods.md's (`simlm`, "The paper and
+the released code") and tests/test_masking.py's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Collators and the compact decoder mask on real text: ratios, whole words, the eq. (5) rules, padding."""
 
 import random
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +12,9 @@ from pretrieve.data.collators import (BoWCollator, DupMAECollator, LexMAECollato
                                       SimLMCollator)
 from pretrieve.data.masking import ordinary_positions, word_ids
 from pretrieve.kernels.reference import expand_decoder_mask, two_stream_attention, unpack_pool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from hf_whole_word import hf_whole_word_mask  # noqa: E402
 
 
 def _whole_words_hold(ids, lengths, state, vocab):
@@ -143,29 +148,6 @@ def test_random_bits_rate(probability):
     assert abs(bits[:, :500].mean() - bits[:, 500:].mean()) < 0.006  # no drift along the packed bytes
 
 
-def hf_whole_word_mask(tokens: list[str], ratio: float, draw: random.Random, specials: set[str]) -> list[int]:
-    """HF's `DataCollatorForWholeWordMask._whole_word_mask` (transformers 4.x, the classic collator the released
-    Condenser, RetroMAE, SimLM and bowdpr code subclass or copy) restated: candidates skip special tokens, "##"
-    pieces join the word before, the words are shuffled, and a word that would overflow round(ratio x tokens)
-    is skipped."""
-    words = []
-    for i, token in enumerate(tokens):
-        if token in specials:
-            continue
-        if words and token.startswith("##"):
-            words[-1].append(i)
-        else:
-            words.append([i])
-    draw.shuffle(words)
-    budget, masked = max(1, round(len(tokens) * ratio)), []
-    for word in words:
-        if len(masked) >= budget:
-            break
-        if len(masked) + len(word) <= budget:
-            masked += word
-    return masked
-
-
 def _budget(lengths, ratio):
     return np.maximum(1, np.rint(ratio * lengths)).astype(np.int64)
 
@@ -182,7 +164,8 @@ def test_whole_words_fill_the_budget_as_hf_does(wiki_samples, vocab, max_len, ra
     filled = masked.sum(1) == budget
 
     draw, specials = random.Random(0), set(vocab.tokens[i] for i in np.flatnonzero(vocab.special))
-    hf = [len(hf_whole_word_mask([vocab.tokens[t] for t in row[1:n - 1]], ratio, draw, specials))
+    # HF's draw as the released Condenser collator calls it: on the text's own tokens, special tokens skipped
+    hf = [sum(hf_whole_word_mask([vocab.tokens[t] for t in row[1:n - 1]], ratio, specials, draw))
           for row, n in zip(ids, lengths)]
     hf_filled = np.array(hf) == budget
     assert hf_filled.all() and filled.mean() == hf_filled.mean()

@@ -36,6 +36,8 @@ from pretrieve.data.stream import ShardStream  # noqa: E402
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend  # noqa: E402
 from pretrieve.models.heads import get_method  # noqa: E402
 
+from hf_whole_word import hf_whole_word_mask  # noqa: E402
+
 SAMPLES = Path(__file__).resolve().parent.parent / "pretrieve" / "assets" / "samples"
 BATCH, MAX_LEN = 32, 512  # defaults; --batch, --max-len
 METHODS = ("mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "cotmote")
@@ -73,24 +75,7 @@ class OfficialRetroMAECollator:
         self.encoder_ratio, self.decoder_ratio = encoder_ratio, decoder_ratio
 
     def _whole_word_mask(self, tokens: list[str], ratio: float) -> list[int]:
-        words = []
-        for i, token in enumerate(tokens):
-            if token in ("[CLS]", "[SEP]"):
-                continue
-            if words and token.startswith("##"):
-                words[-1].append(i)
-            else:
-                words.append([i])
-        random.shuffle(words)
-        budget = max(1, int(round(len(tokens) * ratio)))
-        covered: set[int] = set()
-        for word in words:
-            if len(covered) >= budget:
-                break
-            if len(covered) + len(word) > budget:
-                continue
-            covered.update(word)
-        return [1 if i in covered else 0 for i in range(len(tokens))]
+        return hf_whole_word_mask(tokens, ratio)
 
     def __call__(self, samples: list[dict]) -> dict:
         masks, encoder_masks = [], []

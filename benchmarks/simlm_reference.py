@@ -22,6 +22,13 @@ loss and its gradients, then writes its weights under the released names (`encod
 computes the loss and gradients there. The JSON holds both losses
 and parts, and the largest gradient difference, for each generator setting, plus the training FLOPs of simlm
 against mlm and retromae at BERT-base (engine.flops).
+
+The loss comparison reads one batch, pretrieve's collator's, on both sides, and forces the generator's draws to
+one token: it compares the head, not the collators nor the draws. The collators are compared apart, on what
+needs no shared random stream: the released `DataCollatorForReplaceLM` (`--all_use_mask_token`) and pretrieve's
+each mask the same texts (the 8 blocks as text, and one with [UNK]s) DRAWS times, and the JSON's `collators`
+holds, for each, the encoder's masked tokens per text (mean over the draws), the share of draws that fill the
+budget round(0.3 x n) exactly (n with [CLS] and [SEP]), the decoder's mean masked share and the masked [UNK]s.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ import released_code
 ROOT = Path(__file__).resolve().parent.parent
 HIDDEN, LAYERS, GENERATOR_HIDDEN, TEXTS, MAX_LEN, PEAK = 64, 4, 32, 8, 144, 50.0
 SETTINGS = {"frozen": True, "trained": False}  # the generator: --rlm_freeze_generator
+DRAWS, ENCODER_RATIO, DECODER_RATIO = 50, 0.3, 0.5  # the collators' comparison: collations of the same texts
+UNK_TEXT = "the cat \u2603 sat on the \U0001F600 mat near the \u2603 dog " * 4  # 12 [UNK]s among 48 tokens
+TOKENIZER = ROOT / "pretrieve" / "assets" / "tokenizer"
 
 
 def wikipedia_samples(work: Path, count: int, first: int = 0) -> list[dict]:
@@ -106,6 +116,76 @@ def pretrieve_side(setting: str, work: Path) -> dict:
     return {k: v.item() for k, v in out.items()}
 
 
+def mask_statistics(lengths: list[int], unknown: list[list[bool]], draws: list[tuple[list, list]]) -> dict:
+    """What the collators' comparison reports of `draws` (the encoder's and the decoder's masks, lists of rows of
+    0/1, per collation) of texts of `lengths` tokens ([CLS] and [SEP] counted) whose [UNK]s are `unknown`."""
+    budgets = [max(1, round(ENCODER_RATIO * n)) for n in lengths]
+    encoder = [[sum(row) for row in enc] for enc, _ in draws]
+    masked_unknown = sum(bool(enc[t][i] or dec[t][i]) for enc, dec in draws for t, row in enumerate(unknown)
+                         for i, unk in enumerate(row) if unk)
+    decoder = [sum(dec[t]) / (n - 2) for _, dec in draws for t, n in enumerate(lengths)]
+    return {"encoder_masked": [sum(counts[t] for counts in encoder) / len(draws) for t in range(len(lengths))],
+            "budgets": budgets, "filled_share": sum(count == budget for counts in encoder
+                                                   for count, budget in zip(counts, budgets)) / (len(draws) * len(budgets)),
+            "decoder_share": sum(decoder) / len(decoder), "unk_masked": masked_unknown}
+
+
+def write_collator_texts(work: Path) -> None:
+    """The texts both collators mask, to work/texts.json: the batch's blocks as text, and UNK_TEXT."""
+    from pretrieve.data.tokenizer import load_backend
+
+    backend = load_backend(TOKENIZER)
+    texts = [backend.decode(s["ids"][:MAX_LEN - 2].tolist()) for s in wikipedia_samples(work, TEXTS)] + [UNK_TEXT]
+    (work / "texts.json").write_text(json.dumps(texts))
+
+
+def pretrieve_collator(work: Path) -> dict:
+    """mask_statistics of pretrieve's SimLMCollator on work/texts.json, DRAWS collations."""
+    import numpy as np
+
+    from pretrieve.data.collators import SimLMCollator
+    from pretrieve.data.masking import Vocabulary
+    from pretrieve.data.tokenizer import load_backend
+
+    vocab = Vocabulary.from_backend(load_backend(TOKENIZER))
+    samples = [{"ids": np.array(vocab.encode(text))} for text in json.loads((work / "texts.json").read_text())]
+    draws, batch = [], None
+    for draw in range(DRAWS):
+        batch = SimLMCollator(vocab, max_len=MAX_LEN, mlm_ratio=ENCODER_RATIO, decoder_mask_ratio=DECODER_RATIO,
+                              seed=draw)(samples)
+        draws.append(((batch["mlm_labels"] != -100).int().tolist(), batch["dec_masked"].int().tolist()))
+    lengths = batch["attention_mask"].sum(1).tolist()
+    original = np.where(batch["mlm_labels"] != -100, batch["mlm_labels"], batch["input_ids"])
+    return mask_statistics(lengths, (original == vocab.backend.token_to_id("[UNK]")).tolist(), draws)
+
+
+def released_collator(released: str, work: str) -> dict:
+    """mask_statistics of the released DataCollatorForReplaceLM (recipe settings) on work/texts.json."""
+    import random
+    import types
+
+    import torch
+    from transformers import BertTokenizerFast
+
+    sys.path.insert(0, str(Path(released) / "src"))
+    from collators.rlm_collator import DataCollatorForReplaceLM
+
+    texts = json.loads((Path(work) / "texts.json").read_text())
+    tokenizer = BertTokenizerFast.from_pretrained(str(TOKENIZER))
+    collate = DataCollatorForReplaceLM(tokenizer, args=types.SimpleNamespace(
+        rlm_max_length=MAX_LEN, rlm_encoder_mask_prob=ENCODER_RATIO, rlm_decoder_mask_prob=DECODER_RATIO,
+        all_use_mask_token=True))
+    random.seed(0)
+    torch.manual_seed(0)
+    draws, batch = [], None
+    for _ in range(DRAWS):
+        batch = collate([{"contents": text} for text in texts])
+        draws.append(((batch["enc_labels"] != -100).int().tolist(), (batch["dec_labels"] != -100).int().tolist()))
+    ids = tokenizer(texts, max_length=MAX_LEN, truncation=True, padding=True, return_tensors="pt")["input_ids"]
+    return mask_statistics(batch["enc_attention_mask"].sum(1).tolist(), (ids == tokenizer.unk_token_id).tolist(),
+                           draws)
+
+
 def released_names(head) -> dict[str, str]:
     """pretrieve's parameter names -> ReplaceLM's (BertForMaskedLM as `encoder` and `generator`, the decoder's
     layers as `decoder.<i>`)."""
@@ -158,6 +238,7 @@ def released_side(released: str, work: str) -> None:
                             "replace_ratio": out.replace_ratio.item(), "max_grad_diff": worst[0],
                             "max_grad_diff_at": worst[1], "params_compared": len(saved["grads"]),
                             "released_grads_pretrieve_lacks": no_grad}
+    (Path(work) / "released_collator.json").write_text(json.dumps(released_collator(released, work)))
     print(json.dumps(results))
 
 
@@ -193,14 +274,23 @@ def flops_against_mlm(work: Path, names: tuple[str, ...] = ("mlm", "retromae", "
     return result
 
 
+def pretrieve_sides(work: Path) -> dict:
+    """pretrieve_side of each generator setting, and the collators' texts written for the released side."""
+    write_collator_texts(work)
+    return {setting: pretrieve_side(setting, work) for setting in SETTINGS}
+
+
 def main() -> int:
     setup = {"hidden": HIDDEN, "layers": LAYERS, "decoder_layers": 2, "generator_hidden": GENERATOR_HIDDEN,
              "generator_peak": PEAK, "texts": TEXTS, "max_len": MAX_LEN, "precision": "fp32", "dropout": 0.0}
     return released_code.main(__file__, __doc__, "the simlm folder of a microsoft/unilm checkout",
                               "simlm_reference.json", released_side,
-                              lambda work: {setting: pretrieve_side(setting, work) for setting in SETTINGS},
+                              pretrieve_sides,
                               "generator", setup,
-                              lambda work: {"train_flops_against_mlm_bert_base": flops_against_mlm(work)})
+                              lambda work: {"collators": {
+                                  "pretrieve": pretrieve_collator(work),
+                                  "released": json.loads((work / "released_collator.json").read_text())},
+                                  "train_flops_against_mlm_bert_base": flops_against_mlm(work)})
 
 
 if __name__ == "__main__":

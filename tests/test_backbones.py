@@ -150,7 +150,8 @@ def test_exports_load_in_automodel_and_sentence_transformers(backbone, method, c
 @pytest.mark.parametrize("backbone", sorted(BACKBONES))
 def test_a_lexmae_export_encodes_and_fine_tunes_sparse_on_every_backbone(backbone, corpora, tmp_path):
     """The sparse path on each family: eval's VocabEncoder reads a LexMAE export's SPLADE vectors as the head's
-    own MLM logits give them, and the dual encoder's pooling sparse trains on them (loss and gradients)."""
+    own MLM logits give them over the text between [CLS] and [SEP], and the dual encoder's pooling sparse trains on
+    them (loss and gradients)."""
     from pretrieve.eval.encode import EncodeOptions, VocabEncoder
     from pretrieve.finetune.models import DualEncoder
     from pretrieve.models.representation import sparse_representation
@@ -161,10 +162,13 @@ def test_a_lexmae_export_encodes_and_fine_tunes_sparse_on_every_backbone(backbon
     texts = ["the anarchism movement", "a political philosophy of the nineteenth century and after"]
     encoder = VocabEncoder(out, EncodeOptions("sparse", 32, 2), top_k=10_000)
     _, vectors = encoder.encode(texts, documents=True, progress=False)
-    batch = AutoTokenizer.from_pretrained(str(out))(texts, padding=True, return_tensors="pt")
+    tokens = AutoTokenizer.from_pretrained(str(out))
+    batch = tokens(texts, padding=True, return_tensors="pt")
+    ids = batch["input_ids"]  # the family's [CLS] and [SEP] (<s>, </s>) pooled by none
+    text = batch["attention_mask"] * (ids != tokens.cls_token_id) * (ids != tokens.sep_token_id)
     with torch.no_grad():
-        hidden = head.encoder(batch["input_ids"], batch["attention_mask"])
-        expected = sparse_representation(head.encoder.mlm_logits(hidden), batch["attention_mask"])
+        hidden = head.encoder(ids, batch["attention_mask"])
+        expected = sparse_representation(head.encoder.mlm_logits(hidden), text)
     np.testing.assert_allclose(vectors.toarray(), expected.numpy(), rtol=1e-4, atol=1e-5)
 
     dual = DualEncoder(load_encoder(out).train(), pooling="sparse", flops=(0.1, 0.1))

@@ -143,8 +143,9 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, wiki_shards):
 
 def test_an_export_evaluates_with_sparse_pooling(vocab, wiki_samples, tmp_path):
     """After a few steps, `pretrieve eval --pooling sparse` of the export on a part of the bundled SciFact sample:
-    its ranking and scores are the SPLADE products written out, max over tokens of log(1 + relu(MLM logits)) from
-    the MLM head LexMAE trained (documents keeping their top 256 entries), and the export holds that head."""
+    its ranking and scores are the SPLADE products written out, max over the tokens but [CLS] and [SEP] of
+    log(1 + relu(MLM logits)) from the MLM head LexMAE trained (documents keeping their top 256 entries), and the
+    export holds that head."""
     from conftest import SAMPLES, write_beir
     from pretrieve.data.retrieval import load_beir
     from pretrieve.eval.evaluate import EvalOptions, run_eval
@@ -183,7 +184,9 @@ def test_an_export_evaluates_with_sparse_pooling(vocab, wiki_samples, tmp_path):
         tokens = tokenizer(texts, truncation=True, max_length=48, padding=True, return_tensors="pt")
         with torch.no_grad():
             logits = exported.mlm_logits(exported(tokens["input_ids"], tokens["attention_mask"]))
-        weights = (torch.log1p(torch.relu(logits)) * tokens["attention_mask"][..., None]).amax(dim=1)
+        ids = tokens["input_ids"]  # the released pooling leaves out [CLS] and [SEP] (`keep_special_tokens` off)
+        text = tokens["attention_mask"] * (ids != tokenizer.cls_token_id) * (ids != tokenizer.sep_token_id)
+        weights = (torch.log1p(torch.relu(logits)) * text[..., None]).amax(dim=1)
         if keep is not None:
             top = weights.topk(keep, dim=1)
             weights = torch.zeros_like(weights).scatter_(1, top.indices, top.values)

@@ -41,14 +41,18 @@ def _flops(vectors: torch.Tensor) -> torch.Tensor:
 
 
 def test_sparse_pooling_loss_is_contrastive_over_splade_vectors_plus_flops():
+    """By default the vectors pool the text's tokens without [CLS] and [SEP], as LexMAE's released fine-tuning
+    (`keep_special_tokens` off: positions whose id is not [CLS]'s or [SEP]'s); `sparse_special_tokens` pools
+    those too."""
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER)
     batch = next(iter(GroupLoader(read_examples(FLAG), tokenizer, 3, 2, 16, 24, seed=0)))
     encoder = _tiny_encoder()
     model = DualEncoder(encoder, pooling="sparse", flops=(0.3, 0.7))
 
-    def splade(kind):  # eq. 4 over the whole [B, L, vocab] logits of the MLM head
+    def splade(kind, special_tokens=False):  # eq. 4 over the whole [B, L, vocab] logits of the MLM head
         ids, mask = batch[f"{kind}_input_ids"], batch[f"{kind}_attention_mask"]
-        return sparse_representation(encoder.mlm_logits(encoder(ids, mask)), mask)
+        pooled = mask if special_tokens else mask * (ids != tokenizer.cls_token_id) * (ids != tokenizer.sep_token_id)
+        return sparse_representation(encoder.mlm_logits(encoder(ids, mask)), pooled)
 
     with torch.no_grad():
         q, p = splade("query"), splade("passage")
@@ -65,6 +69,37 @@ def test_sparse_pooling_loss_is_contrastive_over_splade_vectors_plus_flops():
 
     unregularised = DualEncoder(encoder, pooling="sparse")(batch)
     torch.testing.assert_close(unregularised["loss"], ranking, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        q, p = splade("query", special_tokens=True), splade("passage", special_tokens=True)
+        with_specials = F.cross_entropy(q @ p.T, torch.tensor([0, 3, 6]))
+    assert abs(with_specials - ranking) > 1e-3
+    out = DualEncoder(encoder, pooling="sparse", sparse_special_tokens=True)(batch)
+    torch.testing.assert_close(out["loss"], with_specials, rtol=1e-5, atol=1e-6)
+
+
+def test_eval_pools_special_tokens_as_the_fine_tuning_recorded(tmp_path):
+    """A model's sparse vectors leave out [CLS] and [SEP] unless its pretrieve_finetune.json says its fine-tuning
+    pooled them (or is a sparse fine-tuning recorded before the option, which pooled them)."""
+    from pretrieve.eval.encode import EncodeOptions, VocabEncoder
+    from pretrieve.models.representation import sparse_special_tokens
+
+    export = _tiny_lexmae_export(tmp_path / "pretrained")
+    assert not sparse_special_tokens(export)
+    meta = export / "pretrieve_finetune.json"
+    for record, pooled in (({"pooling": "sparse", "sparse_special_tokens": False}, False),
+                           ({"pooling": "sparse", "sparse_special_tokens": True}, True),
+                           ({"pooling": "sparse"}, True), ({"pooling": "cls"}, False)):
+        meta.write_text(json.dumps(record))
+        assert sparse_special_tokens(export) is pooled
+    meta.write_text(json.dumps({"pooling": "sparse", "sparse_special_tokens": False}))
+    texts = ["the cat sat on the mat", "a dog"]
+    _, got = VocabEncoder(export, EncodeOptions("sparse", 32)).encode(texts, documents=False, progress=False)
+    encoder = VocabEncoder(export, EncodeOptions("sparse", 32)).encoder
+    tokens = AutoTokenizer.from_pretrained(export)(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected = DualEncoder(encoder, pooling="sparse").embed(tokens["input_ids"], tokens["attention_mask"],
+                                                                queries=True)
+    torch.testing.assert_close(torch.from_numpy(got.toarray()), expected)
 
 
 def test_sparse_pooling_refusals_name_their_key(tmp_path):
@@ -94,7 +129,8 @@ def test_sparse_pooling_refusals_name_their_key(tmp_path):
                                (["finetune.pooling=sparse", "finetune.normalize=true"],
                                 "finetune.normalize: pooling sparse"),
                                (["finetune.pooling=sparse", "finetune.matryoshka_dims=[16]"],
-                                "finetune.matryoshka_dims: pooling sparse")):
+                                "finetune.matryoshka_dims: pooling sparse"),
+                               (["finetune.sparse_special_tokens=true"], "finetune.sparse_special_tokens: pools")):
         merged = OmegaConf.merge(config, OmegaConf.from_dotlist([f"finetune.init_from={model}",
                                                                  f"finetune.data=[{FLAG}]", *overrides]))
         with pytest.raises(ConfigError, match=message):
@@ -154,6 +190,7 @@ def test_a_lexmae_export_fine_tuned_sparse_is_evaluated_and_mined_sparse(tmp_pat
     export = run_dir / "export"
     meta = json.loads((export / "pretrieve_finetune.json").read_text())
     assert meta["pooling"] == "sparse" and meta["flops"] == {"query": 0.001, "passage": 0.002}
+    assert meta["sparse_special_tokens"] is False  # eval and mine pool as the fine-tuning did: without them
     assert not (export / "modules.json").exists()
     card = (export / "README.md").read_text()  # the model card says what it is and how to use it
     assert "A learned sparse retriever" in card and "pipeline_tag: feature-extraction" in card

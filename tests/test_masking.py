@@ -1,12 +1,20 @@
 """Collators and the compact decoder mask on real text: ratios, whole words, the eq. (5) rules, padding."""
 
+import random
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from pretrieve.data.collators import DupMAECollator, MLMCollator, RetroMAECollator
-from pretrieve.data.masking import ordinary_positions
+from pretrieve.data.collators import (BoWCollator, DupMAECollator, LexMAECollator, MLMCollator, RetroMAECollator,
+                                      SimLMCollator)
+from pretrieve.data.masking import ordinary_positions, word_ids
 from pretrieve.kernels.reference import expand_decoder_mask, two_stream_attention, unpack_pool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from hf_whole_word import hf_whole_word_mask  # noqa: E402
 
 
 def _whole_words_hold(ids, lengths, state, vocab):
@@ -138,3 +146,81 @@ def test_random_bits_rate(probability):
     assert bits.shape == (400, 1001) and bits.dtype == bool
     assert abs(bits.mean() - round(probability * 256) / 256) < 0.003  # ~4 standard deviations
     assert abs(bits[:, :500].mean() - bits[:, 500:].mean()) < 0.006  # no drift along the packed bytes
+
+
+def _budget(lengths, ratio):
+    return np.maximum(1, np.rint(ratio * lengths)).astype(np.int64)
+
+
+@pytest.mark.parametrize("max_len,ratio", [(64, 0.15), (512, 0.15), (512, 0.30)])
+def test_whole_words_fill_the_budget_as_hf_does(wiki_samples, vocab, max_len, ratio):
+    """A word that would overflow the budget is skipped and the draw goes on: every text is filled exactly, as by
+    HF's collator on the same texts, and no word left unmasked would still fit what the budget has left."""
+    batch = MLMCollator(vocab, max_len=max_len, mlm_ratio=ratio, seed=3)(wiki_samples)
+    lengths = batch["attention_mask"].sum(1).numpy()
+    ids = torch.where(batch["mlm_labels"] != -100, batch["mlm_labels"], batch["input_ids"]).numpy()
+    masked = (batch["mlm_labels"] != -100).numpy()
+    budget = _budget(lengths - 2, ratio)
+    filled = masked.sum(1) == budget
+
+    draw, specials = random.Random(0), set(vocab.tokens[i] for i in np.flatnonzero(vocab.special))
+    # HF's draw as the released Condenser collator calls it: on the text's own tokens, special tokens skipped
+    hf = [sum(hf_whole_word_mask([vocab.tokens[t] for t in row[1:n - 1]], ratio, specials, draw))
+          for row, n in zip(ids, lengths)]
+    hf_filled = np.array(hf) == budget
+    assert hf_filled.all() and filled.mean() == hf_filled.mean()
+
+    words, _ = word_ids(ids, lengths, vocab)
+    for row in range(len(ids)):
+        size = np.bincount(words[row][words[row] >= 0])
+        left = np.unique(words[row][(words[row] >= 0) & ~masked[row]])
+        assert (size[left] > budget[row] - masked[row].sum()).all()
+
+
+def test_a_word_longer_than_the_budget_drawn_first_is_skipped(vocab):
+    """One 17-piece word among 20 one-token words, a budget of 6: whatever the order of the draw, every row masks
+    6 tokens of the short words (stopping at the first word that overflows left a row drawn that way empty)."""
+    text = vocab.backend.encode("pneumonoultramicroscopicsilicovolcanoconiosis " + "the cat sat on a mat " * 3
+                                + "and dog", add_special_tokens=False).ids
+    assert len(text) == 37
+    for seed in range(4):
+        batch = MLMCollator(vocab, mlm_ratio=0.15, seed=seed)([{"ids": np.array(text)}] * 256)
+        masked = (batch["mlm_labels"] != -100).numpy()
+        assert (masked.sum(1) == 6).all() and not masked[:, 1:18].any()
+
+
+UNK_TEXT = "the cat \u2603 sat on the \U0001F600 mat near the \u2603 dog " * 4
+
+
+@pytest.mark.parametrize("collator,keys", [(MLMCollator, ["mlm_labels"]), (BoWCollator, ["mlm_labels"]),
+                                           (RetroMAECollator, ["mlm_labels"]), (SimLMCollator, ["mlm_labels", "dec_masked"]),
+                                           (LexMAECollator, ["mlm_labels", "dec_labels"])])
+def test_no_special_token_is_ever_masked(vocab, collator, keys):
+    """A text with [UNK]s: no encoder or decoder mask ever holds one, as HF's and the released collators' masks
+    never do, and the budget is filled with the other words."""
+    ids = np.array(vocab.backend.encode(UNK_TEXT, add_special_tokens=False).ids)
+    unk = vocab.backend.token_to_id("[UNK]")
+    assert (ids == unk).sum() == 12
+    collate = collator(vocab, mlm_ratio=0.6, seed=0)
+    batch = collate([{"ids": ids}] * 64)
+    at_unk = np.zeros(batch["input_ids"].shape, dtype=bool)
+    at_unk[:, 1:len(ids) + 1] = ids == unk
+    for key in keys:
+        marked = batch[key].numpy()
+        marked = marked if marked.dtype == bool else marked != -100
+        assert marked.any() and not marked[at_unk].any(), key
+    masked = (batch["mlm_labels"] != -100).numpy().sum(1)
+    assert (masked == _budget(np.full(64, len(ids) + (2 if collator.budget_counts_cls_sep else 0)), 0.6)).all()
+    if collator is RetroMAECollator:  # its decoder's attention hides an [UNK] like a word, as the released mask
+        width = batch["input_ids"].shape[1]
+        assert not unpack_pool(batch["dec_pool"], width).numpy()[:, :, at_unk[0]].all()
+
+
+def test_the_budget_counts_cls_and_sep_where_the_released_collator_does(wiki_samples, vocab):
+    """bowdpr, RetroMAE and SimLM mask a text holding [CLS] and [SEP] with round(p x all its tokens); Condenser,
+    coCondenser and CoT-MAE mask the text before adding them."""
+    for collator, counted in ((BoWCollator, 2), (RetroMAECollator, 2), (SimLMCollator, 2), (MLMCollator, 0)):
+        batch = collator(vocab, max_len=128, mlm_ratio=0.3, seed=1)(wiki_samples)
+        lengths = batch["attention_mask"].sum(1).numpy()
+        masked = (batch["mlm_labels"] != -100).numpy().sum(1)
+        assert (masked == _budget(lengths - 2 + counted, 0.3)).all(), collator.__name__

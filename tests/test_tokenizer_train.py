@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from conftest import SAMPLES, pretrain_env, result_line, text_methods
 from pretrieve.cli import main
+from pretrieve.data.collators import MLMCollator
 from pretrieve.data.masking import Vocabulary, word_ids
 from pretrieve.data.prepare import PrepareOptions, prepare
 from pretrieve.data.spans import word_candidates
@@ -75,6 +76,19 @@ def test_each_kind_loads_with_its_family_conventions(trained, kind, special, mar
     the = tok.convert_tokens_to_ids(marker + ("the" if kind == "wordpiece" else "The"))
     assert not candidates[the] and not candidates[vocab.cls_id]  # a stopword, a special token
     assert candidates[ids[0, 2]]  # "anarch" or "anarchism", as the vocabulary has it
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "unigram"])
+def test_the_unknown_token_is_special_and_never_masked(trained, kind):
+    """Each family's unknown token is among the special ids, so whole-word masking never takes it, even with a
+    budget of every token (byte-level BPE spells any character in bytes and never emits it)."""
+    tok = AutoTokenizer.from_pretrained(str(trained[kind]), local_files_only=True)
+    vocab = Vocabulary.of_tokenizer(trained[kind])
+    assert vocab.special[tok.unk_token_id]
+    ids = np.array(tok(TEXT + " \u2603 of \U0001F600 rivers", add_special_tokens=False)["input_ids"])
+    assert bool((ids == tok.unk_token_id).sum() >= 2) == (kind != "bpe")
+    masked = MLMCollator(vocab, mlm_ratio=1.0)([{"ids": ids}] * 8)["mlm_labels"][:, 1:len(ids) + 1].numpy() != -100
+    assert (masked == (ids != tok.unk_token_id)).all()
 
 
 def test_the_llm_kind_splits_as_llama3_and_ends_each_text_with_eos(trained):

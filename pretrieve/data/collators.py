@@ -41,6 +41,10 @@ class MLMCollator:
     data_kind: ClassVar[str] = "text"  # the manifests' `kind` it collates: blocks of text
     # (share of masked tokens set to [MASK], share set to a random token; the rest keep theirs): BERT's 80/10/10
     corruption: ClassVar[tuple[float, float]] = (0.8, 0.1)
+    # the mask budget round(mlm_ratio x n) counts [CLS] and [SEP] in n, as the released collators that mask the
+    # text with them (HF's whole-word collator on a tokenized text: RetroMAE, SimLM, bowdpr); False: the text's
+    # own tokens, as those that mask it before adding them (Condenser, coCondenser, CoT-MAE)
+    budget_counts_cls_sep: ClassVar[bool] = False
 
     @classmethod
     def from_options(cls, options, vocab: Vocabulary, seed: int = 0):
@@ -51,7 +55,7 @@ class MLMCollator:
         rng = self._rng(samples)
         batch = self.pad(self.texts(samples, rng))
         words, num_words = word_ids(batch.ids, batch.lengths, self.vocab)
-        masked = whole_word_mask(words, num_words, batch.lengths - 2, self.mlm_ratio, rng)
+        masked = whole_word_mask(words, num_words, self.budget_tokens(batch), self.mlm_ratio, rng)
         masked[batch.pad] = False
         input_ids, labels = corrupt(batch.ids, masked, self.vocab, rng, *self.corruption)
         attention_mask = (np.arange(batch.ids.shape[1])[None, :] < batch.lengths[:, None]).astype(np.int64)
@@ -63,6 +67,10 @@ class MLMCollator:
     def extend(self, out: dict, batch: Padded, words: np.ndarray, num_words: np.ndarray,
                rng: np.random.Generator) -> None:
         """Method-specific keys; the MLM baseline has none."""
+
+    def budget_tokens(self, batch: Padded) -> np.ndarray:
+        """[B]: the tokens of each text a mask budget is a share of (`budget_counts_cls_sep`)."""
+        return batch.lengths if self.budget_counts_cls_sep else batch.lengths - 2
 
     def texts(self, samples: list[dict], rng: np.random.Generator) -> list[dict]:
         """The encoder's texts of a batch: each sample's block (coCondenser's collator cuts two spans from each)."""
@@ -99,9 +107,12 @@ class RetroMAECollator(MLMCollator):
     mlm_ratio: float = 0.30
     decoder_hide_ratio: float = 0.50
     decoder_pool_size: int = 256
+    budget_counts_cls_sep: ClassVar[bool] = True
 
     def extend(self, out, batch, words, num_words, rng):
         ordinary = ordinary_positions(batch.lengths, batch.ids.shape[1]) & ~batch.pad[:, None]
+        # the released decoder mask hides an [UNK] like a word (attention only: its id is no MLM target)
+        words, num_words = word_ids(batch.ids, batch.lengths, self.vocab, specials=True)
         pool, rows = decoder_mask_pool(words, num_words, batch.lengths, self.decoder_pool_size,
                                        self.decoder_hide_ratio, rng)
         out["dec_input_ids"] = torch.from_numpy(batch.ids)
@@ -126,6 +137,7 @@ class BoWCollator(MLMCollator):
     each unmasked input, the tokenizer's special tokens ([UNK] ...) left out, padded with -100."""
 
     mlm_ratio: float = 0.30
+    budget_counts_cls_sep: ClassVar[bool] = True  # bowdpr's max(1, round(p x n)) over [CLS] text [SEP]
 
     def extend(self, out, batch, words, num_words, rng):
         keep = ordinary_positions(batch.lengths, batch.ids.shape[1]) & ~self.vocab.special[batch.ids]
@@ -149,9 +161,11 @@ class SimLMCollator(MLMCollator):
     mlm_ratio: float = 0.30
     decoder_mask_ratio: float = 0.50
     corruption: ClassVar[tuple[float, float]] = (1.0, 0.0)
+    budget_counts_cls_sep: ClassVar[bool] = True
 
     def extend(self, out, batch, words, num_words, rng):
-        dec_masked = covering_mask(out, batch, words, num_words, self.mlm_ratio, self.decoder_mask_ratio, rng)
+        dec_masked = covering_mask(out, batch, words, num_words, self.budget_tokens(batch), self.mlm_ratio,
+                                   self.decoder_mask_ratio, rng)
         targets = ordinary_positions(batch.lengths, batch.ids.shape[1]) & ~self.vocab.special[batch.ids]
         targets[batch.pad] = False
         out["dec_input_ids"] = torch.from_numpy(np.where(dec_masked, self.vocab.mask_id, batch.ids))
@@ -171,21 +185,22 @@ class LexMAECollator(MLMCollator):
     decoder_mask_ratio: float = 0.50
 
     def extend(self, out, batch, words, num_words, rng):
-        dec_masked = covering_mask(out, batch, words, num_words, self.mlm_ratio, self.decoder_mask_ratio, rng)
+        dec_masked = covering_mask(out, batch, words, num_words, self.budget_tokens(batch), self.mlm_ratio,
+                                   self.decoder_mask_ratio, rng)
         dec_input_ids, dec_labels = corrupt(batch.ids, dec_masked, self.vocab, rng, *self.corruption)
         out["dec_input_ids"] = torch.from_numpy(dec_input_ids)
         out["dec_labels"] = torch.from_numpy(dec_labels)
 
 
-def covering_mask(out: dict, batch: Padded, words: np.ndarray, num_words: np.ndarray, encoder_ratio: float,
-                  decoder_ratio: float, rng: np.random.Generator) -> np.ndarray:
+def covering_mask(out: dict, batch: Padded, words: np.ndarray, num_words: np.ndarray, budget_tokens: np.ndarray,
+                  encoder_ratio: float, decoder_ratio: float, rng: np.random.Generator) -> np.ndarray:
     """bool [B, L]: a decoder's mask that holds the encoder's (`out["mlm_labels"]`) and adds whole words drawn
     independently at (d - e) / (1 - e), so that the union covers `decoder_ratio` d of the tokens in expectation;
     at or below the encoder's ratio e, the encoder's mask itself. Stream pad samples: nothing masked."""
     dec_masked = (out["mlm_labels"] != -100).numpy().copy()
     extra = (decoder_ratio - encoder_ratio) / (1.0 - encoder_ratio) if encoder_ratio < 1 else 0.0
     if extra > 0:
-        dec_masked |= whole_word_mask(words, num_words, batch.lengths - 2, min(extra, 1.0), rng)
+        dec_masked |= whole_word_mask(words, num_words, budget_tokens, min(extra, 1.0), rng)
     dec_masked[batch.pad] = False
     return dec_masked
 

@@ -2,7 +2,9 @@
 
 All functions take a padded batch `ids` [B, L] laid out as [CLS] tokens [SEP] [PAD]... with `lengths` [B]
 (special tokens included). Only the ordinary tokens, positions 1 .. length-2, are ever masked or hidden;
-[CLS] and the final [SEP] never are, as in BERT and the official RetroMAE collator.
+[CLS] and the final [SEP] never are, as in BERT and the official RetroMAE collator. Nor is a special token
+inside the text ([UNK], <unk>): it is no word (`word_ids`), as HF's whole-word collator and the released
+Condenser, RetroMAE, SimLM and bowdpr collators never mask a special id.
 
 A word is a token that starts one plus the pieces that continue it: "##" pieces for WordPiece (BERT's whole
 words), pieces without "Ġ" / "▁" for byte-level BPE and SentencePiece (`word_starts`).
@@ -99,21 +101,32 @@ def ordinary_positions(lengths: np.ndarray, width: int) -> np.ndarray:
     return (pos >= 1) & (pos < (lengths[:, None] - 1))
 
 
-def word_ids(ids: np.ndarray, lengths: np.ndarray, vocab: Vocabulary) -> tuple[np.ndarray, np.ndarray]:
-    """(word index of every ordinary position, -1 elsewhere; number of words per row)."""
+def word_ids(ids: np.ndarray, lengths: np.ndarray, vocab: Vocabulary,
+             specials: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(word index of every ordinary position, -1 elsewhere; number of words per row).
+
+    A special token inside the text ([UNK]) is no word, so nothing drawn from these words masks it, and a piece
+    after it begins a word; `specials` makes it a word of its own (RetroMAE's decoder hides it like one).
+    """
     ordinary = ordinary_positions(lengths, ids.shape[1])
-    starts = ordinary & ~vocab.continuation[ids]
-    starts[:, 1] = ordinary[:, 1]  # a block that begins mid-word still begins a word
+    in_word = ordinary if specials else ordinary & ~vocab.special[ids]
+    starts = in_word & ~vocab.continuation[ids]
+    starts[:, 1:] |= in_word[:, 1:] & ~in_word[:, :-1]  # a block that begins mid-word still begins a word
     words = np.cumsum(starts, axis=1) - 1
-    return np.where(ordinary, words, -1), starts.sum(axis=1)
+    return np.where(in_word, words, -1), starts.sum(axis=1)
 
 
 def whole_word_mask(words: np.ndarray, num_words: np.ndarray, num_tokens: np.ndarray, ratio: float,
                     rng: np.random.Generator) -> np.ndarray:
-    """bool [B, L]: whole words covering about `ratio` of each row's ordinary tokens (BERT / HF whole-word masking).
+    """bool [B, L]: whole words covering about `ratio` of each row's tokens (BERT / HF whole-word masking).
 
-    Words are taken in a random order while the total stays within max(1, round(ratio * tokens)) tokens,
-    the budget of HF's `DataCollatorForWholeWordMask`; one argsort per row.
+    Words are drawn in a random order and each is taken if it still fits the budget max(1, round(ratio x
+    `num_tokens`)); one that would overflow it is skipped and the draw goes on, as HF's
+    `DataCollatorForWholeWordMask` and the released collators do, so a row is filled exactly whenever its
+    words allow. Vectorised over the batch: each round takes, in every row, the longest run of the remaining
+    words that fit (a cumulative sum) and skips the word that overflows; the words left must fit what remains,
+    which is below the longest word's length after the first round and shrinks each round, so the rounds are
+    at most that length.
     """
     batch, max_words = len(num_words), max(int(num_words.max(initial=0)), 1)
     word_len = np.zeros((batch, max_words + 1), dtype=np.int64)  # the extra column collects position -1
@@ -121,12 +134,24 @@ def whole_word_mask(words: np.ndarray, num_words: np.ndarray, num_tokens: np.nda
     np.add.at(word_len, (rows, words), 1)
     word_len = word_len[:, :max_words]
     keys = rng.random((batch, max_words))
-    keys[np.arange(max_words)[None, :] >= num_words[:, None]] = np.inf  # absent words sort last
+    keys[np.arange(max_words)[None, :] >= num_words[:, None]] = np.inf  # absent words (length 0) sort last
     order = np.argsort(keys, axis=1)
-    taken_len = np.cumsum(np.take_along_axis(word_len, order, axis=1), axis=1)
-    budget = np.maximum(1, np.rint(ratio * num_tokens)).astype(np.int64)
+    drawn_len = np.take_along_axis(word_len, order, axis=1)
+    remaining = np.maximum(1, np.rint(ratio * num_tokens)).astype(np.int64)
+    taken = np.zeros((batch, max_words), dtype=bool)
+    rank, first = np.arange(max_words)[None, :], np.zeros(batch, dtype=np.int64)  # the first undecided draw
+    while True:
+        candidates = (rank >= first[:, None]) & (drawn_len <= remaining[:, None])
+        total = np.cumsum(np.where(candidates, drawn_len, 0), axis=1)
+        fits = candidates & (total <= remaining[:, None])
+        over = candidates & ~fits  # from the first overflowing word on (the total only grows)
+        taken |= fits
+        remaining -= np.where(fits, drawn_len, 0).sum(axis=1)
+        if not over.any():
+            break
+        first = np.where(over.any(axis=1), over.argmax(axis=1) + 1, max_words)
     chosen = np.zeros((batch, max_words + 1), dtype=bool)
-    np.put_along_axis(chosen, order, taken_len <= budget[:, None], axis=1)
+    np.put_along_axis(chosen, order, taken, axis=1)
     return np.take_along_axis(chosen, np.where(words < 0, max_words, words), axis=1)
 
 

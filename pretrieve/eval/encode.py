@@ -144,8 +144,10 @@ class VocabEncoder:
     W^cls = identity at d' = hidden, else a fixed random orthogonal map, and mu_X the LPU logits max-pooled
     over the ordinary tokens (eq. 7). Documents keep their top_k entries (eq. 11's I_X; default: the trained
     k, else 384); queries keep every entry, as eq. (12) reads mu_q at the document's entries.
-    `sparse`: SPLADE-style max over tokens of log(1 + relu(MLM logits)) (cot-mote.txt eq. 4), no dense part;
-    `hybrid`: the [CLS] vector plus that sparse vector (CoT-MoTE §3.3); documents keep top_k entries
+    `sparse`: SPLADE-style max over tokens of log(1 + relu(MLM logits)) (cot-mote.txt eq. 4), no dense part,
+    over the tokens between [CLS] and [SEP] unless the model's fine-tuning pooled those too
+    (`models.representation.sparse_special_tokens`); `hybrid`: the [CLS] vector plus the sparse vector over
+    every token (CoT-MoTE §3.3); documents keep top_k entries
     (default 256). The max over positions runs vocabulary chunk by vocabulary chunk
     (models.representation.splade_vectors, as fine-tuning with pooling sparse computes it): no
     [batch, length, 30,522] logits. A CoT-MoTE encoder reads queries through its query experts.
@@ -156,7 +158,7 @@ class VocabEncoder:
         from transformers import AutoTokenizer
 
         from pretrieve.models.encoder import load_encoder
-        from pretrieve.models.representation import load_joint
+        from pretrieve.models.representation import load_joint, sparse_special_tokens
 
         pooling = options.pooling
         if pooling not in VOCAB_POOLINGS:
@@ -168,6 +170,9 @@ class VocabEncoder:
             raise ValueError(f"{model_dir}: pooling {pooling} needs the model's MLM head, and it has none")
         self.joint = load_joint(model_dir, self.encoder, ot_topk=top_k).eval() if pooling == "dupmae" else None
         self.top_k = self.joint.ot_topk if self.joint is not None else top_k or 256
+        # sparse: over the text's own tokens unless the model was fine-tuned pooling [CLS] and [SEP] too; hybrid:
+        # CoT-MoTE's eq. 4, every token
+        self.special_tokens = pooling == "hybrid" or sparse_special_tokens(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     @torch.inference_mode()
@@ -192,7 +197,7 @@ class VocabEncoder:
                 vectors = self.joint.vectors(encoder, hidden, mask, documents)
                 cls, vocab = vectors[:, :self.joint.cls_dim], vectors[:, self.joint.cls_dim:]
             else:
-                vocab = splade_vectors(encoder, hidden, mask)
+                vocab = splade_vectors(encoder, hidden, mask, self.special_tokens)
                 cls = hidden[:, 0]
                 if documents:
                     vocab = keep_top_k(vocab, self.top_k)

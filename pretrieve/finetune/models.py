@@ -13,7 +13,8 @@ through the query experts and passages through the passage experts; the self-att
 DupMAE (pooling `dupmae`): <q, d> is eq. (12), the inner product of JointRepresentation.vectors, so every loss
 above trains W^cls, the LPU and the encoder through the joint score, as §3.4-3.5 fine-tune it.
 Sparse (pooling `sparse`; LexMAE's and SPLADE's fine-tuning): <q, d> is the inner product of the SPLADE vectors
-(models.representation.splade_vectors, cot-mote.txt eq. 4), and the loss adds the FLOPS regulariser of the
+(models.representation.splade_vectors, cot-mote.txt eq. 4: over the tokens between [CLS] and [SEP], as LexMAE's
+released fine-tuning, or over those too with `sparse_special_tokens`, as SPLADE's), and the loss adds the FLOPS regulariser of the
 queries' and of the passages' vectors (Paria et al. 2020), weighted by `flops` (query, passage); each is logged
 unweighted as `flops_query` / `flops_passage`, with the mean non-zero entries a vector keeps (`query_terms`,
 `passage_terms`), and the ranking loss alone as `ranking_loss`.
@@ -40,7 +41,8 @@ class DualEncoder(nn.Module):
     def __init__(self, encoder, loss: str = "contrastive", pooling: str = "cls", normalize: bool = False,
                  temperature: float = 1.0, in_batch: bool = True, cross_device: bool = True, margin: float = 1.0,
                  text_experts: bool = True, joint: JointRepresentation | None = None, grad_cache: int | None = None,
-                 matryoshka: Matryoshka | None = None, flops: tuple[float, float] = (0.0, 0.0)):
+                 matryoshka: Matryoshka | None = None, flops: tuple[float, float] = (0.0, 0.0),
+                 sparse_special_tokens: bool = False):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"finetune.loss: {loss!r} is not one of {', '.join(LOSSES)}")
@@ -67,7 +69,7 @@ class DualEncoder(nn.Module):
         self.routed = text_experts and encoder.query_experts is not None
         self.chunk = grad_cache  # GradCache's chunk (models/grad_cache.py); None: the whole batch at once
         self.matryoshka = matryoshka
-        self.sparse, self.flops = pooling == "sparse", flops
+        self.sparse, self.flops, self.sparse_special_tokens = pooling == "sparse", flops, sparse_special_tokens
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, queries: bool) -> torch.Tensor:
         text_type = None
@@ -77,7 +79,7 @@ class DualEncoder(nn.Module):
         if self.joint is not None:
             return self.joint.vectors(self.encoder, hidden, attention_mask, documents=not queries)
         if self.sparse:
-            return splade_vectors(self.encoder, hidden, attention_mask)
+            return splade_vectors(self.encoder, hidden, attention_mask, self.sparse_special_tokens)
         vectors = self.pool(hidden, attention_mask)
         return F.normalize(vectors, dim=-1) if self.normalize else vectors
 

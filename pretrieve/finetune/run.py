@@ -68,6 +68,10 @@ class FinetuneOptions:
     # stage-1 values, FLOPS_WEIGHTS)
     flops_query: float | None = None
     flops_passage: float | None = None
+    # sparse: the SPLADE vector's max runs over [CLS] and [SEP] too (SPLADE's released code); off: over the text's
+    # own tokens, as LexMAE's released fine-tuning (`keep_special_tokens` off). Eval and mine read it from the
+    # export's pretrieve_finetune.json
+    sparse_special_tokens: bool = False
     # put before each query / passage (an instruction: E5-Mistral, Qwen3-Embedding); None: init_from's
     # sentence-transformers prompts, else none. The export carries them (sentence-transformers' prompts).
     # query_max_len counts the query's tokens after its prompt; passage_max_len counts the prompt too
@@ -228,6 +232,9 @@ def _check_encoding(options: FinetuneOptions, problems: Problems) -> None:
                          f"{options.pooling} (give finetune.pooling: sparse, or drop the key)")
         elif value is not None and value < 0:
             problems.add(f"finetune.{key}: must be >= 0, got {value}")
+    if options.sparse_special_tokens and (options.pooling != "sparse" or options.model != "dual"):
+        problems.add(f"finetune.sparse_special_tokens: pools [CLS] and [SEP] into pooling sparse's vectors; this "
+                     f"run pools with {options.pooling} (give finetune.pooling: sparse, or drop the key)")
 
 
 def _check_passage_prompt(options: FinetuneOptions, problems: Problems) -> None:
@@ -383,7 +390,7 @@ def build_model(o: FinetuneOptions, config_file: Path | None = None):
                        in_batch=o.in_batch, cross_device=o.cross_device, margin=o.margin, text_experts=o.text_experts,
                        joint=joint, grad_cache=o.grad_cache["chunk"] if o.grad_cache else None,
                        matryoshka=matryoshka_of(o.matryoshka_dims, o.matryoshka_weights, "finetune"),
-                       flops=flops_weights(o))
+                       flops=flops_weights(o), sparse_special_tokens=o.sparse_special_tokens)
     lora = lora_of(o)
     if lora.r:  # the base model's layers only: DupMAE's W^cls and LPU, CoT-MoTE's query experts train whole
         add_lora(dual.encoder.model, lora, "finetune.lora")
@@ -408,6 +415,7 @@ def _meta(module, o: FinetuneOptions) -> dict:
         meta["text_experts"] = module.routed
         if module.sparse:
             meta["flops"] = dict(zip(("query", "passage"), module.flops))
+            meta["sparse_special_tokens"] = module.sparse_special_tokens
         if module.joint is not None:
             meta["joint"] = {"cls_dim": module.joint.cls_dim, "ot_topk": module.joint.ot_topk,
                              "lpu": "mlm_head" if module.joint.lpu is None else "linear"}

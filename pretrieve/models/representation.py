@@ -124,14 +124,27 @@ def joint_scores(queries: JointVectors, docs: JointVectors) -> torch.Tensor:
     return dense + (mu_q_at_docs * docs.ot_values.unsqueeze(0)).sum(dim=-1)
 
 
-def splade_vectors(encoder, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def splade_vectors(encoder, hidden: torch.Tensor, attention_mask: torch.Tensor, special_tokens: bool) -> torch.Tensor:
     """[B, vocab] SPLADE-style vectors (cot-mote.txt eq. 4) of token states [B, L, hidden] through the encoder's
-    MLM head (an untied LM head's own weights where it has one): max over the real tokens of log(1 + relu(logits)),
+    MLM head (an untied LM head's own weights where it has one): max over the text's tokens of log(1 + relu(logits)),
     the max taken vocabulary chunk by chunk (max_pooled_linear: no [B, L, vocab] logits; log(1 + relu) is
-    monotone, so it commutes with the max), differentiable through each entry's winning position."""
-    pooled = max_pooled_linear(encoder.mlm_transform(hidden), encoder.output_weight, encoder.mlm_bias,
-                               attention_mask.bool())
+    monotone, so it commutes with the max), differentiable through each entry's winning position.
+
+    The tokens are those between [CLS] and [SEP], as LexMAE's released fine-tuning pools them
+    (`keep_special_tokens` off); `special_tokens` takes every real position, [CLS] and [SEP] too (SPLADE's)."""
+    positions = attention_mask.bool()
+    if not special_tokens:
+        positions = ordinary_positions(attention_mask.sum(dim=1), hidden.shape[1])
+    pooled = max_pooled_linear(encoder.mlm_transform(hidden), encoder.output_weight, encoder.mlm_bias, positions)
     return torch.log1p(torch.relu(pooled))
+
+
+def sparse_special_tokens(model_dir: str | Path) -> bool:
+    """Whether a model's `sparse` vectors pool [CLS] and [SEP] too: as its fine-tuning records it
+    (pretrieve_finetune.json's `sparse_special_tokens`; a sparse fine-tuning that predates the key pooled them),
+    else not (LexMAE's released fine-tuning)."""
+    tuned = finetune_meta(model_dir)
+    return bool(tuned.get("sparse_special_tokens", tuned.get("pooling") == "sparse"))
 
 
 def flops_regularizer(vectors: torch.Tensor) -> torch.Tensor:

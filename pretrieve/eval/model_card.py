@@ -324,9 +324,13 @@ def _step(tag: str | None, final: dict | None) -> int:
 
 
 def _parameter_counts(model_dir: Path) -> dict:
-    """Parameters of the exported base model (and of the embeddings among them), and of the weights beside it."""
+    """Parameters of the exported base model (and of the embeddings among them), and of the weights beside it;
+    the MLM head an encoder family's weights also hold (models.export.save_base_model) is counted beside them in
+    pretrieve_head.safetensors."""
     from safetensors import safe_open
 
+    model_type = _read_json(model_dir / "config.json").get("model_type")
+    mlm_head = tuple(next((b.hf_mlm_keys for b in BACKBONES.values() if b.model_type == model_type), {}))
     counts = {"encoder": 0, "embeddings": 0, "head": 0}
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
@@ -334,6 +338,8 @@ def _parameter_counts(model_dir: Path) -> dict:
                 size = 1
                 for dim in f.get_slice(key).get_shape():
                     size *= dim
+                if key.startswith(mlm_head) and file.name != HEAD_WEIGHTS:
+                    continue
                 if file.name == HEAD_WEIGHTS:
                     counts["head"] += size
                 else:

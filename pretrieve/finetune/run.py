@@ -420,7 +420,7 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
     from pretrieve.eval.model_card import write_model_card
     from pretrieve.finetune.mine import PASSAGE_MAX_LENGTH
     from pretrieve.models.encoder import HEAD_WEIGHTS
-    from pretrieve.models.export import check_export_folder, write_model_code
+    from pretrieve.models.export import check_export_folder, save_base_model, write_model_code
     from pretrieve.models.heads.base import ENCODER_MODEL
     from pretrieve.models.lora import unadapt_for_saving
     from pretrieve.models.st_config import write_st_config
@@ -448,15 +448,15 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
     else:
         unadapt_for_saving(module.encoder.model, tmp, lora_of(options).keep_adapter if keep_adapter is None
                            else keep_adapter)
-        module.encoder.model.save_pretrained(str(tmp))
+        save_base_model(module.encoder, tmp)  # with the MLM head, which pooling sparse and dupmae read
         write_model_code(tmp, module.encoder.model)
         # MLM head, query experts (`load_encoder` reads them back), W^cls and LPU (`load_joint`)
         extra = {k: v.detach().contiguous() for k, v in module.state_dict().items()
                  if not k.startswith(ENCODER_MODEL)}
         save_file(extra, str(tmp / HEAD_WEIGHTS))
         dupmae = options.pooling == "dupmae"  # sentence-transformers gets eq. 12's dense part: [CLS] through W^cls
-        # no sentence-transformers files for a sparse model: they describe a dense vector, and its SparseEncoder
-        # reads the MLM head from the HF weights, which hold the backbone alone; pretrieve_finetune.json says it
+        # no sentence-transformers files for a sparse model: they describe a dense vector;
+        # pretrieve_finetune.json says it, and AutoModelForMaskedLM reads the MLM head its vectors come from
         if options.pooling != "sparse":
             write_st_config(tmp, "cls" if dupmae else options.pooling, options.normalize, options.passage_max_len,
                             dense_weight=module.joint.cls_proj.weight if dupmae else None,

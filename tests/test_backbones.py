@@ -198,6 +198,20 @@ def test_a_lexmae_export_loads_in_automodel_for_masked_lm_with_its_own_mlm_head(
     torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_lexmae_card_names_the_sparse_representation_it_is_evaluated_with(corpora, tmp_path):
+    from pretrieve.eval.model_card import _pretraining_facts
+
+    head, _ = head_and_batch("bert", "lexmae", corpora)
+    out = export(head.eval(), tmp_path / "export", tokenizer=corpora["wordpiece"][0])
+    summary = _pretraining_facts(out, {})["summary"]
+    assert "its representation is the SPLADE vector of its MLM head" in summary
+    assert "`pretrieve eval --pooling sparse` scores it" in summary and "AutoModelForMaskedLM" in summary
+    assert "[CLS] vector is the text's representation" not in summary
+    head, _ = head_and_batch("bert", "retromae", corpora)  # a dense method's card is as it was
+    out = export(head.eval(), tmp_path / "retromae", tokenizer=corpora["wordpiece"][0])
+    assert "its [CLS] vector is the text's representation" in _pretraining_facts(out, {})["summary"]
+
+
 @pytest.mark.parametrize("backbone", ["roberta", "xlm-roberta", "modernbert"])
 def test_init_from_a_released_masked_lm_checkpoint_keeps_its_mlm_head(backbone, corpora, tmp_path):
     """Continued pre-training from a released checkpoint, in the form the family's checkpoints are published:

@@ -119,13 +119,26 @@ def _pretraining_facts(model_dir: Path, config: dict) -> dict:
     vector = {"cls": "[CLS] vector", "last": "last token's state", "mean": "mean token state"}.get(st.pooling,
                                                                                                   "pooled vector")
     norm = "normalised (cosine)" if st.normalize else "not normalised (inner product)"
+    summary = f"its {vector} is the text's representation, {norm}.{dense}"
+    if _eval_pooling(method) == "sparse":  # the method trains its MLM head's vocabulary vector, not the [CLS] one
+        summary = ("its representation is the SPLADE vector of its MLM head (the max over a text's tokens of "
+                   "log(1 + relu(MLM logits))): `pretrieve eval --pooling sparse` scores it, `pretrieve finetune` "
+                   "trains it with `finetune.pooling: sparse`, and `AutoModelForMaskedLM` loads the head. "
+                   f"sentence-transformers, and `pretrieve eval` without `--pooling`, read its {vector} ({norm}), "
+                   f"which {method} does not train as a representation.")
     return {"tag": method, "base_model": config.get("model", {}).get("init_from"), "datasets": datasets,
-            "summary": f"A {_family(model_dir)} encoder pre-trained with **{method}** by pretrieve; its {vector} "
-                       f"is the text's representation, {norm}.{dense}"
+            "summary": f"A {_family(model_dir)} encoder pre-trained with **{method}** by pretrieve; {summary}"
                        f"{_lora_note(model_dir, config.get('model', {}).get('lora') or {})}",
             "method": f"pre-training, {method}", "options_title": f"Method options ({method})",
             "options": head.get("options") or config.get("method", {}), "data": _data_sources(data),
             "samples": "pairs" if method == "contrastive" else "samples (token blocks)"}
+
+
+def _eval_pooling(method: str) -> str | None:
+    """The pooling `method`'s export is evaluated with, where the registry names one (heads.registry)."""
+    from pretrieve.models.heads import METHODS
+
+    return METHODS[method].eval_pooling if method in METHODS else None
 
 
 def _lora_note(model_dir: Path, lora: dict) -> str:

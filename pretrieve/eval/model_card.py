@@ -81,7 +81,7 @@ def model_card(model_dir: Path, run_dir: Path, tag: str | None = None, evaluatio
     name = run_dir.name
     st = read_st_config(files)
     sparse = _read_json(files / FINETUNE_META).get("pooling") == "sparse"
-    own = [e for e in evaluations if e["this_model"]]
+    own = [e for e in evaluations if e["this_model"] and e.get("dim") is None]  # whole vectors: model-index
     meta = {"library_name": "sentence-transformers" if st else "transformers",
             "pipeline_tag": "sentence-similarity" if st else "feature-extraction" if sparse else "text-classification",
             "tags": [*(["sentence-transformers", "feature-extraction", "sentence-similarity"] if st else []),
@@ -264,17 +264,21 @@ def _training_rows(run_dir: Path, model_dir: Path, config, tag: str | None, fact
 def _evaluation_lines(evaluations: list[dict], run_dir: Path) -> list[str]:
     if not evaluations:
         return [f"No evaluation logged yet. `pretrieve card {run_dir}` writes this card again with those the farm "
-                "has logged since (the farm does it itself after evaluating this export)."]
+                "(or `pretrieve track`) has logged since (the farm does it itself after evaluating this export)."]
     shown = [m for m in CARD_METRICS if any(metric_name(m) in e["metrics"] for e in evaluations)]
     mteb = (" (MTEB): scored by the mteb package (`pretrieve eval --mteb`), MTEB's own result files beside "
             "the evaluation" if any(e.get("mteb") for e in evaluations) else "")
-    lines = ["Logged by `pretrieve farm` (the latest run of each dataset and stage; zero-shot: this model as it "
-             f"is, stage1-3: this model after the farm's fine-tuning stages){mteb}.", "",
+    loggers = " and ".join(f"`{name}`" for name in sorted({e.get("logged_by", "pretrieve farm") for e in evaluations}))
+    cut = (" A dimension: the vectors' first N coordinates searched (a farm's `dims:`, `pretrieve eval --dim`)."
+           if any(e.get("dim") for e in evaluations) else "")
+    lines = [f"Logged by {loggers} (the latest run of each dataset and stage; zero-shot: this model as it "
+             f"is, stage1-3: this model after the farm's fine-tuning stages){mteb}.{cut}", "",
              "| dataset | split | stage | " + " | ".join(shown) + " | MLflow run |",
              "|---|---|---|" + "---|" * len(shown) + "---|"]
     for e in evaluations:
         values = [e["metrics"].get(metric_name(m)) for m in shown]
         stage = e["stage"] if e["this_model"] else f"{e['stage']} (fine-tuned from this model)"
+        stage += f", dim {e['dim']}" if e.get("dim") else ""
         dataset = f"{e['dataset']} (MTEB)" if e.get("mteb") else e["dataset"]
         lines.append(f"| {dataset} | {e['split'] or '–'} | {stage} | "
                      + " | ".join("–" if v is None else f"{v:.4f}" for v in values) + f" | `{e['run_id']}` |")
@@ -282,8 +286,11 @@ def _evaluation_lines(evaluations: list[dict], run_dir: Path) -> list[str]:
 
 
 def _model_index_result(evaluation: dict) -> dict:
-    """A `model-index` result; an MTEB score names its dataset as MTEB's own cards do (`MTEB <task>`)."""
-    name = f"MTEB {evaluation['dataset']}" if evaluation.get("mteb") else evaluation["dataset"]
+    """A `model-index` result; an MTEB task's score names its dataset as MTEB's own cards do (`MTEB <task>`), a
+    BEIR folder's that MTEB scored (a local task) `<folder> (MTEB)`, beside the folder's own evaluation."""
+    name = evaluation["dataset"]
+    if evaluation.get("mteb"):
+        name = f"{name} (MTEB)" if evaluation.get("mteb_local") else f"MTEB {name}"
     return {"task": {"type": "retrieval", "name": "Retrieval"},
             "dataset": {"type": evaluation["dataset"], "name": name,
                         **({"split": evaluation["split"]} if evaluation["split"] else {})},

@@ -192,9 +192,9 @@ def _sparse_usage(model_dir: Path) -> list[str]:
     return ["```bash", f"pretrieve eval --model {model_dir} --beir DIR --out OUT",
             f"pretrieve mine --model {model_dir} --msmarco DIR --out hard.jsonl", "```", "",
             "pretrieve reads pooling sparse from `pretrieve_finetune.json` and searches through an inverted index. "
-            "The directory has no sentence-transformers files: the HF weights hold the backbone, and the MLM head "
-            "the vectors come from is in `pretrieve_head.safetensors` (`pretrieve.models.encoder.load_encoder` "
-            "reads both)."]
+            "The directory has no sentence-transformers files (they describe a dense vector); "
+            "`AutoModelForMaskedLM.from_pretrained` loads the backbone with the MLM head the vectors come from "
+            "(max over a text's tokens of log(1 + relu(logits)))."]
 
 
 def _usage(model_dir: Path, files: Path, st) -> list[str]:
@@ -207,7 +207,8 @@ def _usage(model_dir: Path, files: Path, st) -> list[str]:
 
     # a prompt name only where the directory names that prompt: encode() refuses a name it does not know
     prompt_names = {name: f', prompt_name="{name}"' if name in st.prompts else "" for name in ("query", "passage")}
-    encode = [f'{name}s = model.encode(["a {name}"]{prompt})' for name, prompt in prompt_names.items()]
+    plural = {"query": "queries", "passage": "passages"}
+    encode = [f'{plural[name]} = model.encode(["a {name}"]{prompt})' for name, prompt in prompt_names.items()]
     prompts = "".join(f" The {name} prompt, put before each {name}: `{text!r}`." for name, text in st.prompts.items())
     own_code = (files / CODE_FILE).is_file()
     lines = ["```python", "from sentence_transformers import SentenceTransformer", "",
@@ -217,6 +218,14 @@ def _usage(model_dir: Path, files: Path, st) -> list[str]:
              f"{', normalisation' if st.normalize else ''} and at most {st.max_length} tokens from this directory "
              f"(`modules.json`); `pretrieve eval --model {model_dir} ...` "
              f"{'scores with eq. (12) (pretrieve_finetune.json)' if st.dense else 'reads the same'}.{prompts}"]
+    if st.matryoshka_dims:
+        dims = ", ".join(map(str, st.matryoshka_dims))
+        after = ("after normalising, so the cut vectors are not unit length: pass `normalize_embeddings=True` to "
+                 "`encode` (or score with `model.similarity`, cosine) for the vectors pretrieve searches"
+                 if st.normalize else "as they are; their inner products are what pretrieve scores")
+        lines.append(f"Trained at the Matryoshka dimensions {dims}: `SentenceTransformer(\"{model_dir}\", "
+                     f"truncate_dim=N)` keeps each vector's first N coordinates (`pretrieve eval --dim N`). It cuts "
+                     f"them {after}.")
     if own_code:
         config = _read_json(files / "config.json")
         what = [*(["attends in both directions as trained"] if config.get("bidirectional") else []),

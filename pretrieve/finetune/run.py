@@ -337,7 +337,8 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
     tags = {**run_tags(f"finetune-{o.model}", None, config), "stage_loss": o.loss, "init_from": str(o.init_from)}
     return TrainingJob(name=f"finetune {o.loss}" if o.model == "dual" else "finetune teacher", module=module,
                        loader=loader, position=loader, count=count, flops=flops,
-                       export=lambda run_dir: export_finetuned(run_dir, run_dir / "export", overwrite=True), tags=tags)
+                       export=lambda run_dir: export_finetuned(run_dir, run_dir / "export", overwrite=True), tags=tags,
+                       resolved={"finetune": asdict(resolved(o))})
 
 
 def build_model(o: FinetuneOptions, config_file: Path | None = None):
@@ -391,6 +392,15 @@ def flops_weights(o: FinetuneOptions) -> tuple[float, float]:
                  for i, given in enumerate((o.flops_query, o.flops_passage)))
 
 
+def resolved(o: FinetuneOptions) -> FinetuneOptions:
+    """The options as the run trains with them: pooling sparse's FLOPS weights filled in (MLflow params, the
+    export's pretrieve_finetune.json and card)."""
+    if o.model != "dual" or o.pooling != "sparse":
+        return o
+    query, passage = flops_weights(o)
+    return replace(o, flops_query=query, flops_passage=passage)
+
+
 def _meta(module, o: FinetuneOptions) -> dict:
     from pretrieve import __version__
 
@@ -432,9 +442,9 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
     meta = json.loads((run_dir / FINETUNE_META).read_text())
     options = section(OmegaConf.load(run_dir / "config.yaml"), "finetune", FinetuneOptions)
     # config.yaml of a run started before it recorded them: what the run trained with, and the old default length
-    options = replace(options, pooling=options.pooling or meta["pooling"],
-                      normalize=meta["normalize"] if options.normalize is None else options.normalize,
-                      passage_max_len=options.passage_max_len or PASSAGE_MAX_LENGTH)
+    options = resolved(replace(options, pooling=options.pooling or meta["pooling"],
+                               normalize=meta["normalize"] if options.normalize is None else options.normalize,
+                               passage_max_len=options.passage_max_len or PASSAGE_MAX_LENGTH))
     if keep_adapter and (options.model == "cross" or not lora_of(options).r):
         from pretrieve.models.lora import no_adapter
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,6 +52,9 @@ class RetroMAEHead(PretrainingHead):
             self.decoder.attention_dropout = options.decoder_attention_dropout
         if options.attention_impl == "fused":  # refuse fused + attention dropout up front, not at the first step
             resolve("fused", torch.device("cpu"), self.decoder.attention_dropout)
+
+    def resolved_options(self):
+        return replace(self.options, decoder_attention_dropout=self.decoder.attention_dropout)
 
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])

@@ -176,10 +176,13 @@ def test_a_lexmae_export_encodes_and_fine_tunes_sparse_on_every_backbone(backbon
 
 
 @pytest.mark.parametrize("backbone", sorted(BACKBONES))
-def test_a_lexmae_export_loads_in_automodel_for_masked_lm_with_its_own_mlm_head(backbone, corpora, tmp_path):
+def test_a_lexmae_export_loads_in_automodel_for_masked_lm_with_its_own_mlm_head(backbone, corpora, tmp_path, caplog):
     """The MLM head is written where the family's *ForMaskedLM reads it: nothing is missing, so two loads give
-    the same logits, pretrieve's own (outside pretrieve, a SPLADE vector is the head's)."""
+    the same logits, pretrieve's own (outside pretrieve, a SPLADE vector is the head's). pretrieve's own loaders
+    read the export without a warning (transformers' would call the head's keys unexpected)."""
     from transformers import AutoModelForMaskedLM
+
+    from pretrieve.models.export import load_base_model
 
     tokenizer = corpora[BACKBONES[backbone][0]][0]
     head, batch = head_and_batch(backbone, "lexmae", corpora)
@@ -196,6 +199,11 @@ def test_a_lexmae_export_loads_in_automodel_for_masked_lm_with_its_own_mlm_head(
             logits.append(model.eval()(input_ids=ids, attention_mask=mask).logits)
     assert torch.equal(logits[0], logits[1])
     torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_base_model(out), load_encoder(out)
+    said = [r for r in caplog.records if "LOAD REPORT" in r.getMessage() or r.name.startswith("pretrieve")]
+    assert not said, caplog.text
 
 
 def test_a_lexmae_card_names_the_sparse_representation_it_is_evaluated_with(corpora, tmp_path):

@@ -1,9 +1,10 @@
 """Export a pre-training head as a plain HF model directory, and load one back to continue pre-training.
 
 An export holds what `transformers.AutoModel.from_pretrained(OUT)` needs (config.json, model.safetensors
-with the base model, the tokenizer files; on an encoder family also the MLM head, in the family's MaskedLM layout,
-so that `AutoModelForMaskedLM.from_pretrained(OUT)` predicts tokens as pretrieve's head does) plus, beside it, the head's extra weights (`pretrieve_head.safetensors`:
-MLM head, decoder, projections) and `pretrieve_head.json` (method name and options). It is also a
+with the base model, the tokenizer files; on an encoder family also the MLM head, in the family's MaskedLM
+layout, so that `AutoModelForMaskedLM.from_pretrained(OUT)` predicts tokens as pretrieve's head does) plus,
+beside it, the head's extra weights (`pretrieve_head.safetensors`: MLM head, decoder, projections) and
+`pretrieve_head.json` (method name and options). It is also a
 sentence-transformers model (models.st_config): [CLS] pooling (the last token's on a decoder LLM), not
 normalised, texts cut at the pre-training length, the representation every method here pre-trains (DupMAE's
 joint representation: its dense part; the contrastive method's own pooling and normalisation). It is
@@ -14,6 +15,7 @@ empty or an earlier export, which `--overwrite` replaces (utils/output_folder.py
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -21,12 +23,14 @@ from typing import Callable
 from pretrieve import __version__
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 from pretrieve.models.encoder import (EXPORT_FORMAT, FINETUNE_META, HEAD_CONFIG, HEAD_WEIGHTS, ModelOptions,
-                                      export_meta, finetune_meta)
+                                      export_meta, finetune_meta, own_load_report)
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import METHODS, get_method
 from pretrieve.models.lora import unadapt_for_saving
 from pretrieve.models.st_config import write_st_config
 from pretrieve.utils.output_folder import check_whole_output, replace_directory, staging_folder
+
+log = logging.getLogger(__name__)
 
 
 def is_export(path: Path) -> bool:
@@ -103,7 +107,18 @@ def load_base_model(path: str | Path):
         backbone = None
     if backbone is not None and backbone.causal:
         return hf_model_class(backbone.model_class).from_pretrained(str(path), local_files_only=True)
-    return merge_saved_adapter(AutoModel.from_pretrained(str(path), local_files_only=True), Path(path))
+    if backbone is None:
+        return merge_saved_adapter(AutoModel.from_pretrained(str(path), local_files_only=True), Path(path))
+    with own_load_report():
+        model, info = AutoModel.from_pretrained(str(path), local_files_only=True, output_loading_info=True)
+    # what transformers would report, less the family's MLM head (which an export and a released MaskedLM
+    # checkpoint hold beside the base model)
+    lines = [f"{key}: not in {path}, initialised" for key in sorted(info["missing_keys"])]
+    lines += [f"{key}: in {path}, not used" for key in sorted(info["unexpected_keys"])
+              if not key.startswith(tuple(backbone.hf_mlm_keys))]
+    for line in lines:
+        log.warning("%s", line)
+    return merge_saved_adapter(model, Path(path))
 
 
 def method_name(head: PretrainingHead) -> str:

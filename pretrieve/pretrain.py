@@ -9,6 +9,7 @@ checkpoints, resume, logging, stop signals (docs/design.md, "Layers" and "Data f
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -79,7 +80,8 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
         # from the final checkpoint: ZeRO partitions consolidated, fp32 master weights under bf16/fp16
         export=lambda run_dir: export_checkpoint(run_dir, run_dir / "export", overwrite=True),
         tags=run_tags(exp.method.name, exp.data.corpora, head.encoder.config), validation=validation,
-        at_step=lambda step: head.set_step(step, exp.train.max_steps))
+        at_step=lambda step: head.set_step(step, exp.train.max_steps),
+        resolved={"method": {"name": exp.method.name, **asdict(head.resolved_options())}})
 
 
 def count_texts(batch: dict) -> tuple[int, int, int]:

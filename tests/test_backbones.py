@@ -179,6 +179,51 @@ def test_a_lexmae_export_encodes_and_fine_tunes_sparse_on_every_backbone(backbon
     assert torch.isfinite(loss) and dual.encoder.mlm_transform.dense.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("backbone", sorted(BACKBONES))
+def test_a_lexmae_export_loads_in_automodel_for_masked_lm_with_its_own_mlm_head(backbone, corpora, tmp_path, caplog):
+    """The MLM head is written where the family's *ForMaskedLM reads it: nothing is missing, so two loads give
+    the same logits, pretrieve's own (outside pretrieve, a SPLADE vector is the head's). pretrieve's own loaders
+    read the export without a warning (transformers' would call the head's keys unexpected)."""
+    from transformers import AutoModelForMaskedLM
+
+    from pretrieve.models.export import load_base_model
+
+    tokenizer = corpora[BACKBONES[backbone][0]][0]
+    head, batch = head_and_batch(backbone, "lexmae", corpora)
+    with torch.no_grad():
+        head.encoder.mlm_bias.normal_()  # a trained head's bias, not its zero start
+    out = export(head.eval(), tmp_path / "export", tokenizer=tokenizer)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        expected = head.encoder.mlm_logits(head.encoder(ids, mask))
+        logits = []
+        for _ in range(2):
+            model, info = AutoModelForMaskedLM.from_pretrained(str(out), output_loading_info=True)
+            assert not info["missing_keys"] and not info["mismatched_keys"], info
+            logits.append(model.eval()(input_ids=ids, attention_mask=mask).logits)
+    assert torch.equal(logits[0], logits[1])
+    torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_base_model(out), load_encoder(out)
+    said = [r for r in caplog.records if "LOAD REPORT" in r.getMessage() or r.name.startswith("pretrieve")]
+    assert not said, caplog.text
+
+
+def test_a_lexmae_card_names_the_sparse_representation_it_is_evaluated_with(corpora, tmp_path):
+    from pretrieve.eval.model_card import _pretraining_facts
+
+    head, _ = head_and_batch("bert", "lexmae", corpora)
+    out = export(head.eval(), tmp_path / "export", tokenizer=corpora["wordpiece"][0])
+    summary = _pretraining_facts(out, {})["summary"]
+    assert "its representation is the SPLADE vector of its MLM head" in summary
+    assert "`pretrieve eval --pooling sparse` scores it" in summary and "AutoModelForMaskedLM" in summary
+    assert "[CLS] vector is the text's representation" not in summary
+    head, _ = head_and_batch("bert", "retromae", corpora)  # a dense method's card is as it was
+    out = export(head.eval(), tmp_path / "retromae", tokenizer=corpora["wordpiece"][0])
+    assert "its [CLS] vector is the text's representation" in _pretraining_facts(out, {})["summary"]
+
+
 @pytest.mark.parametrize("backbone", ["roberta", "xlm-roberta", "modernbert"])
 def test_init_from_a_released_masked_lm_checkpoint_keeps_its_mlm_head(backbone, corpora, tmp_path):
     """Continued pre-training from a released checkpoint, in the form the family's checkpoints are published:

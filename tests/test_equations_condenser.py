@@ -192,3 +192,16 @@ def test_cross_rank_negatives_are_the_one_process_batch():
     total.backward()
     assert results[0][0] + results[1][0] == pytest.approx(total.item(), rel=1e-12)
     torch.testing.assert_close(torch.cat([results[0][1], results[1][1]]), whole.grad)
+
+
+def test_cocondenser_counts_each_block_once_though_it_is_two_spans(wiki_samples, vocab):
+    """A sample is a block: the run's samples seen (the card's, MLflow's samples_per_s) count blocks, not the
+    two span rows each block becomes."""
+    from pretrieve.pretrain import count_texts
+
+    spec, options, _ = tiny("cocondenser")
+    collate = spec.collator.from_options(options, vocab, seed=0)
+    batch = collate(wiki_samples[:4])
+    samples, tokens, positions = getattr(collate, "count", count_texts)(batch)  # as the pre-training job counts
+    assert len(batch["input_ids"]) == 8 and samples == 4
+    assert (tokens, positions) == (int(batch["attention_mask"].sum()), batch["attention_mask"].numel())

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import SAMPLES, pretrain_env, write_beir
+from mlflow import MlflowClient
 from omegaconf import OmegaConf
-from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+from transformers import AutoModelForMaskedLM, AutoTokenizer, BertConfig, BertForMaskedLM
 
 from pretrieve.config import ConfigError
 from pretrieve.data.retrieval import load_beir
@@ -179,7 +180,8 @@ def test_a_lexmae_export_fine_tuned_sparse_is_evaluated_and_mined_sparse(tmp_pat
     subprocess.run([sys.executable, "-m", "pretrieve", "finetune", str(CONFIGS / "tiny.yaml"),
                     f"finetune.init_from={pretrained}", f"finetune.data=[{FLAG}]", "finetune.pooling=sparse",
                     "finetune.flops_query=0.001", "finetune.passage_max_len=48", "train.micro_batch_size=4",
-                    "train.max_steps=6", "checkpoint.every=6", f"run_dir={run_dir}"],
+                    "train.max_steps=6", "checkpoint.every=6", f"run_dir={run_dir}", "tracking.enabled=true",
+                    f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", "tracking.system_metrics_every=null"],
                    check=True, env=pretrain_env(OMP_NUM_THREADS="2"), capture_output=True)
     loss = _epoch_losses(run_dir)
     assert loss["after"] < loss["before"], loss
@@ -194,6 +196,21 @@ def test_a_lexmae_export_fine_tuned_sparse_is_evaluated_and_mined_sparse(tmp_pat
     assert not (export / "modules.json").exists()
     card = (export / "README.md").read_text()  # the model card says what it is and how to use it
     assert "A learned sparse retriever" in card and "pipeline_tag: feature-extraction" in card
+    # the weights the run trained with, everywhere: the card's options, the export's and MLflow's params
+    assert "(queries 0.001, passages 0.002)" in card and "flops_passage: 0.002" in card
+    assert (meta["options"]["flops_query"], meta["options"]["flops_passage"]) == (0.001, 0.002)
+    run = json.loads((run_dir / "run.json").read_text())
+    params = MlflowClient(tracking_uri=run["tracking_uri"]).get_run(run["run_id"]).data.params
+    assert (params["finetune.flops_query"], params["finetune.flops_passage"]) == ("0.001", "0.002")
+    assert params["finetune.pooling"] == "sparse" and params["train.grad_accum"] == "1"  # a default, resolved
+    # the MLM head its SPLADE vectors come from loads in transformers' own class, nothing missing
+    masked_lm, info = AutoModelForMaskedLM.from_pretrained(str(export), output_loading_info=True)
+    assert not info["missing_keys"], info
+    ids = AutoTokenizer.from_pretrained(export)(["a political philosophy"], return_tensors="pt")
+    tuned = load_encoder(export).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(masked_lm.eval()(**ids).logits, tuned.mlm_logits(tuned(ids["input_ids"],
+                                                                                          ids["attention_mask"])))
     assert f"pretrieve eval --model {export}" in card and "AutoModelForSequenceClassification" not in card
 
     data = load_beir(SAMPLES / "beir" / "scifact-sample")

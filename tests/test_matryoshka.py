@@ -160,6 +160,8 @@ def test_export_records_the_dims_and_truncate_dim_equals_encode_dim(tmp_path, ti
     `pretrieve encode --dim 16` on a normalised mean-pooling model."""
     from sentence_transformers import SentenceTransformer
 
+    from pretrieve.eval.model_card import _usage
+
     model = tmp_path / "model"
     shutil.copytree(tiny_encoder, model)
     write_st_config(model, "mean", True, max_length=48, matryoshka_dims=[16, 64, 32])
@@ -173,6 +175,12 @@ def test_export_records_the_dims_and_truncate_dim_equals_encode_dim(tmp_path, ti
     theirs = SentenceTransformer(str(model), device="cpu", truncate_dim=16).encode(texts, normalize_embeddings=True)
     assert ours.shape == theirs.shape == (len(texts), 16)
     np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)
+    # without normalize_embeddings, the cut vectors are not unit length: the card says so beside truncate_dim
+    plain = SentenceTransformer(str(model), device="cpu", truncate_dim=16).encode(texts)
+    assert np.linalg.norm(plain, axis=1).max() < 0.99
+    usage = " ".join(_usage(model, model, read_st_config(model)))
+    assert "Trained at the Matryoshka dimensions 64, 32, 16" in usage and "truncate_dim=N)" in usage
+    assert "the cut vectors are not unit length: pass `normalize_embeddings=True`" in usage
     from pretrieve.eval.evaluate import run_eval
     from pretrieve.eval.options import EvalOptions
 

@@ -110,9 +110,42 @@ def test_a_farm_dataset_can_be_an_mteb_task_logged_and_on_the_card(tmp_path, tin
     assert evaluation["metrics"]["mteb_main_score"] == metrics["ndcg@10"]
     assert any(line.startswith("| mini (MTEB) | – | zero-shot | ") for line in _evaluation_lines([evaluation],
                                                                                                    tmp_path))
-    assert _model_index_result(evaluation)["dataset"]["name"] == "MTEB mini"
+    assert _model_index_result(evaluation)["dataset"]["name"] == "mini (MTEB)"  # a BEIR folder: no MTEB task
 
     spec["checkpoints"].append({"name": "bm25", "bm25": True})
     farm.write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="datasets mini: MTEB evaluates models, and checkpoints bm25 are BM25"):
         load_farm(farm)
+
+
+def test_the_card_keeps_a_folders_beir_mteb_and_cut_evaluations_apart(tmp_path, tiny_encoder, local_task):
+    """One BEIR folder evaluated by pretrieve, by MTEB (a local task), and at two dimensions (the model's width,
+    as a farm's `dims:` lists it, and a prefix), logged by `pretrieve track` into a sqlite store: the card keeps
+    every row, credits `pretrieve track`, names the MTEB row after the folder (no MTEB task of that name), and
+    gives model-index the whole vectors."""
+    from pretrieve.eval.model_card import _evaluation_lines, _model_index_result
+    from pretrieve.eval.report import evaluations_of
+
+    runs = {"beir": ["--beir", str(local_task)], "mteb": ["--mteb", str(local_task)],
+            "dim64": ["--beir", str(local_task), "--dim", "64"], "dim16": ["--beir", str(local_task), "--dim", "16"]}
+    for name, flags in runs.items():
+        assert cli(["eval", "--model", str(tiny_encoder), *flags, *ENCODING, "--out", str(tmp_path / name)]) == 0
+    assert json.loads((tmp_path / "mteb" / "metrics.json").read_text())["mteb_local"] is True
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert cli(["track", *(str(tmp_path / name) for name in runs), "--uri", uri]) == 0
+    evaluations = evaluations_of(uri, tiny_encoder)
+    # the width-64 run is the whole vector (hidden 64), the latest of the folder's own evaluation
+    assert [(e["mteb"], e["dim"]) for e in evaluations] == [(False, None), (False, 16), (True, None)]
+    lines = "\n".join(_evaluation_lines(evaluations, tmp_path))
+    assert lines.startswith("Logged by `pretrieve track` (") and "pretrieve farm" not in lines.split("\n")[0]
+    assert "| scifact-mini | test | zero-shot | " in lines and "| scifact-mini (MTEB) | " in lines
+    assert "| zero-shot, dim 16 | " in lines
+    names = [_model_index_result(e)["dataset"]["name"] for e in evaluations if e["dim"] is None]
+    assert names == ["scifact-mini", "scifact-mini (MTEB)"]
+
+
+def test_an_export_is_named_for_its_run_in_mteb(tmp_path):
+    from pretrieve.eval.mteb_model import model_name
+
+    assert model_name(tmp_path / "lexmae-base" / "export") == "pretrieve/lexmae-base"
+    assert model_name(tmp_path / "my-model") == "pretrieve/my-model"

@@ -53,8 +53,11 @@ def test_written_config_round_trips(tmp_path, tiny_encoder, mini_beir, capsys, p
     st = read_st_config(model)
     assert (st.pooling, st.normalize, st.max_length, st.dense, st.unsupported) == (pooling, normalize, 48, False, ())
     assert (model / "2_Normalize").is_dir() == normalize
-    similarity = json.loads((model / "config_sentence_transformers.json").read_text())["similarity_fn_name"]
-    assert similarity == ("cosine" if normalize else "dot")
+    written = json.loads((model / "config_sentence_transformers.json").read_text())
+    assert written["similarity_fn_name"] == ("cosine" if normalize else "dot")
+    import sentence_transformers  # the release that reads the files here, as its own save records it
+
+    assert written["__version__"]["sentence_transformers"] == sentence_transformers.__version__
     vectors = _assert_encode_equals_sentence_transformers(model, mini_beir, tmp_path / "vectors")
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0) == normalize
     assert f"pooling {pooling}, {'normalized' if normalize else 'not normalized'}, max length 48" in \
@@ -98,6 +101,7 @@ def test_finetuned_export_is_a_sentence_transformers_model_with_a_card(tmp_path,
         in body
     assert f"| tokens seen | {result['tokens']:,} (non-padding) |" in body
     assert "mean pooling, normalised (cosine)" in body and "No evaluation logged yet" in body
+    assert 'queries = model.encode(["a query"])' in body and "querys" not in body
     _run_card_snippet(body, expect_dim=64)
 
 

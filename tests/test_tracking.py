@@ -12,9 +12,9 @@ from mlflow import MlflowClient
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 
 
-def _pretrain(run_dir, wiki_shards, *overrides):
+def _pretrain(run_dir, wiki_shards, *overrides, config="tiny-mlm.yaml"):
     env = pretrain_env(SLURM_JOB_ID="4242")
-    cmd = [sys.executable, "-m", "pretrieve", "pretrain", str(CONFIGS / "tiny-mlm.yaml"), f"run_dir={run_dir}",
+    cmd = [sys.executable, "-m", "pretrieve", "pretrain", str(CONFIGS / config), f"run_dir={run_dir}",
            f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null", "method.max_len=64",
            "train.log_every=1", "checkpoint.every=2", "tracking.system_metrics_every=0.5", *overrides]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -48,6 +48,21 @@ def test_mlflow_run_contents_and_resume(tmp_path, wiki_shards):
     # the experiment keeps its artifacts beside the store (farm evaluations nest under this run), not in ./mlruns
     experiment = client.get_experiment(run.info.experiment_id)
     assert experiment.artifact_location == (tmp_path / "runs" / "mlartifacts").as_uri()
+
+
+def test_mlflow_params_are_the_resolved_config(tmp_path, wiki_shards):
+    """What ran, in a sqlite store: the defaults a config leaves out, and a method's default that the model
+    resolves (condenser's skip_from null: half of 2 layers), with the value used."""
+    run_dir = tmp_path / "runs" / "condenser"
+    done = _pretrain(run_dir, wiki_shards, "train.max_steps=1", "tracking.system_metrics_every=null",
+                     config="tiny-condenser.yaml")
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = json.loads((run_dir / "run.json").read_text())
+    params = MlflowClient(tracking_uri=run["tracking_uri"]).get_run(run["run_id"]).data.params
+    assert params["method.skip_from"] == "1" and params["method.head_layers"] == "2"
+    assert params["method.name"] == "condenser"
+    assert params["train.grad_accum"] == "1" and params["data.shuffle_buffer"] == "1000"  # not in the config
+    assert params["train.lr"] == "0.0001"
 
 
 def test_dead_tracking_server_does_not_stop_training(tmp_path, wiki_shards):

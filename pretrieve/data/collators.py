@@ -285,6 +285,12 @@ class CoCondenserCollator(MLMCollator):
     def extend(self, out, batch, words, num_words, rng):
         out["pad"] = torch.from_numpy(batch.pad)
 
+    @staticmethod
+    def count(batch: dict) -> tuple[int, int, int]:
+        """(blocks, non-padding tokens, positions) of a batch: a sample is a block, whose two spans are rows."""
+        mask = batch["attention_mask"]
+        return len(mask) // 2, int(mask.sum()), mask.numel()
+
 
 def _from_options(cls, options, vocab: Vocabulary, seed: int):
     names = {f.name for f in fields(cls) if f.init} - {"vocab", "seed", "neighbours"}

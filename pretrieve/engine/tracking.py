@@ -105,8 +105,11 @@ class Tracker:
                 if options.parent_run_id:
                     tags["mlflow.parentRunId"] = options.parent_run_id
                 self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name, tags=tags).info.run_id
-                for key, value in params.items():
-                    self.client.log_param(self.run_id, key, value)
+                from mlflow.entities import Param
+
+                logged = [Param(key, value) for key, value in params.items()]
+                for first in range(0, len(logged), 100):  # MLflow takes at most 100 params a batch
+                    self.client.log_batch(self.run_id, params=logged[first:first + 100])
                 write_atomic(run_file, json.dumps({"tracking_uri": uri, "run_id": self.run_id,
                                                    "experiment": options.experiment}, indent=1))
             if options.system_metrics_every:

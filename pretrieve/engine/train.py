@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,7 +31,7 @@ from pretrieve.engine.metrics import MetricsWindow, plain_grad_norm, truncate_me
 from pretrieve.engine.optimizer import client_optimizer, clip_in_loop
 from pretrieve.engine.ops import environment_ops, without_op_load_notice
 from pretrieve.engine.preemption import StopFlag, Stopped, prebuild_ops, retryable_startup, shield_children
-from pretrieve.engine.resume_check import check_resume, record_changes, saved_config
+from pretrieve.engine.resume_check import check_resume, record_changes, saved_config, with_defaults
 from pretrieve.engine.rng import seed_everything
 from pretrieve.engine.tracking import Tracker, run_params
 from pretrieve.engine.universal import is_universal
@@ -73,6 +73,9 @@ class TrainingJob:
     # called with the optimizer step (0-based) each micro-batch computes, before its forward: a loss schedule
     # over training (a resume gives it the checkpoint's step, so the schedule resumes exactly)
     at_step: Callable[[int], None] | None = None
+    # sections as the job runs them (MLflow params, over the config with its defaults): a default the job
+    # resolves, as a head's skip_from or fine-tuning's FLOPS weights, with the value used
+    resolved: dict = field(default_factory=dict)
 
 
 def run_training(exp: RunExperiment, build_job: Callable[[Any, int], TrainingJob]) -> dict:
@@ -189,7 +192,8 @@ def _run_training(exp: RunExperiment, build_job, rank: int, world: int, stop: St
         raise stop.stopped(why, ckpt_dir / start.tag if start.tag else None)
     tracker = None
     if rank == 0:
-        tracker = Tracker(exp.tracking, run_dir, run_params(start.config, ds_config), job.tags, fresh=start.fresh)
+        config = {**with_defaults(start.config, exp.section_classes(start.config)), **job.resolved}  # what ran
+        tracker = Tracker(exp.tracking, run_dir, run_params(config, ds_config), job.tags, fresh=start.fresh)
         record_changes(run_dir, start.tag, start.changes, tracker)
     try:
         return _train(exp, job, engine, ds_config, start, tracker, rank, world, stop, clip)

@@ -81,7 +81,7 @@ def model_card(model_dir: Path, run_dir: Path, tag: str | None = None, evaluatio
     name = run_dir.name
     st = read_st_config(files)
     sparse = _read_json(files / FINETUNE_META).get("pooling") == "sparse"
-    own = [e for e in evaluations if e["this_model"]]
+    own = [e for e in evaluations if e["this_model"] and e.get("dim") is None]  # whole vectors: model-index
     meta = {"library_name": "sentence-transformers" if st else "transformers",
             "pipeline_tag": "sentence-similarity" if st else "feature-extraction" if sparse else "text-classification",
             "tags": [*(["sentence-transformers", "feature-extraction", "sentence-similarity"] if st else []),
@@ -119,13 +119,26 @@ def _pretraining_facts(model_dir: Path, config: dict) -> dict:
     vector = {"cls": "[CLS] vector", "last": "last token's state", "mean": "mean token state"}.get(st.pooling,
                                                                                                   "pooled vector")
     norm = "normalised (cosine)" if st.normalize else "not normalised (inner product)"
+    summary = f"its {vector} is the text's representation, {norm}.{dense}"
+    if _eval_pooling(method) == "sparse":  # the method trains its MLM head's vocabulary vector, not the [CLS] one
+        summary = ("its representation is the SPLADE vector of its MLM head (the max over a text's tokens of "
+                   "log(1 + relu(MLM logits))): `pretrieve eval --pooling sparse` scores it, `pretrieve finetune` "
+                   "trains it with `finetune.pooling: sparse`, and `AutoModelForMaskedLM` loads the head. "
+                   f"sentence-transformers, and `pretrieve eval` without `--pooling`, read its {vector} ({norm}), "
+                   f"which {method} does not train as a representation.")
     return {"tag": method, "base_model": config.get("model", {}).get("init_from"), "datasets": datasets,
-            "summary": f"A {_family(model_dir)} encoder pre-trained with **{method}** by pretrieve; its {vector} "
-                       f"is the text's representation, {norm}.{dense}"
+            "summary": f"A {_family(model_dir)} encoder pre-trained with **{method}** by pretrieve; {summary}"
                        f"{_lora_note(model_dir, config.get('model', {}).get('lora') or {})}",
             "method": f"pre-training, {method}", "options_title": f"Method options ({method})",
             "options": head.get("options") or config.get("method", {}), "data": _data_sources(data),
             "samples": "pairs" if method == "contrastive" else "samples (token blocks)"}
+
+
+def _eval_pooling(method: str) -> str | None:
+    """The pooling `method`'s export is evaluated with, where the registry names one (heads.registry)."""
+    from pretrieve.models.heads import METHODS
+
+    return METHODS[method].eval_pooling if method in METHODS else None
 
 
 def _lora_note(model_dir: Path, lora: dict) -> str:
@@ -179,9 +192,9 @@ def _sparse_usage(model_dir: Path) -> list[str]:
     return ["```bash", f"pretrieve eval --model {model_dir} --beir DIR --out OUT",
             f"pretrieve mine --model {model_dir} --msmarco DIR --out hard.jsonl", "```", "",
             "pretrieve reads pooling sparse from `pretrieve_finetune.json` and searches through an inverted index. "
-            "The directory has no sentence-transformers files: the HF weights hold the backbone, and the MLM head "
-            "the vectors come from is in `pretrieve_head.safetensors` (`pretrieve.models.encoder.load_encoder` "
-            "reads both)."]
+            "The directory has no sentence-transformers files (they describe a dense vector); "
+            "`AutoModelForMaskedLM.from_pretrained` loads the backbone with the MLM head the vectors come from "
+            "(max over a text's tokens of log(1 + relu(logits)))."]
 
 
 def _usage(model_dir: Path, files: Path, st) -> list[str]:
@@ -194,7 +207,8 @@ def _usage(model_dir: Path, files: Path, st) -> list[str]:
 
     # a prompt name only where the directory names that prompt: encode() refuses a name it does not know
     prompt_names = {name: f', prompt_name="{name}"' if name in st.prompts else "" for name in ("query", "passage")}
-    encode = [f'{name}s = model.encode(["a {name}"]{prompt})' for name, prompt in prompt_names.items()]
+    plural = {"query": "queries", "passage": "passages"}
+    encode = [f'{plural[name]} = model.encode(["a {name}"]{prompt})' for name, prompt in prompt_names.items()]
     prompts = "".join(f" The {name} prompt, put before each {name}: `{text!r}`." for name, text in st.prompts.items())
     own_code = (files / CODE_FILE).is_file()
     lines = ["```python", "from sentence_transformers import SentenceTransformer", "",
@@ -204,6 +218,14 @@ def _usage(model_dir: Path, files: Path, st) -> list[str]:
              f"{', normalisation' if st.normalize else ''} and at most {st.max_length} tokens from this directory "
              f"(`modules.json`); `pretrieve eval --model {model_dir} ...` "
              f"{'scores with eq. (12) (pretrieve_finetune.json)' if st.dense else 'reads the same'}.{prompts}"]
+    if st.matryoshka_dims:
+        dims = ", ".join(map(str, st.matryoshka_dims))
+        after = ("after normalising, so the cut vectors are not unit length: pass `normalize_embeddings=True` to "
+                 "`encode` (or score with `model.similarity`, cosine) for the vectors pretrieve searches"
+                 if st.normalize else "as they are; their inner products are what pretrieve scores")
+        lines.append(f"Trained at the Matryoshka dimensions {dims}: `SentenceTransformer(\"{model_dir}\", "
+                     f"truncate_dim=N)` keeps each vector's first N coordinates (`pretrieve eval --dim N`). It cuts "
+                     f"them {after}.")
     if own_code:
         config = _read_json(files / "config.json")
         what = [*(["attends in both directions as trained"] if config.get("bidirectional") else []),
@@ -251,17 +273,21 @@ def _training_rows(run_dir: Path, model_dir: Path, config, tag: str | None, fact
 def _evaluation_lines(evaluations: list[dict], run_dir: Path) -> list[str]:
     if not evaluations:
         return [f"No evaluation logged yet. `pretrieve card {run_dir}` writes this card again with those the farm "
-                "has logged since (the farm does it itself after evaluating this export)."]
+                "(or `pretrieve track`) has logged since (the farm does it itself after evaluating this export)."]
     shown = [m for m in CARD_METRICS if any(metric_name(m) in e["metrics"] for e in evaluations)]
     mteb = (" (MTEB): scored by the mteb package (`pretrieve eval --mteb`), MTEB's own result files beside "
             "the evaluation" if any(e.get("mteb") for e in evaluations) else "")
-    lines = ["Logged by `pretrieve farm` (the latest run of each dataset and stage; zero-shot: this model as it "
-             f"is, stage1-3: this model after the farm's fine-tuning stages){mteb}.", "",
+    loggers = " and ".join(f"`{name}`" for name in sorted({e.get("logged_by", "pretrieve farm") for e in evaluations}))
+    cut = (" A dimension: the vectors' first N coordinates searched (a farm's `dims:`, `pretrieve eval --dim`)."
+           if any(e.get("dim") for e in evaluations) else "")
+    lines = [f"Logged by {loggers} (the latest run of each dataset and stage; zero-shot: this model as it "
+             f"is, stage1-3: this model after the farm's fine-tuning stages){mteb}.{cut}", "",
              "| dataset | split | stage | " + " | ".join(shown) + " | MLflow run |",
              "|---|---|---|" + "---|" * len(shown) + "---|"]
     for e in evaluations:
         values = [e["metrics"].get(metric_name(m)) for m in shown]
         stage = e["stage"] if e["this_model"] else f"{e['stage']} (fine-tuned from this model)"
+        stage += f", dim {e['dim']}" if e.get("dim") else ""
         dataset = f"{e['dataset']} (MTEB)" if e.get("mteb") else e["dataset"]
         lines.append(f"| {dataset} | {e['split'] or '–'} | {stage} | "
                      + " | ".join("–" if v is None else f"{v:.4f}" for v in values) + f" | `{e['run_id']}` |")
@@ -269,8 +295,11 @@ def _evaluation_lines(evaluations: list[dict], run_dir: Path) -> list[str]:
 
 
 def _model_index_result(evaluation: dict) -> dict:
-    """A `model-index` result; an MTEB score names its dataset as MTEB's own cards do (`MTEB <task>`)."""
-    name = f"MTEB {evaluation['dataset']}" if evaluation.get("mteb") else evaluation["dataset"]
+    """A `model-index` result; an MTEB task's score names its dataset as MTEB's own cards do (`MTEB <task>`), a
+    BEIR folder's that MTEB scored (a local task) `<folder> (MTEB)`, beside the folder's own evaluation."""
+    name = evaluation["dataset"]
+    if evaluation.get("mteb"):
+        name = f"{name} (MTEB)" if evaluation.get("mteb_local") else f"MTEB {name}"
     return {"task": {"type": "retrieval", "name": "Retrieval"},
             "dataset": {"type": evaluation["dataset"], "name": name,
                         **({"split": evaluation["split"]} if evaluation["split"] else {})},
@@ -324,9 +353,13 @@ def _step(tag: str | None, final: dict | None) -> int:
 
 
 def _parameter_counts(model_dir: Path) -> dict:
-    """Parameters of the exported base model (and of the embeddings among them), and of the weights beside it."""
+    """Parameters of the exported base model (and of the embeddings among them), and of the weights beside it;
+    the MLM head an encoder family's weights also hold (models.export.save_base_model) is counted beside them in
+    pretrieve_head.safetensors."""
     from safetensors import safe_open
 
+    model_type = _read_json(model_dir / "config.json").get("model_type")
+    mlm_head = tuple(next((b.hf_mlm_keys for b in BACKBONES.values() if b.model_type == model_type), {}))
     counts = {"encoder": 0, "embeddings": 0, "head": 0}
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
@@ -334,6 +367,8 @@ def _parameter_counts(model_dir: Path) -> dict:
                 size = 1
                 for dim in f.get_slice(key).get_shape():
                     size *= dim
+                if key.startswith(mlm_head) and file.name != HEAD_WEIGHTS:
+                    continue
                 if file.name == HEAD_WEIGHTS:
                     counts["head"] += size
                 else:

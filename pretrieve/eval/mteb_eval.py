@@ -52,6 +52,7 @@ def run_mteb(opts: EvalOptions, encoding) -> dict:
             results[item.name] = _scores(task_results)
     info = {"retriever": "mteb", "model": str(Path(opts.model).resolve()), "mteb": opts.mteb,
             "mteb_tasks": ",".join(results), "dataset": opts.mteb if len(results) > 1 else next(iter(results)),
+            "mteb_local": any(item.local for item in requested),  # a BEIR folder: no MTEB task of that name
             "pooling": encoding.pooling, "normalize": encoding.normalize, "max_length": encoding.max_length,
             "query_prompt": encoding.query_prompt, "passage_prompt": encoding.passage_prompt,
             "encoding_from": encoding.source, "batch_size": opts.batch_size, "queries": len(per_query),

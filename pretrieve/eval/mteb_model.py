@@ -21,6 +21,13 @@ from pretrieve.eval.model_config import Encoding
 REVISION = "local"  # an export has no hub revision; MTEB's result folders are named after it
 
 
+def model_name(model_dir: str | Path) -> str:
+    """The export's MTEB model name (its result folder `pretrieve__<name>`): `pretrieve/<folder>`, a run's
+    export (RUN/export) named for its run, as its model card is."""
+    folder = Path(model_dir).resolve()
+    return f"pretrieve/{folder.parent.name if folder.name == 'export' else folder.name}"
+
+
 class ExportEncoder(AbsEncoder):
     """MTEB's EncoderProtocol over a DenseEncoder; `mteb_model_meta` names the export and its similarity."""
 
@@ -28,7 +35,7 @@ class ExportEncoder(AbsEncoder):
         self.encoder = DenseEncoder(model_dir, encoding.encode_options(batch_size))
         self.progress = progress
         self.mteb_model_meta = ModelMeta.create_empty({
-            "name": f"pretrieve/{Path(model_dir).resolve().name}", "revision": REVISION,
+            "name": model_name(model_dir), "revision": REVISION,
             "embed_dim": self.encoder.dim, "max_tokens": encoding.max_length, "framework": ["PyTorch"],
             "similarity_fn_name": ScoringFunction.COSINE if encoding.normalize else ScoringFunction.DOT_PRODUCT, "modalities": ["text"]})
 

@@ -49,11 +49,14 @@ def _checkpoint_label(tags: dict) -> str:
 
 
 def evaluations_of(uri: str, model_dir: str | Path, run_id: str | None = None) -> list[dict]:
-    """The farm's evaluations of one model, the latest per (dataset, stage), by dataset, zero-shot first: the
-    runs tagged with its directory (`model_dir`, the farm's tag) and, when `run_id` is its pre-training run,
-    the runs nested under it (the checkpoint zero-shot, and fine-tuned by the farm's stages). Each record: dataset,
-    stage, split, mteb (scored by MTEB), this_model (False: a model fine-tuned from it), run_id, start (ms), metrics
-    ({MLflow name: value})."""
+    """The evaluations of one model, the latest per (dataset, stage, MTEB or not, dimension), by dataset,
+    zero-shot first: the runs tagged with its directory (`model_dir`, the farm's and `track`'s tag) and, when
+    `run_id` is its pre-training run, the runs nested under it (the checkpoint zero-shot, and fine-tuned by the
+    farm's stages). Each record: dataset, stage, split, mteb (scored by MTEB), mteb_local (a BEIR folder among
+    MTEB's tasks: no MTEB dataset of that name), dim (the prefix the vectors were cut to; None: the whole
+    vector, a farm's `dims:` entry at the model's width included), this_model (False: a model fine-tuned from
+    it), logged_by (`pretrieve farm` or `pretrieve track`), run_id, start (ms), metrics ({MLflow name:
+    value})."""
     from pretrieve.utils.mlflow_store import mlflow_client
 
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
@@ -62,22 +65,26 @@ def evaluations_of(uri: str, model_dir: str | Path, run_id: str | None = None) -
     ids = [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(ids, filter_string="tags.`pretrieve.farm` = 'eval'", max_results=50000) if ids else []
     here = str(Path(model_dir).resolve())
+    config = Path(model_dir) / "config.json"
+    width = json.loads(config.read_text()).get("hidden_size") if config.is_file() else None
     latest: dict[tuple, dict] = {}
     for r in sorted(runs, key=lambda r: r.info.start_time):
-        tags = r.data.tags
-        if tags.get("dim"):  # the model's vectors cut to a prefix: the card shows them whole
-            continue
+        tags, params = r.data.tags, r.data.params
+        dim = int(tags["dim"]) if tags.get("dim") else None
+        dim = None if dim is not None and width is not None and dim >= width else dim
         nested = run_id is not None and tags.get("mlflow.parentRunId") == run_id
         zero_shot = tags.get("stage") == "zero-shot"
         # runs logged before the farm tagged model_dir: a nested zero-shot run evaluated the checkpoint itself
         this_model = tags.get("model_dir") == here or ("model_dir" not in tags and nested and zero_shot)
         if this_model or (nested and not zero_shot):
-            latest[(tags["dataset"], tags["stage"])] = {
-                "dataset": tags["dataset"], "stage": tags["stage"], "split": r.data.params.get("split"),
-                "mteb": r.data.params.get("retriever") == "mteb",  # scored by the mteb package (eval --mteb)
-                "this_model": this_model, "run_id": r.info.run_id, "start": r.info.start_time,
-                "metrics": dict(r.data.metrics)}
-    return sorted(latest.values(), key=lambda e: (e["dataset"], e["stage"] != "zero-shot", e["stage"]))
+            mteb = params.get("retriever") == "mteb"  # scored by the mteb package (eval --mteb)
+            latest[(tags["dataset"], tags["stage"], mteb, dim)] = {
+                "dataset": tags["dataset"], "stage": tags["stage"], "split": params.get("split"), "mteb": mteb,
+                "mteb_local": params.get("mteb_local") == "True", "dim": dim, "this_model": this_model,
+                "logged_by": tags.get("logged_by", "pretrieve farm"), "run_id": r.info.run_id,
+                "start": r.info.start_time, "metrics": dict(r.data.metrics)}
+    return sorted(latest.values(), key=lambda e: (e["dataset"], e["stage"] != "zero-shot", e["stage"], e["mteb"],
+                                                  -(e["dim"] or float("inf"))))
 
 
 def tables(records: list[dict], metrics=DEFAULT_METRICS) -> dict[str, list[list]]:

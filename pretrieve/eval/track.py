@@ -3,7 +3,8 @@ way the farm logs its jobs, so `pretrieve report` compares them with farm runs w
 
 A folder holds metrics.json, run.trec and per_query.jsonl (docs/design.md, "Evaluation output"); metrics.json also
 records what was run (model, pooling, split, depth, ...). Each folder becomes one run with the farm's tags
-(`pretrieve.farm: eval`, checkpoint, dataset, stage; `model_dir`, the model evaluated), the float values of
+(`pretrieve.farm: eval`, checkpoint, dataset, stage; `model_dir`, the model evaluated; and `logged_by:
+pretrieve track`, which a model card credits), the float values of
 metrics.json as metrics under their MLflow names (ndcg@10 -> ndcg_at_10), the other values as params, the
 three files as artifacts, and `eval_dir` (the folder, absolute), `run_trec_sha256` and, for an evaluation of
 cut vectors (`eval --dim`), `dim` as tags. The run starts
@@ -128,7 +129,7 @@ def track(folders: list[str], uri: str, experiment: str = "pretrieve-eval", chec
         logged = run_id is None
         if logged:
             tags = {"pretrieve.farm": "eval", "checkpoint": folder.checkpoint, "dataset": folder.dataset,
-                    "stage": folder.stage}
+                    "stage": folder.stage, "logged_by": "pretrieve track"}  # the farm's runs have no such tag
             if folder.metrics.get("model"):
                 tags["model_dir"] = str(folder.metrics["model"])
             run_id = log_eval_run(client, experiment_id, folder.path, tags, folder.run_name)

@@ -350,7 +350,8 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
     tags = {**run_tags(f"finetune-{o.model}", None, config), "stage_loss": o.loss, "init_from": str(o.init_from)}
     return TrainingJob(name=f"finetune {o.loss}" if o.model == "dual" else "finetune teacher", module=module,
                        loader=loader, position=loader, count=count, flops=flops,
-                       export=lambda run_dir: export_finetuned(run_dir, run_dir / "export", overwrite=True), tags=tags)
+                       export=lambda run_dir: export_finetuned(run_dir, run_dir / "export", overwrite=True), tags=tags,
+                       resolved={"finetune": asdict(resolved(o))})
 
 
 def build_model(o: FinetuneOptions, config_file: Path | None = None):
@@ -405,6 +406,15 @@ def flops_weights(o: FinetuneOptions) -> tuple[float, float]:
                  for i, given in enumerate((o.flops_query, o.flops_passage)))
 
 
+def resolved(o: FinetuneOptions) -> FinetuneOptions:
+    """The options as the run trains with them: pooling sparse's FLOPS weights filled in (MLflow params, the
+    export's pretrieve_finetune.json and card)."""
+    if o.model != "dual" or o.pooling != "sparse":
+        return o
+    query, passage = flops_weights(o)
+    return replace(o, flops_query=query, flops_passage=passage)
+
+
 def _meta(module, o: FinetuneOptions) -> dict:
     from pretrieve import __version__
 
@@ -435,7 +445,7 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
     from pretrieve.eval.model_card import write_model_card
     from pretrieve.finetune.mine import PASSAGE_MAX_LENGTH
     from pretrieve.models.encoder import HEAD_WEIGHTS
-    from pretrieve.models.export import check_export_folder, write_model_code
+    from pretrieve.models.export import check_export_folder, save_base_model, write_model_code
     from pretrieve.models.heads.base import ENCODER_MODEL
     from pretrieve.models.lora import unadapt_for_saving
     from pretrieve.models.st_config import write_st_config
@@ -447,9 +457,9 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
     meta = json.loads((run_dir / FINETUNE_META).read_text())
     options = section(OmegaConf.load(run_dir / "config.yaml"), "finetune", FinetuneOptions)
     # config.yaml of a run started before it recorded them: what the run trained with, and the old default length
-    options = replace(options, pooling=options.pooling or meta["pooling"],
-                      normalize=meta["normalize"] if options.normalize is None else options.normalize,
-                      passage_max_len=options.passage_max_len or PASSAGE_MAX_LENGTH)
+    options = resolved(replace(options, pooling=options.pooling or meta["pooling"],
+                               normalize=meta["normalize"] if options.normalize is None else options.normalize,
+                               passage_max_len=options.passage_max_len or PASSAGE_MAX_LENGTH))
     if keep_adapter and (options.model == "cross" or not lora_of(options).r):
         from pretrieve.models.lora import no_adapter
 
@@ -463,15 +473,15 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
     else:
         unadapt_for_saving(module.encoder.model, tmp, lora_of(options).keep_adapter if keep_adapter is None
                            else keep_adapter)
-        module.encoder.model.save_pretrained(str(tmp))
+        save_base_model(module.encoder, tmp)  # with the MLM head, which pooling sparse and dupmae read
         write_model_code(tmp, module.encoder.model)
         # MLM head, query experts (`load_encoder` reads them back), W^cls and LPU (`load_joint`)
         extra = {k: v.detach().contiguous() for k, v in module.state_dict().items()
                  if not k.startswith(ENCODER_MODEL)}
         save_file(extra, str(tmp / HEAD_WEIGHTS))
         dupmae = options.pooling == "dupmae"  # sentence-transformers gets eq. 12's dense part: [CLS] through W^cls
-        # no sentence-transformers files for a sparse model: they describe a dense vector, and its SparseEncoder
-        # reads the MLM head from the HF weights, which hold the backbone alone; pretrieve_finetune.json says it
+        # no sentence-transformers files for a sparse model: they describe a dense vector;
+        # pretrieve_finetune.json says it, and AutoModelForMaskedLM reads the MLM head its vectors come from
         if options.pooling != "sparse":
             write_st_config(tmp, "cls" if dupmae else options.pooling, options.normalize, options.passage_max_len,
                             dense_weight=module.joint.cls_proj.weight if dupmae else None,

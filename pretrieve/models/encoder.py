@@ -11,6 +11,7 @@ the whole [B, L, vocab] grid.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -144,8 +145,9 @@ class Encoder(nn.Module):
             backbone = backbone_of(AutoConfig.from_pretrained(str(path), local_files_only=True))
         except ValueError as e:
             raise ValueError(f"init_from: {path}: {e}") from None
-        model, info = backbone.model_class.from_pretrained(str(path), output_loading_info=True, local_files_only=True,
-                                                           **backbone.model_kwargs)
+        with own_load_report():  # said below in pretrieve's words, the MLM head read, not "unexpected"
+            model, info = backbone.model_class.from_pretrained(str(path), output_loading_info=True,
+                                                               local_files_only=True, **backbone.model_kwargs)
         model = merge_saved_adapter(model, path)  # an export whose LoRA adapter was kept apart
         encoder = cls(model.config, model=model)
         report = [f"{key}: not in {path}, initialised" for key in sorted(info["missing_keys"])]
@@ -302,6 +304,20 @@ def checkpoint_activations(model) -> None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@contextlib.contextmanager
+def own_load_report():
+    """transformers' load report (a warning table of the keys a checkpoint lacks or has beyond the model) left
+    out, for a caller that reports them itself: an export's MLM head (models.export.save_base_model) is no
+    surprise to pretrieve's loaders."""
+    report = logging.getLogger("transformers.modeling_utils")
+    level = report.level
+    report.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        report.setLevel(level)
 
 
 def load_encoder(path: str | Path) -> Encoder:

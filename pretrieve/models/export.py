@@ -1,8 +1,10 @@
 """Export a pre-training head as a plain HF model directory, and load one back to continue pre-training.
 
 An export holds what `transformers.AutoModel.from_pretrained(OUT)` needs (config.json, model.safetensors
-with the base model, the tokenizer files) plus, beside it, the head's extra weights (`pretrieve_head.safetensors`:
-MLM head, decoder, projections) and `pretrieve_head.json` (method name and options). It is also a
+with the base model, the tokenizer files; on an encoder family also the MLM head, in the family's MaskedLM
+layout, so that `AutoModelForMaskedLM.from_pretrained(OUT)` predicts tokens as pretrieve's head does) plus,
+beside it, the head's extra weights (`pretrieve_head.safetensors`: MLM head, decoder, projections) and
+`pretrieve_head.json` (method name and options). It is also a
 sentence-transformers model (models.st_config): [CLS] pooling (the last token's on a decoder LLM), not
 normalised, texts cut at the pre-training length, the representation every method here pre-trains (DupMAE's
 joint representation: its dense part; the contrastive method's own pooling and normalisation). It is
@@ -13,6 +15,7 @@ empty or an earlier export, which `--overwrite` replaces (utils/output_folder.py
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -20,12 +23,14 @@ from typing import Callable
 from pretrieve import __version__
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 from pretrieve.models.encoder import (EXPORT_FORMAT, FINETUNE_META, HEAD_CONFIG, HEAD_WEIGHTS, ModelOptions,
-                                      check_weights, export_meta, finetune_meta)
+                                      check_weights, export_meta, finetune_meta, own_load_report)
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import METHODS, get_method
 from pretrieve.models.lora import unadapt_for_saving
 from pretrieve.models.st_config import write_st_config
 from pretrieve.utils.output_folder import check_whole_output, replace_directory, staging_folder
+
+log = logging.getLogger(__name__)
 
 
 def is_export(path: Path) -> bool:
@@ -59,6 +64,32 @@ def write_model_code(out: Path, model) -> bool:
     return True
 
 
+def save_base_model(encoder, out: Path) -> None:
+    """Save `encoder`'s base model into `out` with `save_pretrained`; an encoder family's inside its *ForMaskedLM
+    (config.json's architectures), the MLM head under the names that class reads (`cls.predictions.*`,
+    `lm_head.*`, `head.*` + `decoder.bias`: backbone.hf_mlm_keys) and its output weights tied to the word
+    embeddings, so the file holds them once. AutoModel reads the base model and reports the head's keys
+    unexpected, as it does for a released BERT checkpoint. A decoder LLM's base model is saved alone."""
+    import torch
+    from transformers import AutoModelForMaskedLM
+
+    model = encoder.model
+    if encoder.backbone.causal:
+        model.save_pretrained(str(out))
+        return
+    with torch.device("meta"):  # its base model is swapped for the encoder's, its head loaded: nothing to allocate
+        masked_lm = AutoModelForMaskedLM.from_config(model.config)
+    setattr(masked_lm, masked_lm.base_model_prefix, model)
+    masked_lm.config = model.config
+    head = {hf + name[len(ours):]: p.detach() for name, p in encoder.token_head_parameters()
+            for hf, ours in encoder.backbone.hf_mlm_keys.items() if name.startswith(ours)}
+    masked_lm.load_state_dict(head, strict=False, assign=True)
+    masked_lm.tie_weights()  # the output weights: the word embeddings
+    left = [name for name, p in [*masked_lm.named_parameters(), *masked_lm.named_buffers()] if p.is_meta]
+    assert not left, f"{type(masked_lm).__name__}: no value for {left} (backbone.hf_mlm_keys misses them)"
+    masked_lm.save_pretrained(str(out))
+
+
 def load_base_model(path: str | Path):
     """An exported model's HF base model, encoding as it was trained: a decoder LLM through its class in
     models/hf_model_code.py (causal or bidirectional as its config says; its own copy in the directory is not
@@ -77,7 +108,18 @@ def load_base_model(path: str | Path):
         backbone = None
     if backbone is not None and backbone.causal:
         return hf_model_class(backbone.model_class).from_pretrained(str(path), local_files_only=True)
-    return merge_saved_adapter(AutoModel.from_pretrained(str(path), local_files_only=True), Path(path))
+    if backbone is None:
+        return merge_saved_adapter(AutoModel.from_pretrained(str(path), local_files_only=True), Path(path))
+    with own_load_report():
+        model, info = AutoModel.from_pretrained(str(path), local_files_only=True, output_loading_info=True)
+    # what transformers would report, less the family's MLM head (which an export and a released MaskedLM
+    # checkpoint hold beside the base model)
+    lines = [f"{key}: not in {path}, initialised" for key in sorted(info["missing_keys"])]
+    lines += [f"{key}: in {path}, not used" for key in sorted(info["unexpected_keys"])
+              if not key.startswith(tuple(backbone.hf_mlm_keys))]
+    for line in lines:
+        log.warning("%s", line)
+    return merge_saved_adapter(model, Path(path))
 
 
 def method_name(head: PretrainingHead) -> str:
@@ -99,7 +141,7 @@ def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAU
     out = Path(out)
     tmp = staging_folder(out)
     unadapt_for_saving(head.encoder.model, tmp, keep_adapter)
-    head.encoder.model.save_pretrained(str(tmp))
+    save_base_model(head.encoder, tmp)
     write_model_code(tmp, head.encoder.model)
     AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).save_pretrained(str(tmp))
     save_file(head.extra_state(), str(tmp / HEAD_WEIGHTS))

@@ -174,12 +174,24 @@ def write_st_config(model_dir: str | Path, pooling: str, normalize: bool, max_le
                                            for i, (kind, path) in enumerate(modules)])
     _write_json(model_dir / TRANSFORMER_CONFIG, {"max_seq_length": int(max_length), "do_lower_case": False})
     _write_json(model_dir / ST_MODEL_CONFIG, {
-        "__version__": {"sentence_transformers": ST_FORMAT_VERSION, "transformers": transformers.__version__,
+        "__version__": {"sentence_transformers": _st_version(), "transformers": transformers.__version__,
                         "pytorch": torch.__version__},
         "model_type": "SentenceTransformer", "prompts": {k: v for k, v in (prompts or {}).items() if v},
         "default_prompt_name": None,
         "similarity_fn_name": "cosine" if normalize else "dot",
         **({"matryoshka_dims": sorted(matryoshka_dims, reverse=True)} if matryoshka_dims else {})})
+
+
+def _st_version() -> str:
+    """The version `__version__` records, as sentence-transformers' own save does: the installed release, which
+    made and checked these files (a later one loading them says nothing; an earlier one warns); without it, the
+    oldest release that reads them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sentence-transformers")
+    except PackageNotFoundError:
+        return ST_FORMAT_VERSION
 
 
 def _write_json(path: Path, value) -> None:

@@ -31,6 +31,11 @@ class PretrainingHead(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def resolved_options(self):
+        """The options as this head runs them: a default left to the model (None) filled in with the value used,
+        for what a run logs (MLflow params)."""
+        return self.options
+
     def set_step(self, step: int, max_steps: int) -> None:
         """The optimizer step (0-based) of `max_steps` that the next forwards compute, told by the training loop
         before each micro-batch: a head whose loss weights follow a schedule over training reads it."""

@@ -20,7 +20,7 @@ first row), so the MLM terms are normalised once, by the micro-batch's masked to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -74,6 +74,11 @@ class CoCondenserHead(CondenserHead):
         cache = grad_cache_of(options.grad_cache, "method")
         self.chunk = None if cache is None else cache.chunk
         self.grad_cache = True  # with a chunk: GradCache; False: the chunks under one graph (its reference)
+
+    def resolved_options(self):  # the collator's span length (CoCondenserCollator.texts)
+        span = self.options.max_len - 2
+        return replace(super().resolved_options(), span_len=span if self.options.span_len is None
+                       else min(self.options.span_len, span))
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """[rows, d + 2]: each span's late [CLS] state, then the chunk's summed head and late MLM losses on its

@@ -15,7 +15,7 @@ pre-training).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -56,6 +56,9 @@ class CondenserHead(PretrainingHead):
         super().__init__(encoder, options)
         self.skip_from = early_layer(options, encoder)
         self.head = Decoder(encoder, num_layers=options.head_layers)
+
+    def resolved_options(self):
+        return replace(self.options, skip_from=self.skip_from)
 
     def condense(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(h^late [B, L, d], the head's output [B, L, d]): the early/late split and the head on one encoder pass."""

@@ -128,4 +128,4 @@ def lexmae_no_backward_flops(options: LexMAEOptions, config, batch: dict[str, to
 
 
 register_method("lexmae", LexMAEHead, LexMAECollator, LexMAEOptions, flops=lexmae_flops,
-                no_backward_flops=lexmae_no_backward_flops)
+                no_backward_flops=lexmae_no_backward_flops, eval_pooling="sparse")

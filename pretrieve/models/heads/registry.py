@@ -115,6 +115,9 @@ class Method:
     options: type  # a MethodOptions dataclass; its defaults are the paper's settings
     flops: Flops  # forward FLOPs of the head beyond the encoder's (decoders, projections; engine/flops.py)
     no_backward_flops: Flops = no_flops  # the part of `flops` whose backward does no matmul (a gather instead)
+    # the pooling the method's export is evaluated with (`pretrieve eval --pooling`) where it is not the
+    # sentence-transformers vector the export also describes: lexmae's "sparse" (its model card says so)
+    eval_pooling: str | None = None
 
     def options_from(self, values: dict[str, Any] | None = None, where: str = "method") -> Any:
         """Options with `values` over the defaults; an unknown key or a value out of range is a ConfigError
@@ -147,11 +150,11 @@ METHODS: dict[str, Method] = {}
 
 
 def register_method(name: str, head: type, collator: type, options: type, *, flops: Flops,
-                    no_backward_flops: Flops = no_flops) -> Method:
+                    no_backward_flops: Flops = no_flops, eval_pooling: str | None = None) -> Method:
     """Make method `name` known to configs, training, FLOPs counting and export; its head file calls this."""
     if name in METHODS:
         raise ValueError(f"method {name!r} registered twice")
-    METHODS[name] = Method(name, head, collator, options, flops, no_backward_flops)
+    METHODS[name] = Method(name, head, collator, options, flops, no_backward_flops, eval_pooling)
     return METHODS[name]
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,6 +53,9 @@ class RetroMAEHead(PretrainingHead):
         # fused with attention dropout, or on a machine that cannot run it: refused up front, not at the first step
         if options.attention_impl == "fused" and (problem := fused_problem(self.decoder.attention_dropout)):
             raise ValueError(problem)
+
+    def resolved_options(self):
+        return replace(self.options, decoder_attention_dropout=self.decoder.attention_dropout)
 
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])

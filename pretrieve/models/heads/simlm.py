@@ -123,6 +123,11 @@ class SimLMHead(PretrainingHead):
         if options.decoder_init == "copy":
             self.copy_last_layers(encoder)
 
+    def resolved_options(self):
+        from dataclasses import replace  # the module's; this class's `replace` draws tokens
+
+        return replace(self.options, freeze_generator=self.generator_frozen)
+
     def copy_last_layers(self, encoder) -> None:
         layers = encoder.backbone.layers(encoder.model)
         if len(layers) < len(self.decoder.layers):

@@ -1,7 +1,7 @@
 """The causal-decoder heads written out from their papers in plain torch (tests/paper_math.py), float64, against
-the heads' losses: SEED-Encoder's weak decoder (seed-encoder.txt eqs. 9-10), CoT-MAE's context decoder as the
-CoT-MoTE paper summarises it (`decoder_objective: clm`, cot-mote.txt eqs. 10-12) and CoT-MoTE's textual experts
-(cot-mote.txt eqs. 7-9). The released CoT-MAE objective: tests/test_cotmae_released.py.
+the heads' losses: SEED-Encoder's weak decoder (the SEED-Encoder paper eqs. 9-10), CoT-MAE's context decoder as the
+CoT-MoTE paper summarises it (`decoder_objective: clm`, the CoT-MoTE paper eqs. 10-12) and CoT-MoTE's textual experts
+(the CoT-MoTE paper eqs. 7-9). The released CoT-MAE objective: tests/test_cotmae_released.py.
 
 Masks are built by loops from each paper's definition, targets from the token ids; nothing here calls
 pretrieve's window_mask, decoder layers, attention or token_loss.

@@ -1,4 +1,4 @@
-"""COSTA (costa.txt §3.2-3.3, §4.5.1) written out from the paper in plain torch, against the `costa` head and
+"""COSTA (the COSTA paper §3.2-3.3, §4.5.1) written out from the paper in plain torch, against the `costa` head and
 collator.
 
 The loss is recomputed from the head's own weights and the encoder's output vectors h (eq. 4, HF BertModel)

@@ -1,4 +1,4 @@
-"""RetroMAE's decoder (dupmae-retromae-v2-arxiv.txt eqs. 2-5) and DupMAE's OT decoding (dupmae-retromae-2-acl2023.txt
+"""RetroMAE's decoder (RetroMAE v2 (arXiv) eqs. 2-5) and DupMAE's OT decoding (RetroMAE-2 (ACL 2023)
 eqs. 6-8) written out in plain torch from the heads' weights, in float64, against the heads' losses.
 
 Nothing here calls pretrieve's attention, masks, decoder layer or loss code: the mask is unpacked from the

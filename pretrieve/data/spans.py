@@ -1,4 +1,4 @@
-"""COSTA's multi-granularity span sampling (costa.txt §3.2, eqs. 1-3; settings of §4.5.1).
+"""COSTA's multi-granularity span sampling (the COSTA paper §3.2, eqs. 1-3; settings of §4.5.1).
 
 For each level a span length is drawn from Beta(alpha, beta) scaled to the level's [min, max] token lengths
 (max capped by the text's length), and a start uniformly among the positions where it fits. The word level

@@ -12,7 +12,7 @@ family), `mean` (over non-padding tokens, sentence-transformers), `last` (a deco
 prefix, models/matryoshka.py), cut before `normalize`, so a cut cosine model's vectors are unit vectors again,
 as sentence-transformers' `truncate_dim` scored by cosine; `normalize` makes inner product cosine. A query or passage prompt is put
 before each text, as sentence-transformers' `prompt_name` does. bf16 autocast on a GPU, fp32 on CPU. A CoT-MoTE encoder (an export with query experts) encodes queries through its
-query experts and documents through its passage experts (cot-mote.txt §3.3).
+query experts and documents through its passage experts (the CoT-MoTE paper §3.3).
 """
 
 from __future__ import annotations
@@ -139,12 +139,12 @@ class VocabEncoder:
     """Dense + vocabulary-sparse vectors from a model with an MLM head (a pretrieve export, a model fine-tuned
     by pretrieve, or a HF BERT with its MLM head).
 
-    `dupmae`: eqs. (10)-(12) of dupmae-retromae-2-acl2023.txt through models.representation's `load_joint`:
+    `dupmae`: eqs. (10)-(12) of RetroMAE-2 (ACL 2023) through models.representation's `load_joint`:
     for a model fine-tuned with pooling dupmae, its learned W^cls, LPU and k; for a DupMAE pre-training export,
     W^cls = identity at d' = hidden, else a fixed random orthogonal map, and mu_X the LPU logits max-pooled
     over the ordinary tokens (eq. 7). Documents keep their top_k entries (eq. 11's I_X; default: the trained
     k, else 384); queries keep every entry, as eq. (12) reads mu_q at the document's entries.
-    `sparse`: SPLADE-style max over tokens of log(1 + relu(MLM logits)) (cot-mote.txt eq. 4), no dense part,
+    `sparse`: SPLADE-style max over tokens of log(1 + relu(MLM logits)) (the CoT-MoTE paper eq. 4), no dense part,
     over the tokens between [CLS] and [SEP] unless the model's fine-tuning pooled those too
     (`models.representation.sparse_special_tokens`); `hybrid`: the [CLS] vector plus the sparse vector over
     every token (CoT-MoTE §3.3); documents keep top_k entries

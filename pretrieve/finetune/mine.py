@@ -1,4 +1,4 @@
-"""`pretrieve mine`: ANN hard negatives for stage 2 (dupmae-retromae-2-acl2023.txt eq. 14; ANCE) and
+"""`pretrieve mine`: ANN hard negatives for stage 2 (RetroMAE-2 (ACL 2023) eq. 14; ANCE) and
 `pretrieve teacher-scores`: cross-encoder soft labels for stage 3 (eq. 15).
 
 Mining encodes the corpus and the training queries with the stage-1 model, searches (eval.search; with pooling

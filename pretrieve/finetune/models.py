@@ -1,19 +1,19 @@
 """The fine-tuned models: a shared-weight dual encoder (stages 1-3) and the cross-encoder teacher (stage 3).
 
-Losses, dupmae-retromae-2-acl2023.txt §3.5 (scores s(q, d) = <q, d> / temperature; eqs. 13-15 use 1):
+Losses, RetroMAE-2 (ACL 2023) §3.5 (scores s(q, d) = <q, d> / temperature; eqs. 13-15 use 1):
 - `contrastive`: -log softmax of the positive among the candidates. The candidates are the query's own group
   (positive + hard negatives D^-, eq. 14), plus with `in_batch` every other passage of the batch (IB, eq. 13),
   gathered from every rank when `cross_device` (world > 1). Stage 1 is this loss with negatives = 0 (or BM25
   negatives), stage 2 with mined hard negatives.
-- `triplet`: seed-encoder.txt §4.2, relu(margin - (s(q, d+) - s(q, d-))) averaged over the query's negatives.
+- `triplet`: the SEED-Encoder paper §4.2, relu(margin - (s(q, d+) - s(q, d-))) averaged over the query's negatives.
 - `distill`: eq. 15's soft-label cross-entropy over the query's group {d+, D^-}: the targets sigma_q^d are the
   softmax of the cross-encoder's scores (`teacher_scores`), the prediction the softmax of the student's.
-CoT-MoTE (cot-mote.txt §3.3): when the encoder has query experts and `text_experts` is on, queries go
+CoT-MoTE (its paper's §3.3): when the encoder has query experts and `text_experts` is on, queries go
 through the query experts and passages through the passage experts; the self-attention is shared.
 DupMAE (pooling `dupmae`): <q, d> is eq. (12), the inner product of JointRepresentation.vectors, so every loss
 above trains W^cls, the LPU and the encoder through the joint score, as §3.4-3.5 fine-tune it.
 Sparse (pooling `sparse`; LexMAE's and SPLADE's fine-tuning): <q, d> is the inner product of the SPLADE vectors
-(models.representation.splade_vectors, cot-mote.txt eq. 4: over the tokens between [CLS] and [SEP], as LexMAE's
+(models.representation.splade_vectors, the CoT-MoTE paper eq. 4: over the tokens between [CLS] and [SEP], as LexMAE's
 released fine-tuning, or over those too with `sparse_special_tokens`, as SPLADE's), and the loss adds the FLOPS regulariser of the
 queries' and of the passages' vectors (Paria et al. 2020), weighted by `flops` (query, passage); each is logged
 unweighted as `flops_query` / `flops_passage`, with the mean non-zero entries a vector keeps (`query_terms`,

@@ -101,7 +101,7 @@ class Encoder(nn.Module):
         if self.lm_head is not None:
             self.init_new(self.lm_head)
         self.load_report: list[str] = []  # what init_from did not provide (and was initialised), and did not use
-        self.query_experts: nn.ModuleList | None = None  # MoTE (cot-mote.txt §3.1): see add_query_experts
+        self.query_experts: nn.ModuleList | None = None  # MoTE (the CoT-MoTE paper §3.1): see add_query_experts
         self.text_types = TextTypes()  # which texts of the running batch are queries, for the experts
         self.unpad = False  # see enable_unpadding
         self.vocab_loss = "auto"  # model.vocab_loss: the path of token_loss (models/vocab_loss.py)
@@ -197,7 +197,7 @@ class Encoder(nn.Module):
         self.unpad = True
 
     def add_query_experts(self) -> None:
-        """Mixture-of-Textual-Experts (cot-mote.txt §3.1, eqs. 7-9): every layer keeps its one self-attention
+        """Mixture-of-Textual-Experts (the CoT-MoTE paper §3.1, eqs. 7-9): every layer keeps its one self-attention
         and gets a second feed-forward block, the query expert (Q-FFN), initialised as a copy of the layer's
         FFN, which stays the passage expert (P-FFN). An expert is the whole block, its norm included (as
         VLMo's experts). Each sequence goes through the expert of its text type.

@@ -1,6 +1,6 @@
 """Text representations from encoder states, for fine-tuning and the evaluation farm.
 
-`cls` and `mean` are the usual dense poolings. `JointRepresentation` is DupMAE's (dupmae-retromae-2-acl2023.txt
+`cls` and `mean` are the usual dense poolings. `JointRepresentation` is DupMAE's (RetroMAE-2 (ACL 2023)
 §3.4, eqs. 10-12): the [CLS] state projected to d' dimensions plus the top-k entries of the max-pooled
 OT vocabulary vector mu_X, scored against a query by eq. (12). Fine-tuning (eqs. 13-15 score with eq. 12)
 learns W^cls and the encoder through `JointRepresentation.vectors`; `load_joint` reads it back.
@@ -125,7 +125,7 @@ def joint_scores(queries: JointVectors, docs: JointVectors) -> torch.Tensor:
 
 
 def splade_vectors(encoder, hidden: torch.Tensor, attention_mask: torch.Tensor, special_tokens: bool) -> torch.Tensor:
-    """[B, vocab] SPLADE-style vectors (cot-mote.txt eq. 4) of token states [B, L, hidden] through the encoder's
+    """[B, vocab] SPLADE-style vectors (the CoT-MoTE paper eq. 4) of token states [B, L, hidden] through the encoder's
     MLM head (an untied LM head's own weights where it has one): max over the text's tokens of log(1 + relu(logits)),
     the max taken vocabulary chunk by chunk (max_pooled_linear: no [B, L, vocab] logits; log(1 + relu) is
     monotone, so it commutes with the max), differentiable through each entry's winning position.
@@ -155,7 +155,7 @@ def flops_regularizer(vectors: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_representation(logits: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """SPLADE-style [B, vocab] vector (cot-mote.txt eq. 4): max over the sequence's tokens of log(1 + relu(logits)),
+    """SPLADE-style [B, vocab] vector (the CoT-MoTE paper eq. 4): max over the sequence's tokens of log(1 + relu(logits)),
     `logits` [B, L, vocab] from the MLM head; padding contributes nothing (the terms are >= 0)."""
     weights = torch.log1p(torch.relu(logits.float())) * attention_mask[..., None].to(torch.float32)
     return weights.amax(dim=1)

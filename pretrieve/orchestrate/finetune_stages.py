@@ -1,4 +1,4 @@
-"""`pretrieve finetune-stages`: the three fine-tuning stages of dupmae-retromae-2-acl2023.txt §3.5 for one
+"""`pretrieve finetune-stages`: the three fine-tuning stages of RetroMAE-2 (ACL 2023) §3.5 for one
 pre-trained model, chained:
 
     OUT/stage1/         contrastive, in-batch negatives (eq. 13), from MODEL

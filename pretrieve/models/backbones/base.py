@@ -107,7 +107,7 @@ class Backbone:
 
     @classmethod
     def query_expert(cls, layer: nn.Module) -> nn.ModuleDict:
-        """A copy of the layer's feed-forward block (cot-mote.txt eq. 7: Q-FFN starts as the P-FFN)."""
+        """A copy of the layer's feed-forward block (the CoT-MoTE paper eq. 7: Q-FFN starts as the P-FFN)."""
         return nn.ModuleDict({name: copy.deepcopy(getattr(layer, name)) for name in cls.feed_forward_modules})
 
     @classmethod

@@ -1,4 +1,4 @@
-"""`costa`: COSTA (Ma et al. 2022), costa.txt §3.2-3.3: contrastive span prediction + MLM."""
+"""`costa`: COSTA (Ma et al. 2022), its paper's §3.2-3.3: contrastive span prediction + MLM."""
 
 from __future__ import annotations
 

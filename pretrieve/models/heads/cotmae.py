@@ -1,6 +1,6 @@
 """`cotmae`: CoT-MAE (Wu et al. 2022, "ConTextual Masked Auto-Encoder for Dense Passage Retrieval") as the
 released code (caskcsg/ir `cotmae/`) trains it; `decoder_objective: clm` is the CoT-MoTE paper's summary of it
-(cot-mote.txt §3.2, eqs. 10-12). docs/methods.md says what still differs from the released code."""
+(the CoT-MoTE paper §3.2, eqs. 10-12). docs/methods.md says what still differs from the released code."""
 
 from __future__ import annotations
 

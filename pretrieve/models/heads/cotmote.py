@@ -1,4 +1,4 @@
-"""`cotmote`: CoT-MoTE (cot-mote.txt §3.1-3.3, eqs. 7-12): CoT-MAE on a Mixture-of-Textual-Experts encoder."""
+"""`cotmote`: CoT-MoTE (its paper's §3.1-3.3, eqs. 7-12): CoT-MAE on a Mixture-of-Textual-Experts encoder."""
 
 from __future__ import annotations
 

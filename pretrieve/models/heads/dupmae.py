@@ -1,4 +1,4 @@
-"""`dupmae`: DupMAE / RetroMAE-2 (Liu et al. 2023), dupmae-retromae-2-acl2023.txt §3.3, eqs. (6)-(9)."""
+"""`dupmae`: DupMAE / RetroMAE-2 (Liu et al. 2023), its paper's §3.3, eqs. (6)-(9)."""
 
 from __future__ import annotations
 

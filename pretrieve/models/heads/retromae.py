@@ -1,4 +1,4 @@
-"""`retromae`: RetroMAE (Xiao et al. 2022), as restated in dupmae-retromae-v2-arxiv.txt §3.1, eqs. (1)-(5)."""
+"""`retromae`: RetroMAE (Xiao et al. 2022), as restated in RetroMAE v2 (arXiv) §3.1, eqs. (1)-(5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`seed`: SEED-Encoder (Lu et al. 2021), seed-encoder.txt §3.4, eqs. (9)-(10): MLM + a weak decoder."""
+"""`seed`: SEED-Encoder (Lu et al. 2021), its paper's §3.4, eqs. (9)-(10): MLM + a weak decoder."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ def test_a_bm25_checkpoint_is_evaluated_zero_shot_only(tmp_path):
     assert jobs[0].model is None
     # BM25 encodes nothing: no model, pooling or contrastive entropy; the depth still applies
     assert jobs[0].eval_args(load_farm(farm)["eval"]) == [
-        "eval", "--bm25", "--out", str(tmp_path / "out" / "bm25" / "scifact" / "zero-shot"),
+        "eval", "--bm25", "--out", str(tmp_path / "out" / "bm25" / "scifact" / "zero-shot"), "--overwrite",
         "--beir", str(SCIFACT), "--depth", "50"]
     farm.write_text(json.dumps({"checkpoints": [{"name": "m"}], "datasets": [{"name": "d", "beir": "x"}]}))
     with pytest.raises(ValueError, match=r"checkpoints\[0\]: no 'model'"):

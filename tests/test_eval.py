@@ -421,12 +421,12 @@ def test_vocabulary_poolings_of_a_dupmae_export(tmp_path):
     mini = write_beir(tmp_path / "mini", data, query_ids, doc_ids)
     results = {}
     for pooling in ("dupmae", "sparse", "hybrid"):
-        results[pooling] = run_eval(EvalOptions(out=str(tmp_path / pooling), model=str(model), beir=str(mini),
+        results[pooling] = run_eval(EvalOptions(out=str(tmp_path / "eval" / pooling), model=str(model), beir=str(mini),
                                                 pooling=pooling, max_length=48, depth=10, vocab_top_k=32,
                                                 progress=False))
         assert set(METRICS) <= set(results[pooling]) and results[pooling]["retriever"] == pooling
     run = {}
-    for line in (tmp_path / "dupmae" / "run.trec").read_text().splitlines():
+    for line in (tmp_path / "eval" / "dupmae" / "run.trec").read_text().splitlines():
         qid, _, doc, rank, score, _ = line.split()
         run.setdefault(qid, []).append((doc, float(score)))
 

@@ -127,7 +127,8 @@ def test_track_logs_eval_folders_once_beside_farm_runs_in_the_report(tmp_path, t
     assert [(r["run_id"], r["logged"]) for r in json.loads(capsys.readouterr().out)] == [(farm_run, False)]
 
     # BM25 evaluated again into tiny/bm25, to depth 10: another run.trec, so a new run, and the report counts it
-    assert cli(["eval", "--bm25", "--depth", "10", "--beir", str(SCIFACT), "--out", str(tiny / "bm25")]) == 0
+    assert cli(["eval", "--bm25", "--depth", "10", "--beir", str(SCIFACT), "--out", str(tiny / "bm25"),
+                "--overwrite"]) == 0
     capsys.readouterr()
     assert cli(track) == 0
     assert [r["logged"] for r in json.loads(capsys.readouterr().out)] == [False, True]

@@ -123,10 +123,12 @@ def stages(model: Path, marco: Path, work: Path) -> dict[str, list[list[str]]]:
     return {
         "encode": [["encode", *common, "--out", str(vectors), "--worker", str(i), "--workers", str(WORKERS)]
                    for i in range(WORKERS)],
-        "eval": [["eval", *common, "--split", "dev", "--embeddings", str(vectors), "--out", str(work / "eval")]],
+        "eval": [["eval", *common, "--split", "dev", "--embeddings", str(vectors), "--out", str(work / "eval"),
+                  "--overwrite"]],
         "mine": [["mine", *common, "--split", "train", "--embeddings", str(vectors), "--out",
                   str(work / "negatives.jsonl")]],
-        "bm25": [["eval", "--bm25", "--msmarco", str(marco), "--split", "dev", "--out", str(work / "bm25")]],
+        "bm25": [["eval", "--bm25", "--msmarco", str(marco), "--split", "dev", "--out", str(work / "bm25"),
+                  "--overwrite"]],  # a stage measured again replaces its evaluation
     }
 
 

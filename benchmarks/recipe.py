@@ -153,7 +153,7 @@ def evaluate(model: Path, pooling: str, beir: Path, out: Path, plan: dict, dim: 
     if not metrics.is_file():
         pretrieve(["eval", "--model", str(model), "--beir", str(beir), "--pooling", pooling,
                    "--normalize", "--max-length", str(plan["eval"]["max_length"]),
-                   "--batch-size", str(plan["eval"]["batch_size"]), "--out", str(out),
+                   "--batch-size", str(plan["eval"]["batch_size"]), "--out", str(out), "--overwrite",
                    *(["--dim", str(dim)] if dim else [])],
                   out.parent / f"{out.name}.log", plan["threads"])
     return json.loads(metrics.read_text())["ndcg@10"]

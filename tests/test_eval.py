@@ -421,12 +421,12 @@ def test_vocabulary_poolings_of_a_dupmae_export(tmp_path):
     mini = write_beir(tmp_path / "mini", data, query_ids, doc_ids)
     results = {}
     for pooling in ("dupmae", "sparse", "hybrid"):
-        results[pooling] = run_eval(EvalOptions(out=str(tmp_path / pooling), model=str(model), beir=str(mini),
+        results[pooling] = run_eval(EvalOptions(out=str(tmp_path / "eval" / pooling), model=str(model), beir=str(mini),
                                                 pooling=pooling, max_length=48, depth=10, vocab_top_k=32,
                                                 progress=False))
         assert set(METRICS) <= set(results[pooling]) and results[pooling]["retriever"] == pooling
     run = {}
-    for line in (tmp_path / "dupmae" / "run.trec").read_text().splitlines():
+    for line in (tmp_path / "eval" / "dupmae" / "run.trec").read_text().splitlines():
         qid, _, doc, rank, score, _ = line.split()
         run.setdefault(qid, []).append((doc, float(score)))
 
@@ -451,3 +451,23 @@ def test_vocabulary_poolings_of_a_dupmae_export(tmp_path):
         expected = sorted(zip(doc_ids, scores[i].tolist()), key=lambda x: -x[1])[:len(ours)]
         assert [d for d, _ in ours] == [d for d, _ in expected]
         assert [s for _, s in ours] == pytest.approx([s for _, s in expected], rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["query", "passage"])
+@pytest.mark.parametrize("mteb", [False, True])
+def test_a_prompt_that_fills_the_max_length_is_refused_naming_it(tmp_path, tiny_encoder, capsys, kind, mteb):
+    """--max-length counts the prompt (as sentence-transformers' max_seq_length): a 300-word prompt at 32 tokens
+    would leave every text only its prompt, one vector for all; it is refused by flag before any text is read."""
+    if mteb:
+        pytest.importorskip("mteb")
+    prompt = " ".join(["find the passages that answer this question"] * 43)[:-len(" question")]  # 300 words
+    assert cli(["eval", "--model", str(tiny_encoder), "--mteb" if mteb else "--beir", str(SCIFACT), "--max-length",
+                "32", f"--{kind}-prompt", prompt, "--out", str(tmp_path / "out")]) == 1
+    assert (f"max length 32 leaves a {kind} none of its own tokens: its prompt takes 300 tokens and the encoding "
+            f"adds 2, and the max length counts them all (as sentence-transformers' max_seq_length does); give a "
+            f"--max-length above 302, or shorten the {kind} prompt (--{kind}-prompt, else the model's "
+            f"sentence-transformers prompt '{kind}')") in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    if not mteb:  # a prompt that leaves room runs
+        assert cli(["eval", "--model", str(tiny_encoder), "--beir", str(SCIFACT), "--max-length", "32", "--depth",
+                    "10", f"--{kind}-prompt", "find: ", "--out", str(tmp_path / "fits")]) == 0

@@ -266,6 +266,18 @@ def test_a_passage_prompt_that_leaves_no_room_is_refused(tiny_encoder):
                                                                               "passage_max_len": 16}}))
 
 
+def test_a_query_prompt_past_the_models_positions_is_refused(tiny_encoder):
+    """A query's row is its prompt and query_max_len of its own (the export's max_seq_length grows to it): past
+    the model's 512 positions it could not be encoded, so the config is refused, naming the key."""
+    base = {"finetune": {"init_from": str(tiny_encoder), "data": [str(FLAG)], "query_max_len": 32}}
+    prompt = " ".join(["retrieve"] * 480)
+    finetune_experiment(OmegaConf.merge(OmegaConf.create(base), {"finetune": {"query_prompt": prompt}}))  # 512
+    with pytest.raises(ConfigError, match=r"^finetune.query_prompt: takes 481 tokens, which with the 32 of "
+                                          r"finetune.query_max_len \(a query's own, after its prompt\) pass the 512 "
+                                          r"positions of "):
+        finetune_experiment(OmegaConf.merge(OmegaConf.create(base), {"finetune": {"query_prompt": prompt + " it"}}))
+
+
 def test_the_prompt_override_of_the_docs_works_in_a_shell_and_a_bad_one_is_named():
     """docs/finetuning.md's command-line prompt, through bash as written, gives the prompt; the unquoted form
     (what a shell leaves of `finetune.query_prompt="Instruct: ...\nQuery: "`) is an error naming the override,

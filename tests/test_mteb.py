@@ -68,6 +68,53 @@ def test_a_task_whose_data_is_not_cached_fails_at_once_naming_it(tmp_path, tiny_
     assert time.monotonic() - started < 120 and not (tmp_path / "out" / "metrics.json").exists()
 
 
+def test_mteb_scores_a_matryoshka_prefix_as_the_beir_evaluation_does(tmp_path, tiny_encoder, local_task):
+    """`--mteb --dim N`: MTEB scores the vectors cut to their first N coordinates and re-normalised, as `eval --dim
+    N` searches them: the same ranking, so each query's metrics are the same, and MTEB's model has N dimensions."""
+    for kind in ("beir", "mteb"):
+        assert cli(["eval", "--model", str(tiny_encoder), f"--{kind}", str(local_task), *ENCODING, "--dim", "8",
+                    "--out", str(tmp_path / kind)]) == 0
+    ours, ours_per_query = _read(tmp_path / "beir")
+    theirs, theirs_per_query = _read(tmp_path / "mteb")
+    assert theirs["dim"] == ours["dim"] == 8 and theirs["retriever"] == "mteb"
+    assert theirs_per_query.keys() == ours_per_query.keys()
+    for query, metrics in ours_per_query.items():
+        assert theirs_per_query[query]["ndcg@10"] == pytest.approx(metrics["ndcg@10"], abs=1e-6), query
+    [meta] = (tmp_path / "mteb" / "mteb" / "results").glob("*/local/model_meta.json")
+    assert json.loads(meta.read_text())["embed_dim"] == 8
+
+
+def test_a_stopped_mteb_run_leaves_nothing_half_written(tmp_path, tiny_encoder, local_task, monkeypatch):
+    """Ctrl-C (a real SIGINT) while the second task encodes, after MTEB saved the first task's result: no OUT/mteb/
+    nor its temporary folder is left, nor the OUT the run made; into a folder that was there (a farm job's, with
+    its log), the folder and the log stay."""
+    import shutil
+    import signal
+
+    from pretrieve.eval.mteb_model import ExportEncoder
+
+    second = tmp_path / "second"
+    shutil.copytree(local_task, second)
+    encode, calls = ExportEncoder.encode, []
+
+    def interrupted_at_the_second_task(self, inputs, *, task_metadata, **kwargs):
+        calls.append(task_metadata.name)
+        if task_metadata.name == second.name:
+            os.kill(os.getpid(), signal.SIGINT)
+        return encode(self, inputs, task_metadata=task_metadata, **kwargs)
+
+    monkeypatch.setattr(ExportEncoder, "encode", interrupted_at_the_second_task)
+    args = ["eval", "--model", str(tiny_encoder), "--mteb", f"{local_task},{second}", *ENCODING]
+    with pytest.raises(KeyboardInterrupt):
+        cli([*args, "--out", str(tmp_path / "out")])
+    assert calls[0] == local_task.name and not (tmp_path / "out").exists()
+    (tmp_path / "farm").mkdir()
+    (tmp_path / "farm" / "eval.log").write_text("log\n")
+    with pytest.raises(KeyboardInterrupt):
+        cli([*args, "--out", str(tmp_path / "farm")])
+    assert sorted(p.name for p in (tmp_path / "farm").iterdir()) == ["eval.log"]
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--mteb", "Banking77Classification"], "a Classification task; pretrieve evaluates retrievers"),
     (["--mteb", "Scifact"], "no such MTEB task or benchmark (KeyError: 'Scifact' not found. Did you mean: 'SciFact'?)"),
@@ -149,3 +196,15 @@ def test_an_export_is_named_for_its_run_in_mteb(tmp_path):
 
     assert model_name(tmp_path / "lexmae-base" / "export") == "pretrieve/lexmae-base"
     assert model_name(tmp_path / "my-model") == "pretrieve/my-model"
+
+
+def test_a_farm_scores_a_matryoshka_checkpoint_on_an_mteb_task_at_each_dimension(tmp_path):
+    from pretrieve.orchestrate.farm import jobs_of, load_farm
+
+    farm = tmp_path / "farm.yaml"
+    farm.write_text(json.dumps({"out": str(tmp_path / "out"), "datasets": [{"name": "s", "mteb": "SciFact"}],
+                                "checkpoints": [{"name": "mrl", "model": "m", "dims": [64, 16]}]}))
+    jobs = jobs_of(load_farm(farm))
+    assert [job.name for job in jobs] == ["mrl/s/zero-shot/dim64", "mrl/s/zero-shot/dim16"]
+    assert [job.eval_args({})[-4:] for job in jobs] == [["--mteb", "SciFact", "--dim", "64"],
+                                                        ["--mteb", "SciFact", "--dim", "16"]]

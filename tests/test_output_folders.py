@@ -226,3 +226,37 @@ def test_report_farm_and_scale_refuse_a_foreign_folder(tmp_path, capsys, wiki_sh
     assert cli(["scale", "plan", str(path)]) == 0
     path.write_text(yaml.safe_dump({**study, "name": "other"}))
     refused(["scale", "plan", str(path)], capsys, "holds the plan of study 'grid', not 'other'")
+
+
+def test_eval_refuses_a_users_metrics_and_replaces_an_earlier_evaluation_only_when_asked(tmp_path, capsys,
+                                                                                         tiny_encoder):
+    """A user's own metrics.json (or anything else) is never overwritten, with or without --mteb; an earlier
+    evaluation is replaced only with --overwrite, and a farm job's log is left beside it."""
+    scifact = SAMPLES / "beir" / "scifact-sample"
+    bm25 = ["eval", "--bm25", "--beir", str(scifact), "--depth", "10"]
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "metrics.json").write_text('{"ndcg@10": 0.71, "note": "my own run"}\n')
+    before = snapshot(home)
+    refused_either_way([*bm25, "--out", str(home)], capsys, home,
+                       "holds 1 entries that are not a pretrieve eval output (metrics.json); nothing was written")
+    refused_either_way(["eval", "--model", str(tiny_encoder), "--mteb", str(scifact), "--out", str(home)], capsys,
+                       home, "holds 1 entries that are not a pretrieve eval output (metrics.json)")
+    (home / "metrics.json").unlink()
+    before = foreign_folder(home)
+    refused([*bm25, "--out", str(home)], capsys,
+            "holds 3 entries that are not a pretrieve eval output (a/, b/, data.csv)")
+    assert snapshot(home) == before
+
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "eval.log").write_text("a farm job's log\n")  # the farm writes it before the job starts
+    assert cli([*bm25, "--out", str(out)]) == 0
+    first = snapshot(out)
+    assert {"metrics.json", "run.trec", "per_query.jsonl", "eval.log"} <= first.keys()
+    refused([*bm25, "--out", str(out)], capsys, "holds an earlier pretrieve eval output; pass --overwrite")
+    assert snapshot(out) == first
+    (out / "mlflow.json").write_text("{}")  # logged by a farm: a replaced evaluation is not that run any more
+    assert cli([*bm25, "--depth", "5", "--out", str(out), "--overwrite"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["depth"] == 5
+    assert not (out / "mlflow.json").exists() and (out / "eval.log").read_text() == "a farm job's log\n"

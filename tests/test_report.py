@@ -22,7 +22,7 @@ def test_a_bm25_checkpoint_is_evaluated_zero_shot_only(tmp_path):
     assert jobs[0].model is None
     # BM25 encodes nothing: no model, pooling or contrastive entropy; the depth still applies
     assert jobs[0].eval_args(load_farm(farm)["eval"]) == [
-        "eval", "--bm25", "--out", str(tmp_path / "out" / "bm25" / "scifact" / "zero-shot"),
+        "eval", "--bm25", "--out", str(tmp_path / "out" / "bm25" / "scifact" / "zero-shot"), "--overwrite",
         "--beir", str(SCIFACT), "--depth", "50"]
     farm.write_text(json.dumps({"checkpoints": [{"name": "m"}], "datasets": [{"name": "d", "beir": "x"}]}))
     with pytest.raises(ValueError, match=r"checkpoints\[0\]: no 'model'"):
@@ -127,7 +127,8 @@ def test_track_logs_eval_folders_once_beside_farm_runs_in_the_report(tmp_path, t
     assert [(r["run_id"], r["logged"]) for r in json.loads(capsys.readouterr().out)] == [(farm_run, False)]
 
     # BM25 evaluated again into tiny/bm25, to depth 10: another run.trec, so a new run, and the report counts it
-    assert cli(["eval", "--bm25", "--depth", "10", "--beir", str(SCIFACT), "--out", str(tiny / "bm25")]) == 0
+    assert cli(["eval", "--bm25", "--depth", "10", "--beir", str(SCIFACT), "--out", str(tiny / "bm25"),
+                "--overwrite"]) == 0
     capsys.readouterr()
     assert cli(track) == 0
     assert [r["logged"] for r in json.loads(capsys.readouterr().out)] == [False, True]

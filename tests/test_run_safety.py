@@ -290,6 +290,12 @@ def test_every_numeric_method_option_has_a_range():
     (["stream", "m.json", "--shuffle-buffer", "-5"], "argument --shuffle-buffer: must be >= 1, got -5"),
     (["eval", "--out", "x", "--bm25", "--depth", "0"], "argument --depth: must be >= 1, got 0"),
     (["encode", "--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+    (["eval", "--max-length", "0"], "argument --max-length: must be >= 1, got 0"),  # ran at 128, "given"
+    (["eval", "--max-length", "-5"], "argument --max-length: must be >= 1, got -5"),  # an OverflowError traceback
+    (["encode", "--max-length", "0"], "argument --max-length: must be >= 1, got 0"),
+    (["mine", "--max-length", "-5"], "argument --max-length: must be >= 1, got -5"),
+    (["mine", "--query-max-length", "2"], "argument --query-max-length: must be >= 3, got 2"),
+    (["teacher-scores", "--max-length", "0"], "argument --max-length: must be >= 1, got 0"),
 ])
 def test_bad_command_line_values_are_refused_by_option(argv, message, capsys):
     from pretrieve.cli import main
@@ -345,3 +351,30 @@ def test_the_shards_sha256_is_checked_when_asked(tmp_path, wiki_shards):
     assert check_shards([str(tmp_path / "shards" / "manifest.json")], how="size") == 11
     with pytest.raises(StreamError, match=rf"1 of 11 shards fail the sha256 check .*{changed}: sha256 differs"):
         check_shards([str(tmp_path / "shards" / "manifest.json")], how="sha256")
+
+
+CONFIG_OF = {"pretrain": CONFIGS / "tiny-retromae.yaml", "finetune": CONFIGS.parent / "finetune" / "tiny.yaml"}
+
+
+@pytest.mark.parametrize("command", ["pretrain", "finetune"])
+def test_a_foreign_file_in_the_export_folder_is_refused_before_the_first_step(tmp_path, wiki_shards, tiny_encoder,
+                                                                              command):
+    """RUN/export is where a finished run writes its export: a user's file there is refused by the export's own
+    check before start-up, with nothing written (no step, no checkpoint, no MLflow run), not after training."""
+    from conftest import SAMPLES
+
+    run_dir = tmp_path / "runs" / "run"
+    (run_dir / "export").mkdir(parents=True)
+    (run_dir / "export" / "notes.txt").write_text("mine\n")
+    data = {"pretrain": [f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null",
+                         "method.max_len=64"],
+            "finetune": [f"finetune.init_from={tiny_encoder}",
+                         f"finetune.data=[{SAMPLES / 'finetune' / 'embedder_retrieval_msmarco.jsonl'}]"]}[command]
+    done = subprocess.run([sys.executable, "-m", "pretrieve", command, str(CONFIG_OF[command]), f"run_dir={run_dir}",
+                           *data, "train.micro_batch_size=4", "train.max_steps=2", "tracking.enabled=true"],
+                          env=pretrain_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"{run_dir / 'export'}: holds 1 entries that are not a pretrieve export (notes.txt); nothing was " \
+           "written" in done.stderr, done.stderr[-3000:]
+    assert "step 1" not in done.stderr and sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == [
+        Path("runs"), Path("runs/run"), Path("runs/run/export"), Path("runs/run/export/notes.txt")]

@@ -156,3 +156,38 @@ def test_pretraining_export_card_and_its_farm_evaluation(tmp_path, wiki_shards, 
     (export / "README.md").unlink()  # `pretrieve card RUN` writes it from the run and its own store (run.json)
     assert cli(["card", str(run_dir)]) == 0
     assert _front_matter((export / "README.md").read_text())[0]["model-index"] == meta["model-index"]
+
+
+LONG_PROMPT = "Instruct: " + " ".join(["given a scientific claim retrieve the research passages that support"]
+                                      * 12) + "\nQuery: "  # 120 words and more tokens than passage_max_len 96
+
+
+def test_a_long_query_prompt_leaves_each_query_its_own_tokens_in_the_export(tmp_path, tiny_encoder, mini_beir):
+    """Fine-tuned with a 120-word query prompt (query_max_len 24 after it, passage_max_len 96): the export's
+    max_seq_length makes room for the prompt and the query's own 24 tokens, so sentence-transformers'
+    `prompt_name="query"` and `pretrieve eval`'s encoder give different queries different vectors, and the same
+    ones. At max_seq_length 96 every query was cut inside the prompt: one vector for all."""
+    from sentence_transformers import SentenceTransformer
+
+    from pretrieve.eval.encode import DenseEncoder
+    from pretrieve.eval.model_config import resolve_encoding
+
+    run_dir = tmp_path / "ft"
+    subprocess.run([sys.executable, "-m", "pretrieve", "finetune", str(CONFIGS / "finetune" / "tiny.yaml"),
+                    f"finetune.init_from={tiny_encoder}", f"finetune.data=[{FLAG}]", "finetune.pooling=mean",
+                    "finetune.normalize=true", f"finetune.query_prompt={json.dumps(LONG_PROMPT)}",
+                    "train.micro_batch_size=4", "train.max_steps=1", "checkpoint.every=1", f"run_dir={run_dir}"],
+                   check=True, env=pretrain_env(OMP_NUM_THREADS="2"), capture_output=True, text=True)
+    export = run_dir / "export"
+    prompt_tokens = len(SentenceTransformer(str(export), device="cpu").tokenizer(
+        LONG_PROMPT, add_special_tokens=False)["input_ids"])
+    queries = list(load_beir(mini_beir).queries.values())
+    theirs = SentenceTransformer(str(export), device="cpu").encode(queries, prompt_name="query", batch_size=8,
+                                                                   convert_to_numpy=True)
+    encoding = resolve_encoding(export, announce=False)
+    assert encoding.query_prompt == LONG_PROMPT
+    ours = DenseEncoder(export, encoding.encode_options(8)).encode(queries, queries=True)
+    np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)
+    differences = np.abs(ours[:, None, :] - ours[None, :, :]).max(axis=-1)
+    assert differences[~np.eye(len(queries), dtype=bool)].min() > 1e-3
+    assert prompt_tokens > 96 and read_st_config(export).max_length == 24 + prompt_tokens

@@ -80,8 +80,9 @@ def normalize_option(p, what: str) -> None:
 
 
 def max_length_option(p) -> None:
-    p.add_argument("--max-length", type=int, default=None,
-                   help="tokens per text, queries and documents (default: the model's maximum length, else 256)")
+    p.add_argument("--max-length", type=at_least(1), default=None,
+                   help="tokens per text, queries and documents, its prompt and special tokens included (default: the "
+                        "model's maximum length, else 256)")
 
 
 def training_data(p, what: str) -> None:

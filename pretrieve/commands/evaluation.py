@@ -102,7 +102,9 @@ def add_eval(commands) -> None:
          help="contrastive entropy: divide scores by this (default %(default)s, the raw inner product)")
     flag("--ce-seed", type=int,
          help="contrastive entropy: seed of the negatives, the same for every model compared (default %(default)s)")
-    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="a new or empty folder, or an earlier evaluation's with --overwrite (else refused)")
+    p.add_argument("--overwrite", action="store_true", help="replace the earlier evaluation in --out")
 
 
 def run_eval(args) -> int:

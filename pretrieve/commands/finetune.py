@@ -81,9 +81,10 @@ def add_mine(commands) -> None:
     p.add_argument("--pooling", choices=DUAL_POOLINGS, default=None,
                    help=f"dupmae: eq. 12, searched as eval does. {MODEL_SAYS}")
     normalize_option(p, "L2-normalize vectors")
-    p.add_argument("--max-length", type=int, default=None,
-                   help=f"passage tokens (default: the model's maximum length, else {PASSAGE_MAX_LENGTH})")
-    flag("--query-max-length", type=int)
+    p.add_argument("--max-length", type=at_least(1), default=None,
+                   help=f"passage tokens, its prompt and special tokens included (default: the model's maximum length, else {PASSAGE_MAX_LENGTH})")
+    flag("--query-max-length", type=at_least(3),
+         help="a query's tokens after its prompt, its special tokens included (default %(default)s)")
     flag("--batch-size", type=at_least(1))
     index_options(p, MineOptions)
     p.add_argument("--embeddings", default=None, metavar="DIR",
@@ -116,7 +117,7 @@ def add_teacher_scores(commands) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="the cross-encoder's export directory")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE")
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
-    option(p, TeacherOptions, "--max-length", type=int, help="tokens per query-passage pair")
+    option(p, TeacherOptions, "--max-length", type=at_least(1), help="tokens per query-passage pair")
     option(p, TeacherOptions, "--batch-size", type=at_least(1))
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (else refused)")
 

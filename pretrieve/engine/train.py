@@ -85,6 +85,11 @@ def run_training(exp: RunExperiment, build_job: Callable[[Any, int], TrainingJob
         raise ConfigError("train.precision: fp16 needs a CUDA device (DeepSpeed refuses fp16 on CPU); "
                           "use bf16 or fp32")
     rank, world = _distributed_env()
+    # the export a finished run writes to run_dir/export: a folder there that is no export is refused now, not
+    # after the last step (the same check as the export's own)
+    from pretrieve.models.export import check_export_folder
+
+    check_export_folder(exp.run_dir / "export", overwrite=True)
     # takes over a signal held since the process started (engine/preemption.py); one that comes during the slow
     # start (data, deepspeed.initialize, checkpoint load) stops the run before its first step or at it
     stop = StopFlag(exp.train.max_runtime)

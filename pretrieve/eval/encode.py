@@ -11,12 +11,15 @@ family), `mean` (over non-padding tokens, sentence-transformers), `last` (a deco
 `llama2vec` (eval/prompt_pooling.py); `dim` keeps the pooled vector's first N coordinates (a Matryoshka model's
 prefix, models/matryoshka.py), cut before `normalize`, so a cut cosine model's vectors are unit vectors again,
 as sentence-transformers' `truncate_dim` scored by cosine; `normalize` makes inner product cosine. A query or passage prompt is put
-before each text, as sentence-transformers' `prompt_name` does. bf16 autocast on a GPU, fp32 on CPU. A CoT-MoTE encoder (an export with query experts) encodes queries through its
-query experts and documents through its passage experts (the CoT-MoTE paper §3.3).
+before each text, as sentence-transformers' `prompt_name` does, and the maximum length counts it (as its
+max_seq_length does): a prompt that leaves its text no token of its own is refused. bf16 autocast on a GPU,
+fp32 on CPU. A CoT-MoTE encoder (an export with query experts) encodes queries through its query experts and
+documents through its passage experts (the CoT-MoTE paper §3.3).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -77,6 +80,20 @@ class DenseEncoder:
         width = self.model.config.hidden_size
         if options.dim is not None and not 1 <= options.dim <= width:
             raise ValueError(f"--dim {options.dim}: {model_dir}'s vectors have {width} coordinates; give 1 to {width}")
+        self.lengths = {queries: self._length(queries) for queries in (True, False)}
+
+    def _length(self, queries: bool) -> int:
+        """The tokens a query's (or a passage's) row may have: max_length, which counts the prompt and the tokens
+        the encoding adds, as sentence-transformers' max_seq_length does, or with `query_own_length` the query's
+        own tokens after its prompt. A prompt that leaves its text no token is refused, before any text is read."""
+        prompt = self.options.query_prompt if queries else self.options.passage_prompt
+        prompt_tokens = len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]) if prompt else 0
+        added = (len(self.prompted.head) + len(self.prompted.suffixes[queries]) if self.prompted is not None
+                 else len(self.tokenizer("")["input_ids"]))  # the special tokens; llama2vec's prompt rows
+        if queries and self.options.query_own_length is not None:
+            return self.options.query_own_length + prompt_tokens
+        check_room("query" if queries else "passage", self.options.max_length, prompt_tokens, added)
+        return self.options.max_length
 
     def settings(self) -> dict:
         """What determines a document's vector."""
@@ -102,16 +119,16 @@ class DenseEncoder:
                 total: int | None = None) -> Iterator[tuple[list[int], np.ndarray]]:
         """(rows of `texts`, their float32 vectors) batch by batch, `texts` read one window at a time."""
         pool, tokenize = POOLINGS.get(self.options.pooling), None
+        options = replace(self.options, max_length=self.lengths[queries])
         if self.prompted is not None:
             pool = self.prompted.pool
-            tokenize = partial(self.prompted.tokenize, self.tokenizer, max_length=self.options.max_length,
-                               queries=queries)
+            tokenize = partial(self.prompted.tokenize, self.tokenizer, max_length=options.max_length, queries=queries)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         prompt = self.options.query_prompt if queries else self.options.passage_prompt
         if prompt:  # as sentence-transformers' encode(..., prompt_name=...) puts it
             total = len(texts) if total is None and hasattr(texts, "__len__") else total  # type: ignore[arg-type]
             texts = (prompt + text for text in texts)
-        for rows, batch in length_sorted_batches(self.tokenizer, texts, self.options, self.device, desc, progress,
+        for rows, batch in length_sorted_batches(self.tokenizer, texts, options, self.device, desc, progress,
                                                  total, tokenize):
             with autocast:
                 if self.routed:
@@ -123,6 +140,19 @@ class DenseEncoder:
             if self.options.normalize:
                 vectors = torch.nn.functional.normalize(vectors, dim=-1)
             yield rows, vectors.cpu().numpy()
+
+
+def check_room(kind: str, max_length: int, prompt_tokens: int, added: int) -> None:
+    """A query or passage keeps at least one token of its own at `max_length`, after its prompt's `prompt_tokens`
+    and the `added` tokens of the encoding (special tokens): else refused, naming the flags."""
+    if max_length - prompt_tokens - added >= 1:
+        return
+    prompt = f"its prompt takes {prompt_tokens} tokens and " if prompt_tokens else ""
+    shorter = (f", or shorten the {kind} prompt (--{kind}-prompt, else the model's sentence-transformers prompt "
+               f"'{kind}')") if prompt_tokens else ""
+    raise ValueError(f"max length {max_length} leaves a {kind} none of its own tokens: {prompt}the encoding adds "
+                     f"{added}, and the max length counts them all (as sentence-transformers' max_seq_length does); "
+                     f"give a --max-length above {prompt_tokens + added}{shorter}")
 
 
 def has_query_experts(model_dir: str | Path) -> bool:
@@ -174,6 +204,7 @@ class VocabEncoder:
         # CoT-MoTE's eq. 4, every token
         self.special_tokens = pooling == "hybrid" or sparse_special_tokens(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        check_room("text", options.max_length, 0, len(self.tokenizer("")["input_ids"]))
 
     @torch.inference_mode()
     def encode(self, texts: list[str], documents: bool, desc: str = "encode", progress: bool = True):

@@ -44,11 +44,42 @@ from pretrieve.eval.search import (IndexOptions, dense_search, hybrid_search, in
 from pretrieve.eval.sparse_vectors import encode_sparse_corpus
 from pretrieve.eval.vectors import encode_corpus, open_corpus_vectors
 from pretrieve.models.poolings import DENSE_POOLINGS, PROMPT_POOLINGS, VOCAB_POOLINGS
+from pretrieve.utils.output_folder import check_whole_output
 from pretrieve.utils.run_dir import write_atomic
 
 EXACT_HYBRID_DOCS = 100_000  # up to here hybrid / DupMAE scores are exact over the corpus; beyond, candidates
 RECALL_QUERIES = 1_000  # queries an approximate index's recall against flat is measured on
 BM25_INDEX = "bm25-index"  # BM25's index, in its output folder while the evaluation runs
+# what an evaluation's folder holds: its files, the BM25 baseline, MTEB's results (eval.mteb_eval.RESULTS), the
+# farm's record of its MLflow run
+OUTPUTS = ("metrics.json", "run.trec", "per_query.jsonl", "bm25", BM25_INDEX, "mteb", "mlflow.json")
+FARM_LOG = "eval.log"  # a farm job's log, in the job's output folder from before its evaluation starts
+
+
+def check_eval_folder(out: str | Path, overwrite: bool) -> None:
+    """OUT before any work: new, empty, or an earlier evaluation (OUTPUTS alone, a metrics.json among them
+    pretrieve's), which `overwrite` removes now; anything else is refused, naming it (utils/output_folder.py). A
+    farm's job log and a stopped evaluation's temporary files (.NAME.tmp) are left as they are."""
+    def is_earlier(folder: Path) -> bool:
+        metrics = folder / "metrics.json"
+        return all(p.name in OUTPUTS or kept(p.name) for p in folder.iterdir()) and (
+            not metrics.is_file() or "retriever" in _json_object(metrics))
+
+    def kept(name: str) -> bool:
+        return name == FARM_LOG or (name.startswith(".") and name.endswith(".tmp"))
+
+    check_whole_output(out, "pretrieve eval output", is_earlier, overwrite, kept)
+    for name in OUTPUTS:  # metrics.json first: a stop during the removal leaves no finished-looking folder
+        path = Path(out) / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def run_eval(opts: EvalOptions) -> dict:
@@ -60,6 +91,7 @@ def run_eval(opts: EvalOptions) -> dict:
     if opts.contrastive_entropy is not None and opts.model is None:
         raise ValueError("--contrastive-entropy scores a model's own similarities: give --model DIR (BM25 scores "
                          "share no scale with a softmax over inner products, so the BM25 baseline has none)")
+    check_eval_folder(opts.out, opts.overwrite)
     encoding = None
     if opts.model is not None:
         encoding = resolve_encoding(opts.model, opts.pooling, opts.normalize, opts.max_length,
@@ -108,8 +140,6 @@ def _mteb(opts: EvalOptions, encoding) -> dict:
                                    ("--bm25", opts.bm25), ("--embeddings", opts.embeddings),
                                    ("--contrastive-entropy", opts.contrastive_entropy is not None),
                                    (f"--index {opts.index}", opts.index != "flat")) if on]
-    if opts.dim is not None:
-        given.append(f"--dim {opts.dim}")
     if given:
         raise ValueError(f"--mteb: MTEB encodes, searches (exactly) and scores a model's dense vectors itself; drop "
                          f"{', '.join(given)}")
@@ -266,7 +296,7 @@ def _describe(opts: EvalOptions, data: RetrievalSet, dense: bool = True) -> dict
     encoder_only = ("model", "pooling", "max_length", "normalize", "dim", "batch_size", "index", "nprobe", "ef_search",
                     "vocab_top_k", "sparse_weight", "candidates")
     info = {k: v for k, v in asdict(opts).items()
-            if k not in ("out", "progress", "bm25", "embeddings", *_CONTRASTIVE_OPTIONS)
+            if k not in ("out", "progress", "overwrite", "bm25", "embeddings", *_CONTRASTIVE_OPTIONS)
             and (dense or k not in encoder_only)}
     if info.get("model"):  # absolute: the record names the model wherever it is read (`pretrieve track`)
         info["model"] = str(Path(info["model"]).resolve())

@@ -47,12 +47,14 @@ class Encoding:
     query_prompt: str = ""  # put before each query (an instruction: E5-Mistral, Qwen3-Embedding)
     passage_prompt: str = ""  # put before each passage
 
-    def encode_options(self, batch_size: int, max_length: int | None = None):
-        """The encoder's options for these settings (`max_length`: another than the passages', for queries)."""
+    def encode_options(self, batch_size: int, query_own_length: int | None = None):
+        """The encoder's options for these settings (`query_own_length`: the queries' tokens after their prompt,
+        else max_length counting the prompt)."""
         from pretrieve.eval.options import EncodeOptions
 
-        return EncodeOptions(self.pooling, max_length or self.max_length, batch_size, self.normalize,
-                             query_prompt=self.query_prompt, passage_prompt=self.passage_prompt)
+        return EncodeOptions(self.pooling, self.max_length, batch_size, self.normalize,
+                             query_prompt=self.query_prompt, passage_prompt=self.passage_prompt,
+                             query_own_length=query_own_length)
 
     def describe(self) -> str:
         dense = self.pooling in (*DENSE_POOLINGS, *PROMPT_POOLINGS)

@@ -2,9 +2,12 @@
 pretrieve's outputs beside MTEB's.
 
 OUT/mteb/ is an MTEB result cache: `results/<model>/local/<Task>.json` in MTEB's own result format (and
-`model_meta.json`), which `mteb.load_results` and the leaderboard read. OUT/metrics.json holds MTEB's scores
-under pretrieve's names (ndcg@10 <- ndcg_at_10, mrr@10, mrr@100, recall@100, recall@1000, map <- map_at_1000) and
-`mteb_main_score`; with several tasks, each task's as `<Task>/ndcg@10` ... and the mean over tasks (MTEB's
+`model_meta.json`), which `mteb.load_results` and the leaderboard read. It is written to OUT/.mteb.tmp and
+renamed when every task is scored; a failed or stopped evaluation removes it (and OUT, when it made OUT and
+nothing else is there). With `dim`, MTEB scores the vectors cut to their first N coordinates, re-normalised
+when the encoding normalises, as `pretrieve eval --dim` searches them (eval.encode). OUT/metrics.json holds
+MTEB's scores under pretrieve's names (ndcg@10 <- ndcg_at_10, mrr@10, mrr@100, recall@100, recall@1000,
+map <- map_at_1000) and `mteb_main_score`; with several tasks, each task's as `<Task>/ndcg@10` ... and the mean over tasks (MTEB's
 average) as `ndcg@10` .... OUT/run.trec holds MTEB's ranking and OUT/per_query.jsonl its trec_eval metrics per
 query (eval.metrics), the query ids prefixed `<Task>/` when there are several tasks, subsets or splits, so `pretrieve
 track` and the farm log an MTEB evaluation like any other. A task that ignores identical ids (ArguAna, Quora:
@@ -17,12 +20,14 @@ import json
 import shutil
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from pretrieve.eval.metrics import evaluate, trec_run_lines
 from pretrieve.eval.mteb_model import ExportEncoder
 from pretrieve.eval.mteb_tasks import check_cached, offline_hub, requested_tasks
 from pretrieve.eval.options import EvalOptions
+from pretrieve.utils.output_folder import replace_directory, staging_folder
 from pretrieve.utils.run_dir import write_atomic
 
 MTEB_METRICS = {"ndcg@10": "ndcg_at_10", "mrr@10": "mrr_at_10", "mrr@100": "mrr_at_100",
@@ -36,24 +41,35 @@ def run_mteb(opts: EvalOptions, encoding) -> dict:
 
     started = time.perf_counter()
     out = Path(opts.out)
-    with offline_hub():
-        requested = requested_tasks(opts.mteb, opts.split)
-        check_cached(requested)
-        model = ExportEncoder(opts.model, encoding, opts.batch_size, opts.progress)
-        cache = mteb.ResultCache(out / RESULTS)
-        results, run, per_query = {}, {}, {}
-        prefixed = sum(len(task.eval_splits) * len(task.hf_subsets) for r in requested for task in r.tasks) > 1
-        for item in requested:
-            task_results = [_evaluate(task, model, cache, opts, run, per_query, prefixed) for task in item.tasks]
-            if item.aggregate is not None:  # CQADupstackRetrieval: the mean of its subtasks, as MTEB keeps it
-                combined = item.aggregate.combine_task_results(task_results)
-                cache.save_to_cache(combined, model.mteb_model_meta)
-                task_results = [combined]
-            results[item.name] = _scores(task_results)
+    made = not out.exists()
+    staging = staging_folder(out / RESULTS)  # MTEB's cache, renamed to OUT/mteb once every task is scored
+    try:
+        with offline_hub():
+            requested = requested_tasks(opts.mteb, opts.split)
+            check_cached(requested)
+            model = ExportEncoder(opts.model, encoding, opts.batch_size, opts.progress, opts.dim)
+            cache = mteb.ResultCache(staging)
+            results, run, per_query = {}, {}, {}
+            prefixed = sum(len(task.eval_splits) * len(task.hf_subsets) for r in requested for task in r.tasks) > 1
+            for item in requested:
+                task_results = [_evaluate(task, model, cache, opts, run, per_query, prefixed) for task in item.tasks]
+                if item.aggregate is not None:  # CQADupstackRetrieval: the mean of its subtasks, as MTEB keeps it
+                    combined = item.aggregate.combine_task_results(task_results)
+                    cache.save_to_cache(combined, model.mteb_model_meta)
+                    task_results = [combined]
+                results[item.name] = _scores(task_results)
+    except BaseException:  # a failed or stopped evaluation leaves nothing half-written (nor an OUT it made)
+        shutil.rmtree(staging, ignore_errors=True)
+        with suppress(OSError):
+            if made:
+                out.rmdir()  # only when empty
+        raise
+    replace_directory(staging, out / RESULTS)
     info = {"retriever": "mteb", "model": str(Path(opts.model).resolve()), "mteb": opts.mteb,
             "mteb_tasks": ",".join(results), "dataset": opts.mteb if len(results) > 1 else next(iter(results)),
             "mteb_local": any(item.local for item in requested),  # a BEIR folder: no MTEB task of that name
             "pooling": encoding.pooling, "normalize": encoding.normalize, "max_length": encoding.max_length,
+            "dim": opts.dim,
             "query_prompt": encoding.query_prompt, "passage_prompt": encoding.passage_prompt,
             "encoding_from": encoding.source, "batch_size": opts.batch_size, "queries": len(per_query),
             "mteb_results": str((out / RESULTS / "results").resolve()),
@@ -76,7 +92,8 @@ def _evaluate(task, model: ExportEncoder, cache, opts: EvalOptions, run: dict, p
     task.load_data()  # here, so that the judgements stay loaded after MTEB's evaluation (it unloads what it loads)
     qrels = {(subset, split): {q: dict(d) for q, d in task.dataset[subset][split]["relevant_docs"].items() if d}
              for subset in task.dataset for split in task.dataset[subset] if split in task.eval_splits}
-    predictions = Path(tempfile.mkdtemp(prefix="mteb-predictions-", dir=opts.out if Path(opts.out).is_dir() else None))
+    predictions = Path(tempfile.mkdtemp(prefix=".mteb-predictions-", suffix=".tmp",
+                                        dir=opts.out if Path(opts.out).is_dir() else None))
     try:
         result = mteb.evaluate(model, task, cache=cache, overwrite_strategy="always", prediction_folder=predictions,
                                encode_kwargs={"batch_size": opts.batch_size}, show_progress_bar=opts.progress)

@@ -8,6 +8,7 @@ with. Scores are inner products (cosine when the encoding normalises), as in `pr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +32,9 @@ def model_name(model_dir: str | Path) -> str:
 class ExportEncoder(AbsEncoder):
     """MTEB's EncoderProtocol over a DenseEncoder; `mteb_model_meta` names the export and its similarity."""
 
-    def __init__(self, model_dir: str | Path, encoding: Encoding, batch_size: int, progress: bool = True):
-        self.encoder = DenseEncoder(model_dir, encoding.encode_options(batch_size))
+    def __init__(self, model_dir: str | Path, encoding: Encoding, batch_size: int, progress: bool = True,
+                 dim: int | None = None):  # dim: the vectors' first N coordinates (a Matryoshka prefix)
+        self.encoder = DenseEncoder(model_dir, replace(encoding.encode_options(batch_size), dim=dim))
         self.progress = progress
         self.mteb_model_meta = ModelMeta.create_empty({
             "name": model_name(model_dir), "revision": REVISION,

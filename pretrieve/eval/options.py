@@ -37,6 +37,7 @@ class EvalOptions:
     contrastive_entropy: int | None = None  # K negatives per judged pair (eval.contrastive); None: not computed
     ce_temperature: float = 1.0  # contrastive entropy: scores / tau (1.0: the raw inner product, as Fang et al.)
     ce_seed: int = 0  # contrastive entropy: the negatives' seed (the same for every model compared)
+    overwrite: bool = False  # replace an earlier evaluation in `out` (else refused; eval.evaluate.check_eval_folder)
     progress: bool = True
 
 
@@ -50,6 +51,9 @@ class EncodeOptions:
     query_prompt: str = ""  # put before each query (eval.model_config: the model's, or --query-prompt)
     passage_prompt: str = ""  # put before each passage
     dim: int | None = None  # the vectors' first N coordinates, before normalisation (Matryoshka); None: all
+    # queries cut at this many tokens of their own after their prompt (mine's, as fine-tuning's query_max_len);
+    # None: at max_length, which counts the prompt (as sentence-transformers' max_seq_length)
+    query_own_length: int | None = None
 
     def window_size(self) -> int:
         return self.window or self.batch_size * WINDOW_BATCHES

@@ -148,17 +148,14 @@ def _dense_ranking(opts: MineOptions, encoding, source: MiningData, lo: int, hi:
     from pretrieve.eval.encode import DenseEncoder
     from pretrieve.eval.search import IndexOptions, top_k
     from pretrieve.eval.vectors import check_same_documents, encode_corpus, open_corpus_vectors
-    from pretrieve.finetune.batches import prompt_tokens
 
-    encoder = DenseEncoder(opts.model, encoding.encode_options(opts.batch_size))
+    # query_max_length counts a query's own tokens, after its prompt's (as fine-tuning's query_max_len)
+    encoder = DenseEncoder(opts.model, encoding.encode_options(opts.batch_size, opts.query_max_length))
     if opts.embeddings:
         docs = open_corpus_vectors(opts.embeddings, encoder.settings(), source.doc_ids)
     else:
         docs = encode_corpus(encoder, source.documents(), progress=opts.progress, total=len(source.doc_ids))
         check_same_documents(opts.beir or opts.msmarco or "the training data", docs.ids, source.doc_ids)
-    # query_max_length counts a query's own tokens, after its prompt's (as fine-tuning's query_max_len)
-    encoder.options = encoding.encode_options(opts.batch_size, opts.query_max_length
-                                              + prompt_tokens(encoder.tokenizer, encoding.query_prompt))
     queries = encoder.encode(source.queries, desc="encode queries", progress=opts.progress, queries=True)
     _, rows = top_k(docs, queries[lo:hi], k, IndexOptions(opts.index, opts.nprobe, opts.ef_search))
     return lambda i: [source.doc_ids[r] for r in rows[i - lo].tolist() if r >= 0]

@@ -19,7 +19,8 @@ sentence-transformers config, else its pretrieve_finetune.json: eval.model_confi
 At the end run_dir/export holds the fine-tuned model: for `dual`, a HF model directory (its backbone's) that
 `pretrieve eval` / `AutoModel` load (plus query experts for a CoT-MoTE encoder, W^cls and the LPU for pooling
 `dupmae`, and `pretrieve_finetune.json` with the pooling it was trained with), which is also a
-sentence-transformers model (models.st_config: its pooling and normalisation, texts cut at passage_max_len;
+sentence-transformers model (models.st_config: its pooling and normalisation, texts cut at passage_max_len, or
+at query_max_len plus the query prompt's tokens where that is more, so that a query keeps its own: st_max_length;
 for pooling `dupmae` the dense part of eq. 12, [CLS] through W^cls); for `cross`, a
 BertForSequenceClassification directory that `pretrieve teacher-scores` reads. Both get a model card
 (eval.model_card). The stages are chained by files: `pretrieve mine` writes stage 2's hard negatives,
@@ -126,6 +127,7 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
                 _check_encoding(options, problems)
                 if not problems.messages:
                     _check_passage_prompt(options, problems)
+                    _check_query_prompt(options, problems)
     problems.raise_any()
     train, checkpoint, tracking = sections
     return FinetuneExperiment(seed=int(config.get("seed", 42)), run_dir=Path(config.get("run_dir") or
@@ -251,6 +253,33 @@ def _check_passage_prompt(options: FinetuneOptions, problems: Problems) -> None:
                      f"the {options.passage_max_len} of finetune.passage_max_len, which counts the prompt as the "
                      "export's max_seq_length does, and leaves none of a passage: raise finetune.passage_max_len, "
                      "or shorten the prompt")
+
+
+def st_max_length(options: FinetuneOptions, tokenizer) -> int:
+    """The export's one maximum length (sentence-transformers' max_seq_length, which `pretrieve eval` reads too),
+    counting the prompt: passage_max_len, or more where a query (query_max_len of its own after its prompt) needs
+    it, so that no query is cut inside its prompt; passages are then read that far too."""
+    from pretrieve.finetune.batches import prompt_tokens
+
+    return max(options.passage_max_len, options.query_max_len + prompt_tokens(tokenizer, options.query_prompt or ""))
+
+
+def _check_query_prompt(options: FinetuneOptions, problems: Problems) -> None:
+    """A query's row, its prompt and query_max_len of its own, must fit init_from's positions (the export's
+    max_seq_length grows to it: st_max_length)."""
+    from transformers import AutoTokenizer
+
+    from pretrieve.eval.model_config import position_limit
+    from pretrieve.finetune.batches import prompt_tokens
+
+    limit = position_limit(options.init_from)
+    if not options.query_prompt or limit is None:
+        return
+    tokens = prompt_tokens(AutoTokenizer.from_pretrained(options.init_from), options.query_prompt)
+    if tokens + options.query_max_len > limit:
+        problems.add(f"finetune.query_prompt: takes {tokens} tokens, which with the {options.query_max_len} of "
+                     f"finetune.query_max_len (a query's own, after its prompt) pass the {limit} positions of "
+                     f"{options.init_from}: shorten the prompt, or lower finetune.query_max_len")
 
 
 def _with_model_encoding(options: FinetuneOptions, config: DictConfig) -> tuple[FinetuneOptions, DictConfig]:
@@ -466,6 +495,7 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
         raise ValueError(no_adapter(run_dir, "finetune.lora"))
     module = build_model(options, config_file=run_dir / MODEL_CONFIG)
     load_checkpoint_weights(module, ckpt_dir, tag)
+    tokenizer = AutoTokenizer.from_pretrained(str(run_dir / TOKENIZER))
     out = Path(out)
     tmp = staging_folder(out)
     if options.model == "cross":
@@ -483,11 +513,12 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
         # no sentence-transformers files for a sparse model: they describe a dense vector;
         # pretrieve_finetune.json says it, and AutoModelForMaskedLM reads the MLM head its vectors come from
         if options.pooling != "sparse":
-            write_st_config(tmp, "cls" if dupmae else options.pooling, options.normalize, options.passage_max_len,
+            write_st_config(tmp, "cls" if dupmae else options.pooling, options.normalize,
+                            st_max_length(options, tokenizer),
                             dense_weight=module.joint.cls_proj.weight if dupmae else None,
                             prompts={"query": options.query_prompt or "", "passage": options.passage_prompt or ""},
                             matryoshka_dims=options.matryoshka_dims)
-    AutoTokenizer.from_pretrained(str(run_dir / TOKENIZER)).save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
     (tmp / FINETUNE_META).write_text(json.dumps({**meta, "checkpoint": tag, "options": asdict(options)}, indent=1)
                                      + "\n")
     write_model_card(out, run_dir, tag, card_dir=tmp)

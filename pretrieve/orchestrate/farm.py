@@ -103,12 +103,14 @@ class Job:
         return finetune_dir(self.out.parents[3 if self.dim else 2], self.checkpoint) / self.stage / "export"
 
     def eval_args(self, settings: dict) -> list[str]:
-        """The `pretrieve eval` arguments of this job."""
+        """The `pretrieve eval` arguments of this job; what a job not done left in its folder is the farm's own, which
+        --overwrite replaces (a done job is not run again)."""
         if self.model is None:  # BM25 encodes nothing: only the retrieval depth applies
             settings = {k: v for k, v in settings.items() if k == "depth"}
-            args = ["eval", "--bm25", "--out", str(self.out)]
+            args = ["eval", "--bm25", "--out", str(self.out), "--overwrite"]
         else:
-            args = ["eval", "--model", str(self.model), "--out", str(self.out), *encoding_args(self.checkpoint)]
+            args = ["eval", "--model", str(self.model), "--out", str(self.out), "--overwrite",
+                    *encoding_args(self.checkpoint)]
         kind = next(k for k in DATASET_KINDS if k in self.dataset)
         args += [f"--{kind}", str(self.dataset[kind])]
         if self.dataset.get("split"):
@@ -167,10 +169,6 @@ def load_farm(path: str | Path) -> dict:
     if mteb and bm25:
         raise ValueError(f"{path}: datasets {', '.join(mteb)}: MTEB evaluates models, and checkpoints "
                          f"{', '.join(bm25)} are BM25; give the MTEB tasks in a farm without them")
-    cut = [c["name"] for c in farm["checkpoints"] if c.get("dims")]
-    if mteb and cut:
-        raise ValueError(f"{path}: datasets {', '.join(mteb)}: MTEB scores whole vectors, and checkpoints "
-                         f"{', '.join(cut)} have dims:; give the MTEB tasks in a farm without them")
     for i, stage in enumerate(farm.setdefault("stages", ["zero-shot"])):
         if stage not in STAGES:
             raise ValueError(f"{path}: stages[{i}]: {stage!r} is not one of {', '.join(STAGES)}")

@@ -1,9 +1,9 @@
 """What a command may do to the folder (or file) it is told to write: never remove what is not its own.
 
 Two kinds of output:
-- written whole (`export`, `tokenizer train`): made in a temporary folder beside OUT and renamed into place. OUT
-  may be new or empty; an earlier output of the same kind is replaced only with `--overwrite`; anything else is
-  refused, naming what is there.
+- written whole (`export`, `tokenizer train`, `eval`): an export or a tokenizer is made in a temporary folder
+  beside OUT and renamed into place. OUT may be new or empty; an earlier output of the same kind is replaced
+  only with `--overwrite`; anything else is refused, naming what is there, before any work.
 - added to, or resumed (`encode`, `prepare`, `farm`, `report`, `scale run`): OUT may hold only what the command
   itself writes there; anything else is refused before any work, naming it.
 
@@ -29,15 +29,17 @@ def _listing(out: Path, entries: list[str]) -> str:
     return ", ".join(shown) + more
 
 
-def check_whole_output(out: str | Path, what: str, is_earlier: Callable[[Path], bool], overwrite: bool) -> None:
+def check_whole_output(out: str | Path, what: str, is_earlier: Callable[[Path], bool], overwrite: bool,
+                       kept: Callable[[str], bool] = lambda name: False) -> None:
     """OUT, to be replaced whole by a new `what` (an export, a tokenizer): new, empty, or an earlier `what`
-    (`is_earlier(out)`) with `overwrite`; otherwise refused, naming what is there. Nothing is written here."""
+    (`is_earlier(out)`) with `overwrite`; otherwise refused, naming what is there. Entries that `kept(name)`
+    claims are left as they are and not counted. Nothing is written here."""
     out = Path(out)
     if not out.exists() and not out.is_symlink():
         return
     if not out.is_dir():
         raise OutputInUse(f"{out}: exists and is not a folder; give a new or empty folder for the {what}")
-    entries = [p.name for p in out.iterdir()]
+    entries = [p.name for p in out.iterdir() if not kept(p.name)]
     if not entries:
         return
     if is_earlier(out):

@@ -103,6 +103,32 @@ def test_eval_pools_special_tokens_as_the_fine_tuning_recorded(tmp_path):
     torch.testing.assert_close(torch.from_numpy(got.toarray()), expected)
 
 
+def test_a_sparse_model_is_encoded_with_the_prompts_it_was_fine_tuned_with(tmp_path):
+    """A sparse export has no sentence-transformers files: its pretrieve_finetune.json gives the prompts its
+    fine-tuning put before each text and the length it read them at, and eval's encoder puts the prompts there
+    too (before, it read neither: a model fine-tuned with an instruction was scored without it, silently)."""
+    from pretrieve.eval.encode import VocabEncoder
+    from pretrieve.eval.model_config import resolve_encoding
+
+    export = _tiny_lexmae_export(tmp_path / "pretrained")
+    prompts = {"query_prompt": "search query: ", "passage_prompt": "passage: "}
+    (export / "pretrieve_finetune.json").write_text(json.dumps(
+        {"pooling": "sparse", "sparse_special_tokens": False, "max_length": 40,
+         "options": {**prompts, "passage_max_len": 32}}))
+    encoding = resolve_encoding(export, announce=False)
+    assert (encoding.query_prompt, encoding.passage_prompt, encoding.max_length) == (*prompts.values(), 40)
+    encoder = VocabEncoder(export, encoding.encode_options(8))
+    model, tokens = DualEncoder(encoder.encoder, pooling="sparse"), AutoTokenizer.from_pretrained(export)
+    texts = ["the cat sat on the mat", "a dog"]
+    for queries, prompt in ((True, prompts["query_prompt"]), (False, prompts["passage_prompt"])):
+        _, got = encoder.encode(texts, documents=not queries, progress=False)
+        batch = tokens([prompt + text for text in texts], padding=True, return_tensors="pt")
+        with torch.no_grad():
+            expected = model.embed(batch["input_ids"], batch["attention_mask"], queries=queries)
+        expected = expected if queries else keep_top_k(expected, encoder.top_k)
+        torch.testing.assert_close(torch.from_numpy(got.toarray()), expected)
+
+
 def test_sparse_pooling_refusals_name_their_key(tmp_path):
     encoder = _tiny_encoder()
     with pytest.raises(ValueError, match="finetune.normalize: pooling sparse"):
@@ -193,6 +219,7 @@ def test_a_lexmae_export_fine_tuned_sparse_is_evaluated_and_mined_sparse(tmp_pat
     meta = json.loads((export / "pretrieve_finetune.json").read_text())
     assert meta["pooling"] == "sparse" and meta["flops"] == {"query": 0.001, "passage": 0.002}
     assert meta["sparse_special_tokens"] is False  # eval and mine pool as the fine-tuning did: without them
+    assert meta["max_length"] == 48  # what eval reads texts at: passage_max_len, above query_max_len's 32
     assert not (export / "modules.json").exists()
     card = (export / "README.md").read_text()  # the model card says what it is and how to use it
     assert "A learned sparse retriever" in card and "pipeline_tag: feature-extraction" in card

@@ -83,17 +83,9 @@ class DenseEncoder:
         self.lengths = {queries: self._length(queries) for queries in (True, False)}
 
     def _length(self, queries: bool) -> int:
-        """The tokens a query's (or a passage's) row may have: max_length, which counts the prompt and the tokens
-        the encoding adds, as sentence-transformers' max_seq_length does, or with `query_own_length` the query's
-        own tokens after its prompt. A prompt that leaves its text no token is refused, before any text is read."""
-        prompt = self.options.query_prompt if queries else self.options.passage_prompt
-        prompt_tokens = len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]) if prompt else 0
         added = (len(self.prompted.head) + len(self.prompted.suffixes[queries]) if self.prompted is not None
                  else len(self.tokenizer("")["input_ids"]))  # the special tokens; llama2vec's prompt rows
-        if queries and self.options.query_own_length is not None:
-            return self.options.query_own_length + prompt_tokens
-        check_room("query" if queries else "passage", self.options.max_length, prompt_tokens, added)
-        return self.options.max_length
+        return row_length(self.tokenizer, self.options, queries, added)
 
     def settings(self) -> dict:
         """What determines a document's vector."""
@@ -124,10 +116,9 @@ class DenseEncoder:
             pool = self.prompted.pool
             tokenize = partial(self.prompted.tokenize, self.tokenizer, max_length=options.max_length, queries=queries)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
-        prompt = self.options.query_prompt if queries else self.options.passage_prompt
-        if prompt:  # as sentence-transformers' encode(..., prompt_name=...) puts it
+        if self.options.query_prompt if queries else self.options.passage_prompt:
             total = len(texts) if total is None and hasattr(texts, "__len__") else total  # type: ignore[arg-type]
-            texts = (prompt + text for text in texts)
+            texts = prompted(texts, self.options, queries)
         for rows, batch in length_sorted_batches(self.tokenizer, texts, options, self.device, desc, progress,
                                                  total, tokenize):
             with autocast:
@@ -140,6 +131,25 @@ class DenseEncoder:
             if self.options.normalize:
                 vectors = torch.nn.functional.normalize(vectors, dim=-1)
             yield rows, vectors.cpu().numpy()
+
+
+def row_length(tokenizer, options: EncodeOptions, queries: bool, added: int) -> int:
+    """The tokens a query's (or a passage's) row may have: max_length, which counts the prompt and the `added`
+    tokens of the encoding, as sentence-transformers' max_seq_length does, or with `query_own_length` the query's
+    own tokens after its prompt. A prompt that leaves its text no token is refused, before any text is read."""
+    prompt = options.query_prompt if queries else options.passage_prompt
+    prompt_tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if prompt else 0
+    if queries and options.query_own_length is not None:
+        return options.query_own_length + prompt_tokens
+    check_room("query" if queries else "passage", options.max_length, prompt_tokens, added)
+    return options.max_length
+
+
+def prompted(texts: Iterable[str], options: EncodeOptions, queries: bool) -> Iterable[str]:
+    """Each text after its query (or passage) prompt, as sentence-transformers' encode(..., prompt_name=...) puts
+    it."""
+    prompt = options.query_prompt if queries else options.passage_prompt
+    return (prompt + text for text in texts) if prompt else texts
 
 
 def check_room(kind: str, max_length: int, prompt_tokens: int, added: int) -> None:
@@ -204,7 +214,8 @@ class VocabEncoder:
         # CoT-MoTE's eq. 4, every token
         self.special_tokens = pooling == "hybrid" or sparse_special_tokens(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        check_room("text", options.max_length, 0, len(self.tokenizer("")["input_ids"]))
+        added = len(self.tokenizer("")["input_ids"])
+        self.lengths = {queries: row_length(self.tokenizer, options, queries, added) for queries in (True, False)}
 
     @torch.inference_mode()
     def encode(self, texts: list[str], documents: bool, desc: str = "encode", progress: bool = True):
@@ -218,7 +229,9 @@ class VocabEncoder:
         dense = None if self.pooling == "sparse" else np.empty(
             (len(texts), self.joint.cls_dim if self.joint is not None else encoder.config.hidden_size), np.float32)
         blocks, order = [], []
-        for picked, batch in length_sorted_batches(self.tokenizer, texts, self.options, self.device, desc, progress):
+        options = replace(self.options, max_length=self.lengths[not documents])
+        for picked, batch in length_sorted_batches(self.tokenizer, prompted(texts, options, not documents), options,
+                                                   self.device, desc, progress, len(texts)):
             mask = batch["attention_mask"]
             text_type = None
             if encoder.query_experts is not None:

@@ -162,7 +162,7 @@ def read_set_once(opts: EvalOptions, bm25_index: IndexWriter | None = None):
     if opts.model is not None and opts.pooling == "sparse":
         encoder = vocab_encoder(opts)
     elif opts.model is not None and not held and not opts.embeddings:
-        encoder = DenseEncoder(opts.model, dense_options(opts))
+        encoder = DenseEncoder(opts.model, encode_options(opts))
     if held or (encoder is None and bm25_index is None):
         data = load_retrieval_set(opts.beir, opts.msmarco, opts.split, opts.on_missing, texts=held)
         if bm25_index is not None:
@@ -185,11 +185,10 @@ def read_set_once(opts: EvalOptions, bm25_index: IndexWriter | None = None):
 
 
 def vocab_encoder(opts: EvalOptions) -> VocabEncoder:
-    return VocabEncoder(opts.model, EncodeOptions(opts.pooling, opts.max_length, opts.batch_size),
-                        top_k=opts.vocab_top_k)
+    return VocabEncoder(opts.model, encode_options(opts), top_k=opts.vocab_top_k)
 
 
-def dense_options(opts: EvalOptions) -> EncodeOptions:
+def encode_options(opts: EvalOptions) -> EncodeOptions:
     return EncodeOptions(opts.pooling, opts.max_length, opts.batch_size, opts.normalize,
                          query_prompt=opts.query_prompt or "", passage_prompt=opts.passage_prompt or "", dim=opts.dim)
 
@@ -237,7 +236,7 @@ def _dense(opts: EvalOptions, doc_ids: list[str], query_ids: list[str], query_te
     if vectors is not None:
         encoder, docs = vectors
     else:
-        encoder = DenseEncoder(opts.model, dense_options(opts))
+        encoder = DenseEncoder(opts.model, encode_options(opts))
         docs = open_corpus_vectors(opts.embeddings, encoder.settings(), doc_ids)
     queries = encoder.encode(query_texts, desc="encode queries", progress=opts.progress, queries=True)
     index = IndexOptions(opts.index, opts.nprobe, opts.ef_search)
@@ -259,20 +258,8 @@ class VocabVectors:
     sparse_queries: object
 
 
-def vocab_search(encoder: VocabEncoder, doc_ids, doc_texts, query_ids, query_texts, k: int, sparse_weight: float = 1.0,
-                 candidates: int | None = None, query_max_length: int | None = None, progress: bool = True) -> dict:
-    """{query id: {doc id: score}}, the top k by the encoder's pooling (sparse, hybrid or DupMAE's eq. 12);
-    `candidates`: re-score each query's dense + sparse top N instead of the whole corpus (default: exact up to
-    EXACT_HYBRID_DOCS documents, max(1,000, k) candidates beyond)."""
-    vectors = encode_vocab(encoder, doc_texts, query_texts, query_max_length, progress)
-    return search_vocab(vectors, doc_ids, query_ids, k, sparse_weight, candidates)
-
-
-def encode_vocab(encoder: VocabEncoder, doc_texts, query_texts, query_max_length: int | None = None,
-                 progress: bool = True) -> VocabVectors:
+def encode_vocab(encoder: VocabEncoder, doc_texts, query_texts, progress: bool = True) -> VocabVectors:
     dense_docs, sparse_docs = encoder.encode(doc_texts, documents=True, desc="encode corpus", progress=progress)
-    if query_max_length is not None:
-        encoder.options = replace(encoder.options, max_length=query_max_length)
     dense_queries, sparse_queries = encoder.encode(query_texts, documents=False, desc="encode queries",
                                                    progress=progress)
     return VocabVectors(dense_docs, sparse_docs, dense_queries, sparse_queries)
@@ -280,7 +267,10 @@ def encode_vocab(encoder: VocabEncoder, doc_texts, query_texts, query_max_length
 
 def search_vocab(vectors: VocabVectors, doc_ids, query_ids, k: int, sparse_weight: float = 1.0,
                  candidates: int | None = None) -> dict:
-    """vocab_search's search: sparse alone when there are no dense vectors, else the hybrid score."""
+    """{query id: {doc id: score}}, the top k by the encoder's pooling (sparse, hybrid or DupMAE's eq. 12): sparse
+    alone when there are no dense vectors, else the hybrid score; `candidates`: re-score each query's dense +
+    sparse top N instead of the whole corpus (default: exact up to EXACT_HYBRID_DOCS documents, max(1,000, k)
+    candidates beyond)."""
     if candidates is None and len(doc_ids) > EXACT_HYBRID_DOCS:
         candidates = max(1000, k)
     if vectors.dense_docs is None:

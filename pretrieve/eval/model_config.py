@@ -147,13 +147,18 @@ def declared_encoding(model_dir: str | Path) -> DeclaredEncoding:
     model_dir = Path(model_dir)
     tuned = finetune_meta(model_dir)
     st = read_st_config(model_dir)
-    tuned_length = tuned.get("options", {}).get("passage_max_len")
+    tuned_options = tuned.get("options", {})
+    # the length its export's texts are read at (the longest of a query with its prompt and a passage), else, from
+    # an export that did not record it, the passages'
+    tuned_length = tuned.get("max_length") or tuned_options.get("passage_max_len")
+    # the prompts its fine-tuning put before its texts
+    tuned_prompts = {kind: tuned_options.get(f"{kind}_prompt") or "" for kind in ("query", "passage")}
     if tuned.get("pooling") == "dupmae":
         return DeclaredEncoding("dupmae", False, st.max_length if st else tuned_length,
                                 f"{model_dir / FINETUNE_META} (eq. 12; the sentence-transformers files hold its "
-                                "dense part only)")
+                                "dense part only)", prompts=st.prompts if st else tuned_prompts)
     if tuned.get("pooling") == "sparse":  # its export writes no sentence-transformers files; any found are not its
-        return DeclaredEncoding("sparse", False, tuned_length, str(model_dir / FINETUNE_META))
+        return DeclaredEncoding("sparse", False, tuned_length, str(model_dir / FINETUNE_META), prompts=tuned_prompts)
     if st is not None:
         problems = (*st.unsupported, *(["a Dense module"] if st.dense else []))
         return DeclaredEncoding(st.pooling, st.normalize, st.max_length, f"sentence-transformers config {st.path}",

@@ -164,17 +164,15 @@ def _dense_ranking(opts: MineOptions, encoding, source: MiningData, lo: int, hi:
 def _sparse_ranking(opts: MineOptions, encoding, source: MiningData, lo: int, hi: int, k: int) -> Ranking:
     """As _dense_ranking, by SPLADE vectors: the corpus streamed through the encoder part by part and searched
     through each part's inverted index (eval.sparse_vectors, eval.search.sparse_top_k), its texts never held."""
-    from dataclasses import replace
-
-    from pretrieve.eval.encode import EncodeOptions, VocabEncoder
+    from pretrieve.eval.encode import VocabEncoder
     from pretrieve.eval.search import sparse_top_k
     from pretrieve.eval.sparse_vectors import encode_sparse_corpus
     from pretrieve.eval.vectors import check_same_documents
 
-    encoder = VocabEncoder(opts.model, EncodeOptions(encoding.pooling, encoding.max_length, opts.batch_size))
+    # query_max_length counts a query's own tokens, after its prompt's (as fine-tuning's query_max_len)
+    encoder = VocabEncoder(opts.model, encoding.encode_options(opts.batch_size, opts.query_max_length))
     docs = encode_sparse_corpus(encoder, source.documents(), progress=opts.progress)
     check_same_documents(opts.beir or opts.msmarco or "the training data", docs.ids, source.doc_ids)
-    encoder.options = replace(encoder.options, max_length=opts.query_max_length)
     _, queries = encoder.encode(source.queries, documents=False, desc="encode queries", progress=opts.progress)
     _, rows = sparse_top_k(docs, queries[lo:hi], k)
     return lambda i: [source.doc_ids[r] for r in rows[i - lo].tolist() if r >= 0]
@@ -184,12 +182,11 @@ def _vocab_ranking(opts: MineOptions, encoding, source: MiningData, lo: int, hi:
     """As _dense_ranking, by DupMAE's eq. (12) (or hybrid); the corpus's texts are held to encode them."""
     from dataclasses import replace
 
-    from pretrieve.eval.encode import EncodeOptions, VocabEncoder
+    from pretrieve.eval.encode import VocabEncoder
     from pretrieve.eval.evaluate import encode_vocab, search_vocab
 
-    encoder = VocabEncoder(opts.model, EncodeOptions(encoding.pooling, encoding.max_length, opts.batch_size))
-    vectors = encode_vocab(encoder, [text for _, text in source.documents()], source.queries, opts.query_max_length,
-                           opts.progress)
+    encoder = VocabEncoder(opts.model, encoding.encode_options(opts.batch_size, opts.query_max_length))
+    vectors = encode_vocab(encoder, [text for _, text in source.documents()], source.queries, opts.progress)
     ours = replace(vectors, dense_queries=None if vectors.dense_queries is None else vectors.dense_queries[lo:hi],
                    sparse_queries=vectors.sparse_queries[lo:hi])
     run = search_vocab(ours, source.doc_ids, [str(i) for i in range(lo, hi)], k)

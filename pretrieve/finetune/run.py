@@ -20,7 +20,7 @@ At the end run_dir/export holds the fine-tuned model: for `dual`, a HF model dir
 `pretrieve eval` / `AutoModel` load (plus query experts for a CoT-MoTE encoder, W^cls and the LPU for pooling
 `dupmae`, and `pretrieve_finetune.json` with the pooling it was trained with), which is also a
 sentence-transformers model (models.st_config: its pooling and normalisation, texts cut at passage_max_len, or
-at query_max_len plus the query prompt's tokens where that is more, so that a query keeps its own: st_max_length;
+at query_max_len plus the query prompt's tokens where that is more, so that a query keeps its own: export_max_length;
 for pooling `dupmae` the dense part of eq. 12, [CLS] through W^cls); for `cross`, a
 BertForSequenceClassification directory that `pretrieve teacher-scores` reads. Both get a model card
 (eval.model_card). The stages are chained by files: `pretrieve mine` writes stage 2's hard negatives,
@@ -255,9 +255,9 @@ def _check_passage_prompt(options: FinetuneOptions, problems: Problems) -> None:
                      "or shorten the prompt")
 
 
-def st_max_length(options: FinetuneOptions, tokenizer) -> int:
-    """The export's one maximum length (sentence-transformers' max_seq_length, which `pretrieve eval` reads too),
-    counting the prompt: passage_max_len, or more where a query (query_max_len of its own after its prompt) needs
+def export_max_length(options: FinetuneOptions, tokenizer) -> int:
+    """The export's one maximum length (sentence-transformers' max_seq_length, and pretrieve_finetune.json's
+    `max_length` for a model without those files, which `pretrieve eval` reads), counting the prompt: passage_max_len, or more where a query (query_max_len of its own after its prompt) needs
     it, so that no query is cut inside its prompt; passages are then read that far too."""
     from pretrieve.finetune.batches import prompt_tokens
 
@@ -266,7 +266,7 @@ def st_max_length(options: FinetuneOptions, tokenizer) -> int:
 
 def _check_query_prompt(options: FinetuneOptions, problems: Problems) -> None:
     """A query's row, its prompt and query_max_len of its own, must fit init_from's positions (the export's
-    max_seq_length grows to it: st_max_length)."""
+    max_seq_length grows to it: export_max_length)."""
     from transformers import AutoTokenizer
 
     from pretrieve.eval.model_config import position_limit
@@ -514,12 +514,12 @@ def export_finetuned(run_dir: str | Path, out: str | Path, keep_adapter: bool | 
         # pretrieve_finetune.json says it, and AutoModelForMaskedLM reads the MLM head its vectors come from
         if options.pooling != "sparse":
             write_st_config(tmp, "cls" if dupmae else options.pooling, options.normalize,
-                            st_max_length(options, tokenizer),
+                            export_max_length(options, tokenizer),
                             dense_weight=module.joint.cls_proj.weight if dupmae else None,
                             prompts={"query": options.query_prompt or "", "passage": options.passage_prompt or ""},
                             matryoshka_dims=options.matryoshka_dims)
     tokenizer.save_pretrained(str(tmp))
-    (tmp / FINETUNE_META).write_text(json.dumps({**meta, "checkpoint": tag, "options": asdict(options)}, indent=1)
-                                     + "\n")
+    (tmp / FINETUNE_META).write_text(json.dumps({**meta, "checkpoint": tag, "max_length": export_max_length(
+        options, tokenizer), "options": asdict(options)}, indent=1) + "\n")
     write_model_card(out, run_dir, tag, card_dir=tmp)
     return replace_directory(tmp, out)

@@ -3,6 +3,7 @@ ZeRO 2 they are DeepSpeed's bytes; at ZeRO 3 both count the largest layer gather
 DeepSpeed 18 bytes a parameter over the devices (no 16-bit parameter partition), pretrieve 20; LoRA's frozen
 weights and the offloaded states. benchmarks/llm_memory.py tabulates both for Qwen3 shapes of 0.6B-8B."""
 
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -93,3 +94,23 @@ def test_model_states_at_qwen3_shapes_are_deepspeeds(name):
             partition = 2 * params / world if zero == 3 and not offload else 0
             assert estimate(exp, world, batch)["states"] == pytest.approx(device + partition, abs=1), \
                 (zero, offload, world)
+
+
+def test_a_sample_counts_every_row_it_puts_through_the_encoder_and_the_decoder(vocab):
+    """CoT-MAE encodes each sample's anchor and its context (two encoder rows) and decodes each row from the
+    other's [CLS] (two decoder rows): a sequence of the memory model is both, not one row."""
+    from pretrieve.scale.memory import layer_activations
+
+    config = load_config(CONFIGS / "tiny-cotmae.yaml", ["model.vocab_size=30522"])
+    method, options = method_options(config)
+    samples = [{"ids": np.arange(1000, 1040), "doc": "d", "block": i, "source": "s", "shard": 0, "index": i}
+               for i in range(4)]
+    batch = method.collator.from_options(options, vocab, seed=0)(samples)
+    model = model_options(config)
+    exp = SimpleNamespace(method=method, options=options, model=model, train=TrainOptions())
+    (rows, s), (dec_rows, dec_s) = batch["input_ids"].shape, batch["dec_input_ids"].shape
+    assert rows == dec_rows == 2 * len(samples)
+    layer = partial(layer_activations, 1, h=model.hidden_size, f=model.intermediate_size, heads=model.num_heads,
+                    element=4)
+    assert estimate(exp, 1, batch, len(samples))["per_sequence"] == pytest.approx(
+        2 * model.num_layers * layer(s) + 2 * options.decoder_layers * layer(dec_s))

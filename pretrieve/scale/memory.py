@@ -1,6 +1,8 @@
 """Devices for `pretrieve scale plan --device`, and whether a point's micro-batch fits one of them.
 
-Memory of one device while training a micro-batch of b sequences of length s (bytes):
+Memory of one device while training a micro-batch of b sequences of length s (bytes); a sequence is what one
+sample puts through the encoder (CoT-MAE's anchor and context, coCondenser's two spans: two rows each) and
+through the decoders, each at its own rows per sample:
 
     states       = P (w / Z3 + g / Z2 + o / Z1)      P trainable parameters (the head built on the meta device),
                    + F w / Z3                        F frozen ones (LoRA's base model, a [CLS] pooler): weights only;
@@ -88,9 +90,11 @@ def layer_activations(b: int, s: int, h: int, f: int, heads: int, element: int, 
     return s * b * h * (8 * element + 2) + ffn * element * s * b * f + (2 * element + 1) * heads * s * s * b
 
 
-def estimate(exp, world_size: int, batch: dict) -> dict:
-    """The memory model of the module docstring for `exp`'s training on `batch` (its collated micro-batch):
-    {"states", "workspace", "per_sequence", "per_sequence_checkpointed"} in bytes, and the configured
+def estimate(exp, world_size: int, batch: dict, samples: int | None = None) -> dict:
+    """The memory model of the module docstring for `exp`'s training on `batch` (its collated micro-batch of
+    `samples` stream samples; default one a row): {"states", "workspace", "per_sequence",
+    "per_sequence_checkpointed"} in bytes, a sequence being a sample with every row it puts through the encoder
+    and the decoders (CoT-MAE's anchor and context, coCondenser's two spans), and the configured
     "activation_checkpointing"."""
     import torch
 
@@ -113,16 +117,17 @@ def estimate(exp, world_size: int, batch: dict) -> dict:
         g = o = 0
     states = params * (weights / split[2] + g / split[1] + o / split[0]) + frozen * weights / split[2] + gathered
     b, s = batch["input_ids"].shape
+    rows = b / (samples or b)  # the encoder's rows per sample
     h, f, heads, layers = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
                            config.num_hidden_layers)
     ffn = backbone_of(config).ffn_activations
     layer = layer_activations(1, s, h, f, heads, element, ffn) + adapter_activations(head, exp.model, s, element)
-    decoders = sum(n * layer_activations(1, length, h, f, heads, element, ffn)
-                   for n, length in decoder_layers(exp.method.name, exp.options, batch))
+    decoders = sum(n * decoder_rows / (samples or b) * layer_activations(1, length, h, f, heads, element, ffn)
+                   for n, decoder_rows, length in decoder_layers(exp.method.name, exp.options, batch))
     projections = 1 + bool(decoder_layers(exp.method.name, exp.options, batch))
     return {"states": states, "workspace": projections * (4 * config.vocab_size * (h + 1) + LOGITS_CHUNK_BYTES),
-            "per_sequence": layers * layer + decoders,
-            "per_sequence_checkpointed": layers * element * s * h + layer + decoders,
+            "per_sequence": rows * layers * layer + decoders,
+            "per_sequence_checkpointed": rows * (layers * element * s * h + layer) + decoders,
             "activation_checkpointing": t.activation_checkpointing}
 
 
@@ -136,16 +141,15 @@ def adapter_activations(head, model, s: int, element: int) -> float:
     return lora_input_width(head.encoder.model) / head.encoder.config.num_hidden_layers * s * (element + 1)
 
 
-def decoder_layers(method: str, options, batch: dict) -> list[tuple[int, int]]:
-    """(layers, sequence length) of the decoders `method` trains beside the encoder."""
-    length = batch["input_ids"].shape[1]
+def decoder_layers(method: str, options, batch: dict) -> list[tuple[int, int, int]]:
+    """(layers, rows, sequence length) of the decoders `method` trains beside the encoder."""
     if method in ("retromae", "dupmae"):
-        return [(1, length)]
+        return [(1, *batch["input_ids"].shape)]
     if method == "seed":
-        return [(options.decoder_layers, batch["dec_input_ids"].shape[1])]
+        return [(options.decoder_layers, *batch["dec_input_ids"].shape)]
     if method in ("cotmae", "cotmote"):  # clm: over the contexts; mlm: over the partners' texts
         ctx = batch["ctx_input_ids"] if options.decoder_objective == "clm" else batch["dec_input_ids"]
-        return [(options.decoder_layers, ctx.shape[1])]
+        return [(options.decoder_layers, *ctx.shape)]
     return []
 
 

@@ -265,7 +265,7 @@ def _cost(study: dict, points: list[Point], where: str) -> None:
                 vocab = Vocabulary.of_tokenizer(exp.data.tokenizer_dir())
             batch = exp.method.collator.from_options(exp.options, vocab, seed=0)(samples)
             per_micro_batch[key] = (float(train_flops(point.method, exp.options, config, batch)),
-                                    estimate(exp, point.world_size, batch))
+                                    estimate(exp, point.world_size, batch, len(samples)))
         flops, point.memory = per_micro_batch[key]
         point.C = flops * point.grad_accum * point.world_size * point.steps
 

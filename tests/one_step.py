@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from pretrieve.config import experiment, load_config
 from pretrieve.finetune.run import finetune, finetune_experiment
+from pretrieve.models.export import load_base_model
 from pretrieve.pretrain import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +54,7 @@ def main(out: str, manifest: str, methods: str, stages: str, precision: str = "f
                 result = train(exp)
             if int(os.environ.get("RANK", 0)) != 0:
                 continue
-            trained = load_file(run_dir / "export" / "model.safetensors")
+            trained = load_base_model(run_dir / "export").state_dict()  # the file holds the MLM head beside it
             records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             trainable = [k for k in trained if not k.startswith("pooler.")]  # the pooler is frozen
             changed = sum(not torch.equal(trained[k], initial[k]) for k in trainable)

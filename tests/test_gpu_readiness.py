@@ -75,6 +75,13 @@ def test_peak_flops_by_device_name(name, part, peak):
     assert gpu_peak(name, "bf16") == (part, peak) and gpu_peak(name, "fp16") == (part, peak)
 
 
+def test_a_turing_gpu_has_an_fp16_peak_and_no_bf16_one():
+    """Turing computes no bf16: MFU is left out of such a run, and the estimates refuse bf16 on it."""
+    name = "NVIDIA GeForce RTX 2080 Ti"
+    assert gpu_peak(name, "fp16") == ("RTX 2080 Ti", 53.8e12) and gpu_peak(name, "fp32") == ("RTX 2080 Ti", 13.4e12)
+    assert gpu_peak(name, "bf16") == ("RTX 2080 Ti", None)
+
+
 @pytest.mark.parametrize("name", ["NVIDIA A10G", "NVIDIA L40", "Tesla V100-SXM2-16GB", "NVIDIA GeForce RTX 4090"])
 def test_an_unknown_gpu_has_no_peak(name):
     """Not in the table: MFU is left out rather than computed against another part's peak."""

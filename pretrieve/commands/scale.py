@@ -29,8 +29,9 @@ def add_scale(commands) -> None:
                       help="the device each rank trains on: its peak FLOP/s at the points' precision x --mfu gives "
                            "the device-hours, and a point whose micro-batch will not fit its memory is warned "
                            "about (default: this machine's CPU, measured, no memory check)")
-    plan.add_argument("--mfu", type=float, default=0.25,
-                      help="model FLOPs utilisation a run sustains, the share of the peak (default 0.25; "
+    plan.add_argument("--mfu", type=float, default=None,
+                      help="model FLOPs utilisation a run sustains, the share of the peak (default: a --device with "
+                           "throughput records is priced from them, as `pretrieve estimate` prices it; else 0.25; "
                            "`pretrain` logs the real one)")
     plan.add_argument("--flops-per-second", type=float, default=None,
                       help="sustained FLOP/s of one device for the estimate, instead of the device's peak x --mfu")
@@ -61,19 +62,24 @@ def run_scale_plan(args) -> int:
     from functools import cache
 
     from pretrieve.scale.memory import device, device_flops, fit_advice
-    from pretrieve.scale.plan import plan, table, write_plan
+    from pretrieve.scale.plan import plan, record_rates, table, write_plan
+    from pretrieve.scale.records import default_files, load
 
-    if not 0 < args.mfu <= 1:
+    if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ValueError(f"--mfu must be in (0, 1], got {args.mfu}")
     study, points = plan(args.study)
     name = args.device or "cpu"
+    records = [r for r in load(default_files()) if r.part == device(name).part] if args.mfu is None else []
     if args.flops_per_second:
         print(table(points, lambda p: args.flops_per_second, f"{args.flops_per_second:.3g} FLOP/s"))
+    elif records:  # docs/scaling.md: a device with throughput records
+        rates, label = record_rates(study, points, name, records)
+        print(table(points, lambda p: rates[p.id].flops_per_s, label))
     else:
+        mfu = 0.25 if args.mfu is None else args.mfu
         peak = cache(device_flops)  # the CPU's is measured: once
         peaks = sorted({f"{peak(name, p.precision):.3g} FLOP/s at {p.precision}" for p in points})
-        print(table(points, lambda p: args.mfu * peak(name, p.precision),
-                    f"{args.mfu:.0%} MFU of {name} ({', '.join(peaks)})"))
+        print(table(points, lambda p: mfu * peak(name, p.precision), f"{mfu:.0%} MFU of {name} ({', '.join(peaks)})"))
     if args.device:
         for point in points:
             advice = fit_advice(point, args.device, device(args.device).memory)

@@ -34,6 +34,9 @@ GPU_PEAKS = [
     (r"A100", "A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
     (r"L40S", "L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
     (r"\bA10\b", "A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
+    # Turing: no bf16; fp16 tensor cores at the fp32 accumulation PyTorch's matmuls use (the Turing whitepaper's
+    # reference-clock figure; fp16 accumulation would double it)
+    (r"2080 Ti", "RTX 2080 Ti", {"bf16": None, "fp16": 53.8e12, "fp32": 13.4e12}),
 ]
 
 
@@ -83,7 +86,7 @@ def matmul_precision(precision: str) -> str:
 
 def gpu_peak(name: str, precision: str) -> tuple[str, float] | None:
     """(part, peak FLOP/s) of the GPU called `name` (torch.cuda.get_device_name) at `precision`; None when the
-    name is not in GPU_PEAKS."""
+    name is not in GPU_PEAKS, (part, None) at a precision the part does not compute (bf16 on a Turing GPU)."""
     for pattern, part, peaks in GPU_PEAKS:
         if re.search(pattern, name):
             return part, peaks[matmul_precision(precision)]

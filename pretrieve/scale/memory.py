@@ -1,4 +1,5 @@
-"""Devices for `pretrieve scale plan --device`, and whether a point's micro-batch fits one of them.
+"""Devices for `pretrieve scale plan --device` and `pretrieve estimate --devices`, whether a micro-batch fits one of
+them, and what a checkpoint holds.
 
 Memory of one device while training a micro-batch of b sequences of length s (bytes); a sequence is what one
 sample puts through the encoder (CoT-MAE's anchor and context, coCondenser's two spans: two rows each) and
@@ -65,7 +66,8 @@ DEVICES = {
     "h100": Device("H100 SXM", 80 * GB), "h100-pcie": Device("H100 PCIe", 80 * GB),
     "h100-nvl": Device("H100 NVL", 94 * GB), "h200": Device("H200", 141 * GB),
     "a100": Device("A100", 80 * GB), "a100-40gb": Device("A100", 40 * GB),
-    "l40s": Device("L40S", 48 * GB), "a10": Device("A10", 24 * GB), "cpu": Device(None, 0.0),
+    "l40s": Device("L40S", 48 * GB), "a10": Device("A10", 24 * GB), "rtx2080ti": Device("RTX 2080 Ti", 11 * GB),
+    "cpu": Device(None, 0.0),
 }
 
 
@@ -83,25 +85,34 @@ def device_flops(name: str, precision: str) -> float:
     part = device(name).part
     if part is None:
         return measured_cpu_peak()
-    return next(peaks[matmul_precision(precision)] for _, known, peaks in GPU_PEAKS if known == part)
+    peak = next(peaks[matmul_precision(precision)] for _, known, peaks in GPU_PEAKS if known == part)
+    if peak is None:
+        raise ValueError(f"train.precision: {precision}: the {part} computes no {matmul_precision(precision)}; "
+                         "use fp16 or fp32 on it")
+    return peak
 
 
 def layer_activations(b: int, s: int, h: int, f: int, heads: int, element: int, ffn: int = 2) -> int:
     return s * b * h * (8 * element + 2) + ffn * element * s * b * f + (2 * element + 1) * heads * s * s * b
 
 
-def estimate(exp, world_size: int, batch: dict, samples: int | None = None) -> dict:
+def meta_head(exp):
+    """`exp`'s head built on the meta device: exact parameter counts of every head, nothing allocated."""
+    import torch
+
+    with torch.device("meta"):
+        return exp.method.build(exp.options, exp.model)
+
+
+def estimate(exp, world_size: int, batch: dict, samples: int | None = None, head=None) -> dict:
     """The memory model of the module docstring for `exp`'s training on `batch` (its collated micro-batch of
     `samples` stream samples; default one a row): {"states", "workspace", "per_sequence",
     "per_sequence_checkpointed"} in bytes, a sequence being a sample with every row it puts through the encoder
     and the decoders (CoT-MAE's anchor and context, coCondenser's two spans), and the configured
-    "activation_checkpointing"."""
-    import torch
-
+    "activation_checkpointing". `head`: exp's head on the meta device, when built already."""
     from pretrieve.models.backbones import backbone_of
 
-    with torch.device("meta"):  # exact parameter counts of every head, nothing allocated
-        head = exp.method.build(exp.options, exp.model)
+    head = meta_head(exp) if head is None else head
     params = sum(p.numel() for p in head.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in head.parameters() if not p.requires_grad)  # LoRA's base model, a pooler
     t, config = exp.train, exp.model.hf_config()
@@ -158,29 +169,71 @@ def needed(memory: dict, micro_batch: int, checkpointing: bool) -> float:
     return memory["states"] + memory["workspace"] + micro_batch * per_sequence
 
 
+@dataclass(frozen=True)
+class Wording:
+    """How advice names the settings it changes: a study's (`scale plan`) or a config's (`pretrieve estimate`)."""
+
+    checkpointing: str
+    batch: str  # formatted with micro, accum
+    also: str = " and train.activation_checkpointing=true"
+
+
+STUDY_WORDING = Wording("add train.activation_checkpointing=true to train.overrides",
+                        "set train.batch_size: {micro} with train.grad_accum={accum}")
+CONFIG_WORDING = Wording("set train.activation_checkpointing=true",
+                         "set train.micro_batch_size={micro} and train.grad_accum={accum}")
+NO_FIX = ("even a micro-batch of 1 with activation checkpointing does not fit: raise train.zero_stage (ZeRO "
+          "partitions the model states over the ranks), train.offload_optimizer, or the world size")
+
+
 def fit_advice(point, device_name: str, capacity: float) -> str | None:
     """None when `point`'s micro-batch fits `capacity` bytes, else the warning with what would make it fit."""
-    memory, b, accum = point.memory, point.micro_batch_size, point.grad_accum
-    checkpointing = memory["activation_checkpointing"]
+    memory, b = point.memory, point.micro_batch_size
     usable = USABLE_SHARE * capacity
-    need = needed(memory, b, checkpointing)
-    if need <= usable:
+    fixes = fit_fixes(memory, b, point.grad_accum, usable, STUDY_WORDING)
+    if fixes is None:
         return None
+    need = needed(memory, b, memory["activation_checkpointing"])
     head = (f"point {point.id}: about {need / GB:.1f} GB per device (model states {memory['states'] / GB:.1f} GB) "
             f"for a micro-batch of {b} x {point.seq_len} tokens, over the {usable / GB:.1f} GB usable of "
             f"{device_name} ({capacity / GB:.0f} GB)")
+    return f"{head}: {'; or '.join(fixes)}"
+
+
+def fit_fixes(memory: dict, b: int, accum: int, usable: float, wording: Wording,
+              zero_states: dict[int, float] | None = None) -> list[str] | None:
+    """None when a micro-batch of `b` fits `usable` bytes, else what would make it fit, each with the GB it
+    needs: the lowest higher ZeRO stage that does (`zero_states`: the model states at each higher stage),
+    activation checkpointing, the largest smaller micro-batch (with as much more accumulation: the same tokens
+    per step)."""
+    checkpointing = memory["activation_checkpointing"]
+    if needed(memory, b, checkpointing) <= usable:
+        return None
     fixes = []
+    for stage, states in sorted((zero_states or {}).items()):
+        need = needed({**memory, "states": states}, b, checkpointing)
+        if need <= usable:
+            fixes.append(f"set train.zero_stage={stage} ({need / GB:.1f} GB)")
+            break
     if not checkpointing and needed(memory, b, True) <= usable:
-        fixes.append(f"add train.activation_checkpointing=true to train.overrides "
-                     f"({needed(memory, b, True) / GB:.1f} GB, about 1/3 more compute)")
+        fixes.append(f"{wording.checkpointing} ({needed(memory, b, True) / GB:.1f} GB, about 1/3 more compute)")
     for ckpt in (checkpointing, True):
         smaller = next((k for k in range(2, b + 1) if b % k == 0 and needed(memory, b // k, ckpt) <= usable), None)
         if smaller is not None:
-            also = " and train.activation_checkpointing=true" if ckpt and not checkpointing else ""
-            fixes.append(f"set train.batch_size: {b // smaller} with train.grad_accum={accum * smaller}{also} "
+            also = wording.also if ckpt and not checkpointing else ""
+            fixes.append(f"{wording.batch.format(micro=b // smaller, accum=accum * smaller)}{also} "
                          f"(the same tokens per step; {needed(memory, b // smaller, ckpt) / GB:.1f} GB)")
             break
-    if not fixes:
-        fixes.append("even a micro-batch of 1 with activation checkpointing does not fit: raise train.zero_stage "
-                     "(ZeRO partitions the model states over the ranks), train.offload_optimizer, or the world size")
-    return f"{head}: {'; or '.join(fixes)}"
+    return fixes or [NO_FIX]
+
+
+def checkpoint_bytes(head, train) -> dict:
+    """What one checkpoint tag holds of `head` trained with `train` (a TrainOptions), in bytes: {"weights": the
+    module's, 16-bit in bf16 / fp16 and fp32 otherwise, none at ZeRO 3 (its partitions hold them), "optimizer":
+    Adam's two fp32 moments and, but for a ZeRO 0 run without a 16-bit module, an fp32 copy of the weights}.
+    Measured on CPU (tiny mlm, every precision at ZeRO 0, 2 and 3): within 0.3 % of the tag's files."""
+    params = sum(p.numel() for p in head.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in head.parameters() if not p.requires_grad)
+    sixteen = train.precision in ("bf16", "fp16")
+    weights = 0 if train.zero_stage == 3 else (2 if sixteen else 4) * (params + frozen)
+    return {"weights": weights, "optimizer": (8 if train.zero_stage == 0 and not sixteen else 12) * params}

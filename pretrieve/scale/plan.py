@@ -236,14 +236,13 @@ def base_config(study: dict, method: str) -> str:
 
 def _cost(study: dict, points: list[Point], where: str) -> None:
     """N_total, C and memory of every point: each point's experiment is built (its config checked as `pretrain`
-    checks it at the study's world size) and its first batch of real data collated and counted by
-    engine/flops.py and scale/memory.py."""
+    checks it at the study's world size) and its first batch of real data collated and priced as `pretrieve
+    estimate` prices a micro-batch (scale/estimate.py: engine/flops.py's FLOPs, scale/memory.py's memory)."""
     from pretrieve.config import ConfigError, experiment, load_config
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.remote import ReadOptions
     from pretrieve.data.stream import ShardStream
-    from pretrieve.engine.flops import train_flops
-    from pretrieve.scale.memory import estimate
+    from pretrieve.scale.estimate import micro_batch_cost
 
     vocab = None  # the study's points share their data, hence its tokenizer
     per_micro_batch: dict[tuple, tuple[float, dict]] = {}
@@ -264,8 +263,8 @@ def _cost(study: dict, points: list[Point], where: str) -> None:
                 samples = list(islice(iter(stream), exp.train.micro_batch_size))
                 vocab = Vocabulary.of_tokenizer(exp.data.tokenizer_dir())
             batch = exp.method.collator.from_options(exp.options, vocab, seed=0)(samples)
-            per_micro_batch[key] = (float(train_flops(point.method, exp.options, config, batch)),
-                                    estimate(exp, point.world_size, batch, len(samples)))
+            cost = micro_batch_cost(exp, batch, len(samples), point.world_size)
+            per_micro_batch[key] = (cost.flops, cost.memory)
         flops, point.memory = per_micro_batch[key]
         point.C = flops * point.grad_accum * point.world_size * point.steps
 
@@ -291,6 +290,32 @@ def write_plan(study: dict, points: list[Point]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps({"study": study["name"], "points": [asdict(p) for p in points]}, indent=1))
     return path
+
+
+def record_rates(study: dict, points: list[Point], kind: str, records: list) -> tuple[dict, str]:
+    """({point id: its scale/estimate.py Rate}, the table's rate label): each point priced from `records` of
+    device `kind` as `pretrieve estimate` prices a config (its method, FLOPs a token C / D and settings)."""
+    from types import SimpleNamespace
+
+    from pretrieve.config import TrainOptions, load_config, model_options, section
+    from pretrieve.scale.estimate import device_rate, speed_settings
+    from pretrieve.scale.records import setting_keys
+
+    keys = setting_keys(records)
+    rates = {}
+    for point in points:
+        config = load_config(base_config(study, point.method), point.overrides)
+        options = SimpleNamespace(train=section(config, "train", TrainOptions), model=model_options(config))
+        rates[point.id] = device_rate(kind, point.precision, point.method, point.C / point.D,
+                                      speed_settings(options, keys), records)
+    by_record: dict[str, list[Point]] = {}
+    for point in points:
+        by_record.setdefault(rates[point.id].record.where, []).append(point)
+    label = "; ".join(
+        (f"{rates[on[0].id].mfu:.2%} MFU for {', '.join(sorted({p.method for p in on}))} from "
+         f"{rates[on[0].id].record.describe()}, the points at {min(rates[p.id].extrapolation for p in on):.3g}-"
+         f"{max(rates[p.id].extrapolation for p in on):.3g}x its FLOPs a token") for on in by_record.values())
+    return rates, f"the throughput records of {kind} ({label})"
 
 
 def table(points: list[Point], flops_per_second, rate_label: str) -> str:

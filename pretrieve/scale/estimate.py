@@ -134,7 +134,7 @@ def device_rate(kind: str, precision: str, method: str, flops_per_token: float, 
         if not best:
             raise ValueError(f"no throughput records of any device kind to price {kind} from: give --records "
                              "FILE (benchmarks/results/*_gpu.json of a pretrieve checkout) or --mfu")
-        record = max(best, key=lambda r: _mfu(r))
+        record = max(best, key=_mfu)
         tied, how = [record], f"no record of {kind}: its peak at the best MFU measured on another kind, by the record"
     measured = _mfu(record)
     basis = f"{how}: {record.describe()}; {measured:.2%} MFU x {at}"

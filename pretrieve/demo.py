@@ -15,7 +15,8 @@ import shutil
 import time
 from pathlib import Path
 
-from pretrieve.data.prepare import PrepareOptions, prepare
+from pretrieve.data.prepare import prepare
+from pretrieve.data.prepare_options import PrepareOptions
 from pretrieve.data.stream import ShardStream, StreamLoader
 
 SAMPLES = Path(__file__).resolve().parent / "assets" / "samples"

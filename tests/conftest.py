@@ -22,7 +22,8 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 import psutil
 import pytest
 
-from pretrieve.data.prepare import PrepareOptions, prepare
+from pretrieve.data.prepare import prepare
+from pretrieve.data.prepare_options import PrepareOptions
 
 
 def pytest_configure(config):

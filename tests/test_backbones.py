@@ -21,7 +21,8 @@ from conftest import SAMPLES, adamw_steps, old_parameter_name, pretrain_env, res
 from pretrieve.config import ConfigError, experiment, load_config
 from pretrieve.cli import main
 from pretrieve.data.masking import Vocabulary
-from pretrieve.data.prepare import PrepareOptions, prepare
+from pretrieve.data.prepare import prepare
+from pretrieve.data.prepare_options import PrepareOptions
 from pretrieve.data.stream import ShardStream
 from pretrieve.models.encoder import Encoder, ModelOptions, load_encoder
 from pretrieve.models.export import export

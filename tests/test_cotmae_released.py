@@ -24,7 +24,8 @@ def unmasked(batch: dict, row: int, ids="input_ids", labels="mlm_labels", mask="
 
 def jsonl_samples(tmp_path, docs: list[dict]) -> dict[str, dict]:
     """The stream samples of `docs` (JSON-lines records, text in `contents`) after `prepare`, by document id."""
-    from pretrieve.data.prepare import PrepareOptions, prepare
+    from pretrieve.data.prepare import prepare
+    from pretrieve.data.prepare_options import PrepareOptions
 
     src = tmp_path / "corpus.jsonl"
     src.write_text("".join(json.dumps(d) + "\n" for d in docs))

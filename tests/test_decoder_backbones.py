@@ -151,7 +151,8 @@ def test_a_tiny_qwen3_pretrains_contrastively_with_last_token_pooling(tmp_path):
     """`pretrieve pretrain` of tiny-contrastive.yaml on model.backbone=qwen3, pooling last: it trains and exports
     a Qwen3 model whose config records causal attention, and whose sentence-transformers files pool the last
     token."""
-    from pretrieve.data.prepare import PrepareOptions, prepare
+    from pretrieve.data.prepare import prepare
+    from pretrieve.data.prepare_options import PrepareOptions
 
     shards = tmp_path / "pairs"
     prepare(PrepareOptions(source="beir", inputs=[str(SAMPLES / "beir" / "scifact-sample")], out=str(shards),

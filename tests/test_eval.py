@@ -40,7 +40,7 @@ def _teacher_owners():
 
 
 def _prepare_owners():
-    from pretrieve.data.prepare import PrepareOptions
+    from pretrieve.data.prepare_options import PrepareOptions
 
     return (PrepareOptions,)
 

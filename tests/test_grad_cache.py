@@ -150,7 +150,8 @@ def test_pretrain_contrastive_with_grad_cache_resumes_exactly(tmp_path):
     from safetensors.torch import load_file
 
     from conftest import SAMPLES
-    from pretrieve.data.prepare import PrepareOptions, prepare
+    from pretrieve.data.prepare import prepare
+    from pretrieve.data.prepare_options import PrepareOptions
 
     shards = tmp_path / "pairs"
     prepare(PrepareOptions(source="beir", inputs=[str(SAMPLES / "beir" / "scifact-sample")], out=str(shards),

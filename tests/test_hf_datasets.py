@@ -18,7 +18,8 @@ from pretrieve.data import corpora, remote
 from pretrieve.data.corpora import CorpusError, Cursor, ReaderOptions
 from pretrieve.data.fields import FieldError, field_value, parse_fields
 from pretrieve.data.hf_datasets import DatasetError, HFDataset, rows
-from pretrieve.data.prepare import PrepareError, PrepareOptions, prepare
+from pretrieve.data.prepare import prepare
+from pretrieve.data.prepare_options import PrepareError, PrepareOptions
 from pretrieve.data.url_inputs import UrlFile
 
 WIKI = [json.loads(line) for line in gzip.open(SAMPLES / "wikipedia/wiki_00.jsonl.gz", "rt", encoding="utf-8")]

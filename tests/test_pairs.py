@@ -12,7 +12,8 @@ from conftest import SAMPLES
 from pretrieve.cli import main as cli
 from pretrieve.data.corpora import CorpusError
 from pretrieve.data.pairs import is_heading, split_pair
-from pretrieve.data.prepare import PrepareError, PrepareOptions, prepare
+from pretrieve.data.prepare import prepare
+from pretrieve.data.prepare_options import PrepareError, PrepareOptions
 from pretrieve.data.retrieval import load_beir
 from pretrieve.data.shards import read_shard
 from pretrieve.data.stream import ShardStream, StreamError, StreamLoader

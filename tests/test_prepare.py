@@ -15,7 +15,8 @@ import webdataset as wds
 
 from conftest import SAMPLES, prepare_sample
 from pretrieve.data.corpora import CorpusError
-from pretrieve.data.prepare import PrepareError, PrepareOptions, prepare
+from pretrieve.data.prepare import prepare
+from pretrieve.data.prepare_options import PrepareError, PrepareOptions
 from pretrieve.data.shards import read_shard
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
 

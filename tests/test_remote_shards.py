@@ -18,7 +18,8 @@ import pytest
 
 from conftest import SAMPLES
 from http_shards import ShardServer
-from pretrieve.data.prepare import PrepareError, PrepareOptions, prepare
+from pretrieve.data.prepare import prepare
+from pretrieve.data.prepare_options import PrepareError, PrepareOptions
 from pretrieve.data.remote import ReadOptions, fetch, resolve
 from pretrieve.data.shards import ShardError
 from pretrieve.data.stream import ShardStream, StreamError, StreamLoader

@@ -15,7 +15,8 @@ from conftest import SAMPLES, pretrain_env, result_line, text_methods
 from pretrieve.cli import main
 from pretrieve.data.collators import MLMCollator
 from pretrieve.data.masking import Vocabulary, word_ids
-from pretrieve.data.prepare import PrepareOptions, prepare
+from pretrieve.data.prepare import prepare
+from pretrieve.data.prepare_options import PrepareOptions
 from pretrieve.data.spans import word_candidates
 from pretrieve.data.stream import ShardStream
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, describe, load_backend

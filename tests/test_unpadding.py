@@ -16,7 +16,8 @@ from conftest import SAMPLES, pretrain_env, result_line, text_methods
 from pretrieve.cli import main
 from pretrieve.config import ConfigError, experiment, load_config
 from pretrieve.data.masking import Vocabulary
-from pretrieve.data.prepare import PrepareOptions, prepare
+from pretrieve.data.prepare import prepare
+from pretrieve.data.prepare_options import PrepareOptions
 from pretrieve.data.stream import ShardStream
 from pretrieve.models.encoder import Encoder, ModelOptions
 from pretrieve.models.heads import METHODS, get_method

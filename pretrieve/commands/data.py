@@ -74,7 +74,7 @@ def run_tokenizer_train(args) -> int:
 def add_prepare(commands) -> None:
     from pretrieve.data.corpora import SOURCES
     from pretrieve.data.pairs import PAIR_SOURCES
-    from pretrieve.data.prepare import PrepareOptions
+    from pretrieve.data.prepare_options import PrepareOptions
 
     p = command(commands, "prepare", run_prepare)
     flag = partial(option, p, PrepareOptions, shown="%(default)s")
@@ -142,7 +142,8 @@ def run_prepare(args) -> int:
     """
     from pretrieve.data.combine import combine
     from pretrieve.data.fields import parse_fields
-    from pretrieve.data.prepare import PrepareOptions, prepare
+    from pretrieve.data.prepare import prepare
+    from pretrieve.data.prepare_options import PrepareOptions
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
     from pretrieve.utils.options import default_of
 

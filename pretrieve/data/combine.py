@@ -23,7 +23,8 @@ from urllib.parse import urlsplit
 
 from pretrieve import __version__
 from pretrieve.data import remote
-from pretrieve.data.prepare import MANIFEST, PrepareError, _remote_manifest, _write_json_atomic, job_id_of
+from pretrieve.data.prepare_options import PrepareError
+from pretrieve.data.prepare_state import MANIFEST, job_id_of, remote_manifest, write_json_atomic
 from pretrieve.data.stream import StreamError, load_manifest
 
 SUMMED = ("num_samples", "num_tokens", "num_documents", "truncated_documents", "prepare_seconds")
@@ -113,13 +114,13 @@ def _write(out: str, manifest: dict) -> None:
         folder = Path(remote.local_path(out))
         _refuse_other_output(folder / MANIFEST, manifest["job_id"])
         folder.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(folder / MANIFEST, manifest)
+        write_json_atomic(folder / MANIFEST, manifest)
         return
     target = remote.child(out.rstrip("/"), MANIFEST)
-    if (_remote_manifest(target) or {}).get("job_id", manifest["job_id"]) != manifest["job_id"]:
+    if (remote_manifest(target) or {}).get("job_id", manifest["job_id"]) != manifest["job_id"]:
         raise PrepareError(f"{target} belongs to another output; choose another --out")
     with tempfile.TemporaryDirectory() as tmp:
-        _write_json_atomic(Path(tmp) / MANIFEST, manifest)
+        write_json_atomic(Path(tmp) / MANIFEST, manifest)
         staged = remote.child(out.rstrip("/"), f".{MANIFEST}.tmp")
         remote.upload(Path(tmp) / MANIFEST, staged)
         remote.move(staged, target)

@@ -83,7 +83,8 @@ def prepare(source: str, inputs: list[str], out: Path, max_len: int, skip_bad: b
     manifest = out / "manifest.json"
     if not manifest.is_file():
         log(f"prepare {out.name} ({source})")
-        from pretrieve.data.prepare import PrepareOptions, prepare as prepare_shards
+        from pretrieve.data.prepare import prepare as prepare_shards
+        from pretrieve.data.prepare_options import PrepareOptions
 
         prepare_shards(PrepareOptions(source=source, inputs=inputs, out=str(out), max_len=max_len, workers=workers,
                                       on_error="skip" if skip_bad else "fail"))

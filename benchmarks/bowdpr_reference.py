@@ -124,9 +124,10 @@ def main() -> None:
     if not (source / "bowdpr" / "pretrain" / "modeling.py").is_file():
         p.error(f"--released {args.released}: no bowdpr/src/bowdpr/pretrain/modeling.py (check out {RELEASED_COMMIT})")
 
-    from pretrieve.config import load_config, method_options, model_options
+    from pretrieve.config import load_config
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
+    from pretrieve.pretrain_config import method_options, model_options
 
     config = load_config(ROOT / "configs" / "pretrain" / "tiny-bow.yaml", ["model.dropout=0.0"])
     method, options = method_options(config)

@@ -78,9 +78,10 @@ def engine_ops(args, work: Path) -> tuple[list[int], collections.Counter]:
     """The ops each optimizer step of `pretrieve pretrain` dispatches: between the loop's calls of the job's
     `at_step` (before each step's forward), so neither start-up nor the final checkpoint counts; and the host
     reads of its last counted step by site."""
-    from pretrieve.config import experiment, load_config
+    from pretrieve.config import load_config
     from pretrieve.engine.train import run_training
     from pretrieve.pretrain import pretraining_job
+    from pretrieve.pretrain_config import experiment
 
     marks, counter = [], Dispatched()
 

@@ -129,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "llm_heads.json")
     args = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from pretrieve.config import experiment, load_config
+    from pretrieve.config import load_config
     from pretrieve.pretrain import train
+    from pretrieve.pretrain_config import experiment
     from pretrieve.utils.run_dir import write_atomic
 
     args.work.mkdir(parents=True, exist_ok=True)

@@ -29,11 +29,12 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from pretrieve.config import TrainOptions, load_config, method_options, model_options
+from pretrieve.config import TrainOptions, load_config
 from pretrieve.data.masking import Vocabulary
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
 from pretrieve.engine.flops import train_flops
 from pretrieve.models.lora import adapter_shape
+from pretrieve.pretrain_config import method_options, model_options
 from pretrieve.scale.memory import GB, USABLE_SHARE, estimate, needed
 
 ROOT = Path(__file__).resolve().parent.parent

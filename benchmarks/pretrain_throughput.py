@@ -366,8 +366,9 @@ def engine_overrides(args, shards: Path, tokenizer: str | None) -> list[str]:
 def engine_run(args, method: str, overrides: list[str], run_dir: Path) -> dict:
     """`pretrieve pretrain` of `method` for --steps in `run_dir`: tokens/s, s/step, TFLOP/s and MFU averaged over
     the steps after --warmup."""
-    from pretrieve.config import experiment, load_config
+    from pretrieve.config import load_config
     from pretrieve.pretrain import train
+    from pretrieve.pretrain_config import experiment
 
     if method in ("retromae", "dupmae"):
         overrides = [*overrides, f"method.decoder_pool_size={min(args.seq_len, 256)}"]

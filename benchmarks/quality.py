@@ -131,8 +131,9 @@ def pretrain_runs(jobs: list[tuple[str, Path, list[str]]], plan: dict) -> None:
         start = time.time()
         args = [f"run_dir={run_dir}", "resume=auto", *overrides]
         if inprocess:
-            from pretrieve.config import experiment, load_config
+            from pretrieve.config import load_config
             from pretrieve.pretrain import train
+            from pretrieve.pretrain_config import experiment
 
             train(experiment(load_config(config, args)))
         else:
@@ -179,10 +180,11 @@ def flops_per_step(config: str, overrides: list[str], batches: int) -> float:
     of the run's own collator and stream."""
     from itertools import islice
 
-    from pretrieve.config import experiment, load_config
+    from pretrieve.config import load_config
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.stream import ShardStream, StreamLoader
     from pretrieve.engine.flops import train_flops
+    from pretrieve.pretrain_config import experiment
 
     exp = experiment(load_config(config, overrides))
     if exp.model.init_from:

@@ -36,9 +36,10 @@ VARIANTS = ("autocast", "autocast-lpnorm", "bf16", "bf16-compile")
 def batches(args, work: Path, overrides: list[str] = ()) -> tuple[torch.nn.Module, list[dict], int, float]:
     """The head (with config `overrides`), `--steps` collated batches on the device, their non-padding tokens and
     FLOPs (per step), from the Wikipedia sample prepared in `work` (once)."""
-    from pretrieve.config import experiment, load_config
+    from pretrieve.config import load_config
     from pretrieve.data.prepare import PrepareOptions, prepare
     from pretrieve.pretrain import pretraining_job
+    from pretrieve.pretrain_config import experiment
 
     if not (work / "shards").is_dir():
         prepare(PrepareOptions(source="wikipedia", inputs=[str(SAMPLES / "wikipedia")], out=str(work / "shards"),

@@ -32,9 +32,10 @@ def main() -> None:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("DS_ACCELERATOR", "cpu")):
         os.environ.setdefault(key, value)
 
-    from pretrieve.config import experiment, load_config
+    from pretrieve.config import load_config
     from pretrieve.data.prepare import PrepareOptions, prepare
     from pretrieve.pretrain import train
+    from pretrieve.pretrain_config import experiment
 
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)

@@ -102,8 +102,9 @@ def evaluate_and_report(out: Path, run_dir: Path, uri: str, workers: int) -> Pat
 
 
 def pretrain_tiny_dupmae(out: Path, steps: int) -> Path:
-    from pretrieve.config import experiment, load_config
+    from pretrieve.config import load_config
     from pretrieve.pretrain import train
+    from pretrieve.pretrain_config import experiment
 
     run_dir = out / "runs" / "tiny-dupmae"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh demo run each time

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from pretrieve.config import Experiment
 from pretrieve.engine.checkpoint import load_checkpoint_weights
 from pretrieve.engine.flops import train_flops
 from pretrieve.engine.tracking import run_tags
@@ -23,6 +22,7 @@ from pretrieve.engine.validation import VALIDATION_SEED, Validation
 from pretrieve.models.lora import adapter_shape, trained_summary
 from pretrieve.models.low_precision_norm import lower_norm_precision
 from pretrieve.models.regional_compile import compile_layers
+from pretrieve.pretrain_config import Experiment
 from pretrieve.utils.run_dir import locate
 
 ENCODER_CONFIG = "encoder_config.json"  # in the run directory: the encoder's architecture, for the export
@@ -97,11 +97,12 @@ def export_checkpoint(path: str | Path, out: str | Path, keep_adapter: bool | No
     directory. The head is rebuilt from the run's config.yaml and encoder_config.json. A LoRA run's adapters are
     merged, or written apart with `keep_adapter` (None: as the run's model.lora.keep_adapter says). OUT may be
     new, empty, or an earlier export that `overwrite` replaces (models.export.check_export_folder)."""
-    from pretrieve.config import DataOptions, load_config, method_options, model_options, section
+    from pretrieve.config import load_config, section
     from pretrieve.eval.model_card import write_model_card
     from pretrieve.models.encoder import Encoder
     from pretrieve.models.export import check_export_folder, export
     from pretrieve.models.lora import add_lora, no_adapter
+    from pretrieve.pretrain_config import DataOptions, method_options, model_options
 
     run_dir, ckpt_dir, tag = locate(Path(path))
     check_export_folder(out, overwrite)

@@ -105,7 +105,8 @@ def exported_after_a_step(head, batch: dict, folder: Path) -> dict:
 
 def tiny_head(method: str, *overrides: str):
     """(method, options, head) of configs/pretrain/tiny-`method`.yaml with `overrides`, dropout off, seed 0."""
-    from pretrieve.config import load_config, method_options, model_options
+    from pretrieve.config import load_config
+    from pretrieve.pretrain_config import method_options, model_options
 
     config = load_config(TINY_CONFIGS / f"tiny-{method}.yaml", ["model.dropout=0.0", *overrides])
     spec, options = method_options(config)

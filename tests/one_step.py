@@ -17,10 +17,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from pretrieve.config import experiment, load_config
-from pretrieve.finetune.run import finetune, finetune_experiment
+from pretrieve.config import load_config
+from pretrieve.finetune.config import finetune_experiment
+from pretrieve.finetune.run import finetune
 from pretrieve.models.export import load_base_model
 from pretrieve.pretrain import train
+from pretrieve.pretrain_config import experiment
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs" / "pretrain"

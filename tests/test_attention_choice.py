@@ -89,8 +89,8 @@ def test_refresh_replaces_this_device_and_length(tmp_path):
 
 
 def test_config_names_where_the_setting_is():
-    from pretrieve.config import settings_elsewhere
     from pretrieve.models.heads import get_method
+    from pretrieve.pretrain_config import settings_elsewhere
     from pretrieve.utils.options import ConfigError, Problems
 
     problems = Problems()

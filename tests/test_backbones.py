@@ -18,8 +18,8 @@ from transformers.models.roberta.modeling_roberta import RobertaLayer
 from transformers.models.xlm_roberta.modeling_xlm_roberta import XLMRobertaLayer
 
 from conftest import SAMPLES, adamw_steps, old_parameter_name, pretrain_env, result_line, text_methods
-from pretrieve.config import ConfigError, experiment, load_config
 from pretrieve.cli import main
+from pretrieve.config import ConfigError, load_config
 from pretrieve.data.masking import Vocabulary
 from pretrieve.data.prepare import prepare
 from pretrieve.data.prepare_options import PrepareOptions
@@ -27,6 +27,7 @@ from pretrieve.data.stream import ShardStream
 from pretrieve.models.encoder import Encoder, ModelOptions, load_encoder
 from pretrieve.models.export import export
 from pretrieve.models.heads import METHODS, get_method
+from pretrieve.pretrain_config import experiment
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 # each backbone with the tokenizer kind of its family, and its layer class

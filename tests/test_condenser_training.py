@@ -59,7 +59,8 @@ def test_cocondenser_warm_starts_from_a_condenser_export(tmp_path):
 
 def test_a_grad_cache_chunk_must_split_the_two_spans_of_each_sample():
     """coCondenser's micro-batch of B samples is 2B spans: a chunk below 2B splits it, one of 2B is refused."""
-    from pretrieve.config import experiment, load_config
+    from pretrieve.config import load_config
+    from pretrieve.pretrain_config import experiment
     from test_grad_cache import _problems
 
     def problems(chunk):

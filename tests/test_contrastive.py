@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from pretrieve.config import load_config, method_options, model_options
+from pretrieve.config import load_config
 from pretrieve.data.collators import ContrastiveCollator
 from pretrieve.models.heads.contrastive import ContrastiveOptions, PairMeta, pair_loss
+from pretrieve.pretrain_config import method_options, model_options
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 
@@ -208,7 +209,7 @@ def test_grad_cache_equals_the_batch_under_one_graph(vocab, dropout):
 
 
 def test_pretrain_refuses_text_manifests_naming_the_key(wiki_shards):
-    from pretrieve.config import experiment
+    from pretrieve.pretrain_config import experiment
     from pretrieve.utils.options import ConfigError
 
     config = load_config(CONFIGS / "tiny-contrastive.yaml", [f"data.manifests=[{wiki_shards / 'manifest.json'}]"])

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from conftest import SAMPLES, adamw_steps, pretrain_env
-from pretrieve.config import ConfigError, experiment, load_config
+from pretrieve.config import ConfigError, load_config
 from pretrieve.models.dense_pooling import last_token_pooling, mean_pooling
 from pretrieve.models.encoder import Encoder, ModelOptions
+from pretrieve.pretrain_config import experiment
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"

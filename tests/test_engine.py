@@ -13,8 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import free_port, old_parameter_name, pretrain_env, result_line
-from pretrieve.config import DS_CONFIG_DIR, LR_SCHEDULES, ConfigError, deepspeed_config, experiment, load_config
+from pretrieve.config import LR_SCHEDULES, ConfigError, load_config
+from pretrieve.engine.ds_config import DS_CONFIG_DIR, deepspeed_config
 from pretrieve.engine.lr_schedule import LRSchedule
+from pretrieve.pretrain_config import experiment
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 
@@ -114,9 +116,9 @@ def test_the_corpus_names_are_those_of_the_manifests(wiki_shards, books_shards, 
 
 
 def test_pretrain_help_lists_the_config_sections_and_the_docs(capsys, monkeypatch, wiki_shards):
-    """Each section with its keys, as the schema in config.py has them: every key listed is one a config may set."""
+    """Each section with its keys, as the schema in pretrain_config.py has them: every key listed is one a config may set."""
     from pretrieve.cli import main
-    from pretrieve.config import PLAIN_KEYS, SECTIONS
+    from pretrieve.pretrain_config import PLAIN_KEYS, SECTIONS
 
     monkeypatch.setenv("COLUMNS", "100")
     with pytest.raises(SystemExit):
@@ -329,10 +331,10 @@ def test_validation_batches_are_fixed(tiny_head_and_books):
 
 @pytest.fixture
 def tiny_head_and_books(books_shards):
-    from pretrieve.config import method_options, model_options
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
     from pretrieve.engine.validation import Validation
+    from pretrieve.pretrain_config import method_options, model_options
 
     config = load_config(CONFIGS / "tiny-retromae.yaml", ["method.max_len=64"])
     spec, options = method_options(config)

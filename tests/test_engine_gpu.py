@@ -65,8 +65,9 @@ def test_deterministic_resume_reproduces_the_uninterrupted_run(tmp_path, wiki_sh
 
 _SYNC_SITES = """
 import collections, json, sys, warnings, torch
-from pretrieve.config import experiment, load_config
+from pretrieve.config import load_config
 from pretrieve.pretrain import train
+from pretrieve.pretrain_config import experiment
 warnings.simplefilter("always")
 torch.cuda.set_sync_debug_mode("warn")  # every synchronising CUDA call warns, from the Python line that made it
 with warnings.catch_warnings(record=True) as caught:

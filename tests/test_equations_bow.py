@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from conftest import pretrain_stopped_and_resumed
-from pretrieve.config import load_config, method_options, model_options
+from pretrieve.config import load_config
 from pretrieve.models.heads.bow import cosine_decay
+from pretrieve.pretrain_config import method_options, model_options
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 

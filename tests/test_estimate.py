@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from pretrieve.cli import main as cli
-from pretrieve.config import load_config, method_options, model_options
+from pretrieve.config import load_config
 from pretrieve.engine.flops import train_flops
+from pretrieve.pretrain_config import method_options, model_options
 from pretrieve.scale.estimate import Devices, estimate_config, tokens_per_second
 from pretrieve.scale.records import load
 

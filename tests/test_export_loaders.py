@@ -109,7 +109,7 @@ def test_a_causal_decoder_llm_is_never_read_at_its_first_token(llm, tmp_path):
     from omegaconf import OmegaConf
 
     from pretrieve.config import ConfigError
-    from pretrieve.finetune.run import finetune_experiment
+    from pretrieve.finetune.config import finetune_experiment
 
     causal = export(_head(llm, "contrastive", bidirectional=False), tmp_path / "causal", tokenizer=llm[0])
     with pytest.raises(ValueError, match=r"^--pooling cls: on a causal decoder LLM .* sees nothing of the text"):
@@ -163,8 +163,9 @@ def test_a_truncated_weights_file_is_named_by_every_loader(tmp_path, capsys):
 
     from pretrieve.cli import main as cli
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
+    from pretrieve.finetune.config import FinetuneOptions
     from pretrieve.finetune.mine import TeacherOptions, teacher_scores
-    from pretrieve.finetune.run import FinetuneOptions, build_model
+    from pretrieve.finetune.run import build_model
     from pretrieve.models.encoder import Encoder, load_encoder
     from pretrieve.models.export import load_base_model
 

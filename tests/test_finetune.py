@@ -16,9 +16,9 @@ from pretrieve.config import ConfigError
 from pretrieve.data.retrieval import RetrievalDataError, load_beir
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 from pretrieve.finetune.batches import GroupLoader
+from pretrieve.finetune.config import finetune_experiment
 from pretrieve.finetune.examples import examples_from_ids, read_examples
 from pretrieve.finetune.models import DualEncoder, contrastive_loss
-from pretrieve.finetune.run import finetune_experiment
 from pretrieve.models.encoder import Encoder
 
 FLAG = SAMPLES / "finetune" / "embedder_retrieval_msmarco.jsonl"
@@ -310,7 +310,8 @@ def _epoch_losses(run_dir: Path) -> dict:
     from pretrieve.config import section
     from pretrieve.engine.checkpoint import load_checkpoint_weights
     from pretrieve.finetune.batches import PairLoader
-    from pretrieve.finetune.run import FinetuneOptions, build_model, load_examples
+    from pretrieve.finetune.config import FinetuneOptions
+    from pretrieve.finetune.run import build_model, load_examples
 
     raw = OmegaConf.load(run_dir / "config.yaml")
     o = section(raw, "finetune", FinetuneOptions)
@@ -334,10 +335,10 @@ def test_farm_fine_tunes_three_stages_each_lowering_its_loss(tmp_path):
     (stage 1, mining, stage 2, teacher, teacher scores, stage 3) then one evaluation job per stage."""
     from mlflow.tracking import MlflowClient
 
-    from pretrieve.orchestrate.farm import run_farm
     from pretrieve.models.encoder import ModelOptions
     from pretrieve.models.export import export
     from pretrieve.models.heads import get_method
+    from pretrieve.orchestrate.farm import run_farm
 
     torch.manual_seed(0)
     method = get_method("cotmote")

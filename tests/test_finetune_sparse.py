@@ -141,7 +141,7 @@ def test_sparse_pooling_refusals_name_their_key(tmp_path):
     with pytest.raises(ValueError, match="(?s)^finetune.pooling: sparse scores through .*\nfinetune.normalize"):
         DualEncoder(encoder, pooling="sparse", normalize=True)  # every problem, the missing head first
 
-    from pretrieve.finetune.run import finetune_experiment, flops_weights
+    from pretrieve.finetune.config import finetune_experiment, flops_weights
 
     model, backbone = tmp_path / "bert-mlm", tmp_path / "bert"  # with its MLM head, and the backbone alone
     torch.manual_seed(0)

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from conftest import json_lines, pretrain_env
-from pretrieve.config import ConfigError, experiment, load_config
+from pretrieve.config import ConfigError, load_config
 from pretrieve.engine.determinism import CUBLAS_WORKSPACE, deterministic
 from pretrieve.engine.flops import device_peak, gpu_peak
 from pretrieve.engine.rng import generator_states, rng_state, set_generator_states, set_rng_state
+from pretrieve.pretrain_config import experiment
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "pretrain" / "tiny-retromae.yaml"
 
@@ -101,8 +102,9 @@ def test_peak_flops_override(wiki_shards):
 _COUNT_READS = """
 import collections, json, sys, torch
 from pretrieve import pretrain
-from pretrieve.config import experiment, load_config
+from pretrieve.config import load_config
 from pretrieve.engine import metrics, train as loop
+from pretrieve.pretrain_config import experiment
 reads = collections.Counter()
 def counting(name):
     original = getattr(torch.Tensor, name)

@@ -223,8 +223,9 @@ def test_a_chunk_that_splits_no_micro_batch_is_refused_naming_its_key(tiny_bert)
     from omegaconf import OmegaConf
 
     from conftest import SAMPLES
-    from pretrieve.config import experiment, load_config
-    from pretrieve.finetune.run import finetune_experiment
+    from pretrieve.config import load_config
+    from pretrieve.finetune.config import finetune_experiment
+    from pretrieve.pretrain_config import experiment
 
     config = Path(__file__).resolve().parent.parent / "configs" / "pretrain" / "tiny-contrastive.yaml"
 

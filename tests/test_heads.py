@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrieve.config import ConfigError, load_config, method_options, model_options
+from pretrieve.config import ConfigError, load_config
 from pretrieve.models.heads import get_method
 from pretrieve.models.heads.dupmae import bag_of_words_loss, ot_vector
+from pretrieve.pretrain_config import method_options, model_options
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 METHODS = ["mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "cotmote", "bow", "condenser", "cocondenser",

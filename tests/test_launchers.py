@@ -16,7 +16,9 @@ from conftest import free_port, json_lines, pretrain_env
 from safetensors.torch import load_file
 
 from pretrieve.cli import main as cli
-from pretrieve.config import ConfigError, deepspeed_config, experiment, load_config
+from pretrieve.config import ConfigError, load_config
+from pretrieve.engine.ds_config import deepspeed_config
+from pretrieve.pretrain_config import experiment
 from pretrieve.utils.stop_signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -138,7 +138,8 @@ def test_the_checks_catch_what_they_are_for():
     assert not cycles(two_ways) and cycles(packages(two_ways, 2)) == [["p.eval", "p.finetune"]]
     table = layers()
     assert floor_of("pretrieve.engine.train", table) < floor_of("pretrieve.config", table)
-    assert floor_of("pretrieve.utils.run_dir", table) == len(table) - 1
+    assert floor_of("pretrieve.pretrain_config", table) == floor_of("pretrieve.pretrain", table)
+    assert floor_of("pretrieve.utils.run_dir", table) == floor_of("pretrieve.config", table) == len(table) - 1
     with pytest.raises(AssertionError, match="in no layer"):
         floor_of("elsewhere.module", table)
 

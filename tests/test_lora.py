@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import adamw_steps, free_port, pretrain_env
-from pretrieve.config import experiment, load_config
+from pretrieve.config import load_config
 from pretrieve.data.masking import Vocabulary
 from pretrieve.data.tokenizer import load_tokenizer
 from pretrieve.eval.encode import DenseEncoder, EncodeOptions
@@ -24,6 +24,7 @@ from pretrieve.models.encoder import Encoder, ModelOptions, load_encoder
 from pretrieve.models.export import export
 from pretrieve.models.heads import get_method
 from pretrieve.models.lora import ADAPTER_DIR, LoraOptions, has_lora
+from pretrieve.pretrain_config import experiment
 from pretrieve.utils.options import ConfigError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from conftest import TINY_CONFIGS, tiny_head
-from pretrieve.config import ConfigError, experiment, load_config
+from pretrieve.config import ConfigError, load_config
 from pretrieve.data.stream import ShardStream
 from pretrieve.models.low_precision_norm import LowPrecisionLayerNorm, lower_norm_precision
+from pretrieve.pretrain_config import experiment
 
 BACKBONES = ("bert", "roberta", "xlm-roberta", "modernbert")
 CASES = [(backbone, method) for backbone in BACKBONES for method in ("mlm", "retromae")] + [("bert", "dupmae")]

@@ -119,8 +119,8 @@ def test_fine_tuning_loss_by_hand_and_grad_cache_with_matryoshka():
 def test_bad_dimensions_are_refused_naming_the_key(vocab, tiny_encoder):
     from omegaconf import OmegaConf
 
+    from pretrieve.finetune.config import finetune_experiment
     from pretrieve.finetune.models import DualEncoder
-    from pretrieve.finetune.run import finetune_experiment
     from pretrieve.utils.options import ConfigError
 
     for dims, weights, message in (([32, 0], None, "method.matryoshka_dims: expected a list of dimensions >= 1"),

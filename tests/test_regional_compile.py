@@ -15,11 +15,12 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import pretrain_env
-from pretrieve.config import ConfigError, experiment, load_config
+from pretrieve.config import ConfigError, load_config
 from pretrieve.models.encoder import Encoder, ModelOptions
 from pretrieve.models.heads import get_method
 from pretrieve.models.low_precision_norm import lower_norm_precision
 from pretrieve.models.regional_compile import compile_layers, compiled_layers
+from pretrieve.pretrain_config import experiment
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 LENGTHS = (16, 24, 40, 33)

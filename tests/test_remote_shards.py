@@ -254,7 +254,7 @@ def test_a_shard_larger_than_the_memory_limit_is_spilled_and_mapped(server, book
 
 
 def test_read_options_come_from_the_data_config():
-    from pretrieve.config import DataOptions
+    from pretrieve.pretrain_config import DataOptions
 
     read = ReadOptions.from_options(DataOptions(retries=2, timeout=3.0, prefetch_shards=0,
                                                 storage_options={"s3": {"anon": True}}))

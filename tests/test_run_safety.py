@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from conftest import pretrain_env
-from pretrieve.config import ConfigError, experiment, load_config
+from pretrieve.config import ConfigError, load_config
 from pretrieve.engine.checkpoint import prune_tags
 from pretrieve.models.heads import get_method
 from pretrieve.models.heads.registry import METHODS, option_range
+from pretrieve.pretrain_config import experiment
 from pretrieve.utils.run_dir import latest_checkpoint
 from pretrieve.utils.run_lock import DirectoryLock
 
@@ -142,8 +143,8 @@ def test_a_resume_with_another_config_is_refused_before_anything_is_written(stop
 def test_a_resume_compares_paths_as_files_and_resume_is_no_change(tmp_path, monkeypatch):
     """The manifest written relative at the start and absolute at the resume is one file: no change; and
     `resume=auto`, which every resume says, is not recorded as one."""
-    from pretrieve.config import DataOptions
     from pretrieve.engine.resume_check import check_resume
+    from pretrieve.pretrain_config import DataOptions
 
     monkeypatch.chdir(tmp_path)
     classes = lambda config: {"data": DataOptions}  # noqa: E731

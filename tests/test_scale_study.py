@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from pretrieve.cli import main as cli
-from pretrieve.config import experiment, load_config
+from pretrieve.config import load_config
+from pretrieve.pretrain_config import experiment
 from pretrieve.scale.plan import StudyError, plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
@@ -126,8 +127,8 @@ def test_scale_run_pretrains_evaluates_and_resumes(tmp_path, wiki_shards, books_
     from mlflow.tracking import MlflowClient
 
     from conftest import SAMPLES, pretrain_env
-    from pretrieve.scale.points import read_points_mlflow
     from pretrieve.orchestrate.scale_run import pretrain_args, run_study, study_parent
+    from pretrieve.scale.points import read_points_mlflow
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     path = write_study(tmp_path, wiki_shards, methods=["mlm"], budgets={"tokens": [512, 1024]},

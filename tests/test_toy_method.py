@@ -108,9 +108,10 @@ def test_the_toy_method_trains_through_pretrieve_pretrain(tmp_path, wiki_shards)
 
 
 def test_the_toy_method_options_and_flops_are_its_registry_entry(first_token, wiki_shards, vocab, wiki_samples):
-    from pretrieve.config import ConfigError, experiment, load_config
+    from pretrieve.config import ConfigError, load_config
     from pretrieve.engine.flops import forward_flops, train_flops
     from pretrieve.models.encoder import ModelOptions
+    from pretrieve.pretrain_config import experiment
 
     config = load_config(ROOT / "configs" / "pretrain" / "tiny-mlm.yaml",
                          _overrides("unused", wiki_shards, "method.first_token_weight=-1", "method.mlm_ratio=0"))

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from conftest import SAMPLES, pretrain_env, result_line, text_methods
 from pretrieve.cli import main
-from pretrieve.config import ConfigError, experiment, load_config
+from pretrieve.config import ConfigError, load_config
 from pretrieve.data.masking import Vocabulary
 from pretrieve.data.prepare import prepare
 from pretrieve.data.prepare_options import PrepareOptions
@@ -22,6 +22,7 @@ from pretrieve.data.stream import ShardStream
 from pretrieve.models.encoder import Encoder, ModelOptions
 from pretrieve.models.heads import METHODS, get_method
 from pretrieve.models.unpadding import Packed
+from pretrieve.pretrain_config import experiment
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 MAX_LEN = 96

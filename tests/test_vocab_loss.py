@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrieve.config import ConfigError, experiment, load_config
+from pretrieve.config import ConfigError, load_config
 from pretrieve.models import vocab_projection
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.models.heads import get_method
 from pretrieve.models.vocab_loss import VOCAB_LOSSES, resolve, vocab_cross_entropy, vocab_loss_problem
+from pretrieve.pretrain_config import experiment
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None

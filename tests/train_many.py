@@ -6,8 +6,9 @@
 import json
 import sys
 
-from pretrieve.config import experiment, load_config
+from pretrieve.config import load_config
 from pretrieve.pretrain import train
+from pretrieve.pretrain_config import experiment
 
 if __name__ == "__main__":
     config, runs = sys.argv[1], json.loads(sys.argv[2])

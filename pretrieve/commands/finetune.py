@@ -26,7 +26,8 @@ def run_finetune(args) -> int:
     import os
 
     from pretrieve.config import load_config
-    from pretrieve.finetune.run import finetune, finetune_experiment
+    from pretrieve.finetune.config import finetune_experiment
+    from pretrieve.finetune.run import finetune
 
     config = load_config(args.config, args.overrides, required=("finetune",))
     world = int(os.environ.get("WORLD_SIZE", 1))

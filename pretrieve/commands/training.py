@@ -17,8 +17,8 @@ def add_pretrain(commands) -> None:
 
 
 def _config_sections() -> str:
-    """The sections of a pre-training config and their keys, from the schema in config.py."""
-    from pretrieve.config import PLAIN_KEYS, SECTIONS, section_keys
+    """The sections of a pre-training config and their keys, from the schema in pretrain_config.py."""
+    from pretrieve.pretrain_config import PLAIN_KEYS, SECTIONS, section_keys
 
     lines = ["config sections and their keys (docs/training.md, \"The config\"; the methods' options:",
              "docs/methods.md):"]
@@ -36,8 +36,9 @@ def run_pretrain(args) -> int:
     """
     import os
 
-    from pretrieve.config import experiment, load_config
+    from pretrieve.config import load_config
     from pretrieve.pretrain import train
+    from pretrieve.pretrain_config import experiment
 
     config = load_config(args.config, args.overrides)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -136,8 +137,10 @@ def run_launch_info(args) -> int:
     Resolve the world (hostfile, launcher environment, SLURM allocation or this machine), validate CONFIG for it and
     print hosts, ranks, devices and the batch arithmetic.
     """
-    from pretrieve.config import deepspeed_config, ds_config_path, experiment, load_config
+    from pretrieve.config import load_config
+    from pretrieve.engine.ds_config import deepspeed_config, ds_config_path
     from pretrieve.engine.world import local_devices, resolve_world
+    from pretrieve.pretrain_config import experiment
     from pretrieve.utils.run_dir import latest_checkpoint
 
     world = resolve_world(args.hostfile)

@@ -20,11 +20,12 @@ from typing import Any, Callable
 
 import torch
 
-from pretrieve.config import ConfigError, RunExperiment, deepspeed_config
+from pretrieve.config import ConfigError, RunExperiment
 from pretrieve.engine.allocator import keep_freed_memory
 from pretrieve.engine.checkpoint import Checkpointer, prune_tags
 from pretrieve.engine.deepspeed_import import import_deepspeed
 from pretrieve.engine.determinism import deterministic
+from pretrieve.engine.ds_config import deepspeed_config
 from pretrieve.engine.flops import device_peak
 from pretrieve.engine.lr_schedule import LRSchedule
 from pretrieve.engine.metrics import MetricsWindow, plain_grad_norm, truncate_metrics

@@ -58,8 +58,9 @@ def done(export: Path) -> bool:
 
 def run_stages(opts: StagesOptions) -> dict:
     from pretrieve.config import load_config
+    from pretrieve.finetune.config import finetune_experiment
     from pretrieve.finetune.mine import MineOptions, TeacherOptions, mine, teacher_scores
-    from pretrieve.finetune.run import finetune, finetune_experiment
+    from pretrieve.finetune.run import finetune
 
     if opts.up_to not in STAGES:
         raise ValueError(f"up_to: {opts.up_to!r} is not one of {', '.join(STAGES)}")

@@ -245,15 +245,8 @@ def estimate_config(path: str | Path, overrides: list[str], devices: Devices, re
 def experiment_for_estimate(config, world: int):
     """The experiment `config` describes on `world` ranks, every section checked as `pretrain` checks it when its
     shards are there; before they are, all but the data (the model, method, train and checkpoint sections)."""
-    from pretrieve.config import (
-        DataOptions,
-        Experiment,
-        experiment,
-        method_options,
-        model_options,
-        run_sections,
-        section,
-    )
+    from pretrieve.config import run_sections, section
+    from pretrieve.pretrain_config import DataOptions, Experiment, experiment, method_options, model_options
 
     data = section(config, "data", DataOptions)
     if data_present(data):

@@ -238,10 +238,11 @@ def _cost(study: dict, points: list[Point], where: str) -> None:
     """N_total, C and memory of every point: each point's experiment is built (its config checked as `pretrain`
     checks it at the study's world size) and its first batch of real data collated and priced as `pretrieve
     estimate` prices a micro-batch (scale/estimate.py: engine/flops.py's FLOPs, scale/memory.py's memory)."""
-    from pretrieve.config import ConfigError, experiment, load_config
+    from pretrieve.config import ConfigError, load_config
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.remote import ReadOptions
     from pretrieve.data.stream import ShardStream
+    from pretrieve.pretrain_config import experiment
     from pretrieve.scale.estimate import micro_batch_cost
 
     vocab = None  # the study's points share their data, hence its tokenizer
@@ -297,7 +298,8 @@ def record_rates(study: dict, points: list[Point], kind: str, records: list) -> 
     device `kind` as `pretrieve estimate` prices a config (its method, FLOPs a token C / D and settings)."""
     from types import SimpleNamespace
 
-    from pretrieve.config import TrainOptions, load_config, model_options, section
+    from pretrieve.config import TrainOptions, load_config, section
+    from pretrieve.pretrain_config import model_options
     from pretrieve.scale.estimate import device_rate, speed_settings
     from pretrieve.scale.records import setting_keys
 

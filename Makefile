@@ -40,7 +40,7 @@ XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist $(1))
 PIP_FROM := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)))
 OFFLINE_AS_IS := $(and $(NO_DEPS),$(WHEELHOUSE))
 
-.PHONY: help install wheelhouse demo test test-integration test-cluster test-gpu gpu-bundle gpu-check bench docs clean
+.PHONY: help install wheelhouse demo test test-integration test-cluster test-parity test-gpu gpu-bundle gpu-check bench docs clean
 
 # the targets, a line each (the comments above each target say more); a bare `make` installs
 .DEFAULT_GOAL := install
@@ -51,6 +51,7 @@ help:
 	@echo "make test              the CPU test suite on TEST_JOBS pytest-xdist workers"
 	@echo "make test-integration  the slow end-to-end tests"
 	@echo "make test-cluster      the tests on real cluster parts (SLURM, network namespaces); needs root"
+	@echo "make test-parity       the methods against their released code (PRETRIEVE_RELEASED_<METHOD>: tests/parity)"
 	@echo "make test-gpu          the GPU tests and benchmarks, on a machine with an NVIDIA GPU"
 	@echo "make gpu-bundle        what a short offline GPU job carries: the wheelhouse and the studies' data"
 	@echo "make gpu-check         the job of one short GPU allocation (DRY_RUN=1: its plan against BUDGET)"
@@ -97,7 +98,7 @@ demo: install
 	$(VENV_PY) -m pretrieve.demo --out $(DEMO_OUT)
 
 test: install
-	$(VENV_PY) -m pytest -q --durations=30 $(call XDIST,loadfile) -m "not integration and not cluster" tests
+	$(VENV_PY) -m pytest -q --durations=30 $(call XDIST,loadfile) -m "not integration and not cluster and not parity" tests
 
 # slow end-to-end tests (a scaling study run, the quality benchmark's smoke run, as root an install from a
 # wheelhouse in a network namespace with no network); .ci/run runs them after `test`
@@ -111,6 +112,12 @@ test-cluster: install
 	tools/install_slurm.sh
 	$(VENV_PY) -m pytest -q -rs --durations=10 $(call XDIST,loadfile) -m cluster tests
 
+# each method against its paper's released code on the same weights and batch (tests/parity): a checkout and a venv
+# of its own a method, named by PRETRIEVE_RELEASED_<METHOD> and PRETRIEVE_RELEASED_<METHOD>_PYTHON; without them a
+# test skips, saying which it lacks
+test-parity: install
+	$(VENV_PY) -m pytest -q -rs -m parity tests/parity
+
 # on a machine with an NVIDIA GPU (`make install` there gets PyPI's CUDA build of torch): the kernel and engine
 # tests that need CUDA (tests/test_kernels_gpu.py, tests/test_engine_gpu.py, tests/test_farm_gpu.py,
 # tests/test_unpadding_gpu.py, tests/test_sdpa_kernels_gpu.py), then the fused vs eager vs SDPA attention
@@ -120,12 +127,12 @@ test-gpu: install
 	$(VENV_PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make test-gpu: torch ' + torch.__version__ + ' sees no CUDA device')"
 	$(VENV_PY) -m pytest -q -rs --durations=10 tests/test_kernels_gpu.py tests/test_engine_gpu.py tests/test_farm_gpu.py \
 	    tests/test_unpadding_gpu.py tests/test_sdpa_kernels_gpu.py
-	$(VENV_PY) benchmarks/two_stream_attention.py --out benchmarks/results/two_stream_attention.json
+	$(VENV_PY) -m pretrieve.kernels.tune --out benchmarks/results/two_stream_attention.json
 	for method in retromae dupmae; do \
-	    $(VENV_PY) benchmarks/pretrain_throughput.py --method $$method --size base --seq-len 512 --batch 32 --steps 20 \
+	    $(VENV_PY) -m benchmarks.pretrain_throughput --method $$method --size base --seq-len 512 --batch 32 --steps 20 \
 	        --out benchmarks/results/pretrain_throughput_gpu.json || exit 1; \
 	done
-	$(VENV_PY) benchmarks/unpadding.py --size base --out benchmarks/results/unpadding_gpu.json
+	$(VENV_PY) -m benchmarks.unpadding --size base --out benchmarks/results/unpadding_gpu.json
 	# what pre-training buys after the same fine-tuning, at the gpu scale (docs/benchmarks.md; ~25 min, resumable)
 	$(VENV_PY) benchmarks/quality.py --scale gpu --data $(QUALITY_DATA)
 
@@ -144,8 +151,8 @@ gpu-check:
 
 bench: install
 	$(VENV_PY) -m pip install -q $(PIP_FROM) -c $(VENV)/torch-constraint.txt -e ".[bench]"
-	$(VENV_PY) benchmarks/data_pipeline.py
-	$(VENV_PY) benchmarks/eval_throughput.py
+	$(VENV_PY) -m benchmarks.data_pipeline
+	$(VENV_PY) -m benchmarks.eval_throughput
 
 # the documentation site (mkdocs.yml, docs/) into site/; --strict: a broken page link or #anchor fails it
 docs: install

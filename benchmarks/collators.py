@@ -1,7 +1,7 @@
 """Collator throughput on the data-loader path: samples/s on one core and decoder-mask bytes per sample.
 
-    python benchmarks/collators.py [--batches 100] [--out benchmarks/results/collators.json]
-    python benchmarks/collators.py --max-len 8192 --batch 8 --batches 4   # long context: collators-8192.json
+    python -m benchmarks.collators [--batches 100] [--out benchmarks/results/collators.json]
+    python -m benchmarks.collators --max-len 8192 --batch 8 --batches 4   # long context: collators-8192.json
 
 B = 32, L = 512 (the bundled Wikipedia sample prepared at max_len 512; full 510-token blocks), one process,
 one thread; every registered method's collator. The baseline, measured in the same run on a few batches, is
@@ -25,18 +25,15 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from pretrieve.data.masking import Vocabulary  # noqa: E402
-from pretrieve.data.prepare import PrepareOptions, prepare  # noqa: E402
-from pretrieve.data.stream import ShardStream  # noqa: E402
-from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend  # noqa: E402
-from pretrieve.models.heads import get_method  # noqa: E402
-
-from hf_whole_word import hf_whole_word_mask  # noqa: E402
+from pretrieve.data.masking import Vocabulary
+from pretrieve.data.prepare import PrepareOptions, prepare
+from pretrieve.data.stream import ShardStream
+from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
+from pretrieve.models.heads import get_method
+from tests.hf_whole_word import hf_whole_word_mask
 
 SAMPLES = Path(__file__).resolve().parent.parent / "pretrieve" / "assets" / "samples"
 BATCH, MAX_LEN = 32, 512  # defaults; --batch, --max-len
@@ -105,7 +102,7 @@ def main() -> None:
     long = args.max_len != MAX_LEN
     args.out = args.out or str(Path(__file__).parent / "results" / (
         f"collators-{args.max_len}.json" if long else "collators.json"))
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # one core, as a loader worker
     backend = load_backend(DEFAULT_TOKENIZER)
     vocab = Vocabulary.from_backend(backend)
     work = tempfile.TemporaryDirectory()  # kept until the end: CoT-MAE reads neighbour blocks from the shards
@@ -146,7 +143,7 @@ def main() -> None:
                        "mean_text_tokens": round(sum(lengths) / len(lengths), 1),
                        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "numpy": np.__version__,
                        "torch": torch.__version__,
-                       "command": "python benchmarks/collators.py" + (
+                       "command": "python -m benchmarks.collators" + (
                            f" --max-len {args.max_len} --batch {args.batch} --batches {args.batches}" if long else "")}
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)

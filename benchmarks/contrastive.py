@@ -1,6 +1,6 @@
 """Contrastive pre-training's memory and time against the batch size, with GradCache and without.
 
-    python benchmarks/contrastive.py [--size tiny|small|base] [--batches 8,16,32,64,128] [--chunk 8]
+    python -m benchmarks.contrastive [--size tiny|small|base] [--batches 8,16,32,64,128] [--chunk 8]
                                      [--max-len 64] [--steps 2] [--time-steps 6] [--threads 1]
 
 Memory: each (batch size, GradCache on/off) point runs in a process of its own: the contrastive head of `--size`
@@ -145,8 +145,8 @@ def interleaved_times(args) -> dict:
 
 
 def _child(args, *extra: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--size", args.size, "--chunk", str(args.chunk), "--max-len",
-           str(args.max_len), "--steps", str(args.steps), "--time-steps", str(args.time_steps), "--threads",
+    cmd = [sys.executable, "-m", "benchmarks.contrastive", "--child", "--size", args.size, "--chunk", str(args.chunk),
+           "--max-len", str(args.max_len), "--steps", str(args.steps), "--time-steps", str(args.time_steps), "--threads",
            str(args.threads), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
     record = json.loads(done.stdout.strip().splitlines()[-1])

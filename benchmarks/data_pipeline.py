@@ -1,6 +1,6 @@
 """Data pipeline benchmark: `prepare` vs the raw tokenizer, and the stream vs bare webdataset, in one run.
 
-    python benchmarks/data_pipeline.py [--data ../shared/data/pretrain] [--out benchmarks/results/data_pipeline.json]
+    python -m benchmarks.data_pipeline [--data ../shared/data/pretrain] [--out benchmarks/results/data_pipeline.json]
 
 1. Tokenizer baseline: `tokenizers.Tokenizer.encode_batch` on one core (TOKENIZERS_PARALLELISM=false) over
    exactly the document texts prepare tokenizes, in the same ~1 MB chunks.
@@ -30,13 +30,11 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core: the numbers are per worker
-
-from pretrieve.data.corpora import Document, read_corpus  # noqa: E402
-from pretrieve.data.prepare import CHUNK_CHARS, PrepareOptions, prepare  # noqa: E402
-from pretrieve.data.remote import ReadOptions  # noqa: E402
-from pretrieve.data.stream import ShardStream, StreamLoader  # noqa: E402
-from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend  # noqa: E402
+from pretrieve.data.corpora import Document, read_corpus
+from pretrieve.data.prepare import CHUNK_CHARS, PrepareOptions, prepare
+from pretrieve.data.remote import ReadOptions
+from pretrieve.data.stream import ShardStream, StreamLoader
+from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
 
 CORPORA = [("wikipedia", "enwiki-sample"), ("books", "gutenberg")]
 
@@ -143,6 +141,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results/data_pipeline.json")
     parser.add_argument("--work-dir", type=Path, default=None, help="where shards go (default: a temp dir)")
     args = parser.parse_args()
+    # one core: the numbers are per worker (tokenizers reads it at each call, the workers and the server inherit it)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="pretrieve-bench-"))
 
     baseline = tokenizer_baseline(args.data)
@@ -167,7 +167,7 @@ def main() -> None:
         "detail": {"tokenizer_encode_batch": baseline, "prepare": [prep1, prep2], "raw_webdataset": bare,
                    "stream": streams, "local_vs_http_1_worker": remote},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "command": "python benchmarks/data_pipeline.py",
+        "command": "python -m benchmarks.data_pipeline",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -3,7 +3,7 @@ one a kernel launch, or a view the host still pays for) against the bare loop's 
 same head and batches. A GPU step bound by its host's launches (docs/benchmarks.md, "Three H200 jobs") is made
 faster by dispatching less; a count does not drift with a machine's load, so a test can hold it.
 
-    python benchmarks/dispatch_count.py --method mlm --set train.optimizer=torch-fused [--set ...]
+    python -m benchmarks.dispatch_count --method mlm --set train.optimizer=torch-fused [--set ...]
 
 The model is BERT-base's depth at a tiny width (12 layers, 202 parameter tensors, hidden 64): its op counts are
 BERT-base's, its arithmetic negligible. Counted per optimizer step, as the median over the steps after the first
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pretrain_throughput import ROOT, append_record, engine_overrides
-from step_floor import batches, run_steps, variant
+from benchmarks.pretrain_throughput import ROOT, append_record, engine_overrides
+from benchmarks.step_floor import batches, run_steps, variant
 
 WIDE = {"hidden_size": 64, "num_layers": 12, "num_heads": 2, "intermediate_size": 128}
 

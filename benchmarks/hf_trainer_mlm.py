@@ -2,7 +2,7 @@
 `DataCollatorForLanguageModeling` (15 % masking), bf16 on a GPU, the Trainer's default optimizer, on the same
 text blocks as `benchmarks/pretrain_throughput.py` (the bundled Wikipedia sample prepared at the same length).
 
-    python benchmarks/hf_trainer_mlm.py --size base --seq-len 512 --batch 32 --steps 12 --warmup 4 [--out FILE]
+    python -m benchmarks.hf_trainer_mlm --size base --seq-len 512 --batch 32 --steps 12 --warmup 4 [--out FILE]
 
 Prints one JSON line and appends it to `--out` (default benchmarks/results/pretrain_throughput.json) with
 `"peer": "hf-trainer"`: tokens/s (non-padding tokens) over the steps after `--warmup`, and TFLOP/s and MFU by
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain_throughput import ROOT, SAMPLES, SIZES, append_record
+from benchmarks.pretrain_throughput import ROOT, SAMPLES, SIZES, append_record
 
 
 def text_blocks(seq_len: int, count: int, work: Path) -> list[list[int]]:

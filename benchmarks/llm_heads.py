@@ -1,7 +1,7 @@
 """Every decoder-LLM head on every decoder family through `pretrieve pretrain`: the tiny-model results of the
 decoder-LLM work (docs/methods.md, "Decoder LLMs").
 
-    python benchmarks/llm_heads.py [--steps 20] [--work DIR] [--out benchmarks/results/llm_heads.json]
+    python -m benchmarks.llm_heads [--steps 20] [--work DIR] [--out benchmarks/results/llm_heads.json]
 
 The heads `llama2vec`, `ebae`, `ebar` (tiny-llama2vec.yaml), `mntp` (tiny-mntp.yaml, bidirectional) and
 `contrastive` (tiny-contrastive.yaml, last-token pooling, on pair shards) on Llama, Qwen2, Qwen3 and Mistral, plus

@@ -1,7 +1,7 @@
 """Memory and step FLOPs of Qwen3-shaped decoder LLMs under Llama2Vec, as `scale plan` estimates them
 (pretrieve/scale/memory.py), beside DeepSpeed's own model-states estimators.
 
-    python benchmarks/llm_memory.py [--out benchmarks/results/llm_memory.json]
+    python -m benchmarks.llm_memory [--out benchmarks/results/llm_memory.json]
 
 Shapes: Qwen3 0.6B, 1.7B, 4B and 8B (hidden, layers, heads, FFN, vocabulary 151,669) on pretrieve's qwen3
 backbone, whose heads are hidden / heads wide with as many key-value heads as query heads (Qwen3's are 128 wide,

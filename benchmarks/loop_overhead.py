@@ -1,7 +1,7 @@
 """The training loop against an earlier version of itself: the same `pretrieve pretrain` run with this tree's
 engine and with the engine of a git revision, alternating, on CPU.
 
-    python benchmarks/loop_overhead.py [--baseline-ref 235d43b] [--method retromae] [--steps 200] [--repeats 3]
+    python -m benchmarks.loop_overhead [--baseline-ref 235d43b] [--method retromae] [--steps 200] [--repeats 3]
 
 The default baseline is the loop before losses were summed on the device and batches counted before their copy
 (one `.item()` per loss part per micro-step there). Both run the bundled Wikipedia sample with the tiny config
@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from pretrieve.data.prepare import PrepareOptions, prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "pretrieve" / "assets" / "samples"
@@ -57,9 +59,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "loop_overhead.json"))
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
-    from pretrieve.data.prepare import PrepareOptions, prepare
-
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         baseline = work / "baseline"

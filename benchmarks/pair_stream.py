@@ -1,6 +1,6 @@
 """Pair streaming against the text stream: `prepare --pairs` and the stream over pair shards, in one run.
 
-    python benchmarks/pair_stream.py [--data ../shared/data/pretrain] [--out benchmarks/results/pair_stream.json]
+    python -m benchmarks.pair_stream [--data ../shared/data/pretrain] [--out benchmarks/results/pair_stream.json]
 
 1. prepare, 2 workers, on the Wikipedia sample (WikiExtractor jsonl.gz): text blocks, and pairs (title ->
    first paragraph, "title: heading" -> section); on the Gutenberg books: crop pairs. MB/s counts the input's

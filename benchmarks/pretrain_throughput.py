@@ -1,7 +1,7 @@
 """Pre-training throughput of the real engine: `pretrieve pretrain` (DeepSpeed, the method's head and collator,
 the shard stream) on the bundled Wikipedia sample.
 
-    python benchmarks/pretrain_throughput.py --method retromae --size tiny --seq-len 128 --batch 8 [--steps 20]
+    python -m benchmarks.pretrain_throughput --method retromae --size tiny --seq-len 128 --batch 8 [--steps 20]
 
 Prints one JSON line and appends it to benchmarks/results/pretrain_throughput.json: tokens/s (non-padding
 tokens), s/step, TFLOP/s and MFU (engine.flops: analytic FLOPs; CPU peak = a measured fp32 matmul), averaged
@@ -295,7 +295,7 @@ def main() -> None:
     args.zero_stage = int(last_set(args.set, "train.zero_stage", args.zero_stage))
     args.precision = last_set(args.set, "train.precision", "bf16" if torch.cuda.is_available() else "fp32")
     if args.ladder:
-        from throughput_ladder import run_ladder
+        from benchmarks.throughput_ladder import run_ladder
 
         shared = ["--size", args.size, "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup",
                   str(args.warmup), "--out", args.out]

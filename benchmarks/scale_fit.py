@@ -1,6 +1,6 @@
 """Scaling-law fit time: 200 points x 1,000 bootstrap resamples (target: under 60 s on 2 cores).
 
-    python benchmarks/scale_fit.py [--points 200] [--bootstrap 1000] [--chinchilla-csv svg_extracted_data.csv]
+    python -m benchmarks.scale_fit [--points 200] [--bootstrap 1000] [--chinchilla-csv svg_extracted_data.csv]
                                    [--out benchmarks/results/scale_fit.json]
 
 The points: an IsoFLOP study of 8 budgets (1e17 .. 1e20 FLOPs) x 25 sizes drawn from the Chinchilla law of

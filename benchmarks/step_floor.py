@@ -4,7 +4,7 @@ and copied to the device before the clock starts. What the device does there is 
 is measured against (docs/benchmarks.md, "The speed ladder"); a floor near the engine's says the head itself (its
 kernels and their launches) is what to make faster.
 
-    python benchmarks/step_floor.py --method mlm --size base --seq-len 512 --batch 32 [--variants autocast bf16]
+    python -m benchmarks.step_floor --method mlm --size base --seq-len 512 --batch 32 [--variants autocast bf16]
 
 Variants, timed in turns (`--rounds`), each over `--steps` steps after `--warmup`, all in this process:
   autocast       fp32 weights and torch AdamW(fused), the step under bf16 autocast (what HF's Trainer does)
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain_throughput import ROOT, SAMPLES, SIZES, append_record, engine_overrides, profiled
+from benchmarks.pretrain_throughput import ROOT, SAMPLES, SIZES, append_record, engine_overrides, profiled
 
 VARIANTS = ("autocast", "autocast-lpnorm", "bf16", "bf16-compile")
 

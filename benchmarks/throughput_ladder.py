@@ -15,9 +15,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -99,7 +96,7 @@ def run_ladder(args, base_argv: list[str]) -> int:
     recorded and the ladder goes on; returns 1 if any run failed."""
     failed = []
     for name, argv in ladder_commands(args, base_argv):
-        print(f"ladder: {name}: {' '.join(argv[2:])}", flush=True)
+        print(f"ladder: {name}: {' '.join(argv[3:])}", flush=True)  # after python -m benchmarks.NAME
         if subprocess.run(argv).returncode != 0:
             failed.append(name)
     if failed:
@@ -112,10 +109,10 @@ def ladder_commands(args, base_argv: list[str]) -> list[tuple[str, list[str]]]:
     engine, before the rung's own settings."""
     runs = plan(args.methods, args.batch, not args.ends_only, args.skip, args.top_only).runs
     own = [a for o in args.set for a in ("--set", o)]
-    peers = [("hf-trainer", [sys.executable, str(HERE / "hf_trainer_mlm.py"), *_shared(base_argv), "--batch",
+    peers = [("hf-trainer", [sys.executable, "-m", "benchmarks.hf_trainer_mlm", *_shared(base_argv), "--batch",
                              str(args.batch)])]
     if "retromae" in args.methods:  # the official RetroMAE model re-stated, timed beside the engine's baseline rung
-        peers.append(("official-retromae", [sys.executable, str(HERE / "pretrain_throughput.py"), *base_argv,
+        peers.append(("official-retromae", [sys.executable, "-m", "benchmarks.pretrain_throughput", *base_argv,
                                             "--method", "retromae", "--batch", str(args.batch), "--rung",
                                             "official-retromae", "--baseline-only"]))
     first = [r for r in runs if r[0] == args.methods[0]]
@@ -126,7 +123,7 @@ def ladder_commands(args, base_argv: list[str]) -> list[tuple[str, list[str]]]:
             commands.append(item)
             continue
         method, rung, overrides, batch = item
-        commands.append((f"{method}/{rung}", [sys.executable, str(HERE / "pretrain_throughput.py"), *base_argv,
+        commands.append((f"{method}/{rung}", [sys.executable, "-m", "benchmarks.pretrain_throughput", *base_argv,
                                               "--method", method, "--batch", str(batch), "--rung", rung, *own,
                                               *[a for o in overrides for a in ("--set", o)]]))
     return commands

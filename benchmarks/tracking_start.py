@@ -1,7 +1,7 @@
 """The cost of a new sqlite MLflow store at a run's start: MLflow making it (its schema migrations) against a copy
 of the cached empty store (pretrieve/utils/mlflow_store.py).
 
-    python benchmarks/tracking_start.py [--repeats 5]
+    python -m benchmarks.tracking_start [--repeats 5]
 
 Each measurement is a fresh process, as a run's first process is: it imports MLflow (timed apart), then opens a
 store that does not exist yet and lists its experiments. The two ways alternate (A B B A ...), so that drift on a
@@ -20,10 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 from pretrieve.utils.run_dir import write_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
 
 OPEN = """
 import json, sys, time

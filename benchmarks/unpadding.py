@@ -1,7 +1,7 @@
 """Unpadded against padded batches (`model.unpad`): ModernBERT training steps on the same batches, A/B
 interleaved in one process.
 
-    python benchmarks/unpadding.py [--source beir --input DIR] [--size small] [--max-len 512] [--batch 32]
+    python -m benchmarks.unpadding [--source beir --input DIR] [--size small] [--max-len 512] [--batch 32]
 
 The corpus is prepared as `pretrieve prepare` does; by default the bundled SciFact sample, one abstract a sample (a
 passage source), so that batches carry the padding of real text lengths (a BEIR folder with `--input`, e.g. all of

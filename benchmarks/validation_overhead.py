@@ -1,6 +1,6 @@
 """What held-out loss costs training: the same `pretrieve pretrain` run with and without `data.validation`.
 
-    python benchmarks/validation_overhead.py [--method retromae] [--steps 300] [--eval-every 100] [--batches 8]
+    python -m benchmarks.validation_overhead [--method retromae] [--steps 300] [--eval-every 100] [--batches 8]
 
 Both runs train the bundled Wikipedia sample's train side (`prepare --holdout 0.2`) with the tiny config, in
 this process one after the other (DeepSpeed's start-up paid alike), and are timed from start to end. The

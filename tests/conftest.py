@@ -31,6 +31,9 @@ def pytest_configure(config):
                                        "(`make test-integration`, also run by .ci/run); `make test` leaves it out")
     config.addinivalue_line("markers", "cluster: a test on real cluster parts (a SLURM cluster, network namespaces, "
                                        "fault injection) that needs root (`make test-cluster`, also run by .ci/run)")
+    config.addinivalue_line("markers", "parity: a method's losses and gradients against its released code, a checkout "
+                                       "and venv named by environment variables (`make test-parity`, "
+                                       "tests/parity/released.py); `make test` leaves it out")
 
 SAMPLES = Path(__file__).resolve().parent.parent / "pretrieve" / "assets" / "samples"
 

@@ -15,13 +15,15 @@ import pytest
 
 from conftest import pretrain_env
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "dispatch_count.py"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _count(tmp_path, *overrides, method: str = "mlm") -> dict:
     out = tmp_path / f"counts-{len(list(tmp_path.glob('counts-*')))}.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--method", method,
-                           *(a for o in overrides for a in ("--set", o)), "--out", str(out)], env=pretrain_env(), capture_output=True, text=True, timeout=600,
+    # run in tmp_path (what the engine writes beside it stays there), the benchmarks package from the repository
+    done = subprocess.run([sys.executable, "-m", "benchmarks.dispatch_count", "--method", method,
+                           *(a for o in overrides for a in ("--set", o)), "--out", str(out)],
+                          env=pretrain_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=600,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     [record] = json.loads(out.read_text())

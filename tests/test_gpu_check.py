@@ -51,7 +51,7 @@ def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     assert ("--rung fused-adamw --set model.vocab_loss=plain --set train.optimizer=torch-fused --set model.unpad=false "
             "--set train.compile=false --set train.precision=bf16-autocast --set train.low_precision_norm=true "
             "--batch 32 --profile") in default.stdout
-    assert "benchmarks/step_floor.py --method mlm --size base --seq-len 512 --batch 32" in default.stdout
+    assert "-m benchmarks.step_floor --method mlm --size base --seq-len 512 --batch 32" in default.stdout
     assert "--variants autocast autocast-lpnorm bf16 --out" in default.stdout
     assert "pytest -q -rs -p no:cacheprovider tests/test_sdpa_kernels_gpu.py" in default.stdout
     total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0")

@@ -194,9 +194,9 @@ def test_every_decoder_head_trains_on_every_family_through_pretrain(tmp_path):
     every base weight (a gradient reached it) and exports its family and method with last-token pooling; with
     LoRA the base weights stay bit-identical (ebar on Llama with activation checkpointing)."""
     out = tmp_path / "llm_heads.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llm_heads.py"), "--steps", "40", "--work",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.llm_heads", "--steps", "40", "--work",
                            str(tmp_path / "work"), "--out", str(out)], env=pretrain_env(), capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
     heads = ("llama2vec", "ebae", "ebar", "mntp", "contrastive", "llama2vec-lora")

@@ -1,20 +1,16 @@
 """Collators and the compact decoder mask on real text: ratios, whole words, the eq. (5) rules, padding."""
 
 import random
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hf_whole_word import hf_whole_word_mask
 
 from pretrieve.data.collators import (BoWCollator, DupMAECollator, LexMAECollator, MLMCollator, RetroMAECollator,
                                       SimLMCollator)
 from pretrieve.data.masking import ordinary_positions, word_ids
 from pretrieve.kernels.reference import expand_decoder_mask, two_stream_attention, unpack_pool
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from hf_whole_word import hf_whole_word_mask  # noqa: E402
 
 
 def _whole_words_hold(ids, lengths, state, vocab):

@@ -78,10 +78,7 @@ def test_model_states_at_qwen3_shapes_are_deepspeeds(name):
     """benchmarks/llm_memory.py's Qwen3 shapes (built on the meta device), full training in bf16, on 1, 2, 4 and 8
     devices: at ZeRO 2 DeepSpeed's bytes; at ZeRO 3 DeepSpeed's plus the 16-bit weights' partition (2 bytes a
     parameter over the devices, which its estimate leaves out); at ZeRO 3 with both offloaded, DeepSpeed's."""
-    import sys
-
-    sys.path.insert(0, str(CONFIGS.parent.parent / "benchmarks"))
-    import llm_memory
+    from benchmarks import llm_memory
 
     for zero, offload in llm_memory.SETUPS:
         exp = llm_memory.experiment_of(llm_memory.QWEN3[name], zero, "full", offload)

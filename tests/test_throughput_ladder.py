@@ -11,11 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.pretrain_throughput import device_shares, host_shares, kernel_kind
+from benchmarks.throughput_ladder import ALTERNATIVES, LADDER, ladder_commands, plan
 
-from pretrain_throughput import device_shares, host_shares, kernel_kind  # noqa: E402
-from throughput_ladder import ALTERNATIVES, LADDER, ladder_commands, plan  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _settings(overrides: list[str]) -> dict:
@@ -126,12 +125,12 @@ def test_the_ladder_and_its_peers_run_at_the_tiny_size_on_cpu(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TRITON_INTERPRET": "1"}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(key, None)
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pretrain_throughput.py"), "--ladder",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.pretrain_throughput", "--ladder",
                            "--size", "tiny", "--seq-len", "64", "--batch", "4", "--steps", "3", "--warmup", "1",
                            "--threads", "1", "--methods", "mlm", "retromae", "--out", str(out),
                            # the Triton interpreter runs the fused decoder kernel at seconds a text: small batches
                            "--skip", "batch-64", "batch-128"],
-                          env=env, capture_output=True, text=True, timeout=1800)
+                          env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = json.loads(out.read_text())
     ran = [(r.get("method"), r.get("rung") or r.get("peer")) for r in records]
@@ -150,9 +149,9 @@ def test_the_floor_runs_its_variants_at_the_tiny_size_on_cpu(tmp_path):
     whose inductor build is tested in test_regional_compile.py): one record, each variant timed."""
     out = tmp_path / "floor.json"
     variants = ["autocast", "autocast-lpnorm", "bf16"]
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_floor.py"), "--size", "tiny", "--seq-len",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.step_floor", "--size", "tiny", "--seq-len",
                            "64", "--batch", "4", "--steps", "2", "--warmup", "1", "--rounds", "1", "--variants",
-                           *variants, "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           *variants, "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     [record] = json.loads(out.read_text())
     assert record["device"] == "cpu" and list(record["variants"]) == variants

@@ -8,15 +8,16 @@ from pathlib import Path
 
 from conftest import pretrain_env
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "pretrain_throughput.py"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_profiled_run_says_where_the_time_went(tmp_path):
     profile, out = tmp_path / "profile.json", tmp_path / "throughput.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--size", "tiny", "--seq-len", "64", "--batch", "4",
-                           "--steps", "3", "--warmup", "1", "--method", "mlm", "--profile", str(profile),
-                           "--out", str(out)], env=pretrain_env(), capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path)
+    # run in tmp_path (what the engine writes beside it stays there), the benchmarks package from the repository
+    done = subprocess.run([sys.executable, "-m", "benchmarks.pretrain_throughput", "--size", "tiny", "--seq-len", "64",
+                           "--batch", "4", "--steps", "3", "--warmup", "1", "--method", "mlm", "--profile",
+                           str(profile), "--out", str(out)], env=pretrain_env(PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(profile.read_text())
     assert summary["sorted_by"] == "self_cpu_time_total" and 0 < len(summary["top"]) <= 40

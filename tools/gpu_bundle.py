@@ -26,10 +26,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+# run as a script: its own folder, tools/, is first on sys.path
+from gpu_check import CARRY_LIMIT_MIB, repository_mib, tree_mib
 
-from gpu_check import CARRY_LIMIT_MIB, repository_mib, tree_mib  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 WIKI = Path("pretrain") / "enwiki-sample" / "enwiki_2015_wikiextractor_100shards.jsonl.gz"
 COLLECTIONS = ("scifact", "cacm", "cranfield")

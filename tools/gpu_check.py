@@ -25,6 +25,7 @@ import datetime as dt
 import io
 import json
 import os
+import runpy
 import shlex
 import signal
 import subprocess
@@ -96,15 +97,15 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
     merge_into = [Command(["cp", str(committed), str(work / "quality-gpu.json")])] if committed.is_file() else []
     recipe = recipe_commands(python, work, bundle, quality_seeds)
     pytest = [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
-    bert_base_at = [python, "benchmarks/pretrain_throughput.py", "--size", "base", "--seq-len", "512", "--steps", "16",
-                    "--warmup", "4"]
+    bert_base_at = [python, "-m", "benchmarks.pretrain_throughput", "--size", "base", "--seq-len", "512", "--steps",
+                    "16", "--warmup", "4"]
     bert_base = bert_base_at + ["--batch", "32"]
     throughput = bert_base + ["--out", str(work / "pretrain_throughput_gpu.json")]
     ladder = bert_base + ["--ladder", "--methods", *LADDER_METHODS, "--skip", *LADDER_SKIP,
                           "--top-only", *LADDER_METHODS[1:], "--out", str(work / "pretrain_throughput_gpu.json")]
     profiled = ladder_rungs(PROFILED_RUNGS)
-    qwen3 = [python, "benchmarks/pretrain_throughput.py", "--method", "llama2vec", "--size", "qwen3-0.6b", "--seq-len",
-             "512", "--batch", "8", "--steps", "12", "--warmup", "4", "--zero-stage", "1",
+    qwen3 = [python, "-m", "benchmarks.pretrain_throughput", "--method", "llama2vec", "--size", "qwen3-0.6b",
+             "--seq-len", "512", "--batch", "8", "--steps", "12", "--warmup", "4", "--zero-stage", "1",
              "--out", str(work / "pretrain_throughput_gpu.json")]
     return [
         # estimates and boxes: what each stage took where a job ran it whole (docs/benchmarks.md)
@@ -119,7 +120,7 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
               [Command(pytest + ["tests/test_kernels_gpu.py"]),
                Command(pytest + ["tests/test_unpadding_gpu.py"])]),
         Stage("attention", "fused two-stream attention at L512, forward and backward, against eager and SDPA", 15, 45,
-              [Command([python, "benchmarks/two_stream_attention.py", "--lengths", "512",
+              [Command([python, "-m", "pretrieve.kernels.tune", "--lengths", "512",
                         "--out", str(work / "two_stream_attention.json")],
                        results=str(work / "two_stream_attention.json"))]),
         # the head without the engine at batch 32 (benchmarks/step_floor.py), beside the ladder of the same job;
@@ -128,7 +129,7 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
         Stage("floor", "BERT-base L512 mlm's head trained by a bare loop (no DeepSpeed, batches on the device): "
               "bf16 autocast, with bf16 LayerNorms, and bf16 weights, in turns; then each backbone's attention "
               "trained with SDPA's math kernel off", 55, 80,
-              [Command([python, "benchmarks/step_floor.py", "--method", "mlm", "--size", "base", "--seq-len", "512",
+              [Command([python, "-m", "benchmarks.step_floor", "--method", "mlm", "--size", "base", "--seq-len", "512",
                         "--batch", "32", "--steps", "10", "--warmup", "3", "--rounds", "2", "--variants", "autocast",
                         "autocast-lpnorm", "bf16", "--out", str(work / "step_floor_gpu.json")],
                        results=str(work / "step_floor_gpu.json")),
@@ -154,8 +155,8 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
               250, 300,
               [Command(throughput + ["--method", m], results=str(work / "pretrain_throughput_gpu.json"))
                for m in ("mlm", "retromae", "dupmae")]
-              + [Command([python, "benchmarks/unpadding.py", "--size", "base", "--out", str(work / "unpadding_gpu.json")],
-                         results=str(work / "unpadding_gpu.json"))]
+              + [Command([python, "-m", "benchmarks.unpadding", "--size", "base",
+                          "--out", str(work / "unpadding_gpu.json")], results=str(work / "unpadding_gpu.json"))]
               + [Command(qwen3 + ["--lora", str(rank)], results=str(work / "pretrain_throughput_gpu.json"))
                  for rank in (0, 16)]),
         # the newer methods at the ladder's baseline and top (ends only, no peers): 10 runs of ~35 s, coCondenser's
@@ -185,9 +186,9 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
 
 def ladder_rungs(names: tuple[str, ...]) -> list[tuple[str, list[str], int]]:
     """(name, overrides, micro-batch) of the named rungs of the ladder's first method, as the default job runs them."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from throughput_ladder import plan as ladder_plan
-
+    # read from its file: this tool runs as a script (`python tools/gpu_check.py`), with tools/ on sys.path, not the
+    # repository root that `benchmarks.throughput_ladder` is imported from
+    ladder_plan = runpy.run_path(str(ROOT / "benchmarks" / "throughput_ladder.py"))["plan"]
     return [(name, overrides, batch) for method, name, overrides, batch in
             ladder_plan([LADDER_METHODS[0]], 32, skip=LADDER_SKIP).runs if name in names]
 

@@ -1,12 +1,12 @@
 """What `auto` runs for the two-stream decoder attention: the faster of the fused kernel and SDPA, as measured.
 
-The table (pretrieve/assets/decoder_attention.json) holds benchmarks/two_stream_attention.py's forward + backward
-times per device and length (B 32, H 12, D 64, bf16). On CUDA, auto takes the measurements of this device's name,
-else of its compute capability, and of those the one at the length nearest this call's (on a log scale; a tie
-goes to the longer); the faster of fused and sdpa there wins. A device without a measurement, a CPU, attention
+The table (pretrieve/assets/decoder_attention.json) holds kernels/tune.py's forward + backward times per device
+and length (B 32, H 12, D 64, bf16). On CUDA, auto takes the measurements of this device's name, else of its
+compute capability, and of those the one at the length nearest this call's (on a log scale; a tie goes to the
+longer); the faster of fused and sdpa there wins. A device without a measurement, a CPU, attention
 dropout (the kernel has none) or no triton: sdpa, which is never slow. Eager is the reference, not a candidate.
 
-Refresh after a GPU run: `python benchmarks/two_stream_attention.py --update-table` measures and merges, or
+Refresh after a GPU run: `python -m pretrieve.kernels.tune --update-table` measures and merges, or
 `--update-table --from RESULT.json` merges a result measured elsewhere (`entries_from_benchmark`, `merged`).
 """
 
@@ -70,7 +70,7 @@ def auto(device: torch.device, length: int, dropout_p: float = 0.0, fused_availa
 
 
 def entries_from_benchmark(report: dict, source: str) -> list[dict]:
-    """Table entries from a benchmarks/two_stream_attention.py JSON (one per length it timed)."""
+    """Table entries from a kernels/tune.py JSON (one per length it timed)."""
     setup = report["setup"]
     entries = []
     for length, row in sorted(report["lengths"].items(), key=lambda item: int(item[0])):

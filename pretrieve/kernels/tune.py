@@ -1,8 +1,9 @@
-"""Two-stream masked attention on a GPU: fused Triton kernel vs eager vs SDPA with a dense mask.
+"""Two-stream masked attention on a GPU: fused Triton kernel vs eager vs SDPA with a dense mask; its times make
+the table `method.attention_impl: auto` reads (kernels/choice.py).
 
-    python benchmarks/two_stream_attention.py [--lengths 128 256 512 1024] [--out benchmarks/results/two_stream_attention.json]
+    python -m pretrieve.kernels.tune [--lengths 128 256 512 1024] [--out benchmarks/results/two_stream_attention.json]
         [--update-table]
-    python benchmarks/two_stream_attention.py --update-table --from RESULT.json   # a result measured elsewhere
+    python -m pretrieve.kernels.tune --update-table --from RESULT.json   # a result measured elsewhere
 
 B = 32, H = 12, D = 64, bf16; masks from the RetroMAE collator's compact form (pool of min(L, 256) rows,
 half of the words hidden). Per implementation and L: forward+backward time (CUDA events, median of 20
@@ -11,6 +12,7 @@ compact pool + row index for every path, since the dense mask is expanded on the
 collator ships an L x L int64 tensor), and the winner of fused and SDPA. Needs CUDA; exits with a message
 otherwise. --update-table merges the per-length times into the table `method.attention_impl: auto` reads
 (pretrieve/assets/decoder_attention.json, kernels/choice.py), replacing this device's entries at these lengths.
+--out is relative to the working folder: run from the repository root, the result goes beside the others.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def measure(lengths: list[int]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024])
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "two_stream_attention.json"))
+    parser.add_argument("--out", default=str(Path("benchmarks") / "results" / "two_stream_attention.json"))
     parser.add_argument("--update-table", action="store_true",
                         help="merge the times into pretrieve/assets/decoder_attention.json (what auto reads)")
     parser.add_argument("--from", dest="source", help="with --update-table: a result JSON to merge, no timing")
@@ -104,7 +106,7 @@ def main() -> None:
         report, source = json.loads(Path(args.source).read_text()), args.source
     else:
         if not torch.cuda.is_available():
-            sys.exit("benchmarks/two_stream_attention.py needs a CUDA GPU (the fused kernel's CPU path is the "
+            sys.exit("python -m pretrieve.kernels.tune needs a CUDA GPU (the fused kernel's CPU path is the "
                      "Triton interpreter, which checks correctness only)")
         report, source = measure(args.lengths), args.out
         out = Path(args.out)

@@ -1,0 +1,2 @@
+"""pretrieve's speed and memory benchmarks (benchmarks/README.md): each a module run from the repository root as
+`python -m benchmarks.NAME`, its numbers written to benchmarks/results/."""

@@ -11,6 +11,7 @@ from pretrieve.commands import data, estimate, evaluation, finetune, scale, trai
 from pretrieve.engine.preemption import (INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Stopped, end_by_sigint_at_exit,
                                         hold_stop_signals)
 from pretrieve.engine.process_exit import exit_before_teardown, leave_process_group
+from pretrieve.utils.stop_signals import HEALTH_EXIT_CODES
 
 # The commands in the order `pretrieve --help` lists them: each adds its parser and flags (the one place they are
 # defined) and sets the function that runs it.
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         root.print_help()
         return 2
     code = _run_command(args, own_process=argv is None)
-    if argv is None and code in (0, PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE) and leave_process_group():
+    agreed = (0, PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE, *HEALTH_EXIT_CODES.values())  # every rank ends so
+    if argv is None and code in agreed and leave_process_group():
         exit_before_teardown(code, by_sigint=code == INTERRUPTED_EXIT_CODE)  # a rank: engine/process_exit.py
     if argv is None and code == INTERRUPTED_EXIT_CODE:
         end_by_sigint_at_exit()  # as an interrupted program ends: a shell script running it stops too

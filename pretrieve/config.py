@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from pretrieve.utils.health_options import check_health
 from pretrieve.utils.options import ConfigError, Problems, options_of
 from pretrieve.utils.run_dir import latest_checkpoint
 
@@ -86,6 +87,7 @@ class TrainOptions:
     startup_timeout: float | None = 1800.0
     deterministic: bool = False  # PyTorch's deterministic switches (engine/determinism.py): bit-exact GPU resumes
     peak_flops: float | None = None  # per device, FLOP/s at `precision`, for MFU; default: engine/flops.py's table
+    health: dict | None = None  # the alarms: warn | stop | off each, and thresholds (utils/health_options.py)
 
 
 @dataclass
@@ -200,6 +202,7 @@ def _check_train(train: TrainOptions, world_size: int, problems: Problems) -> No
                      f"fp32 there), not {train.precision}: set train.precision=bf16-autocast or remove it")
     if train.ds_config is not None and not Path(train.ds_config).is_file():
         problems.add(f"train.ds_config: {train.ds_config} not found")
+    problems.parse(check_health, train.health, train.ds_config)
 
 
 def resume_of(config: DictConfig) -> str | None:

@@ -32,6 +32,7 @@ class Progress:
         self.enabled, self.every_s = enabled, every_s
         self.started = self.last_time = time.monotonic()
         self.figures: dict[str, str] = {}
+        self.shown_figures: dict[str, str] = {}  # those of the last line logged
         self.bar = None
         if enabled and self.stream.isatty():
             from tqdm import tqdm
@@ -50,6 +51,12 @@ class Progress:
         self.figures = figures
         if self.bar is not None:
             self.bar.set_postfix(figures)
+
+    def show(self) -> None:
+        """Log the line now, unless the last one showed this count and these figures (a terminal's bar shows
+        them already): the last word of a run that a health alarm stops."""
+        if self.bar is None and self.enabled and (self.done, self.figures) != (self.last_done, self.shown_figures):
+            self._log()
 
     def note(self, message: str) -> None:
         """A line of its own (above the bar on a terminal)."""
@@ -77,7 +84,7 @@ class Progress:
             line += f", ETA {_clock(elapsed * (self.total - self.done) / (self.done - self.initial))}"
         line += "".join(f", {name} {value}" for name, value in self.figures.items())
         print(line, file=self.stream, flush=True)
-        self.last_time, self.last_done = time.monotonic(), self.done
+        self.last_time, self.last_done, self.shown_figures = time.monotonic(), self.done, dict(self.figures)
 
     def close(self, failed: bool = False) -> None:
         """The last line (the bar left in place on a terminal); none when `failed`: the error is the last word,

@@ -7,6 +7,11 @@ The fault, from the environment (nothing is injected without FAULT_AT):
               save    while this rank's optimizer-state file of tag FAULT_STEP is written: half of it on disk
               tag     after tag FAULT_STEP is complete (its config.yaml written), before `latest` names it
               prune   after `latest` names tag FAULT_STEP, before older tags are pruned
+            and the faults a health alarm finds (engine/health.py), in the pre-training recipe's job:
+              nan     the loss of step FAULT_STEP is NaN, as a bad batch's would be
+              leak    from step FAULT_STEP on, the masked tokens are left in the input: the model sees its targets
+              frozen  from step FAULT_STEP on, no gradient reaches the weights (the loss cut off from the graph)
+              lr      from step FAULT_STEP on, the schedule's lr is 0: it ends before train.max_steps
   FAULT_STEP  the step (tag step<N>)
   FAULT_DO    kill (SIGKILL itself, the default) | pause (wait until FAULT_MARK.go exists; a test that never
               creates it kills the paused process)
@@ -43,6 +48,48 @@ def _act() -> None:
     go = mark.with_name(mark.name + ".go")
     while not go.exists():
         time.sleep(0.05)
+
+
+def _nan(step: int, now: int, batch: dict, forward) -> dict:
+    out = forward(batch)
+    return {**out, "loss": out["loss"] * float("nan")} if now == step else out
+
+
+def _leak(step: int, now: int, batch: dict, forward) -> dict:
+    import torch
+
+    if now >= step:
+        labels = batch["mlm_labels"]
+        batch = {**batch, "input_ids": torch.where(labels != -100, labels, batch["input_ids"])}
+    return forward(batch)
+
+
+def _frozen(step: int, now: int, batch: dict, forward) -> dict:
+    out = forward(batch)
+    return {**out, "loss": out["loss"].detach() + 0 * out["loss"]} if now >= step else out  # its value, no gradient
+
+
+def _in_forward(fault, step: int) -> None:
+    """The pre-training job's module runs `fault(step, now, batch, forward)` instead of forward(batch), `now`
+    being the optimizer step (1-based) the micro-batch computes."""
+    from pretrieve import pretrain
+
+    real_job = pretrain.pretraining_job
+
+    def job(exp, rank):
+        built = real_job(exp, rank)
+        forward, schedule, now = built.module.forward, built.at_step, [0]
+
+        def at_step(step_now):
+            now[0] = step_now + 1
+            if schedule is not None:
+                schedule(step_now)
+
+        built.module.forward = lambda batch: fault(step, now[0], batch, forward)
+        built.at_step = at_step
+        return built
+
+    pretrain.pretraining_job = job
 
 
 def _install(at: str, step: int) -> None:
@@ -95,8 +142,15 @@ def _install(at: str, step: int) -> None:
             return real_prune(ckpt_dir, latest, keep)
 
         checkpoint.prune_tags = prune_tags
+    elif at in ("nan", "leak", "frozen"):
+        _in_forward({"nan": _nan, "leak": _leak, "frozen": _frozen}[at], step)
+    elif at == "lr":
+        from pretrieve.engine.lr_schedule import LRSchedule
+
+        real_factor = LRSchedule.factor
+        LRSchedule.factor = lambda schedule, k: 0.0 if k + 1 >= step else real_factor(schedule, k)
     else:
-        raise SystemExit(f"inject_fault.py: FAULT_AT={at!r}: expected step, save, tag or prune")
+        raise SystemExit(f"inject_fault.py: FAULT_AT={at!r}: expected step, save, tag, prune, nan, leak, frozen or lr")
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def test_the_last_progress_line_of_training_shows_the_last_steps_loss(capsys):
     exp = SimpleNamespace(train=SimpleNamespace(max_steps=3, stop_at=None, eval_every=None, log_every=2),
                           checkpoint=SimpleNamespace(every=100))
     job = SimpleNamespace(loader=[{"x": torch.zeros(1)}] * 3, count=lambda batch: (1, 1, 1), flops=lambda batch: 0,
-                          validation=None, at_step=None, name="finetune contrastive")
+                          validation=None, at_step=None, name="finetune contrastive", position=None)
     checkpoints = SimpleNamespace(rank=0, save=lambda step, counters: f"step{step}")
     stop = SimpleNamespace(should_stop=lambda world, device: False)
     _train_steps(exp, job, engine, MetricsWindow(None, None, engine, None), checkpoints,

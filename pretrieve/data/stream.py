@@ -22,7 +22,9 @@ not yet consumed are recomputed and spread over the new one: no sample of the ep
 apart from the flagged `pad` samples that equalise ranks.
 
 Samples are dicts: `ids` (np.ndarray of token ids, no special tokens), `doc`, `block`, `source`, `pad`,
-and `shard` / `index` (the sample's address, handy for tests and debugging). Pair manifests (`"kind": "pairs"`,
+and `shard` / `index` (the sample's address, handy for tests and debugging). The loader keeps where its last batch
+came from (`stream.last_batch`: a slot and offset, no sample), which `describe_batch` turns into the shards and
+samples it held, read again: a health alarm names them (engine/health.py). Pair manifests (`"kind": "pairs"`,
 `prepare --pairs`) give pair samples instead of `ids` and `block`: `query`, `pos` (token ids, no special tokens)
 and `negs` (a list of them, maybe empty), with `pair` (how it was made); one stream reads one kind.
 
@@ -42,6 +44,7 @@ resumes exactly over HTTP as from local files, and even from one to the other.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -120,6 +123,17 @@ def load_manifest(location: str | os.PathLike, read: ReadOptions | None = None) 
     return path, manifest
 
 
+@dataclass(frozen=True)
+class BatchOrigin:
+    """Where a batch came from: `count` samples of `slot` from `offset` on, under the epoch's `stages`."""
+
+    epoch: int
+    stages: tuple
+    slot: int
+    offset: int
+    count: int
+
+
 class ShardStream(IterableDataset):
     def __init__(self, manifests: Sequence[str | os.PathLike], weights: Sequence[float] | None = None, seed: int = 0,
                  shuffle_buffer: int = 1000, rank: int | None = None, world_size: int | None = None,
@@ -172,6 +186,7 @@ class ShardStream(IterableDataset):
         self._stages: list[dict] = []  # this epoch's layouts; all but the last are finished (elastic resume)
         self._rotation = 0  # the slot that produces the next batch; DataLoader worker j reads slot (j + rotation) % k
         self._managed = False  # True while a StreamLoader drives the stream (and in the copies its workers get)
+        self.last_batch: BatchOrigin | None = None  # where the loader's last batch came from
 
     def _check_tokenizer(self, tokenizer: str, fingerprints: dict) -> None:
         from pretrieve.data.tokenizer import describe
@@ -242,6 +257,17 @@ class ShardStream(IterableDataset):
         each stage's count on this rank times that stage's world size; pad samples included)."""
         read = sum(stage["world"] * sum(stage["offsets"]) for stage in self._stages)
         return f"epoch {self.epoch}, {read} of its {total(self.plan.epoch_sequence(self.epoch))} samples read"
+
+    def describe_batch(self, origin: BatchOrigin) -> str:
+        """The shards and samples of the batch `origin` names, read again from its slot's position."""
+        view = copy.copy(self)
+        view.epoch, view._stages = origin.epoch, list(origin.stages)
+        shards: dict[str, list[str]] = {}
+        with closing(view._iter_slot(origin.slot, origin.offset)) as samples:
+            for sample in islice(samples, origin.count):
+                shards.setdefault(sample["shard_file"], []).append(f"{sample['index']}{' (pad)' * sample['pad']}")
+        return "; ".join(f"shard {shard} sample{'s' * (len(found) > 1)} {', '.join(found)}"
+                         for shard, found in shards.items()) + f" (epoch {origin.epoch})"
 
     def samples_per_epoch(self) -> int:
         """Samples this rank reads in a full epoch at the current world size (pad samples included)."""
@@ -400,6 +426,7 @@ class StreamLoader(DataLoader):
                 while remaining[turn] == 0:  # the DataLoader skips exhausted workers
                     turn = (turn + 1) % slots
                 taken = min(self.batch_size, remaining[turn])
+                stream.last_batch = BatchOrigin(stream.epoch, tuple(stream._stages), turn, offsets[turn], taken)
                 remaining[turn] -= taken
                 offsets[turn] += taken
                 turn = (turn + 1) % slots

@@ -1,8 +1,8 @@
 """Checkpoints of a training run: DeepSpeed tags under run_dir/checkpoints/, one component for the loop.
 
 A tag `step<N>` holds the engine's state (model, optimizer, scheduler) and, per rank, the client state a resume
-needs to continue bit-exactly: the stream position, the RNG states, the sample and token counters and the
-metrics window's partial sums. Its copy
+needs to continue bit-exactly: the stream position, the RNG states, the sample and token counters, the
+metrics window's partial sums and the health alarms' reference loss (engine/health.py). Its copy
 of the run's config is written last, the mark of a complete tag; `latest` moves to it only after that, so a
 crash while saving leaves the previous checkpoint in charge (docs/design.md, "Run directory").
 
@@ -28,12 +28,13 @@ from pretrieve.utils.run_dir import LATEST, TAG_CONFIG, latest_checkpoint, write
 class Checkpointer:
     """Saves and loads the checkpoints of one run for one rank; `position` is the loader's position (the job's
     `position`: state_dict, load_state_dict and describe_position), `metrics` the metrics window (state_dict,
-    load_state_dict, merged)."""
+    load_state_dict, merged), `health` the alarms (state_dict, load_state_dict)."""
 
     def __init__(self, engine, ckpt_dir: Path, position, keep: int, rank: int, world: int, config_yaml: str,
-                 metrics=None):
+                 metrics=None, health=None):
         self.engine, self.ckpt_dir, self.position, self.keep = engine, ckpt_dir, position, keep
         self.rank, self.world, self.config_yaml, self.metrics = rank, world, config_yaml, metrics
+        self.health = health
 
     def save(self, step: int, counters: dict) -> str:
         """Save tag `step<N>` (its config last, the mark of a complete tag), then point `latest` at it, then drop
@@ -46,6 +47,8 @@ class Checkpointer:
         mine = {"stream": self.position.state_dict(), "rng": rng_state(), "counters": dict(counters)}
         if self.metrics is not None:
             mine["metrics"] = self.metrics.state_dict()
+        if self.health is not None:
+            mine["health"] = self.health.state_dict()
         every = [mine] if self.world == 1 else [None] * self.world  # DeepSpeed saves client state from rank 0 only
         if self.world > 1:
             dist.all_gather_object(every, mine)
@@ -84,6 +87,8 @@ class Checkpointer:
         # the metrics window of an interval the checkpoint cut (checkpoints before it was kept have none); a
         # branch is a run of its own, whose first window starts with it
         windows = client.get("metrics") if self.metrics is not None and not branch else None
+        if self.health is not None and client.get("health"):  # the same on every rank; a branch's too
+            self.health.load_state_dict(client["health"][0])
         if len(client["stream"]) == world:
             self.position.load_state_dict(client["stream"][rank])
             set_rng_state(client["rng"][rank], f"{folder / tag}")

@@ -4,7 +4,8 @@ The loop adds each micro-batch's losses, counts and FLOPs to a MetricsWindow; th
 micro-step reads nothing back (on a GPU each read would wait for it). At a log step the window is reduced over
 ranks in one collective and read back once: losses averaged over ranks and micro-batches, throughput summed over
 ranks (tokens: non-padding), the share of the batches' positions that are padding, TFLOP/s and MFU per device
-(engine/flops.py), the gradient norm and the loss scale.
+(engine/flops.py), the gradient norm and the loss scale. The health alarms' numbers (engine/health.py) come
+back with the same read.
 
 Log steps are every `train.log_every`-th step and the last of the schedule, wherever a run stops: a checkpoint
 carries the window's partial sums (`state_dict`), so a run stopped in the middle of an interval and resumed logs
@@ -26,9 +27,9 @@ class MetricsWindow:
     """The sums since the last log step, and the writers of the records (rank 0: metrics.jsonl and `tracker`;
     the other ranks write nothing but take part in the reduction)."""
 
-    def __init__(self, path: Path | None, tracker, engine, peak: float | None):
+    def __init__(self, path: Path | None, tracker, engine, peak: float | None, health=None):
         self.path, self.file = path, None  # opened at the first record: a resume truncates it after its load
-        self.tracker, self.engine, self.peak = tracker, engine, peak
+        self.tracker, self.engine, self.peak, self.health = tracker, engine, peak, health
         self._reset()
 
     def state_dict(self) -> dict:
@@ -88,7 +89,9 @@ class MetricsWindow:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
             dist.all_reduce(sums)
-        loss, *parts, micro, tokens, samples, flops, positions = sums.tolist()
+        alarms = self.health.values() if self.health is not None else None  # read with the sums, once
+        values = (sums if alarms is None else torch.cat([sums, alarms])).tolist()
+        loss, *parts, micro, tokens, samples, flops, positions = values[:len(sums)]
         seconds = time.perf_counter() - self.started  # after the sync: the GPU has finished the window's work
         micro = max(micro, 1)
         device_flops = flops / world / seconds
@@ -107,6 +110,8 @@ class MetricsWindow:
             record["loss_scale"] = float(self.engine.optimizer.cur_scale)
         self.write(record)
         self._reset()
+        if self.health is not None:
+            self.health.read(step, values[len(sums):], record["loss"])
         return record
 
     def write(self, record: dict) -> None:

@@ -3,11 +3,11 @@ wrote the checkpoint (a copy inside each tag, `config.yaml`; for tags written be
 directory's `config.yaml`) before anything in the run directory is written.
 
 Paths compare as absolute paths (against the working directory), and `resume` itself is no change. Keys that
-only say how long, how often or where to report (MAY_CHANGE) may differ; the changes are recorded
-in `resume_changes.jsonl` and on the MLflow run. Any other difference (a batch size, a method option, the
-precision, the ZeRO stage, the data) would continue another experiment on this one's weights, or fail deep
-inside DeepSpeed: it is refused, naming every differing key, unless the config says `resume_changes: allow`,
-which is recorded the same way.
+only say how long, how often or where to report, or what a health alarm does (MAY_CHANGE) may differ; the
+changes are recorded in `resume_changes.jsonl` and on the MLflow run. Any other difference (a batch size, a
+method option, the precision, the ZeRO stage, the data) would continue another experiment on this one's weights,
+or fail deep inside DeepSpeed: it is refused, naming every differing key, unless the config says
+`resume_changes: allow`, which is recorded the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pretrieve.utils.run_dir import TAG_CONFIG
 MAY_CHANGE = ("run_dir", "resume", "resume_changes", "init_checkpoint", "train.max_steps", "train.stop_at",
               "train.log_every", "train.eval_every", "train.max_runtime", "train.startup_timeout", "train.peak_flops",
               "checkpoint.every", "checkpoint.keep", "data.num_workers", "data.check_shards",
-              "data.corpora", "tracking.")
+              "data.corpora", "tracking.", "train.health", "train.health.")
 # how this invocation starts, not what it continues: never a change
 NOT_COMPARED = ("resume",)
 # file locations: a relative and an absolute path to one file are the same setting

@@ -5,8 +5,9 @@ A recipe builds a TrainingJob (the module, its loader and position, counts, FLOP
 run starts (fresh, resumed from `latest`, or branched from another run's checkpoint, after resume_check has
 compared configs) -> deepspeed.initialize (ds_configs/, "auto" filled from `train:`) -> load the checkpoint
 (engine/checkpoint.py) -> forward, backward, step; the MetricsWindow (engine/metrics.py) writes metrics.jsonl
-every `log_every` steps; held-out loss (engine/validation.py); a checkpoint every `checkpoint.every` steps and at
-the end; a stop signal or `train.max_runtime` (engine/preemption.py) saves at the next step boundary and exits.
+every `log_every` steps, where the health alarms (engine/health.py) judge the window; held-out loss
+(engine/validation.py); a checkpoint every `checkpoint.every` steps and at the end, never of a non-finite state; a
+stop signal or `train.max_runtime` (engine/preemption.py) saves at the next step boundary and exits.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ from pretrieve.engine.deepspeed_import import import_deepspeed
 from pretrieve.engine.determinism import deterministic
 from pretrieve.engine.ds_config import deepspeed_config
 from pretrieve.engine.flops import device_peak
+from pretrieve.engine.health import Health
 from pretrieve.engine.lr_schedule import LRSchedule
 from pretrieve.engine.metrics import MetricsWindow, plain_grad_norm, truncate_metrics
 from pretrieve.engine.optimizer import client_optimizer, clip_in_loop
@@ -39,6 +41,7 @@ from pretrieve.engine.universal import is_universal
 from pretrieve.engine.validation import Validation
 from pretrieve.engine.world import forget_cpu_allreduce_buffer, unlink_cpu_allreduce_buffer
 from pretrieve.progress import Progress
+from pretrieve.utils.health_options import health_options
 from pretrieve.utils.run_dir import latest_checkpoint, write_atomic
 from pretrieve.utils.run_lock import DirectoryLock
 
@@ -65,7 +68,8 @@ class TrainingJob:
     module: torch.nn.Module  # forward(batch) -> {"loss": ..., other named loss parts}
     loader: Any  # re-iterable over batches (dicts of tensors)
     position: Any  # where the loader is: state_dict() / load_state_dict(), saved in every checkpoint, and
-    #               describe_position() for the line a resumed run prints
+    #               describe_position() for the line a resumed run prints; optionally `last_batch` (where the
+    #               batch just yielded came from, kept on the host) and describe_batch(that) for a health alarm
     count: Callable[[dict], tuple[int, int, int]]  # (samples, non-padding tokens, positions) of a batch
     flops: Callable[[dict], int]  # training FLOPs of a micro-batch (engine.flops)
     export: Callable[[Path], Any]  # rank 0, after the final checkpoint: run_dir -> run_dir/export
@@ -199,6 +203,7 @@ def _run_training(exp: RunExperiment, build_job, rank: int, world: int, stop: St
     tracker = None
     if rank == 0:
         config = {**with_defaults(start.config, exp.section_classes(start.config)), **job.resolved}  # what ran
+        config["train"] = {**config["train"], "health": asdict(health_options(exp.train.health))}
         tracker = Tracker(exp.tracking, run_dir, run_params(config, ds_config), job.tags, fresh=start.fresh)
         record_changes(run_dir, start.tag, start.changes, tracker)
     try:
@@ -212,10 +217,13 @@ def _run_training(exp: RunExperiment, build_job, rank: int, world: int, stop: St
 def _train(exp: RunExperiment, job: TrainingJob, engine, ds_config: dict, start: _Start, tracker: Tracker | None,
            rank: int, world: int, stop: StopFlag, clip: float | None) -> dict:
     run_dir, ckpt_dir = exp.run_dir, exp.run_dir / "checkpoints"
+    health = Health(health_options(exp.train.health), engine.device, rank, world,
+                    LRSchedule.of(exp.train).warmup_steps, engine.fp16_enabled(), run_dir, tracker, job.position)
     window = MetricsWindow(run_dir / "metrics.jsonl" if rank == 0 else None, tracker, engine,
-                           device_peak(engine.device, exp.train.precision, exp.train.peak_flops) if rank == 0 else None)
+                           device_peak(engine.device, exp.train.precision, exp.train.peak_flops) if rank == 0 else None,
+                           health)
     checkpoints = Checkpointer(engine, ckpt_dir, job.position, exp.checkpoint.keep, rank, world, start.config_yaml,
-                               metrics=window)
+                               metrics=window, health=health)
     counters = {"samples": 0, "tokens": 0}
     if not start.fresh:
         # a branch takes everything of another run's checkpoint but its schedule, which starts at that step
@@ -224,7 +232,7 @@ def _train(exp: RunExperiment, job: TrainingJob, engine, ds_config: dict, start:
         if rank == 0:
             truncate_metrics(run_dir / "metrics.jsonl", engine.global_steps)  # a crashed attempt's later steps rerun
     try:
-        _train_steps(exp, job, engine, window, checkpoints, counters, stop, world, clip)
+        _train_steps(exp, job, engine, window, checkpoints, counters, stop, world, clip, health)
     finally:
         window.close()
     if world > 1:  # the run's totals; this also waits for every rank's last checkpoint shard
@@ -241,16 +249,20 @@ def _train(exp: RunExperiment, job: TrainingJob, engine, ds_config: dict, start:
 
 
 def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWindow, checkpoints: Checkpointer,
-                 counters: dict, stop: StopFlag, world: int, clip: float | None = None) -> None:
+                 counters: dict, stop: StopFlag, world: int, clip: float | None = None,
+                 health: Health | None = None) -> None:
     """The loop: micro-batches until step `train.stop_at` (or `max_steps`), or a stop signal's checkpoint."""
+    health = health or Health.off(engine.device)
     last_step = min(exp.train.max_steps, exp.train.stop_at or exp.train.max_steps)  # of this invocation
     eval_every = exp.train.eval_every or exp.train.max_steps  # held-out loss: every N steps, and at the end
     trainable = [p for p in engine.module.parameters() if p.requires_grad] if clip is not None else []
     bar = Progress(exp.train.max_steps, job.name, unit="step", enabled=checkpoints.rank == 0,
                    initial=engine.global_steps)
+    health.progress = bar
     try:
         while engine.global_steps < last_step:
             for batch in job.loader:
+                origin = getattr(job.position, "last_batch", None)  # host-side: an alarm names its samples
                 # counted on the host before the copy: counting device tensors would wait for the GPU each step
                 samples, tokens, positions = job.count(batch)
                 flops = job.flops(batch)
@@ -258,6 +270,7 @@ def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWi
                 if job.at_step is not None:
                     job.at_step(engine.global_steps)
                 out = engine(batch)
+                health.add_micro(engine.global_steps + 1, out["loss"], origin)  # judged on the device
                 engine.backward(out["loss"])
                 boundary = engine.is_gradient_accumulation_boundary()  # asked before step(), which advances it
                 # the same steps wherever the run stops: a stop between them carries the window (checkpoint.py)
@@ -266,6 +279,7 @@ def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWi
                 if clip is not None and boundary:  # clip_in_loop: the module's gradients, averaged over ranks
                     norm = torch.nn.utils.clip_grad_norm_(trainable, clip, foreach=True)
                 grad_norm = (float(norm) if clip is not None else plain_grad_norm(engine)) if log_now else None
+                step_norm = health.norm_before_step(engine, norm if clip is not None else None) if boundary else None
                 lr = engine.get_lr()[0]  # the lr of this update: step() moves the schedule on
                 engine.step()
                 counters["samples"] += samples
@@ -274,16 +288,20 @@ def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWi
                 if not boundary:
                     continue
                 step = engine.global_steps
+                health.add_step(step, lr, step_norm, engine)
                 if log_now:  # before the count: the line the count may print shows this step's loss
                     record = window.log(step, lr, grad_norm)
-                    bar.postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+                    bar.postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                                **health.figures())
                 bar.update(1)
+                health.stop_if_alarmed()  # after the progress line shows it, before this step's checkpoint
                 if job.validation is not None and (step % eval_every == 0 or step == exp.train.max_steps):
                     window.write({"step": step, **job.validation.evaluate(engine, engine.device)})
                 stopping = (world == 1 or log_now or step % exp.checkpoint.every == 0 or step == last_step) \
                     and stop.should_stop(world, engine.device)
                 if step % exp.checkpoint.every == 0 or step == last_step or stopping:
-                    saved = checkpoints.save(step, counters)
+                    saved = checkpoints.save(step, counters) if health.may_save(step, log_now) else \
+                        latest_checkpoint(exp.run_dir)
                 if stopping:  # a Stop: preempted or interrupted
                     if window.tracker is not None:
                         window.tracker.finish("KILLED")  # reopened by resume=auto

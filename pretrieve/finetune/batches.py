@@ -49,6 +49,7 @@ class GroupLoader:
         self.batch_size, self.negatives, self.seed, self.rank, self.world = batch_size, negatives, seed, rank, world
         self.query_max_len, self.passage_max_len, self.teacher_scores = query_max_len, passage_max_len, teacher_scores
         self.epoch, self.taken = 0, 0
+        self.last_batch: tuple[int, list[int]] | None = None  # (epoch, example rows) of the batch just yielded
         self.query_prompt, self.passage_prompt = prompts  # put before each query / passage (finetune options)
         # a query's tokens: query_max_len of its own after the prompt's (the module docstring)
         self.query_length = query_max_len + prompt_tokens(tokenizer, self.query_prompt)
@@ -64,6 +65,11 @@ class GroupLoader:
         per_epoch = self.batches_per_epoch * self.world * self.batch_size
         return f"epoch {self.epoch}, {self.state_dict()['examples']} of its {per_epoch} examples read"
 
+    def describe_batch(self, origin: tuple[int, list[int]]) -> str:
+        """The examples (file:line) of the batch `origin` (last_batch) names, for a health alarm."""
+        epoch, rows = origin
+        return f"examples {', '.join(self.examples[row].where or str(row) for row in rows)} (epoch {epoch})"
+
     def __iter__(self):
         """The rest of the current epoch (the next one when it is used up)."""
         if self.taken >= self.batches_per_epoch:
@@ -74,6 +80,7 @@ class GroupLoader:
             start = (self.taken * self.world + self.rank) * self.batch_size
             rows = order[start:start + self.batch_size]
             self.taken += 1  # before the yield: a checkpoint taken after this batch resumes at the next one
+            self.last_batch = (self.epoch, rows)
             yield self.collate(rows)
 
     def group(self, row: int) -> tuple[str, list[str], list[float] | None]:

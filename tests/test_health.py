@@ -119,16 +119,22 @@ def test_a_model_that_sees_its_targets_collapses_the_loss_and_stops(tmp_path, wi
                                                                                   f"{stopped}")
 
 
+def _stopped(run_dir: Path, manifest: Path, fault: str, step: int, code: int, every: int) -> str:
+    """An 8-step run logging every 2 steps and saving every `every`, with `fault` from step `step` on: ended by an
+    alarm with exit `code`. Its stderr."""
+    done = _run(run_dir, manifest, fault, step, "train.max_steps=8", "train.log_every=2", f"checkpoint.every={every}")
+    assert done.returncode == code, done.stderr[-3000:]
+    return done.stderr
+
+
 def test_no_gradient_reaching_the_weights_stops_at_the_first_window_without_one(tmp_path, wiki_shards):
     """From step 4 on the loss is cut off from the graph: the window of steps 3-4 still had a gradient, the one of
     steps 5-6 has none, and the run stops at step 6, exit 89."""
     run_dir = tmp_path / "runs" / "frozen"
-    done = _run(run_dir, wiki_shards / "manifest.json", "frozen", 4, "train.max_steps=8", "train.log_every=2",
-                "checkpoint.every=4")
-    assert done.returncode == 89, done.stderr[-3000:]
+    stderr = _stopped(run_dir, wiki_shards / "manifest.json", "frozen", 4, 89, every=4)
     assert "pretrieve pretrain: alarm zero_grad_norm at step 6: the gradient norm was 0 at every step of the window " \
-           "(steps 5-6); likely no gradient reaches the trained weights" in done.stderr, done.stderr[-3000:]
-    assert "`latest` stays step00000004; exit 89 (train.health.zero_grad_norm: stop)" in done.stderr
+           "(steps 5-6); likely no gradient reaches the trained weights" in stderr, stderr[-3000:]
+    assert "`latest` stays step00000004; exit 89 (train.health.zero_grad_norm: stop)" in stderr
     assert _logged_steps(run_dir) == [2, 4, 6] and _tags(run_dir) == ["step00000004"]
     assert _mlflow_run(run_dir).data.tags["pretrieve.health.zero_grad_norm"].startswith("stop: alarm zero_grad_norm")
 
@@ -136,12 +142,10 @@ def test_no_gradient_reaching_the_weights_stops_at_the_first_window_without_one(
 def test_a_schedule_that_ends_before_max_steps_stops_at_its_first_zero_lr(tmp_path, wiki_shards):
     """The schedule's lr is 0 from step 5 of 8 (the warm-up is step 1): the run stops at step 6, exit 90."""
     run_dir = tmp_path / "runs" / "lr"
-    done = _run(run_dir, wiki_shards / "manifest.json", "lr", 5, "train.max_steps=8", "train.log_every=2",
-                "checkpoint.every=8")
-    assert done.returncode == 90, done.stderr[-3000:]
+    stderr = _stopped(run_dir, wiki_shards / "manifest.json", "lr", 5, 90, every=8)
     assert "pretrieve pretrain: alarm zero_lr at step 6: the learning rate is 0 at step 5, after the warm-up's 1 " \
-           "step; likely a schedule that ends before train.max_steps" in done.stderr, done.stderr[-3000:]
-    assert "no checkpoint was saved yet; exit 90 (train.health.zero_lr: stop)" in done.stderr
+           "step; likely a schedule that ends before train.max_steps" in stderr, stderr[-3000:]
+    assert "no checkpoint was saved yet; exit 90 (train.health.zero_lr: stop)" in stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 6] and records[-1]["lr"] == 0 and records[1]["lr"] > 0
     assert _mlflow_run(run_dir).data.tags["pretrieve.health.zero_lr"].startswith("stop: alarm zero_lr at step 6")
@@ -201,3 +205,55 @@ def test_a_fine_tuning_batch_is_named_by_its_examples():
     assert loader.describe_batch(loader.last_batch) == \
         f"examples {', '.join(examples[row].where for row in rows)} (epoch {epoch})"
     assert all(examples[row].where.startswith(f"{SAMPLES}/finetune/embedder_retrieval_msmarco.jsonl:") for row in rows)
+
+
+def test_a_run_resumed_with_more_steps_trains_on_at_its_new_schedule(tmp_path, wiki_shards):
+    """A finished 2-step run (linear: its lr is 0 after step 2) resumed with train.max_steps=4 trains step 3 at
+    the new schedule's lr, not the old schedule's 0: no zero_lr alarm, the lr of each step its formula's."""
+    from pretrieve.engine.lr_schedule import LRSchedule
+
+    run_dir, manifest = tmp_path / "runs" / "longer", wiki_shards / "manifest.json"
+    for steps, resume in ((2, []), (4, ["resume=auto"])):
+        done = _run(run_dir, manifest, "", 0, f"train.max_steps={steps}", "train.log_every=1",
+                    "checkpoint.every=2", "train.warmup_ratio=0", "tracking.enabled=false", *resume)
+        assert done.returncode == 0, done.stderr[-3000:]
+    lrs = [json.loads(line)["lr"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    longer = LRSchedule("linear", total_steps=4, warmup_steps=0)
+    assert lrs == pytest.approx([1e-4, 0.5e-4, 1e-4 * longer.factor(2), 1e-4 * longer.factor(3)], rel=1e-12)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_stream_names_the_samples_of_each_batch_it_yielded(wiki_shards, workers):
+    """What a NaN's line names: `last_batch` read again gives each batch's own samples, worker by worker."""
+    from pretrieve.data.stream import ShardStream, StreamLoader
+
+    stream = ShardStream([wiki_shards / "manifest.json"], seed=3, shuffle_buffer=16)
+    for batch in islice(StreamLoader(stream, batch_size=5, num_workers=workers), 9):
+        shards = {}
+        for sample in batch:
+            shards.setdefault(sample["shard_file"], []).append(str(sample["index"]))
+        assert stream.describe_batch(stream.last_batch) == "; ".join(
+            f"shard {shard} sample{'s' * (len(found) > 1)} {', '.join(found)}" for shard, found in shards.items()) \
+            + " (epoch 0)"
+
+
+@pytest.mark.integration
+def test_a_nan_on_one_of_two_ranks_stops_both_at_its_step(tmp_path, wiki_shards):
+    """Two CPU ranks under the deepspeed launcher (ZeRO 2, a log line a step), rank 1's loss NaN at step 4: both
+    ranks stop there with exit 87 (the window's verdict is reduced over ranks), rank 1 names its own batch, rank 0
+    says another rank's fed it, and `latest` stays on step 2."""
+    from fault_runs import two_ranks
+    from inject_fault import python_with_fault
+    from test_launchers import _env
+
+    run_dir = tmp_path / "run"
+    done = subprocess.run(two_ranks(run_dir, wiki_shards / "manifest.json"), capture_output=True, text=True,
+                          timeout=600, check=False, env=_env(PRETRIEVE_PYTHON=str(python_with_fault(tmp_path)),
+                                                             FAULT_AT="nan", FAULT_STEP="4", FAULT_RANK="1"))
+    output = done.stdout + done.stderr
+    assert done.returncode == 87, output[-3000:]
+    assert "pretrieve: rank 1: the non-finite loss of step 4 came from shard " in output, output[-3000:]
+    assert output.count("pretrieve pretrain: alarm nonfinite at step 4: the loss is not finite (NaN or inf) at step "
+                        "4") == 1
+    assert "fed by another rank's micro-batch (that rank's line names it)" in output
+    assert latest_checkpoint(run_dir) == "step00000002" and _tags(run_dir) == ["step00000002"]

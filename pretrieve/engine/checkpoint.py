@@ -82,8 +82,10 @@ class Checkpointer:
         _, client = self.engine.load_checkpoint(str(folder), tag=tag, load_lr_scheduler_states=not branch)
         if client is None:
             raise RuntimeError(f"{folder / tag}: DeepSpeed could not load this checkpoint (see its log above)")
-        if branch:
-            start_at(self.engine.lr_scheduler, self.engine.global_steps)
+        # this config's schedule from the checkpoint's step: the lr the checkpoint holds when train.max_steps is
+        # the same; with a longer one (a run extended) not the old schedule's, 0 at its end (the zero_lr alarm);
+        # a branch's own schedule
+        start_at(self.engine.lr_scheduler, self.engine.global_steps)
         # the metrics window of an interval the checkpoint cut (checkpoints before it was kept have none); a
         # branch is a run of its own, whose first window starts with it
         windows = client.get("metrics") if self.metrics is not None and not branch else None

@@ -75,7 +75,7 @@ class Health:
         self._reset()
 
     @classmethod
-    def off(cls, device) -> "Health":
+    def off(cls, device) -> Health:
         """Every alarm off: the loop's own checks skipped, nothing judged."""
         return cls(HealthOptions(**dict.fromkeys(HEALTH_EXIT_CODES, "off")), device, 0, 1, 0, False, Path("."))
 
@@ -141,7 +141,8 @@ class Health:
         if all(value is None for value in kept):
             return None
         flags = torch.stack([torch.full((), default, dtype=torch.float64, device=self.device) if value is None
-                             else value.to(torch.float64) for value, default in zip(kept, (math.inf, math.inf, 0.0))])
+                             else value.to(self.device, torch.float64)  # an offloaded optimizer's norm: on the CPU
+                             for value, default in zip(kept, (math.inf, math.inf, 0.0))])
         if self.world == 1:
             return flags
         import torch.distributed as dist

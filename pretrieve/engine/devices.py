@@ -56,9 +56,11 @@ def _entries(ids: list[int], where: str) -> list[str]:
     return [entries[i] for i in ids]
 
 
-def visible_env(devices: list[str] | None) -> dict | None:
-    """This process's environment with CUDA_VISIBLE_DEVICES set to `devices` (None: left as it is)."""
-    return None if devices is None else {**os.environ, VISIBLE: ",".join(devices)}
+def visible_env(devices: list[str] | None, env: dict | None = None) -> dict | None:
+    """`env` (None: this process's environment) with CUDA_VISIBLE_DEVICES set to `devices` (None: left as it is)."""
+    if devices is None:
+        return env
+    return {**(os.environ if env is None else env), VISIBLE: ",".join(devices)}
 
 
 def worker_device(worker: int) -> str | None:

@@ -268,9 +268,9 @@ def _tracking_uri(farm: dict) -> str:
     return farm["tracking"].get("uri") or f"sqlite:///{Path(farm['out']).resolve() / 'mlflow.db'}"
 
 
-def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = True) -> dict:
+def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = True, env: dict | None = None) -> dict:
     """Run (or, with `slurm_jobs`, list) the pending fine-tuning chains, then the pending evaluation jobs; log
-    every done job to MLflow once."""
+    every done job to MLflow once. `env`: the jobs' environment (None: this process's)."""
     farm = load_farm(path)
     check_out(farm)
     jobs = jobs_of(farm)
@@ -302,7 +302,7 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
     with bar, ChildProcesses() as children, ThreadPoolExecutor(max_workers=at_once) as pool:
         names = list(chains)
         logs = [finetune_dir(Path(farm["out"]), {"name": n}) / "finetune.log" for n in names]
-        for name, error in zip(names, pool.map(lambda a: _run(children, a[0], a[1], None, devices, ranks),
+        for name, error in zip(names, pool.map(lambda a: _run(children, a[0], a[1], None, devices, env, ranks),
                                                zip(chains.values(), logs))):
             report(f"{name}/finetune", error)
         runnable = [job for job in pending if job.stage == "zero-shot" or finetuned(job.model)]
@@ -311,7 +311,7 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
                 report(job.name, STOPPED if children.stopped else
                        f"no fine-tuned model at {job.model} (its fine-tuning chain failed)")
         for job, error in zip(runnable, pool.map(lambda j: _run(children, j.eval_args(farm["eval"]),
-                                                                j.out / "eval.log", j, devices), runnable)):
+                                                                j.out / "eval.log", j, devices, env), runnable)):
             report(job.name, error)
     if children.stopped:  # what finished is done (and logged by the next run); the rest is not
         raise stop_exit(children.stopped, f"{len(stopped)} of {len(chains) + len(pending)} jobs stopped or not "
@@ -337,11 +337,12 @@ def _placement(farm: dict, path: str | Path, ranks: int) -> tuple[DevicePool | N
 
 
 def _run(children: ChildProcesses, args: list[str], log: Path, job: Job | None, devices: DevicePool | None,
-         needs: int = 1) -> str | None:
-    """Run `pretrieve ARGS` in its own process on `needs` devices of `devices` (waiting for them to be free),
-    output to `log`; None on success, STOPPED, or where to read why it failed."""
+         env: dict | None, needs: int = 1) -> str | None:
+    """Run `pretrieve ARGS` in its own process, in environment `env` (None: this process's), on `needs` devices of
+    `devices` (waiting for them to be free), output to `log`; None on success, STOPPED, or where to read why it
+    failed."""
     with nullcontext() if devices is None else devices.held(needs) as held:
-        code = children.run_job([sys.executable, "-m", "pretrieve", *args], log, env=visible_env(held))
+        code = children.run_job([sys.executable, "-m", "pretrieve", *args], log, env=visible_env(held, env))
     if code is STOPPED:
         return STOPPED
     if code != 0 or (job is not None and not job.done()):

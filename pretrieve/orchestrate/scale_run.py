@@ -4,11 +4,12 @@ One MLflow parent run per study (tagged `pretrieve.study = <name>`, `pretrieve.s
 that tag, so a re-run continues it). Each point is `pretrieve pretrain` of its plan entry (pretrieve/scale/plan.py)
 with `resume=auto`, in its own process, logged as a child run of the parent tagged N, N_total, D, C, method,
 seed and size, with `val_loss` (and, once finished, `val_loss_final` and `val_loss_best`) when the study has
-validation data. A point is done when its export exists: a
-re-run skips it, and one that stopped (killed, preempted, `train.stop_at`) continues from its checkpoint. A
-failing point is reported with its log and stops nothing else. `workers` points run at a time (`run.workers`,
-default 1). Then the finished points go to `pretrieve farm` (`<out>/farm.yaml`: the study's `evaluation`
-datasets, stages and eval settings), whose runs nest under each point's run and which skips done jobs.
+validation data. The points run through orchestrate/pretrain_runs.py, as a method study's arms do: a point is
+done when its export exists; a re-run skips it, and one that stopped (killed, preempted, `train.stop_at`)
+continues from its checkpoint. A failing point is reported with its log and stops nothing else. `workers` points
+run at a time (`run.workers`, default 1). Then the finished points go to `pretrieve farm` (`<out>/farm.yaml`: the
+study's `evaluation` datasets, stages and eval settings), whose runs nest under each point's run and which skips
+done jobs.
 
 With `--slurm JOBS` nothing runs here: the pending points' `pretrain` lines are written to JOBS for
 `launchers/slurm/eval_farm.sbatch` (one array task each, one rank); once they have run, the same command
@@ -24,14 +25,9 @@ writes the pending evaluation jobs, then logs the finished ones.
 from __future__ import annotations
 
 import json
-import shlex
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pretrieve.engine.child_processes import STOPPED, ChildProcesses
-from pretrieve.engine.preemption import stop_exit
-from pretrieve.progress import Progress
+from pretrieve.orchestrate import pretrain_runs as runner
 from pretrieve.scale.plan import Point, base_config, plan, study_out, study_workers, write_plan
 from pretrieve.scale.study import KIND_TAG, STUDY_TAG
 from pretrieve.utils.run_dir import write_atomic
@@ -51,6 +47,13 @@ def pretrain_args(study: dict, point: Point, parent: str | None) -> list[str]:
     if parent:
         record.append(f"tracking.parent_run_id={parent}")
     return ["pretrain", base_config(study, point.method), *point.overrides, "resume=auto", *record]
+
+
+def pretrain_run(study: dict, point: Point, parent: str | None, out: Path) -> runner.PretrainRun:
+    """A point as a run of orchestrate/pretrain_runs.py: done once its export's weights are written."""
+    folder = out / "points" / point.id
+    return runner.PretrainRun(point.id, pretrain_args(study, point, parent),
+                              folder / "export" / "model.safetensors", folder / "pretrain.log")
 
 
 def log_validation_summary(run_dir: Path) -> None:
@@ -98,53 +101,24 @@ def farm_config(study: dict, points: list[Point], out: Path) -> dict:
 
 
 def run_study(path: str | Path, slurm_jobs: str | None = None, progress: bool = True) -> dict:
-    from pretrieve.orchestrate.farm import run_farm  # stopped by a signal, it ends the study's run too
-
     study, points = plan(path)
     write_plan(study, points)
     out = study_out(study)
     parent = study_parent(study)
     write_atomic(out / "study.json", json.dumps({"study": study["name"], "parent_run_id": parent,
                                                  "tracking_uri": study["tracking"]["uri"]}, indent=1))
-    pending = [p for p in points if not point_done(p, out)]
-    failed: dict[str, str] = {}
+    runs = [pretrain_run(study, point, parent, out) for point in points]
+    pending = [run for run in runs if not run.done()]
     if slurm_jobs is not None and pending:
-        write_atomic(Path(slurm_jobs), "".join(shlex.join(pretrain_args(study, p, parent)) + "\n" for p in pending))
-        return {"points": len(points), "pending_for_slurm": len(pending), "parent_run_id": parent}
-
-    def pretrain(point: Point) -> str | None:
-        """None once pre-trained; else why not (STOPPED: a stop signal cut it off or kept it from starting)."""
-        log = out / "points" / point.id / "pretrain.log"
-        code = children.run_job([sys.executable, "-m", "pretrieve", *pretrain_args(study, point, parent)], log,
-                                append=True)
-        if code is STOPPED:
-            return STOPPED  # its checkpoint is saved: the next run resumes it
-        if code != 0 or not point_done(point, out):
-            return f"exit {code} (log: {log})"
-        log_validation_summary(out / "points" / point.id)
-        return None
-
-    bar = Progress(len(pending), "scale: pre-training", unit="point", enabled=progress)
-    with bar, ChildProcesses() as children, ThreadPoolExecutor(max_workers=study_workers(study)) as pool:
-        for point, error in zip(pending, pool.map(pretrain, pending)):
-            if error is STOPPED:
-                continue
-            if error:
-                failed[point.id] = error
-            if progress:
-                bar.note(f"scale: {point.id} {'failed: ' + error if error else 'pre-trained'}")
-            bar.update()
-    if children.stopped:  # the finished points are done; the others resume from their checkpoints next time
-        left = [p for p in pending if not point_done(p, out)]
-        raise stop_exit(children.stopped, f"{len(left)} of {len(points)} points not pre-trained yet (the next run "
-                                          "resumes each from its latest checkpoint)",
-                        "run the same command again to continue")
+        return {"points": len(points), "pending_for_slurm": runner.list_for_slurm(runs, slurm_jobs),
+                "parent_run_id": parent}
+    failed = runner.pretrain_runs(runs, study_workers(study), unit="point", label="scale", progress=progress,
+                                  after=lambda run: log_validation_summary(run.log.parent))
     finished = [p for p in points if point_done(p, out)]
     evaluated = {}
     if finished and (study.get("evaluation") or {}).get("datasets"):
-        farm_path = out / "farm.yaml"
-        write_atomic(farm_path, json.dumps(farm_config(study, finished, out), indent=1))  # JSON is YAML
-        evaluated = run_farm(farm_path, slurm_jobs=slurm_jobs, progress=progress)
+        evaluated = runner.evaluate(farm_config(study, finished, out), out / "farm.yaml", slurm_jobs=slurm_jobs,
+                                    progress=progress)
         failed.update(evaluated.get("failed", {}))
     return {"points": len(points), "pretrained": len(finished), "skipped": len(points) - len(pending),
             "failed": failed, "evaluation": evaluated, "parent_run_id": parent}

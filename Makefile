@@ -100,7 +100,7 @@ demo: install
 test: install
 	$(VENV_PY) -m pytest -q --durations=30 $(call XDIST,loadfile) -m "not integration and not cluster and not parity" tests
 
-# slow end-to-end tests (a scaling study run, the quality benchmark's smoke run, as root an install from a
+# slow end-to-end tests (a scaling study run, the method studies' smoke runs, as root an install from a
 # wheelhouse in a network namespace with no network); .ci/run runs them after `test`
 test-integration: install
 	$(VENV_PY) -m pytest -q --durations=10 $(call XDIST,load) -m integration tests
@@ -133,8 +133,8 @@ test-gpu: install
 	        --out benchmarks/results/pretrain_throughput_gpu.json || exit 1; \
 	done
 	$(VENV_PY) -m benchmarks.unpadding --size base --out benchmarks/results/unpadding_gpu.json
-	# what pre-training buys after the same fine-tuning, at the gpu scale (docs/benchmarks.md; ~25 min, resumable)
-	$(VENV_PY) benchmarks/quality.py --scale gpu --data $(QUALITY_DATA)
+	# what pre-training buys after the same fine-tuning, at the gpu scale (studies/quality/README.md; ~25 min, resumable)
+	$(VENV_PY) -m pretrieve study run studies/quality/gpu.yaml --data $(QUALITY_DATA)
 
 # what one short GPU job carries besides the repository (64 MiB in all): the wheels the node lacks and the quality
 # study's data, made here with network (tools/gpu_bundle.py; docs/offline.md, "A short GPU allocation")

@@ -7,7 +7,7 @@ import faulthandler
 import sys
 
 from pretrieve import __version__
-from pretrieve.commands import data, estimate, evaluation, finetune, scale, training
+from pretrieve.commands import data, estimate, evaluation, finetune, scale, study, training
 from pretrieve.engine.preemption import (INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Stopped, end_by_sigint_at_exit,
                                         hold_stop_signals)
 from pretrieve.engine.process_exit import exit_before_teardown, leave_process_group
@@ -21,7 +21,7 @@ COMMANDS = (
     estimate.add_estimate,
     finetune.add_finetune, finetune.add_finetune_stages, finetune.add_mine, finetune.add_teacher_scores,
     evaluation.add_encode, evaluation.add_eval, evaluation.add_farm, evaluation.add_track, evaluation.add_report,
-    scale.add_scale,
+    scale.add_scale, study.add_study,
 )
 
 

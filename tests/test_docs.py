@@ -1,4 +1,4 @@
-"""The documentation: README.md, docs/ and launchers/README.md.
+"""The documentation: README.md, docs/, launchers/README.md and the method studies' READMEs (studies/*/).
 
 - Every relative link points at a file of the repository, and a `#anchor` at a heading of the page it names
   (GitHub's heading ids, which mkdocs.yml gives the site too).
@@ -28,10 +28,11 @@ import pytest
 from conftest import pretrain_env
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", ROOT / "launchers" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "launchers" / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+         *sorted((ROOT / "studies").glob("*/README.md"))]
 # what runnable blocks may read, linked into their folder; everything they write lands beside these links
-SOURCES = ("pretrieve", "configs", "ds_configs", "launchers", "benchmarks", "docs", "tools", "tests", "setup.py",
-           "Makefile", "README.md", "mkdocs.yml")
+SOURCES = ("pretrieve", "configs", "ds_configs", "launchers", "benchmarks", "studies", "docs", "tools", "tests",
+           "setup.py", "Makefile", "README.md", "mkdocs.yml")
 FENCE = re.compile(r"^(```+|~~~+)\s*([\w+-]*)")
 MARKER = re.compile(r"^<!--\s*runnable(?::\s*([\w-]+))?\s*-->$")
 KINDS = {None: "fast", "integration": "integration"}

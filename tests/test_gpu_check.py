@@ -144,7 +144,7 @@ def test_the_real_job_on_a_machine_without_cuda_records_every_stage(tmp_path):
 def test_recipe_stage_runs_the_budget_until_it_is_committed_then_the_arms(tmp_path):
     committed = tmp_path / "results" / "recipe-gpu-short.json"
     first = gpu_check.recipe_commands("py", tmp_path / "work", tmp_path / "bundle", "1-2", committed)
-    assert len(first) == 1 and first[0].argv[first[0].argv.index("--stage") + 1] == "budget"
+    assert len(first) == 1 and first[0].argv[first[0].argv.index("--part") + 1] == "budget"
     committed.parent.mkdir()
     committed.write_text(json.dumps({"budget": {"mean": {}}}))
     committed.with_name("recipe-gpu-short-per-query.json").write_text("{}")
@@ -153,7 +153,7 @@ def test_recipe_stage_runs_the_budget_until_it_is_committed_then_the_arms(tmp_pa
     # the committed seeds are copied where the job merges into them, and both files come back in the record
     assert copy_results.argv == ["cp", str(committed), str(tmp_path / "work" / committed.name)]
     assert copy_scores.argv[-1] == str(tmp_path / "work" / "recipe-gpu-short-per-query.json")
-    assert run.argv[run.argv.index("--stage") + 1:run.argv.index("--stage") + 4] == ["arms", "--seeds", "1-2"]
+    assert run.argv[run.argv.index("--part") + 1:run.argv.index("--part") + 4] == ["arms", "--seeds", "1-2"]
     assert run.argv[run.argv.index("--out") + 1] == str(tmp_path / "work" / "quality")  # the quality stage's base
     assert run.results == copy_results.argv[-1] and run.also == (copy_scores.argv[-1],)
 
@@ -186,18 +186,16 @@ def test_a_job_killed_mid_stage_keeps_what_it_measured(tmp_path):
 
 @pytest.mark.parametrize("text,seeds", [("0", {0}), ("1-2", {1, 2}), ("0,2", {0, 2}), (None, None)])
 def test_quality_seeds_option(text, seeds):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import quality
+    from pretrieve.study.studies import parse_seeds
 
-    assert quality.parse_seeds(text) == seeds
+    assert parse_seeds(text) == seeds
     with pytest.raises(ValueError, match="--seeds"):
-        quality.parse_seeds("a-b")
+        parse_seeds("a-b")
 
 
 def test_quality_results_name_paths_relative_to_the_repository():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import quality
+    from pretrieve.study.results import relative_paths
 
     inside, beside = str(ROOT / "bench-out" / "x"), str(ROOT.parent / "shared" / "data" / "beir")
-    assert quality.relative_paths({"a": [inside, {"b": beside}], "c": "/elsewhere/x", "d": 1}) == {
+    assert relative_paths({"a": [inside, {"b": beside}], "c": "/elsewhere/x", "d": 1}, ROOT) == {
         "a": ["bench-out/x", {"b": "../shared/data/beir"}], "c": "/elsewhere/x", "d": 1}

@@ -1,17 +1,17 @@
-"""benchmarks/quality.py --smoke: the protocol end to end on the bundled samples with a hidden-64 encoder and a
-few steps: settings fixed first, the labelled set, the base trained by MLM, each arm's continued pre-training
-(DeepSpeed), the farm's fine-tuning (`finetune-stages` up to stage 1, each arm with its paper's pooling) and
-evaluation, the paired bootstrap against none and mlm, the steps curve from one run's checkpoints, the domain
-adaptation on a target corpus, the plots; a second run finds its work done; other settings on the same work
-directory are refused; the gpu-short plan (make gpu-check's, derived from the gpu one, whose settings
-tests/test_quality_protocol.py checks) runs as two GPU jobs whose seeds merge. On the smoke run's work directory,
-benchmarks/recipe.py --smoke --stage all (BGE's recipe): the weak pairs of the study's training text, the base
-contrastive-trained and evaluated zero-shot with its pooling; none and retromae (the study's own run of it, not
-trained again), each contrastive-trained with [CLS] and with mean pooling, scored zero-shot and after the farm's
-fine-tuning with that pooling, normalised, compared with none; a job of other seeds keeps the first job's
-scores. benchmarks/matryoshka.py --smoke, on the same work directory: the recipe's contrastive stage from the
-same base, without and with matryoshka_dims, each model scored at every dimension. (The bundled SciFact sample
-stands in for every collection.)"""
+"""`pretrieve study run studies/quality/<scale>.yaml --smoke`: the protocol end to end on the bundled samples with a
+hidden-64 encoder and a few steps: settings fixed first, the labelled set, the base trained by MLM, each arm's
+continued pre-training (DeepSpeed), the farm's fine-tuning (`finetune-stages` up to stage 1, each arm with its
+paper's pooling) and evaluation, the paired bootstrap against none and mlm, the steps curve from one run's
+checkpoints, the domain adaptation on a target corpus, the plots; a second run finds its work done; other settings
+on the same work directory are refused; the gpu-short plan (make gpu-check's, whose settings
+tests/test_study_files.py checks) runs as two GPU jobs whose seeds merge. On the smoke run's work directory,
+`pretrieve study run studies/recipe/cpu.yaml --smoke --part all` (BGE's recipe): the weak pairs of the study's
+training text, the base contrastive-trained and evaluated zero-shot with its pooling; none and retromae (the
+study's own run of it, not trained again), each contrastive-trained with [CLS] and with mean pooling, scored
+zero-shot and after the farm's fine-tuning with that pooling, normalised, compared with none; a job of other seeds
+keeps the first job's scores. `pretrieve study run studies/matryoshka/cpu.yaml --smoke`, on the same work
+directory: the recipe's contrastive stage from the same base, without and with matryoshka_dims, each model scored
+at every dimension. (The bundled SciFact sample stands in for every collection.)"""
 
 import json
 import re
@@ -27,20 +27,21 @@ ROOT = Path(__file__).resolve().parent.parent
 ARMS = '{"none": 1, "mlm": 1, "retromae": 1, "dupmae": 1, "bow": 1, "lexmae": 1}'
 
 
-def _benchmark(name: str, tmp_path, *args) -> subprocess.CompletedProcess:
-    """benchmarks/NAME.py --smoke in tmp_path/work, its results to tmp_path/NAME.json."""
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke", "--out",
-                           str(tmp_path / "work"), "--results", str(tmp_path / f"{name}.json"), *args],
-                          env=pretrain_env(OMP_NUM_THREADS="2"), capture_output=True, text=True, timeout=900)
+def _study(name: str, tmp_path, *args, scale: str = "cpu") -> subprocess.CompletedProcess:
+    """`pretrieve study run studies/NAME/SCALE.yaml --smoke` in tmp_path/work, its results to tmp_path/NAME.json."""
+    return subprocess.run([sys.executable, "-m", "pretrieve", "study", "run", f"studies/{name}/{scale}.yaml", "--smoke",
+                           "--out", str(tmp_path / "work"), "--results", str(tmp_path / f"{name}.json"), *args],
+                          cwd=ROOT, env=pretrain_env(OMP_NUM_THREADS="2"), capture_output=True, text=True,
+                          timeout=900, check=False)
 
 
 def _smoke(tmp_path, *extra, scale="cpu"):
-    return _benchmark("quality", tmp_path, "--scale", scale, "--set", f"general.arms={ARMS}",
-                      "--set", 'domain.arms={"none": 1, "dupmae": 1}', *extra)
+    return _study("quality", tmp_path, "--set", f"general.arms={ARMS}", "--set", 'domain.arms={"none": 1, "dupmae": 1}',
+                  *extra, scale=scale)
 
 
 def _recipe(tmp_path, *extra):
-    return _benchmark("recipe", tmp_path, "--stage", "all", *extra)
+    return _study("recipe", tmp_path, "--part", "all", *extra)
 
 
 def _finetuned(work: Path, arm: str) -> dict:
@@ -108,7 +109,7 @@ def test_quality_smoke_runs_the_protocol_and_resumes(tmp_path):
 def _check_matryoshka(tmp_path: Path) -> None:
     """The Matryoshka benchmark on the same work directory: two contrastive runs from the study's base, each
     evaluated at every dimension, the Matryoshka one logging each dimension's loss."""
-    done = _benchmark("matryoshka", tmp_path)
+    done = _study("matryoshka", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     _check_matryoshka_results(json.loads((tmp_path / "matryoshka.json").read_text()), tmp_path / "work")
 

@@ -1,25 +1,40 @@
 """The quality study's protocol parts that need no training (pretrieve/study/): the paired bootstrap
 and its summaries, the labelled fine-tuning set (deterministic, no evaluated query in it), the settings of each
-scale and their fixing before any result. The end-to-end run is tests/test_quality_benchmark.py."""
+scale (studies/quality/<scale>.yaml, studies/recipe/<scale>.yaml) and their fixing before any result. The
+end-to-end run is tests/test_quality_benchmark.py."""
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from pretrieve.cli import main as cli
+from pretrieve.study import data as quality_data
+from pretrieve.study import plan as quality_plan
+from pretrieve.study import stats as quality_stats
+from pretrieve.study.study_file import load_study
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import quality  # noqa: E402
-
-from pretrieve.study import data as quality_data  # noqa: E402
-from pretrieve.study import plan as quality_plan  # noqa: E402
-from pretrieve.study import stats as quality_stats  # noqa: E402
-
 SAMPLES = ROOT / "pretrieve" / "assets" / "samples"
+RECIPE_SCALES = ("cpu", "gpu-short")
+
+
+@pytest.fixture(autouse=True)
+def _at_the_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # a study file's paths (the studies it builds on, configs) are the working directory's
+
+
+def _study(name: str):
+    """studies/NAME.yaml, read from the repository's root (its paths are the working directory's)."""
+    return load_study(ROOT / "studies" / f"{name}.yaml")
+
+
+def _plan(scale: str, smoke: bool = False, beir: list[str] = (), sets: list[str] = ()) -> dict:
+    """The quality study's settings at `scale`, as `pretrieve study plan studies/quality/SCALE.yaml` fixes them."""
+    study = _study(f"quality/{scale}")
+    return quality_plan.build_plan(study.settings, study.scale, smoke, list(beir), list(sets))
 
 
 # --- statistics -------------------------------------------------------------------------------------------
@@ -137,7 +152,7 @@ def test_labelled_set_holds_no_evaluated_query(tmp_path, beir_with_train):
 
 # --- settings ---------------------------------------------------------------------------------------------
 def test_scales_follow_the_protocol():
-    cpu, gpu = quality_plan.build_plan("cpu"), quality_plan.build_plan("gpu")
+    cpu, gpu = _plan("cpu"), _plan("gpu")
     for plan in (cpu, gpu):
         assert all(plan["general"]["arms"][arm] >= 3 for arm in ("none", "mlm", "retromae", "dupmae"))
         assert set(plan["domain"]["bases"]) == {"base", "minilm"}
@@ -146,65 +161,62 @@ def test_scales_follow_the_protocol():
     assert set(cpu["general"]["arms"]) == set(quality_plan.CPU_ARMS) < set(quality_plan.ARMS)
     assert set(gpu["general"]["arms"]) == set(gpu["pooling"]) == set(quality_plan.ARMS)
     assert {"bow", "condenser", "cocondenser", "simlm", "lexmae"} <= \
-        set(quality_plan.build_plan("gpu-short")["general"]["arms"])
+        set(_plan("gpu-short")["general"]["arms"])
     assert gpu["pooling"]["bow"] == "cls"
     assert cpu["pooling"]["dupmae"] == gpu["pooling"]["dupmae"] == "dupmae"  # eq. 12
     assert {cpu["pooling"][arm] for arm in ("retromae", "seed", "costa", "cotmae")} == {"cls"}
     assert gpu["model"]["hidden_size"] == 512 and 4 <= gpu["model"]["num_layers"] <= 8
     assert gpu["base"]["steps"] * gpu["base"]["batch"] * gpu["max_len"] >= 0.5e9
-    smoke = quality_plan.build_plan("gpu", smoke=True)
+    smoke = _plan("gpu", smoke=True)
     assert smoke["smoke"] and smoke["model"]["hidden_size"] == 64 and smoke["base"]["steps"] <= 4
     assert set(smoke["general"]["arms"].values()) == {1} and smoke["precision"] == "fp32"
 
 
 def test_recipe_scales_follow_its_protocol(capsys):
-    import recipe
-
-    for scale in recipe.SCALES:
-        budget, arms, plan = recipe.BUDGET[scale], recipe.ARMS[scale], quality_plan.build_plan(scale)
+    for scale in RECIPE_SCALES:
+        recipe = _study(f"recipe/{scale}")
+        budget, arms, plan = recipe.keys["budget"], recipe.keys["arms"], _plan(scale)
         assert budget["points"] == sorted(budget["points"]) and budget["points"][-1] == budget["steps"]
         assert all(point % budget["points"][0] == 0 for point in budget["points"])  # checkpoints every points[0]
-        assert {run[0] for run in budget["runs"].values()} == {"cls", "mean"}  # and a slower [CLS] run (issue text)
-        assert len([run for run in budget["runs"].values() if run[0] == "cls"]) == 2
+        assert {run["pooling"] for run in budget["runs"].values()} == {"cls", "mean"}  # and a slower [CLS] run
+        assert len([run for run in budget["runs"].values() if run["pooling"] == "cls"]) == 2
         # the arms' pre-training runs are the quality study's own: no arm or seed it lacks
         assert all(plan["general"]["arms"].get(arm, 0) >= seeds for arm, seeds in arms["arms"].items())
         assert arms["steps"] is None or arms["steps"] in budget["points"]
         assert arms["poolings"] == ["cls", "mean"]
         assert ("bow" in arms["arms"]) == (scale == "gpu-short")
     # an arms stage before its scale's budget is fixed is refused at once, before the data is looked at
-    assert recipe.ARMS["gpu-short"]["steps"] is None
-    with pytest.raises(SystemExit):
-        recipe.main(["--scale", "gpu-short", "--stage", "arms", "--data", "/nonexistent"])
-    assert "ARMS['gpu-short']['steps']" in capsys.readouterr().err
-    assert recipe.results_file("gpu-short").name == "recipe-gpu-short.json"
+    assert _study("recipe/gpu-short").keys["arms"]["steps"] is None
+    assert cli(["study", "run", "studies/recipe/gpu-short.yaml", "--part", "arms", "--data", "/nonexistent"]) == 2
+    assert "studies/recipe/gpu-short.yaml (arms.steps) is not chosen yet" in capsys.readouterr().err
+    assert _study("recipe/gpu-short").results.name == "recipe-gpu-short.json"
 
 
 def test_settings_overrides_and_extra_collections(tmp_path, beir_with_train):
     extra = shutil.copytree(beir_with_train, tmp_path / "claims")
-    plan = quality_plan.build_plan("cpu", beir=[str(extra)], sets=["pretrain.steps=8",
-                                                                  'general.arms={"none": 1, "retromae": 1}'])
+    plan = _plan("cpu", beir=[str(extra)], sets=["pretrain.steps=8", 'general.arms={"none": 1, "retromae": 1}'])
     assert plan["pretrain"]["steps"] == 8 and plan["general"]["arms"] == {"none": 1, "retromae": 1}
     assert plan["general"]["beir"] == [str(extra.resolve())]
     with pytest.raises(ValueError, match="unknown key pretrain.stesp"):
-        quality_plan.build_plan("cpu", sets=["pretrain.stesp=7"])
+        _plan("cpu", sets=["pretrain.stesp=7"])
     with pytest.raises(ValueError, match="general.arms: unknown arm 'bert'"):
-        quality_plan.build_plan("cpu", sets=['general.arms={"bert": 1}'])
+        _plan("cpu", sets=['general.arms={"bert": 1}'])
     with pytest.raises(ValueError, match="pooling.mlm: 'max' is not"):
-        quality_plan.build_plan("cpu", sets=["pooling.mlm=max"])
+        _plan("cpu", sets=["pooling.mlm=max"])
     with pytest.raises(ValueError, match="curve.points: 3 must divide pretrain.steps"):
-        quality_plan.build_plan("cpu", sets=["curve.points=3"])
+        _plan("cpu", sets=["curve.points=3"])
     with pytest.raises(ValueError, match="evaluated already"):
-        quality_plan.build_plan("cpu", beir=[str(beir_with_train)])  # named scifact, as SciFact itself
+        _plan("cpu", beir=[str(beir_with_train)])  # named scifact, as SciFact itself
     with pytest.raises(ValueError, match="no qrels/test.tsv"):
-        quality_plan.build_plan("cpu", beir=[str(tmp_path)])
+        _plan("cpu", beir=[str(tmp_path)])
 
 
 def test_settings_are_fixed_at_the_first_run(tmp_path):
-    plan = quality_plan.build_plan("cpu")
+    plan = _plan("cpu")
     first = quality_plan.fix_settings(tmp_path, plan)
     assert first["fixed_before_test_results"] and first["settings"] == plan
-    assert quality_plan.fix_settings(tmp_path, quality_plan.build_plan("cpu")) == first  # a resume
-    changed = quality_plan.build_plan("cpu", sets=["finetune.lr=0.001"])
+    assert quality_plan.fix_settings(tmp_path, _plan("cpu")) == first  # a resume
+    changed = _plan("cpu", sets=["finetune.lr=0.001"])
     with pytest.raises(ValueError, match=r"finetune\.lr = 0\.0005; this run has 0\.001"):
         quality_plan.fix_settings(tmp_path, changed)
 
@@ -214,7 +226,8 @@ def test_every_arm_has_a_config_that_takes_its_own_overrides():
     from pretrieve.config import load_config
     from pretrieve.pretrain_config import method_options
 
+    pretrain = _study("quality/cpu").config("pretrain")
     for arm in quality_plan.ARMS[1:]:
-        config = load_config(quality.config_of(arm), quality_plan.ARM_OVERRIDES.get(arm, []))
+        config = load_config(ROOT / pretrain.replace("{arm}", arm), quality_plan.ARM_OVERRIDES.get(arm, []))
         method, options = method_options(config)
         assert method.name == arm and getattr(options, "grad_cache", None) is None

@@ -5,7 +5,7 @@ allocation"), made on a machine with network.
 
     gpu-bundle/wheelhouse/     the wheels the node lacks, for its Python and platform (tools/wheelhouse.py), with
                                the speed extra (Liger-Kernel) alone: exact search needs no faiss
-    gpu-bundle/data.tar.gz     the quality study's data in `benchmarks/quality.py --data` form: the BEIR
+    gpu-bundle/data.tar.gz     the quality study's data in `pretrieve study run --data` form: the BEIR
                                collections (SciFact, CACM, Cranfield), the books, and the first Wikipedia articles
                                of the sample that fit --wiki-mib compressed (the study repeats its text anyway)
     gpu-bundle/bundle.json     what was taken: article counts, sizes, sha256

@@ -92,8 +92,8 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
         make_install.append(f"WHEELHOUSE={wheelhouse}")
     unpack = [Command(["tar", "-xzf", str(bundle / "data.tar.gz"), "-C", str(bundle)])] \
         if (bundle / "data.tar.gz").is_file() else []
-    # the seeds of earlier jobs, committed: this job's merge into them (benchmarks/quality.py --seeds)
-    committed = ROOT / "benchmarks" / "results" / "quality-gpu.json"
+    # the seeds of earlier jobs, committed: this job's merge into them (`pretrieve study run --seeds`)
+    committed = ROOT / "studies" / "quality" / "results" / "quality-gpu.json"
     merge_into = [Command(["cp", str(committed), str(work / "quality-gpu.json")])] if committed.is_file() else []
     recipe = recipe_commands(python, work, bundle, quality_seeds)
     pytest = [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
@@ -169,10 +169,10 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
         # (bow, condenser, cocondenser, simlm, lexmae) adds a pre-training run, one fine-tuning and its evaluations:
         # ~20 s each
         Stage("quality", "the quality study at --scale gpu-short: base -> arms -> the same fine-tuning -> eval", 320,
-              380, merge_into + [Command([python, "benchmarks/quality.py", "--scale", "gpu-short", "--seeds", quality_seeds,
-                             "--data", str(bundle / "data"), "--out", str(work / "quality"),
-                             "--results", str(work / "quality-gpu.json")],
-                            results=str(work / "quality-gpu.json"))]),
+              380, merge_into + [Command([python, "-m", "pretrieve", "study", "run", "studies/quality/gpu-short.yaml",
+                                          "--seeds", quality_seeds, "--data", str(bundle / "data"),
+                                          "--out", str(work / "quality"), "--results", str(work / "quality-gpu.json")],
+                                         results=str(work / "quality-gpu.json"))]),
         # BGE's recipe on the quality stage's base (the same work folder: a job running both trains it once). Not yet
         # run: data 39 s and base 41 s as the quality stage's; the pairs ~20 s on 8 workers; three 1,600-step runs of
         # 512 pairs side by side ~140 s (the base's steps read 0.8x the tokens); 45 evaluations 4 at a time ~120 s;
@@ -194,16 +194,16 @@ def ladder_rungs(names: tuple[str, ...]) -> list[tuple[str, list[str], int]]:
 
 
 def recipe_commands(python: str, work: Path, bundle: Path, seeds: str,
-                    committed: Path = ROOT / "benchmarks" / "results" / "recipe-gpu-short.json") -> list[Command]:
-    """benchmarks/recipe.py at --scale gpu-short: its budget stage until `committed` results hold the budget curve,
-    then the arms stage for `seeds`, merged into the committed seeds' per-query scores."""
+                    committed: Path = ROOT / "studies" / "recipe" / "results" / "recipe-gpu-short.json") -> list[Command]:
+    """`pretrieve study run studies/recipe/gpu-short.yaml`: its budget part until `committed` results hold the
+    budget curve, then the arms for `seeds`, merged into the committed seeds' per-query scores."""
     per_query = committed.with_name("recipe-gpu-short-per-query.json")
     results = work / committed.name
     has_budget = committed.is_file() and "budget" in json.loads(committed.read_text())
     copies = [Command(["cp", str(path), str(work / path.name)]) for path in (committed, per_query) if path.is_file()]
-    stage = ["--stage", "arms", "--seeds", seeds] if has_budget else ["--stage", "budget"]
-    return copies + [Command([python, "benchmarks/recipe.py", "--scale", "gpu-short", *stage, "--data",
-                              str(bundle / "data"), "--out", str(work / "quality"), "--results", str(results)],
+    part = ["--part", "arms", "--seeds", seeds] if has_budget else ["--part", "budget"]
+    return copies + [Command([python, "-m", "pretrieve", "study", "run", "studies/recipe/gpu-short.yaml", *part,
+                              "--data", str(bundle / "data"), "--out", str(work / "quality"), "--results", str(results)],
                              results=str(results), also=(str(work / per_query.name),))]
 
 

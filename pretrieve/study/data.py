@@ -1,7 +1,7 @@
-"""Data of the quality study (benchmarks/quality.py): the pre-training text, the target corpora, and the
+"""Data of the quality study (quality.py): the pre-training text, the target corpora, and the
 labelled fine-tuning set every arm is fine-tuned on.
 
-The labelled set (docs/benchmarks.md, "The labelled set"). No MS MARCO is available offline, so the
+The labelled set (studies/quality/README.md, "The labelled set"). No MS MARCO is available offline, so the
 general-domain supervision is built from the Wikipedia sample the way weakly supervised retrievers build theirs:
 E5's (title, passage) pairs and Contriever's passages of other documents as negatives. Per article the query is
 its title, the positive one passage of about `passage_words` words drawn from the article (seeded by the

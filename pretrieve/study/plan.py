@@ -1,6 +1,8 @@
-"""Settings of the quality study (benchmarks/quality.py) at each scale, and their fixing before any result.
+"""Settings of the quality study, and their fixing before any result. Each scale's settings are a study file's
+`settings:` (studies/quality/<scale>.yaml, read by study/study_file.py; checked here, with the smoke run's
+sizes and the `--set` overrides applied).
 
-One protocol for every arm (docs/benchmarks.md, "Retrieval quality"): initial weights -> the arm's pre-training
+One protocol for every arm (studies/quality/README.md): initial weights -> the arm's pre-training
 at an equal token budget -> the same fine-tuning -> `pretrieve eval` on held-out collections. An arm is `none`
 (no pre-training beyond the base) or a pre-training method. The token budget is counted in encoder tokens:
 every arm's continued pre-training takes the same steps of the same batch of `max_len`-token blocks; what a
@@ -49,96 +51,30 @@ def merge(base: dict, changes: dict) -> dict:
     return out
 
 
-# --- cpu: 2 cores, about 3 hours (docs/benchmarks.md has the measured cost of each stage) ---------------------
-# The encoder: BERT-tiny's shape (Turc et al. 2019: 2 layers, hidden 128, 2 heads; 4.4M parameters, 0.4M outside
-# the embeddings): fine-tuning and evaluating ~30 models on 2 cores allows no larger. Base: 2,000 MLM steps of
-# 32 x 128 tokens (8.2M tokens, ~1/3 of the text). Each arm continues it for 200 steps (0.82M encoder tokens,
-# 10 % of the base's): a decoder method's step costs 4-5x an mlm step here (the vocabulary projections of a
-# 128-wide model dominate). Seeds: 3 for the four main arms; 1 for seed / costa / cotmae, which do not fit at 3.
-# Fine-tuning: 200 steps of 32 queries, about one pass over the labelled set, each query with its positive and
-# one BM25 negative; lr 5e-4, a small model's rate (BERT-base's 2e-5 to 1e-4, scaled up as for BERT-tiny; at
-# 2e-4 the training loss had not moved from ln 64 after 20 steps). One torch thread per process, two processes
-# side by side: two threads in one process ran 3x slower per step on this shared machine (measured). The arms
-# added since this scale ran (CPU_ARMS: bag-of-words prediction, Condenser, coCondenser) are arms of the GPU
-# scales only: at this scale the arms tie, and more CPU runs would not tell them apart.
-CPU = {
-    "scale": "cpu",
-    "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "intermediate_size": 512},
-    "max_len": 128,
-    "precision": "fp32",
-    "parallel": 2,  # processes at once (pre-training runs, farm jobs)
-    "threads": 1,  # torch threads per process
-    "base": {"steps": 2000, "batch": 32, "lr": 1e-3, "warmup_ratio": 0.06},
-    "pretrain": {"steps": 200, "batch": 32, "lr": 5e-4, "warmup_ratio": 0.1},
-    "finetune": {"steps": 200, "batch": 32, "lr": 5e-4, "negatives": 1, "temperature": 1.0, "query_max_len": 32,
-                 "passage_max_len": 128, "warmup_ratio": 0.1},
-    "eval": {"max_length": 128, "batch_size": 128},
-    "pooling": dict(POOLING),  # every arm's, so that a run may add an arm (the smoke runs: bow)
-    "general": {"arms": {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3, "seed": 1, "costa": 1, "cotmae": 1},
-                "datasets": list(GENERAL_DATASETS)},  # CPU_ARMS
-    "curve": {"arm": "retromae", "seed": 0, "points": 4},
-    # Domain adaptation: DupMAE† (§4) continues on the target corpus for about one pass; the fine-tuning adds
-    # SciFact's training claims (the target is not SciFact). One target, Cranfield (225 judged queries, CACM has
-    # 52). MiniLM (22.7M parameters) costs ~5-10x the base per step: one seed, 100 fine-tuning steps at its own
-    # rate (the README's MiniLM fine-tune, lr 2e-5, batch 16).
-    "domain": {"arms": {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3},
-               "bases": {"base": {"targets": ["cranfield"], "epochs": 1.0, "batch": 32, "lr": 5e-4, "max_steps": None},
-                         "minilm": {"targets": ["cranfield"], "epochs": 1.0, "batch": 16, "lr": 5e-5, "max_steps": None,
-                                    "seeds": 1, "finetune": {"lr": 2e-5, "batch": 16, "steps": 100}}}},
-    "labelled": {"passage_words": 100, "seed": 0},
-    "bootstrap": {"resamples": 10000, "seed": 0},
+# The sections of a scale's settings, in the order a plan lists them: a tuple names a mapping's keys (its last
+# "...": and any other), None a value. The study files under studies/quality/ give the reasons of each value.
+RUN = ("steps", "batch", "lr", "warmup_ratio")
+SETTINGS = {
+    "model": ("hidden_size", "num_layers", "num_heads", "intermediate_size"),
+    "max_len": None,
+    "precision": None,
+    "parallel": None,  # processes at once (pre-training runs, farm jobs)
+    "threads": None,  # torch threads per process
+    "base": RUN,  # the base encoder's MLM from scratch
+    "pretrain": RUN,  # each arm's continued pre-training
+    "finetune": ("steps", "batch", "lr", "negatives", "temperature", "query_max_len", "passage_max_len",
+                 "warmup_ratio"),
+    "eval": ("max_length", "batch_size"),
+    "pooling": ("...",),  # an arm's pooling in fine-tuning and evaluation; left out: its paper's (POOLING)
+    "general": ("arms", "datasets"),
+    "curve": ("arm", "seed", "points"),
+    "domain": ("arms", "bases"),
+    "labelled": ("passage_words", "seed"),
+    "bootstrap": ("resamples", "seed"),
+    "data_workers": None,  # `prepare` workers (default 0: in the study's process)
 }
+OPTIONAL = ("pooling", "data_workers")
 
-# --- gpu: one H100 / H200, 25 minutes or less (an estimate from FLOPs, docs/benchmarks.md: not yet measured) -------
-# Base: 6 layers, hidden 512 (25M parameters, 19M outside the embeddings); 7,700 MLM steps of 256 x 256 tokens =
-# 0.50B tokens, ~23 passes over the 22M tokens of text available (the text repeats). Each arm: 500 steps of
-# 128 x 256 tokens (16M encoder tokens). All eight arms at 3 seeds; fine-tuning 300 steps of 64 queries (~3 passes
-# over the labelled set); the domain adaptation of the base on all three targets, of MiniLM on SciFact and
-# Cranfield. About 2.5e17 training FLOPs in all, ~100 processes six at a time.
-GPU = copy.deepcopy(CPU) | {
-    "scale": "gpu",
-    "model": {"hidden_size": 512, "num_layers": 6, "num_heads": 8, "intermediate_size": 2048},
-    "max_len": 256,
-    "precision": "bf16",
-    "parallel": 6,  # small models leave most of the GPU idle: runs side by side
-    "threads": 2,
-    "base": {"steps": 7700, "batch": 256, "lr": 5e-4, "warmup_ratio": 0.06},
-    "pretrain": {"steps": 500, "batch": 128, "lr": 2e-4, "warmup_ratio": 0.1},
-    "finetune": {"steps": 300, "batch": 64, "lr": 1e-4, "negatives": 1, "temperature": 1.0, "query_max_len": 32,
-                 "passage_max_len": 256, "warmup_ratio": 0.1},
-    "eval": {"max_length": 256, "batch_size": 256},
-    "pooling": dict(POOLING),
-    "general": {"arms": {arm: 3 for arm in ARMS}, "datasets": list(GENERAL_DATASETS)},
-    "curve": {"arm": "retromae", "seed": 0, "points": 5},
-    "domain": {"arms": {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3},
-               "bases": {"base": {"targets": ["scifact", "cacm", "cranfield"], "epochs": 1.0, "batch": 64,
-                                  "lr": 2e-4, "max_steps": None},
-                         "minilm": {"targets": ["scifact", "cranfield"], "epochs": 1.0, "batch": 64,
-                                    "lr": 5e-5, "max_steps": None, "finetune": {"lr": 2e-5}}}},
-}
-# --- gpu-short: what fits about 4 minutes of one H100, data work included (make gpu-check's quality stage) ------
-# Still above the cpu scale: 4 layers x 512 (13M parameters outside the embeddings) and 1,600 MLM steps of
-# 512 x 128 tokens = 105M tokens of base pre-training, ~15 passes over the Wikipedia subset an allocation can
-# carry (make gpu-bundle) and the books. The four main arms and bag-of-words prediction (whose step costs about an
-# mlm step's), each 300 steps of 256 x 128 tokens (9.8M encoder tokens), side by side; the same fine-tuning, 200 steps of 64 queries; SciFact, CACM and Cranfield. One seed an
-# allocation (`--seeds 0`, then `--seeds 1-2` in later ones): each rebuilds the same base from the same seed,
-# and the per-query scores merge into the results file. No domain part. Estimates until an allocation has run it.
-GPU_SHORT = merge(GPU, {
-    "scale": "gpu-short",
-    "model": {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "intermediate_size": 2048},
-    "max_len": 128,
-    "parallel": 4,
-    "data_workers": 8,  # `prepare` tokenizes on 8 of the node's 16 cores: the data work counts in the 4 minutes
-    "base": {"steps": 1600, "batch": 512, "lr": 1e-3, "warmup_ratio": 0.06},
-    "pretrain": {"steps": 300, "batch": 256, "lr": 5e-4, "warmup_ratio": 0.1},
-    "finetune": {"steps": 200, "batch": 64, "lr": 2e-4, "passage_max_len": 128},
-    "eval": {"max_length": 128, "batch_size": 512},
-    "curve": {"arm": "retromae", "seed": 0, "points": 2},
-})
-GPU_SHORT["general"]["arms"] = {"none": 3, "mlm": 3, "retromae": 3, "dupmae": 3, "bow": 3, "condenser": 3,
-                                "cocondenser": 3, "simlm": 3, "lexmae": 3}
-GPU_SHORT["domain"] = {"arms": {}, "bases": {}}
-SCALES = {"cpu": CPU, "gpu": GPU, "gpu-short": GPU_SHORT}
 
 # --- smoke: the bundled samples, a hidden-64 encoder, 2 steps: the plumbing in a couple of minutes --------------
 SMOKE = {
@@ -193,11 +129,14 @@ def apply_sets(plan: dict, sets: list[str]) -> dict:
     return out
 
 
-def build_plan(scale: str, smoke: bool = False, beir: list[str] = (), sets: list[str] = ()) -> dict:
-    """The full settings of one study run: the scale's, shrunk for --smoke, with the extra BEIR folders and the
-    --set overrides; checked."""
-    plan = SCALES[scale]
-    plan = smoke_plan(plan) if smoke else {**copy.deepcopy(plan), "smoke": False}
+def build_plan(settings: dict, scale: str, smoke: bool = False, beir: list[str] = (), sets: list[str] = ()) -> dict:
+    """The full settings of one study run: a scale's `settings` (SETTINGS' sections, as study/study_file.py checks
+    them) named `scale`, every arm's pooling its paper's unless they say otherwise, shrunk for --smoke, with the
+    extra BEIR folders and the --set overrides; checked."""
+    plan = {"scale": scale, **{key: copy.deepcopy(settings[key]) for key in SETTINGS if key in settings}}
+    plan["pooling"] = {**POOLING, **(plan.get("pooling") or {})}  # every arm's, so that a run may add an arm
+    plan = {key: plan[key] for key in ("scale", *SETTINGS) if key in plan}
+    plan = smoke_plan(plan) if smoke else {**plan, "smoke": False}
     plan["general"]["beir"] = [str(Path(p).resolve()) for p in beir]
     names = list(plan["general"]["datasets"])
     for folder in map(Path, plan["general"]["beir"]):

@@ -1,4 +1,4 @@
-"""Statistics and pictures of the quality study (benchmarks/quality.py).
+"""Statistics and pictures of the method studies (quality.py, recipe.py).
 
 Each arm is run with several seeds (pre-training and fine-tuning seed together); each run's evaluation gives
 NDCG@10 per test query (per_query.jsonl). Per dataset, an arm's per-query NDCG@10 is first averaged over its
@@ -173,7 +173,8 @@ def arm_tables(summary: dict, seeds: dict, flops: dict) -> list[str]:
 
 
 def tables(results: dict) -> str:
-    """The markdown tables of a result file (docs/benchmarks.md): each study by arm, the differences, the curve."""
+    """The markdown tables of a quality result file (studies/quality/README.md): each part by arm, the differences,
+    the curve."""
     lines = [f"protocol {results['protocol']}, scale {results['scale']}{' (smoke)' if results['smoke'] else ''}"]
     general = results.get("general")
     if general:

@@ -127,16 +127,28 @@ def add_farm(commands) -> None:
     p = command(commands, "farm", run_farm)
     p.add_argument("farm", metavar="FARM.yaml")
     slurm_jobs_option(p, "the pending jobs")
+    p.add_argument("--follow", default=None, metavar="RUN_DIR",
+                   help="evaluate each checkpoint of this pre-training run as it comes, until the run ends "
+                        "(FARM.yaml's follow: block; see pretrieve/orchestrate/follow.py)")
 
 
 def run_farm(args) -> int:
     """evaluate checkpoints x datasets x stages in parallel or on SLURM; MLflow
 
     Run every pending `pretrieve eval` job of FARM.yaml (see pretrieve/orchestrate/farm.py), skipping done ones, and
-    log each to MLflow.
+    log each to MLflow. With --follow RUN_DIR (or a follow: block), evaluate each checkpoint of a pre-training run as
+    it writes them, until it ends.
     """
     from pretrieve.orchestrate.farm import run_farm
+    from pretrieve.orchestrate.follow import follow_farm, follows
 
+    if follows(args.farm, args.follow):
+        if args.slurm:
+            raise ValueError("--slurm lists the pending jobs once; a follower runs as long as its run: on SLURM, run "
+                             "`pretrieve farm --follow` as a job of its own (docs/evaluation.md)")
+        result = follow_farm(args.farm, args.follow)
+        print(json.dumps(result))
+        return 1 if result["failed"] else 0
     result = run_farm(args.farm, slurm_jobs=args.slurm)
     print(json.dumps(result))
     if args.slurm and result["pending_for_slurm"]:

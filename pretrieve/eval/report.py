@@ -5,20 +5,22 @@ last column is the mean over datasets. Writes OUT/<metric>.md, OUT/<metric>.csv 
 bars; left out when matplotlib, the `plots` extra, is not installed), OUT/report.html (every table and plot on
 one self-contained page: the plots are embedded, so the file opens anywhere without a server), and prints the
 markdown. When a checkpoint x dataset x stage was evaluated
-more than once, the latest run counts. The report is also logged to MLflow: a run named `report` (tag
-`pretrieve.report`) in the experiment of the latest evaluation run, with OUT's files as artifacts; its id is
-written to OUT/mlflow.json. Each report is a new run, so earlier ones stay as they were. Evaluations made
+more than once, the latest run counts. The evaluations of a followed pre-training run's checkpoints (`pretrieve
+farm --follow`, tagged `step`) are not rows of these tables: they make OUT/steps.md, .csv and .png, the metric
+against training step beside the run's loss (eval.report_steps). The report is also logged to MLflow: a run
+named `report` (tag `pretrieve.report`) in the experiment of the latest evaluation run, with OUT's files as
+artifacts; its id is written to OUT/mlflow.json. Each report is a new run, so earlier ones stay as they were. Evaluations made
 outside the farm join the tables once `pretrieve track` has logged their folders (eval.track).
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from pathlib import Path
 
-from pretrieve.eval.report_html import cell_text, write_html
+from pretrieve.eval.report_html import write_html
+from pretrieve.eval.report_steps import STEP_FILES, write_steps
+from pretrieve.eval.report_table import write_table
 from pretrieve.optional import MATPLOTLIB, available
 from pretrieve.utils.metric_names import metric_name
 from pretrieve.utils.output_folder import check_own_entries
@@ -28,7 +30,8 @@ DEFAULT_METRICS = ("ndcg@10", "mrr@10", "recall@100")
 
 
 def collect(uri: str, experiments: list[str] | None = None) -> list[dict]:
-    """One record per evaluation run: checkpoint, dataset, stage, start time, metrics (MLflow names)."""
+    """One record per evaluation run: checkpoint, dataset, stage, start time, metrics (MLflow names); and for a
+    followed run's checkpoint its step, follow name and pre-training run (`parent`), else step None."""
     from pretrieve.utils.mlflow_store import mlflow_client
 
     client = mlflow_client(uri)
@@ -40,7 +43,8 @@ def collect(uri: str, experiments: list[str] | None = None) -> list[dict]:
     runs = client.search_runs(ids, filter_string="tags.`pretrieve.farm` = 'eval'", max_results=50000) if ids else []
     return [{"checkpoint": _checkpoint_label(r.data.tags), "dataset": r.data.tags["dataset"],
              "stage": r.data.tags["stage"], "start": r.info.start_time, "experiment_id": r.info.experiment_id,
-             **r.data.metrics} for r in runs]
+             "step": int(r.data.tags["step"]) if r.data.tags.get("step") else None, "follow": r.data.tags.get("follow"),
+             "parent": r.data.tags.get("mlflow.parentRunId"), **r.data.metrics} for r in runs]
 
 
 def _checkpoint_label(tags: dict) -> str:
@@ -70,6 +74,8 @@ def evaluations_of(uri: str, model_dir: str | Path, run_id: str | None = None) -
     latest: dict[tuple, dict] = {}
     for r in sorted(runs, key=lambda r: r.info.start_time):
         tags, params = r.data.tags, r.data.params
+        if tags.get("step"):  # a checkpoint of the run on its way (farm --follow), not the model it exported
+            continue
         dim = int(tags["dim"]) if tags.get("dim") else None
         dim = None if dim is not None and width is not None and dim >= width else dim
         nested = run_id is not None and tags.get("mlflow.parentRunId") == run_id
@@ -113,7 +119,8 @@ def write_report(uri: str, out: str | Path, experiments: list[str] | None = None
     """Write the tables, plots and HTML page (and log them to MLflow); returns the markdown of all tables. OUT
     may hold an earlier report, whose files are replaced; a folder holding anything else is refused."""
     out = Path(out)
-    names = {"report.html", "mlflow.json", *(f"{m}.{ext}" for m in metrics for ext in ("md", "csv", "png"))}
+    names = {"report.html", "mlflow.json", *STEP_FILES,
+             *(f"{m}.{ext}" for m in metrics for ext in ("md", "csv", "png"))}
     check_own_entries(out, "pretrieve report", lambda name: name.removeprefix(".").removesuffix(".tmp") in names,
                       earlier=lambda folder: (folder / "report.html").is_file())
     records = collect(uri, experiments)
@@ -122,21 +129,23 @@ def write_report(uri: str, out: str | Path, experiments: list[str] | None = None
                          "`pretrieve track`)")
     out.mkdir(parents=True, exist_ok=True)
     markdown = []
-    metric_tables = tables(records, metrics)
+    checkpoints = [r for r in records if r["step"] is None]
+    metric_tables = tables(checkpoints, metrics) if checkpoints else {}
     plots = available(MATPLOTLIB, "the report's plots")
     for metric, rows in metric_tables.items():
-        md = "\n".join(["| " + " | ".join(map(cell_text, row)) + " |" for row in rows[:1]]
-                       + ["|" + "---|" * len(rows[0])]
-                       + ["| " + " | ".join(map(cell_text, row)) + " |" for row in rows[1:]])
-        markdown.append(f"### {metric}\n\n{md}\n")
-        write_atomic(out / f"{metric}.md", md + "\n")
-        text = io.StringIO()
-        csv.writer(text).writerows([["" if v is None else v for v in row] for row in rows])
-        write_atomic(out / f"{metric}.csv", text.getvalue())
+        markdown.append(f"### {metric}\n\n{write_table(out, metric, rows)}\n")
         if plots:
             _plot(rows, metric, out / f"{metric}.png")
+    steps = None
+    if len(checkpoints) < len(records):
+        from pretrieve.utils.mlflow_store import mlflow_client
+
+        section, rows, plot = write_steps(mlflow_client(uri), [r for r in records if r["step"] is not None], out,
+                                          metrics, plots)
+        markdown.append(section)
+        steps = (f"{metrics[0]} against step", rows, plot)
     write_html(out / "report.html", metric_tables, {m: out / f"{m}.png" for m in metric_tables if plots},
-               source=uri)
+               source=uri, steps=steps)
     if log_to_mlflow:
         _log_report(uri, out, max(records, key=lambda r: r["start"])["experiment_id"])
     return "\n".join(markdown)

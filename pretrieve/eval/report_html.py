@@ -27,7 +27,8 @@ def cell_text(value) -> str:
 def _table(rows: list[list]) -> str:
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in rows[0])
     body = "".join("<tr>" + "".join(
-        f'<td class="num">{cell_text(v)}</td>' if i else f"<td>{html.escape(cell_text(v))}</td>"
+        f'<td class="num">{cell_text(v)}</td>' if i and not isinstance(v, str)
+        else f"<td>{html.escape(cell_text(v))}</td>"
         for i, v in enumerate(row)) + "</tr>\n" for row in rows[1:])
     return f"<table>\n<tr>{head}</tr>\n{body}</table>"
 
@@ -37,11 +38,17 @@ def _image(path: Path, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
-def write_html(path: Path, metric_tables: dict[str, list[list]], plots: dict[str, Path], source: str) -> None:
-    """`metric_tables`: {metric: rows, the first the header}; `plots`: {metric: PNG path}."""
+def write_html(path: Path, metric_tables: dict[str, list[list]], plots: dict[str, Path], source: str,
+               steps: tuple[str, list[list], Path | None] | None = None) -> None:
+    """`metric_tables`: {metric: rows, the first the header}; `plots`: {metric: PNG path}; `steps`: (title, rows,
+    PNG path or None) of the followed runs' evaluations against step, or None."""
     sections = [f"<h2>{html.escape(metric)}</h2>\n{_table(rows)}\n"
                 + (_image(plots[metric], f"{metric} by dataset") if metric in plots else "")
                 for metric, rows in metric_tables.items()]
+    if steps is not None:
+        title, rows, plot = steps
+        sections.append(f"<h2>{html.escape(title)}</h2>\n" + (_image(plot, title) + "\n" if plot else "")
+                        + _table(rows) + "\n")
     page = (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>pretrieve report</title>"
             f"<style>{STYLE}</style></head><body>\n<h1>pretrieve report</h1>\n"
             f"<p><small>evaluation runs in {html.escape(source)}; rows: checkpoints, columns: datasets, "

@@ -69,8 +69,10 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def log_eval_run(client, experiment_id: str, folder: Path, tags: dict, run_name: str) -> str:
-    """Log the evaluation in `folder` as one finished MLflow run (the farm's and `track`'s format); its id."""
+def log_eval_run(client, experiment_id: str, folder: Path, tags: dict, run_name: str, step: int | None = None) -> str:
+    """Log the evaluation in `folder` as one finished MLflow run (the farm's and `track`'s format); its id. `step`:
+    the training step of the checkpoint evaluated, the step its metrics are logged at (MLflow's charts by step).
+    """
     metrics = json.loads((folder / "metrics.json").read_text())
     started_ms = int((folder / "metrics.json").stat().st_mtime * 1000)
     tags = {**tags, "eval_dir": str(folder.resolve()), "run_trec_sha256": sha256_of(folder / "run.trec")}
@@ -79,7 +81,7 @@ def log_eval_run(client, experiment_id: str, folder: Path, tags: dict, run_name:
     run_id = client.create_run(experiment_id, start_time=started_ms, run_name=run_name, tags=tags).info.run_id
     for key, value in metrics.items():
         if isinstance(value, float):
-            client.log_metric(run_id, metric_name(key), value)
+            client.log_metric(run_id, metric_name(key), value, step=step or 0)
         elif value is not None and not isinstance(value, dict):
             client.log_param(run_id, key, str(value)[:6000])
     for artifact in EVAL_FILES:

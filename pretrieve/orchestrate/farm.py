@@ -24,6 +24,9 @@ on this machine or handed to SLURM, each logged as an MLflow run.
       teacher_init: path/to/bert-base  # the cross-encoder's start (default: the checkpoint)
       nproc: 8                         # ranks per fine-tuning run, on this node (default 1)
       overrides: [train.max_steps=20000]
+    follow: runs/x                     # or --follow RUN_DIR: each checkpoint of a pre-training run as it comes
+                                       # ({run_dir, name, every, poll, keep_exports, pooling, normalize}:
+                                       # orchestrate/follow.py); `checkpoints:` may then be left out
 
 Each job is a separate process, so a failing job (reported with its log) stops nothing else. On GPUs, each job
 gets one device of `gpus:` to itself (CUDA_VISIBLE_DEVICES in its environment; ids count the devices this process
@@ -100,7 +103,8 @@ class Job:
             return None
         if self.stage == "zero-shot":
             return Path(self.checkpoint["model"])
-        return finetune_dir(self.out.parents[3 if self.dim else 2], self.checkpoint) / self.stage / "export"
+        depth = len(Path(self.checkpoint["name"]).parts) + (2 if self.dim else 1)  # `out` is <out>/<name>/...
+        return finetune_dir(self.out.parents[depth], self.checkpoint) / self.stage / "export"
 
     def eval_args(self, settings: dict) -> list[str]:
         """The `pretrieve eval` arguments of this job; what a job not done left in its folder is the farm's own, which
@@ -130,16 +134,23 @@ def encoding_args(checkpoint: dict) -> list[str]:
     return args
 
 
-def load_farm(path: str | Path) -> dict:
+def load_farm(path: str | Path, follow: str | None = None) -> dict:
+    """FARM.yaml checked; `follow` (--follow RUN_DIR) sets follow.run_dir, whose block orchestrate/follow.py
+    checks."""
     from omegaconf import OmegaConf
 
     farm = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    known = {"out", "workers", "gpus", "tracking", "eval", "checkpoints", "datasets", "stages", "finetune"}
+    known = {"out", "workers", "gpus", "tracking", "eval", "checkpoints", "datasets", "stages", "finetune", "follow"}
     for key in farm:
         if key not in known:
             raise ValueError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+    if follow is not None:
+        given = farm.get("follow")
+        farm["follow"] = {**(given if isinstance(given, dict) else {}), "run_dir": follow}
+    if farm.get("follow"):
+        farm.setdefault("checkpoints", [])
     for section, required in (("checkpoints", ("name", "model")), ("datasets", ("name",))):
-        if not farm.get(section):
+        if not farm.get(section) and not (section == "checkpoints" and farm.get("follow")):
             raise ValueError(f"{path}: {section}: list at least one")
         names = set()
         for i, entry in enumerate(farm[section]):
@@ -210,10 +221,11 @@ def write_dims(farm: dict, jobs: list[Job]) -> str | None:
     return write_dims_table(farm["out"], evaluations) if evaluations else None
 
 
-def check_out(farm: dict) -> None:
+def check_out(farm: dict, followed: str | None = None) -> None:
     """The farm's `out`, before anything is written: new, a farm's own (its record, FARM_RECORD), or holding only
-    what a farm writes there (a folder per checkpoint, the default MLflow store)."""
-    names = {c["name"] for c in farm["checkpoints"]} | {"mlflow.db", "mlartifacts", FARM_RECORD, *DIMS_FILES}
+    what a farm writes there (a folder per checkpoint or `followed` run, the default MLflow store)."""
+    names = {c["name"] for c in farm["checkpoints"]} | {"mlflow.db", "mlartifacts", FARM_RECORD, *DIMS_FILES,
+                                                        followed}
     check_own_entries(farm["out"], "pretrieve farm", lambda name: name in names or name.startswith("mlflow.db-"),
                       earlier=lambda folder: (folder / FARM_RECORD).is_file())
 
@@ -275,14 +287,31 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
     check_out(farm)
     jobs = jobs_of(farm)
     pending = [job for job in jobs if not job.done()]
-    chains = chains_of(farm, pending)
-    failed: dict[str, str] = {}
     if slurm_jobs is not None:  # chains first: their evaluation jobs wait for the next call
+        chains = chains_of(farm, pending)
         lines = [args for args in chains.values()] or [job.eval_args(farm["eval"]) for job in pending]
         write_atomic(Path(slurm_jobs), "".join(shlex.join(args) + "\n" for args in lines))
-        logged = _log_done(jobs, farm, progress)
-        return {"jobs": len(jobs), "ran": 0, "failed": failed, "pending_for_slurm": len(lines),
+        logged = log_done(jobs, farm, progress)
+        return {"jobs": len(jobs), "ran": 0, "failed": {}, "pending_for_slurm": len(lines),
                 "pending_chains": len(chains), "logged": logged}
+    with ChildProcesses() as children:
+        ran, failed, stopped = run_pending(farm, path, pending, children, progress)
+    if children.stopped:  # what finished is done (and logged by the next run); the rest is not
+        raise stop_exit(children.stopped, f"{stopped} of {ran} jobs stopped or not started (none of them is "
+                                          "done)", "run the same command again to finish them")
+    logged = log_done(jobs, farm, progress)
+    if write_dims(farm, jobs) and progress:
+        print(f"farm: NDCG@10 against dimension in {Path(farm['out']) / 'dims.md'}", file=sys.stderr)
+    return {"jobs": len(jobs), "ran": ran - len(failed), "failed": failed, "pending_for_slurm": 0, "logged": logged}
+
+
+def run_pending(farm: dict, path: str | Path, pending: list[Job], children: ChildProcesses,
+                progress: bool) -> tuple[int, dict[str, str], int]:
+    """Run the fine-tuning chains the `pending` jobs need, then the jobs, under `children` (whose stop signals
+    cut them off). Returns (chains + jobs, {name: why} of those that failed, how many a stop signal cut off or
+    kept from starting)."""
+    chains = chains_of(farm, pending)
+    failed: dict[str, str] = {}
     ranks = int(farm.get("finetune", {}).get("nproc", 1))  # a fine-tuning chain's devices
     devices, at_once = _placement(farm, path, ranks if chains else 1)
     mark_out(farm)
@@ -299,7 +328,7 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
             bar.note(f"farm: {name} {'failed: ' + error if error else 'done'}")
         bar.update()
 
-    with bar, ChildProcesses() as children, ThreadPoolExecutor(max_workers=at_once) as pool:
+    with bar, ThreadPoolExecutor(max_workers=at_once) as pool:
         names = list(chains)
         logs = [finetune_dir(Path(farm["out"]), {"name": n}) / "finetune.log" for n in names]
         for name, error in zip(names, pool.map(lambda a: _run(children, a[0], a[1], None, devices, env, ranks),
@@ -313,15 +342,7 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
         for job, error in zip(runnable, pool.map(lambda j: _run(children, j.eval_args(farm["eval"]),
                                                                 j.out / "eval.log", j, devices, env), runnable)):
             report(job.name, error)
-    if children.stopped:  # what finished is done (and logged by the next run); the rest is not
-        raise stop_exit(children.stopped, f"{len(stopped)} of {len(chains) + len(pending)} jobs stopped or not "
-                                          "started (none of them is done)", "run the same command again to finish "
-                                                                            "them")
-    logged = _log_done(jobs, farm, progress)
-    if write_dims(farm, jobs) and progress:
-        print(f"farm: NDCG@10 against dimension in {Path(farm['out']) / 'dims.md'}", file=sys.stderr)
-    return {"jobs": len(jobs), "ran": len(chains) + len(pending) - len(failed), "failed": failed,
-            "pending_for_slurm": 0, "logged": logged}
+    return len(chains) + len(pending), failed, len(stopped)
 
 
 def _placement(farm: dict, path: str | Path, ranks: int) -> tuple[DevicePool | None, int]:
@@ -351,7 +372,7 @@ def _run(children: ChildProcesses, args: list[str], log: Path, job: Job | None, 
     return None
 
 
-def _log_done(jobs: list[Job], farm: dict, progress: bool) -> list[str]:
+def log_done(jobs: list[Job], farm: dict, progress: bool) -> list[str]:
     """Log the done jobs not logged yet; then write again the model cards of the run exports they evaluated
     (eval.model_card), now with these evaluations. Returns the names of the jobs logged."""
     from pretrieve.eval.model_card import has_generated_card, write_model_card
@@ -405,6 +426,9 @@ def _log_job(job: Job, farm: dict) -> bool:
         tags["model_dir"] = str(job.model.resolve())  # how a model card finds its evaluations
     if parent:
         tags["mlflow.parentRunId"] = parent[0]
-    run_id = log_eval_run(client, experiment_id, job.out, tags, run_name=job.name.replace("/", "-"))
+    step = job.checkpoint.get("step")  # a followed run's checkpoint (orchestrate/follow.py): its training step
+    if step is not None:
+        tags.update({"step": str(step), "follow": job.checkpoint["follow"]})
+    run_id = log_eval_run(client, experiment_id, job.out, tags, run_name=job.name.replace("/", "-"), step=step)
     write_atomic(record, json.dumps({"tracking_uri": uri, "run_id": run_id}))
     return True

@@ -42,7 +42,7 @@ from pretrieve.engine.preemption import stop_exit
 from pretrieve.orchestrate import farm as farms
 from pretrieve.orchestrate.follow_plan import RunView, look, next_steps, step_of, tag_of
 from pretrieve.utils.run_dir import write_atomic
-from pretrieve.utils.run_lock import LOCK_FILE
+from pretrieve.utils.run_lock import LOCK_FILE, DirectoryLock
 
 FOLLOW_KEYS = ("run_dir", "name", "every", "poll", "keep_exports", "pooling", "normalize")
 STATE = "follow.json"
@@ -245,11 +245,15 @@ class Follower:
                      "of the run (leave tracking.uri out to log them beside it)")
         return tracking
 
-    def removed_leftovers(self) -> None:
-        """Exports of evaluated steps that a kill left (between follow.json and the removal)."""
+    def remove_leftovers(self) -> None:
+        """What a killed follower left in exports/: an export cut off (its hidden staging folder, which a skipped
+        step would keep), and exports of evaluated steps (killed between follow.json and their removal)."""
+        exports = self.home / "exports"
+        for staged in (p for p in (exports.iterdir() if exports.is_dir() else ()) if p.name.startswith(".")):
+            shutil.rmtree(staged, ignore_errors=True)
         if not self.follow.keep_exports:
             for step in self.exported() & self.state.evaluated:
-                shutil.rmtree(self.home / "exports" / tag_of(step), ignore_errors=True)
+                shutil.rmtree(exports / tag_of(step), ignore_errors=True)
 
 
 def follow_farm(path: str | Path, run_dir: str | None = None, progress: bool = True) -> dict:
@@ -259,10 +263,12 @@ def follow_farm(path: str | Path, run_dir: str | None = None, progress: bool = T
     follow = follow_settings(farm, path)
     farms.check_out(farm, follow.name)
     check_own_devices(farm, path)
-    farms.mark_out(farm)
-    with ChildProcesses() as children:
+    # one follower per run and name at a time: two would export and evaluate the same steps
+    with DirectoryLock(Path(farm["out"]) / follow.name, "pretrieve farm --follow"), \
+            ChildProcesses() as children:  # from here a stop signal ends the follow where it is, cleanly
+        farms.mark_out(farm)
         follower = Follower(farm, path, follow, children, progress)
-        follower.removed_leftovers()
+        follower.remove_leftovers()
         every = "each checkpoint" if follow.every == 1 else f"one checkpoint in {follow.every} and the last"
         follower.say(f"following {follow.run_dir} ({every}; a look every {follow.poll:g} s when idle)")
         while not children.stopped:

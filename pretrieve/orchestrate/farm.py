@@ -295,7 +295,7 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
         return {"jobs": len(jobs), "ran": 0, "failed": {}, "pending_for_slurm": len(lines),
                 "pending_chains": len(chains), "logged": logged}
     with ChildProcesses() as children:
-        ran, failed, stopped = run_pending(farm, path, pending, children, progress)
+        ran, failed, stopped = run_pending(farm, path, pending, children, progress, env)
     if children.stopped:  # what finished is done (and logged by the next run); the rest is not
         raise stop_exit(children.stopped, f"{stopped} of {ran} jobs stopped or not started (none of them is "
                                           "done)", "run the same command again to finish them")
@@ -305,11 +305,11 @@ def run_farm(path: str | Path, slurm_jobs: str | None = None, progress: bool = T
     return {"jobs": len(jobs), "ran": ran - len(failed), "failed": failed, "pending_for_slurm": 0, "logged": logged}
 
 
-def run_pending(farm: dict, path: str | Path, pending: list[Job], children: ChildProcesses,
-                progress: bool) -> tuple[int, dict[str, str], int]:
+def run_pending(farm: dict, path: str | Path, pending: list[Job], children: ChildProcesses, progress: bool,
+                env: dict | None = None) -> tuple[int, dict[str, str], int]:
     """Run the fine-tuning chains the `pending` jobs need, then the jobs, under `children` (whose stop signals
-    cut them off). Returns (chains + jobs, {name: why} of those that failed, how many a stop signal cut off or
-    kept from starting)."""
+    cut them off), in environment `env` (None: this process's). Returns (chains + jobs, {name: why} of those that
+    failed, how many a stop signal cut off or kept from starting)."""
     chains = chains_of(farm, pending)
     failed: dict[str, str] = {}
     ranks = int(farm.get("finetune", {}).get("nproc", 1))  # a fine-tuning chain's devices

@@ -38,6 +38,7 @@ def batches(args, work: Path, overrides: list[str] = ()) -> tuple[torch.nn.Modul
     FLOPs (per step), from the Wikipedia sample prepared in `work` (once)."""
     from pretrieve.config import load_config
     from pretrieve.data.prepare import PrepareOptions, prepare
+    from pretrieve.models.speed_switches import Settings, apply_switches
     from pretrieve.pretrain import pretraining_job
     from pretrieve.pretrain_config import experiment
 
@@ -48,7 +49,9 @@ def batches(args, work: Path, overrides: list[str] = ()) -> tuple[torch.nn.Modul
     config = load_config(ROOT / "configs" / "pretrain" / f"{args.method}.yaml",
                          [*engine_overrides(args, work / "shards", None), *overrides, f"run_dir={work / 'floor-run'}"])
     (work / "floor-run").mkdir()  # the job writes the encoder's config there, as a run does
-    job = pretraining_job(experiment(config), rank=0)
+    exp = experiment(config)
+    job = pretraining_job(exp, rank=0)
+    apply_switches(job.module, Settings(train=exp.train))  # as the engine does before its first step
     loaded, tokens, flops = [], 0, 0.0
     for batch in job.loader:
         tokens += job.count(batch)[1]

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from pretrieve.models.speed_switches import switches
+
 
 @dataclass(frozen=True)
 class Rung:
@@ -25,28 +27,24 @@ class Rung:
     methods: tuple[str, ...] = ()  # an alternative's methods (empty: every method)
 
 
-# cumulative: first what the host pays every step (the optimizer's wrapper), then what the device pays every step
-# (the loss, the optimizer), then what removes work (padding), then the compiler, then the batch that fills the device
-LADDER = (
-    Rung("baseline", ("model.vocab_loss=chunked", "train.optimizer=deepspeed", "model.unpad=false",
-                      "train.compile=false")),
-    # bf16 steps through DeepSpeed's bf16 wrapper: fp32 masters and checks a parameter at a time, most of the step's
-    # kernel launches. Under autocast the module keeps fp32 weights and no wrapper is built
-    Rung("autocast", ("train.precision=bf16-autocast",)),
-    # autocast runs each LayerNorm in fp32, and with it the residual stream, its adds and dropouts
-    Rung("lp-norm", ("train.low_precision_norm=true",)),
-    Rung("vocab-plain", ("model.vocab_loss=plain",)),  # bf16 F.linear + cross-entropy on the masked positions
-    Rung("fused-adamw", ("train.optimizer=torch-fused",)),
-    Rung("unpad", ("model.unpad=true",)),  # varlen attention, no compute on padding
-    Rung("compile", ("train.compile=true",)),  # regional torch.compile of each layer
-    Rung("batch-64", batch=64),
-    Rung("batch-128", batch=128),
-)
-ALTERNATIVES = (
-    Rung("vocab-liger", ("model.vocab_loss=liger",), methods=("mlm",)),
-    Rung("decoder-fused", ("method.attention_impl=fused", "method.decoder_attention_dropout=0"),
-         methods=("retromae", "dupmae")),
-)
+BATCHES = (Rung("batch-64", batch=64), Rung("batch-128", batch=128))  # the batch that fills the device, last
+
+
+def ladder() -> tuple[Rung, ...]:
+    """The rungs, cumulative: the baseline (each switch's `baseline` value), then each switch's rung in the
+    switches' one order (pretrieve/models/speed_switches.py says why that order), then BATCHES."""
+    table = switches()
+    baseline = Rung("baseline", tuple(f"{s.key}={s.baseline}" for s in table if s.baseline is not None))
+    return (baseline, *(Rung(s.rung.name, s.rung.overrides) for s in table if s.rung is not None), *BATCHES)
+
+
+def alternatives() -> tuple[Rung, ...]:
+    """The switches' alternatives, each measured once on top of the whole ladder."""
+    return tuple(Rung(alt.name, alt.overrides, methods=alt.methods) for s in switches() for alt in s.alternatives)
+
+
+# the ladder of the switches registered at import, the built-in ones; plan() reads the table when it is called
+LADDER, ALTERNATIVES = ladder(), alternatives()
 
 
 @dataclass
@@ -60,14 +58,15 @@ def plan(methods: list[str], batch: int, full: bool = True, skip: tuple[str, ...
     """The runs for `methods`: the first climbs every rung (`full`), the others take the baseline and the top;
     then the alternatives of each method, on top of the whole ladder. Rungs and alternatives named in `skip` are
     left out, and the methods named in `top_only` (not the first) take the top rung alone (a short job's cuts)."""
-    unknown = set(skip) - {r.name for r in (*LADDER, *ALTERNATIVES)} - {"baseline"}
+    rungs, alts = ladder(), alternatives()
+    unknown = set(skip) - {r.name for r in (*rungs, *alts)} - {"baseline"}
     if unknown or "baseline" in skip:
         raise ValueError(f"--skip: {', '.join(sorted(unknown) or ['baseline'])}: not a rung one can skip (rungs: "
-                         f"{', '.join(r.name for r in (*LADDER[1:], *ALTERNATIVES))})")
+                         f"{', '.join(r.name for r in (*rungs[1:], *alts))})")
     out = Plan()
     settings: dict[str, str] = {}  # key -> value: a later rung's value of a key replaces an earlier one's
     steps = []
-    for rung in (r for r in LADDER if r.name not in skip):
+    for rung in (r for r in rungs if r.name not in skip):
         settings = {**settings, **_pairs(rung.overrides)}
         batch = rung.batch or batch
         steps.append((rung.name, [f"{k}={v}" for k, v in settings.items()], batch))
@@ -82,7 +81,7 @@ def plan(methods: list[str], batch: int, full: bool = True, skip: tuple[str, ...
         out.runs += [(method, name, o, b) for name, o, b in climbed]
         out.runs += [(method, alt.name, [f"{k}={v}" for k, v in {**settings, **_pairs(alt.overrides)}.items()],
                       steps[-1][2])
-                     for alt in ALTERNATIVES if (not alt.methods or method in alt.methods) and alt.name not in skip]
+                     for alt in alts if (not alt.methods or method in alt.methods) and alt.name not in skip]
     return out
 
 

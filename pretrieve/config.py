@@ -9,6 +9,7 @@ every error they find in one ConfigError (a user fixes a config in one round, no
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,14 +149,18 @@ def unknown_top_level(config: DictConfig, known: set[str]) -> None:
 
 
 
-def run_sections(config: DictConfig, world_size: int) -> tuple[TrainOptions, CheckpointOptions, Any]:
-    """The validated `train:`, `checkpoint:` and `tracking:` sections, shared by pre-training and fine-tuning."""
+def run_sections(config: DictConfig, world_size: int, check_switches: Callable[[TrainOptions, Problems], None]
+                 ) -> tuple[TrainOptions, CheckpointOptions, Any]:
+    """The validated `train:`, `checkpoint:` and `tracking:` sections, shared by pre-training and fine-tuning;
+    `check_switches`: the checks of the speed switches among train's keys, their table's (models/speed_switches.py
+    check_train, a floor above this one)."""
     problems = Problems()
     train = section(config, "train", TrainOptions, problems)
     checkpoint = section(config, "checkpoint", CheckpointOptions, problems)
     tracking = section(config, "tracking", TrackingOptions, problems)
     if train is not None:
         _check_train(train, world_size, problems)
+        check_switches(train, problems)
     if checkpoint is not None and (checkpoint.every < 1 or checkpoint.keep < 1):
         problems.add("checkpoint.every and checkpoint.keep must be >= 1")
     problems.raise_any()
@@ -175,8 +180,6 @@ def _check_train(train: TrainOptions, world_size: int, problems: Problems) -> No
                      f"{train.micro_batch_size} x grad_accum {train.grad_accum} x world size {world_size} = {implied}")
     if train.lr_schedule not in LR_SCHEDULES:
         problems.add(f"train.lr_schedule: {train.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
-    if train.optimizer not in OPTIMIZERS:
-        problems.add(f"train.optimizer: {train.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if train.lr_schedule == "wsd" and not (0 < train.decay_ratio <= 1 - train.warmup_ratio):
         problems.add(f"train.decay_ratio: {train.decay_ratio} must be > 0 and leave room for the warm-up "
                      f"(<= 1 - warmup_ratio = {1 - train.warmup_ratio:g})")
@@ -185,21 +188,12 @@ def _check_train(train: TrainOptions, world_size: int, problems: Problems) -> No
             problems.add(f"train.{key}: must be > 0 seconds (or null), got {getattr(train, key)}")
     if train.peak_flops is not None and not train.peak_flops > 0:
         problems.add(f"train.peak_flops: must be > 0 FLOP/s per device, got {train.peak_flops}")
-    if train.precision not in PRECISIONS:
-        problems.add(f"train.precision: {train.precision!r} is not one of {', '.join(PRECISIONS)}")
     if train.zero_stage not in (0, 1, 2, 3):
         problems.add(f"train.zero_stage: {train.zero_stage} is not 0, 1, 2 or 3")
     if train.offload_optimizer and train.zero_stage == 0:
         problems.add("train.offload_optimizer: needs train.zero_stage 1, 2 or 3 (ZeRO-Offload)")
     if train.offload_params and train.zero_stage != 3:
         problems.add("train.offload_params: needs train.zero_stage 3 (only ZeRO 3 partitions the parameters)")
-    if train.compile and train.zero_stage == 3:  # measured on CPU: the recompile limit hit at the first step
-        problems.add("train.compile: ZeRO 3 gathers each layer's parameters by hooks inside it, on which "
-                     "torch.compile recompiles layer after layer until its limit, then runs them eager; use "
-                     "train.zero_stage 0, 1 or 2")
-    if train.low_precision_norm and train.precision != "bf16-autocast":
-        problems.add(f"train.low_precision_norm: changes only a train.precision bf16-autocast run (its norms run in "
-                     f"fp32 there), not {train.precision}: set train.precision=bf16-autocast or remove it")
     if train.ds_config is not None and not Path(train.ds_config).is_file():
         problems.add(f"train.ds_config: {train.ds_config} not found")
     problems.parse(check_health, train.health, train.ds_config)

@@ -20,8 +20,6 @@ from pretrieve.engine.tracking import run_tags
 from pretrieve.engine.train import TrainingJob, run_training
 from pretrieve.engine.validation import VALIDATION_SEED, Validation
 from pretrieve.models.lora import adapter_shape, trained_summary
-from pretrieve.models.low_precision_norm import lower_norm_precision
-from pretrieve.models.regional_compile import compile_layers
 from pretrieve.pretrain_config import Experiment
 from pretrieve.utils.run_dir import locate
 
@@ -43,12 +41,6 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     head = exp.method.build(exp.options, exp.model, seed=exp.seed)
     if rank == 0:  # the architecture, also when it came from model.init_from: `pretrieve export` rebuilds from it
         head.encoder.config.to_json_file(exp.run_dir / ENCODER_CONFIG)
-    if exp.train.activation_checkpointing:
-        head.encoder.enable_activation_checkpointing()
-    if exp.train.low_precision_norm:  # before compiling: the compiled layers hold the swapped norms
-        lower_norm_precision(head)
-    if exp.train.compile:
-        compile_layers(head)
     adapters = adapter_shape(head.encoder.model)  # LoRA: FLOPs without the frozen weights' gradients
     if exp.model.lora.r and rank == 0:
         print(trained_summary(head, exp.model.lora.r), file=sys.stderr, flush=True)

@@ -25,9 +25,9 @@ from pretrieve.config import (RUN_KEYS, RUN_SECTIONS, CheckpointOptions, RunExpe
 from pretrieve.data.remote import ReadOptions, is_remote, local_path
 from pretrieve.data.shard_check import CHECKS as SHARD_CHECKS
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
-from pretrieve.models.backbones import DECODER_LLMS, ENCODER_FAMILIES, UNPADDING, backbone_named, backbone_of
+from pretrieve.models.backbones import DECODER_LLMS, ENCODER_FAMILIES, backbone_named, backbone_of
 from pretrieve.models.encoder import ModelOptions
-from pretrieve.models.vocab_loss import vocab_loss_problem
+from pretrieve.models.speed_switches import check_switches, check_train
 from pretrieve.utils.options import ConfigError, Problems, options_of
 
 
@@ -136,7 +136,7 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
             problems.add(message)
     method, options = problems.parse(method_options, config) or (None, None)
     data = section(config, "data", DataOptions, problems)
-    sections = problems.parse(run_sections, config, world_size)
+    sections = problems.parse(run_sections, config, world_size, check_train)
     resume = problems.parse(resume_of, config)
     init_checkpoint = problems.parse(init_checkpoint_of, config)
     manifests = None
@@ -148,7 +148,7 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
         _check_model(model, options, data, manifests, problems)
         if method is not None:
             _check_attention(model, method, options, problems)
-            _check_method_fit(model, method, options, problems)
+        check_switches(problems, model=model, method=method, options=options)  # models/speed_switches.py
     if method is not None and data is not None:
         _check_data_kind(method, data, manifests or {}, problems)
     if options is not None and sections is not None:
@@ -301,18 +301,13 @@ def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, ma
                  problems: Problems) -> None:
     if model.init_from and not Path(model.init_from).is_dir():
         problems.add(f"model.init_from: {model.init_from} is not a directory")
-    if (problem := vocab_loss_problem(model.vocab_loss)) is not None:
-        problems.add(problem)
     if model.init_from:
         _check_checkpoint_positions(model, getattr(options, "max_len", None), problems)
         return
     try:
-        backbone = backbone_named(model.backbone)
+        backbone_named(model.backbone)
     except ValueError as e:
         problems.add(str(e))
-    else:
-        if model.unpad and not backbone.unpads:
-            problems.add(f"model.unpad: the {model.backbone} backbone has no unpadded path ({UNPADDING} have)")
     # an id past the embedding table fails steps later, deep in a CUDA or CPU kernel (remote manifests: not read)
     for i, manifest in (manifests or {}).items():
         vocab = (manifest.get("tokenizer") or {}).get("vocab_size", 0)
@@ -352,17 +347,6 @@ def _check_attention(model: ModelOptions, method, options: Any, problems: Proble
     if getattr(options, "pooling", None) == "cls" and not model.bidirectional:
         problems.add(f"method.pooling: cls on a causal {backbone.display_name} is its first token's state, which "
                      "sees nothing of the text after it (every text gets the same vector): use last or mean")
-
-
-def _check_method_fit(model: ModelOptions, method, options: Any, problems: Problems) -> None:
-    """Settings the method would ignore, or this machine cannot run: refused by key, not found at the first step."""
-    from pretrieve.kernels import fused_problem
-
-    if model.vocab_loss != "auto" and not method.head.predicts_tokens:
-        problems.add(f"model.vocab_loss: {model.vocab_loss}, but method {method.name} computes no vocabulary loss "
-                     "(it sets how the methods that predict tokens compute theirs): leave it out")
-    if getattr(options, "attention_impl", None) == "fused" and (problem := fused_problem()) is not None:
-        problems.add(problem)
 
 
 def _init_config(path: str):

@@ -1,6 +1,7 @@
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -124,6 +125,20 @@ def collated_with_a_pad_sample(method, options, vocab, samples: list[dict]):
     collate = method.collator.from_options(options, vocab, seed=0)
     samples = [*samples[:63], {**samples[63], "pad": True}]
     return collate(samples), torch.from_numpy(collate.pad(samples).ids)
+
+
+def walk_through_blocks(page: str, heading: str, code_file: str) -> tuple[str, list[str]]:
+    """(the section of docs/`page` under `heading`, its python blocks), each block asserted to be `code_file`'s
+    code line for line (indentation aside): a walk-through whose code a test runs."""
+    def lines(text: str) -> str:
+        return "\n".join(line.strip() for line in text.strip().splitlines())
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    section = (docs / page).read_text().split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    for block in blocks:
+        assert lines(block) in lines(Path(code_file).read_text()), block
+    return section, blocks
 
 
 def json_lines(stdout: str) -> list:

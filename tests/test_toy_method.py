@@ -7,7 +7,6 @@ range and its FLOPs are the registry's, and it is unregistered afterwards.
 """
 
 import json
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -140,14 +139,10 @@ def test_an_unregistered_method_is_unknown():
 
 def test_the_walk_through_is_this_files_code():
     """Each of the five steps' code in docs/methods.md is this file's, line for line (indentation aside)."""
-    def lines(text: str) -> str:
-        return "\n".join(line.strip() for line in text.strip().splitlines())
+    from conftest import walk_through_blocks
 
-    section = (ROOT / "docs" / "methods.md").read_text().split("\n## Add a method", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    _, blocks = walk_through_blocks("methods.md", "## Add a method", __file__)
     assert len(blocks) == 5
-    for block in blocks:
-        assert lines(block) in lines(Path(__file__).read_text()), block
 
 
 if __name__ == "__main__":

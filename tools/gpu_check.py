@@ -25,7 +25,6 @@ import datetime as dt
 import io
 import json
 import os
-import runpy
 import shlex
 import signal
 import subprocess
@@ -186,9 +185,13 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
 
 def ladder_rungs(names: tuple[str, ...]) -> list[tuple[str, list[str], int]]:
     """(name, overrides, micro-batch) of the named rungs of the ladder's first method, as the default job runs them."""
-    # read from its file: this tool runs as a script (`python tools/gpu_check.py`), with tools/ on sys.path, not the
-    # repository root that `benchmarks.throughput_ladder` is imported from
-    ladder_plan = runpy.run_path(str(ROOT / "benchmarks" / "throughput_ladder.py"))["plan"]
+    # this tool runs as a script (`python tools/gpu_check.py`), with tools/ on sys.path, and plans the job before
+    # its install stage: the ladder, and the table of speed switches it climbs (pretrieve/models/speed_switches.py,
+    # which needs no torch to read), are imported from the repository root
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.throughput_ladder import plan as ladder_plan
+
     return [(name, overrides, batch) for method, name, overrides, batch in
             ladder_plan([LADDER_METHODS[0]], 32, skip=LADDER_SKIP).runs if name in names]
 

@@ -40,6 +40,7 @@ from pretrieve.engine.tracking import Tracker, run_params
 from pretrieve.engine.universal import is_universal
 from pretrieve.engine.validation import Validation
 from pretrieve.engine.world import forget_cpu_allreduce_buffer, unlink_cpu_allreduce_buffer
+from pretrieve.models.speed_switches import Settings, apply_switches
 from pretrieve.progress import Progress
 from pretrieve.utils.health_options import health_options
 from pretrieve.utils.run_dir import latest_checkpoint, write_atomic
@@ -197,6 +198,7 @@ def _run_training(exp: RunExperiment, build_job, rank: int, world: int, stop: St
     run_dir, ckpt_dir = exp.run_dir, exp.run_dir / "checkpoints"
     start = _start(exp, rank)
     job = build_job(exp, rank)
+    apply_switches(job.module, Settings(train=exp.train))  # the speed switches' passes, in their one order
     engine, ds_config, clip = _initialize(exp, job, start)
     if why := stop.should_stop(world, engine.device):  # stopped during start-up: nothing trained since `tag`
         raise stop.stopped(why, ckpt_dir / start.tag if start.tag else None)

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 
 from pretrieve.config import (RUN_KEYS, RUN_SECTIONS, CheckpointOptions, RunExperiment, TrainOptions, resume_of,
                               run_sections, section, unknown_top_level)
+from pretrieve.models.speed_switches import check_train
 from pretrieve.utils.options import Problems
 
 FLOPS_WEIGHTS = (0.0015, 0.002)  # pooling sparse: (query, passage), LexMAE's stage 1 (lambda_d 0.002, ratio 0.75)
@@ -95,7 +96,7 @@ def finetune_experiment(config: DictConfig, world_size: int = 1) -> FinetuneExpe
     problems = Problems()
     problems.parse(unknown_top_level, config, {*RUN_KEYS, *RUN_SECTIONS, "finetune"})
     options = section(config, "finetune", FinetuneOptions, problems)
-    sections = problems.parse(run_sections, config, world_size)
+    sections = problems.parse(run_sections, config, world_size, check_train)
     resume = problems.parse(resume_of, config)
     if options is not None:
         _check_options(options, problems)

@@ -21,9 +21,7 @@ from pathlib import Path
 
 from pretrieve.config import section
 from pretrieve.finetune.config import FinetuneExperiment, FinetuneOptions, flops_weights, lora_of, resolved
-from pretrieve.models.encoder import FINETUNE_META, checkpoint_activations
-from pretrieve.models.low_precision_norm import lower_norm_precision
-from pretrieve.models.regional_compile import compile_layers
+from pretrieve.models.encoder import FINETUNE_META
 
 MODEL_CONFIG = "model_config.json"  # in the run directory: the architecture, for the export
 TOKENIZER = "tokenizer"  # in the run directory
@@ -78,12 +76,6 @@ def _finetuning_job(exp: FinetuneExperiment, rank: int):
         config.to_json_file(exp.run_dir / MODEL_CONFIG)
         write_atomic(exp.run_dir / FINETUNE_META, json.dumps(_meta(module, o), indent=1) + "\n")
         tokenizer.save_pretrained(str(exp.run_dir / TOKENIZER))  # the export's, even if init_from moves
-    if exp.train.activation_checkpointing:
-        checkpoint_activations(module.encoder.model if o.model == "dual" else module.model)
-    if exp.train.low_precision_norm:  # before compiling: the compiled layers hold the swapped norms
-        lower_norm_precision(module)
-    if exp.train.compile:
-        compile_layers(module)
     loader_class = GroupLoader if o.model == "dual" else PairLoader
     loader = loader_class(load_examples(o), tokenizer, exp.train.micro_batch_size, o.negatives, o.query_max_len,
                           o.passage_max_len, exp.seed, rank, int(os.environ.get("WORLD_SIZE", 1)),

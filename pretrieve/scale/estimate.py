@@ -246,12 +246,13 @@ def experiment_for_estimate(config, world: int):
     """The experiment `config` describes on `world` ranks, every section checked as `pretrain` checks it when its
     shards are there; before they are, all but the data (the model, method, train and checkpoint sections)."""
     from pretrieve.config import run_sections, section
+    from pretrieve.models.speed_switches import check_train
     from pretrieve.pretrain_config import DataOptions, Experiment, experiment, method_options, model_options
 
     data = section(config, "data", DataOptions)
     if data_present(data):
         return experiment(config, world)
-    train, checkpoint, tracking = run_sections(config, world)
+    train, checkpoint, tracking = run_sections(config, world, check_train)
     method, options = method_options(config)
     return Experiment(seed=int(config.get("seed", 42)), run_dir=Path(str(config.get("run_dir") or ".")), resume=None,
                       train=train, checkpoint=checkpoint, tracking=tracking, raw=config, model=model_options(config),

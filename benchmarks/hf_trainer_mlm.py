@@ -74,7 +74,7 @@ def main() -> None:
         batch = masking(examples)
         if counted["steps"] >= args.warmup:  # the timed steps' work: tokens, and the useful FLOPs
             counted["tokens"] += int(batch["attention_mask"].sum())
-            counted["flops"] += train_flops("mlm", mlm_options, config, {**batch, "mlm_labels": batch["labels"]})
+            counted["flops"] += train_flops(mlm, mlm_options, config, {**batch, "mlm_labels": batch["labels"]})
         counted["steps"] += 1
         return batch
 

@@ -94,7 +94,7 @@ def measure() -> list[dict]:
         trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)
         largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in head.modules())
         # LoRA: no gradients for the frozen weights (engine/flops.py)
-        flops = train_flops(exp.method.name, exp.options, exp.model.hf_config(), batch,
+        flops = train_flops(exp.method, exp.options, exp.model.hf_config(), batch,
                             adapter_shape(head.encoder.model))
         for world in (1, 8):
             memory = estimate(exp, world, batch)

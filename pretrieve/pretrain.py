@@ -68,7 +68,7 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     return TrainingJob(
         name=f"pretrain {exp.method.name}", module=head, loader=loader, position=stream,
         count=getattr(collate, "count", count_texts),
-        flops=lambda batch: train_flops(exp.method.name, exp.options, head.encoder.config, batch, adapters),
+        flops=lambda batch: train_flops(exp.method, exp.options, head.encoder.config, batch, adapters),
         # from the final checkpoint: ZeRO partitions consolidated, fp32 master weights under bf16/fp16
         export=lambda run_dir: export_checkpoint(run_dir, run_dir / "export", overwrite=True),
         tags=run_tags(exp.method.name, exp.data.corpora, head.encoder.config), validation=validation,

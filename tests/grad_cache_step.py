@@ -22,7 +22,7 @@ if "MASTER_PORT" not in os.environ:
     os.environ["MASTER_PORT"] = str(free_loopback_port())
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from pretrieve.data.collators import ContrastiveCollator  # noqa: E402
+from pretrieve.models.heads.contrastive import ContrastiveCollator  # noqa: E402
 from pretrieve.data.masking import Vocabulary  # noqa: E402
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend  # noqa: E402
 from pretrieve.engine.ops import environment_ops  # noqa: E402

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from pretrieve.config import load_config
-from pretrieve.data.collators import ContrastiveCollator
-from pretrieve.models.heads.contrastive import ContrastiveOptions, PairMeta, pair_loss
+from pretrieve.models.heads.contrastive import ContrastiveCollator, ContrastiveOptions, PairMeta, pair_loss
 from pretrieve.pretrain_config import method_options, model_options
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
@@ -230,4 +229,4 @@ def test_flops_match_the_deepspeed_profiler(vocab):
         _, macs, _ = get_model_profile(head, kwargs={"batch": batch}, print_profile=False, as_string=False,
                                        warm_up=0)
     # the score matrices (pairs x candidates x h) are left out of the formula: well under 1%
-    assert forward_flops("contrastive", options, head.encoder.config, batch) == pytest.approx(2 * macs, rel=0.01)
+    assert forward_flops(method, options, head.encoder.config, batch) == pytest.approx(2 * macs, rel=0.01)

@@ -201,7 +201,7 @@ def test_engine_trains_the_released_objective_and_its_export_loads(tmp_path, wik
 def test_an_export_from_before_the_option_continues_with_the_clm_decoder(tmp_path):
     from pretrieve.models.encoder import ModelOptions
     from pretrieve.models.export import export, load_export
-    from pretrieve.models.heads.seed import CausalDecoder
+    from pretrieve.models.heads.decoder import CausalDecoder
 
     method = get_method("cotmae")
     options = method.options_from({"decoder_objective": "clm", "decoder_layers": 1, "max_len": 64})

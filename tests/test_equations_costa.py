@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretrieve.data.collators import COSTACollator
+from pretrieve.models.heads.costa import COSTACollator
 from pretrieve.data.spans import LEVELS
 from pretrieve.models.heads import get_method
 from test_heads import tiny

@@ -139,11 +139,11 @@ def test_a_loaded_generator_is_frozen_and_a_new_one_learns(vocab, wiki_samples, 
     assert out["loss"].item() == pytest.approx(out["enc"].item() + out["dec"].item(), rel=1e-6)
     out["loss"].backward()
     assert all(p.grad is None for p in head.generator.parameters())
-    forward = forward_flops("simlm", options, head.encoder.config, batch)
+    forward = forward_flops(method, options, head.encoder.config, batch)
     generator = sum(encoder_flops(head.generator.config, {"input_ids": ids, "mlm_labels": labels}) for ids, labels in
                     ((batch["input_ids"], batch["mlm_labels"]),
                      (batch["dec_input_ids"], torch.where(batch["dec_masked"], 0, -100))))
-    assert train_flops("simlm", options, head.encoder.config, batch) == 3 * forward - 2 * generator
+    assert train_flops(method, options, head.encoder.config, batch) == 3 * forward - 2 * generator
 
     _, options, head = tiny_simlm()  # new: trained with the encoder, its MLM loss in the total
     assert all(p.requires_grad for name, p in head.generator.named_parameters() if "pooler" not in name)

@@ -53,7 +53,7 @@ def first_batch(config: Path, overrides: list[str], wiki_shards, vocab) -> tuple
     method, options = method_options(config)
     samples = list(islice(iter(ShardStream([wiki_shards / "manifest.json"], seed=0, shuffle_buffer=1)), 32))
     batch = method.collator.from_options(options, vocab, seed=0)(samples)
-    return batch, train_flops(method.name, options, model_options(config).hf_config(), batch), \
+    return batch, train_flops(method, options, model_options(config).hf_config(), batch), \
         int(batch["attention_mask"].sum())
 
 

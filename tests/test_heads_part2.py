@@ -8,15 +8,14 @@ import pytest
 import torch
 from conftest import free_port
 
-from pretrieve.data.collators import COSTACollator
 from pretrieve.data.cotmae import CoTMAECollator
 from pretrieve.data.neighbours import NeighbourBlocks
 from pretrieve.data.spans import STOPWORDS
 from pretrieve.data.stream import ShardStream
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.models.heads import get_method
-from pretrieve.models.heads.costa import group_contrastive_loss, span_means
-from pretrieve.models.heads.seed import window_mask
+from pretrieve.models.heads.costa import COSTACollator, group_contrastive_loss, span_means
+from pretrieve.models.heads.decoder import window_mask
 from pretrieve.models.representation import hybrid_scores, sparse_representation
 
 TINY = ModelOptions(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)

@@ -91,7 +91,7 @@ def test_fused_matches_reference_fp16():
 
 
 def test_fused_on_a_collated_batch(wiki_samples, vocab):
-    from pretrieve.data.collators import RetroMAECollator
+    from pretrieve.models.heads.retromae import RetroMAECollator
 
     batch = RetroMAECollator(vocab, max_len=72, seed=4)(wiki_samples[:2])
     mask = CompactMask(batch["dec_pool"], batch["dec_row"], batch["attention_mask"].sum(1))

@@ -7,10 +7,14 @@ import pytest
 import torch
 from hf_whole_word import hf_whole_word_mask
 
-from pretrieve.data.collators import (BoWCollator, DupMAECollator, LexMAECollator, MLMCollator, RetroMAECollator,
-                                      SimLMCollator)
+from pretrieve.data.collators import MLMCollator
 from pretrieve.data.masking import ordinary_positions, word_ids
 from pretrieve.kernels.reference import expand_decoder_mask, two_stream_attention, unpack_pool
+from pretrieve.models.heads.bow import BoWCollator
+from pretrieve.models.heads.dupmae import DupMAECollator
+from pretrieve.models.heads.lexmae import LexMAECollator
+from pretrieve.models.heads.retromae import RetroMAECollator
+from pretrieve.models.heads.simlm import SimLMCollator
 
 
 def _whole_words_hold(ids, lengths, state, vocab):

@@ -1,12 +1,15 @@
 """A method added in one file, step by step as docs/methods.md "Add a method" shows it (the walk-through's code
 blocks are this file's code): `first_token`, MLM plus predicting each text's first token from its [CLS] state.
 It trains through `pretrieve pretrain` (this file run as a script registers it, then runs the command), its
-range and its FLOPs are the registry's, and it is unregistered afterwards.
+range and its FLOPs are the registry's, and it is unregistered afterwards. A built-in method adds five files to
+its one (the walk-through's list, counted here), and what reads the registry needs no edit.
 
     python tests/test_toy_method.py CONFIG KEY=VALUE...   # `pretrieve pretrain CONFIG ...` with first_token known
 """
 
 import json
+import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -70,7 +73,7 @@ def first_token_flops(options, config, batch):
 # 5. Register: a module in pretrieve/models/heads/ does this at import; here, the fixture or the script does.
 def register():
     return register_method("first_token", FirstTokenHead, FirstTokenCollator, FirstTokenOptions,
-                           flops=first_token_flops)
+                           flops=first_token_flops, eval_pooling="cls")
 
 
 @pytest.fixture
@@ -110,6 +113,7 @@ def test_the_toy_method_options_and_flops_are_its_registry_entry(first_token, wi
     from pretrieve.config import ConfigError, load_config
     from pretrieve.engine.flops import forward_flops, train_flops
     from pretrieve.models.encoder import ModelOptions
+    from pretrieve.models.heads.registry import get_method
     from pretrieve.pretrain_config import experiment
 
     config = load_config(ROOT / "configs" / "pretrain" / "tiny-mlm.yaml",
@@ -123,8 +127,9 @@ def test_the_toy_method_options_and_flops_are_its_registry_entry(first_token, wi
     assert (batch["first_token"] == batch["input_ids"].new_tensor([s["ids"][0] for s in wiki_samples[:4]])).all()
     bert = ModelOptions(vocab_size=30522, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=256).hf_config()
     own = 2 * 4 * 64 * 64 + 2 * 4 * (64 * 64 + 64 * 30522)  # projection + MLM head at 4 first tokens
-    assert forward_flops("first_token", options, bert, batch) - forward_flops("mlm", options, bert, batch) == own
-    assert train_flops("first_token", options, bert, batch) == 3 * forward_flops("first_token", options, bert, batch)
+    mlm = get_method("mlm")
+    assert forward_flops(first_token, options, bert, batch) - forward_flops(mlm, options, bert, batch) == own
+    assert train_flops(first_token, options, bert, batch) == 3 * forward_flops(first_token, options, bert, batch)
 
 
 def test_an_unregistered_method_is_unknown():
@@ -143,6 +148,50 @@ def test_the_walk_through_is_this_files_code():
 
     _, blocks = walk_through_blocks("methods.md", "## Add a method", __file__)
     assert len(blocks) == 5
+
+
+def test_a_new_method_touches_six_files():
+    """The files "Add a method" says a new method touches: six at most, each one of the method's own (its name in
+    the path: every built-in method on text has those) or a page's line. And nothing else: a method registered
+    from one file, here the toy method as an arm of the method study, is at once an arm with its pooling and its
+    tiny runs' overrides (pretrieve/study/plan.py, every plan's pooling) and a method of the GPU check's ladder with
+    its paper's overrides (tools/gpu_check.py)."""
+    from conftest import text_methods
+    from pretrieve.models.heads import METHODS
+
+    section = (ROOT / "docs" / "methods.md").read_text().split("\n## Add a method", 1)[1].split("\n## ", 1)[0]
+    listed = section.split("<!-- a method's files", 1)[1].split("\n\n", 1)[0]
+    files = re.findall(r"^- `([^`]+)`", listed, re.M)
+    assert 0 < len(files) <= 6, files
+    own = [path for path in files if "<name>" in path]
+    assert set(files) - set(own) <= {"docs/methods.md", "docs/layout.md"}, files
+    for name in text_methods(METHODS):
+        if METHODS[name].head.__module__ == f"pretrieve.models.heads.{name}":  # a method of its own file
+            missing = [path for path in own if not path.startswith("tests/")
+                       and not (ROOT / path.replace("<name>", name)).is_file()]
+            assert not missing, (name, missing)
+            assert f"| `models/heads/{name}.py` |" in (ROOT / "docs" / "layout.md").read_text()
+
+    seen = subprocess.run([sys.executable, "-c", f"""
+import json, sys
+sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT / "tools")!r}]
+import test_toy_method as toy
+from pretrieve.models.heads.registry import register_method, study_arms
+register_method("first_token", toy.FirstTokenHead, toy.FirstTokenCollator, toy.FirstTokenOptions,
+                flops=toy.first_token_flops, eval_pooling="cls", study_arm=study_arms()[-1].study_arm + 1,
+                tiny_overrides=("method.first_token_weight=1",), paper_overrides=("method.first_token_weight=0.1",))
+from pretrieve.study import plan
+print(json.dumps({{"arms": plan.ARMS, "pooling": plan.POOLING, "overrides": plan.ARM_OVERRIDES}}))
+import gpu_check
+exec(gpu_check.LADDER_NEW_METHODS)  # the GPU check's reading of the registry
+"""], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert seen.returncode == 0, seen.stderr[-3000:]
+    study, ladder = map(json.loads, seen.stdout.splitlines()[-2:])
+    seen = {**study, "ladder": ladder}
+    assert seen["arms"][-1] == "first_token"
+    assert seen["pooling"]["first_token"] == "cls"
+    assert seen["overrides"]["first_token"] == ["method.first_token_weight=1"]
+    assert seen["ladder"]["first_token"] == ["method.first_token_weight=0.1"]
 
 
 if __name__ == "__main__":

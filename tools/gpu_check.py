@@ -68,10 +68,27 @@ PROFILED_RUNGS = ("fused-adamw",)
 # alone; the rungs skipped wait for a later job (unpadding lost on batches with 7 % padding)
 LADDER_METHODS = ("mlm", "retromae")
 LADDER_SKIP = ("unpad", "batch-128", "decoder-fused", "vocab-liger")
-# methods added since: each at the ladder's baseline and top rungs in a stage of its own (the default job is full),
-# with the overrides its paper trains with
-LADDER_NEW_METHODS = {"bow": [], "condenser": [], "cocondenser": ["method.grad_cache.chunk=16"], "simlm": [],
-                      "lexmae": []}
+
+
+# the methods added since, each at the ladder's baseline and top rungs in a stage of its own (the default job is full)
+# with the overrides its paper trains with: the method registry's, the method study's arms beyond the cpu study's
+# (pretrieve/study/plan.py) with their `paper_overrides`. This code reads them in a Python of its own, started in the
+# repository's root, where the package imports before `make install`; a dependency missing then fails the stage,
+# not the job
+LADDER_NEW_METHODS = ("import json\n"
+                      "from pretrieve.models.heads import get_method\n"
+                      "from pretrieve.study.plan import ARMS, CPU_ARMS\n"
+                      "print(json.dumps({name: list(get_method(name).paper_overrides) for name in ARMS "
+                      "if name not in CPU_ARMS}))\n")
+
+
+def ladder_new_methods() -> tuple[dict[str, list[str]], str | None]:
+    """({method: its overrides}, None) as LADDER_NEW_METHODS reads them, or ({}, why not)."""
+    read = subprocess.run([sys.executable, "-c", LADDER_NEW_METHODS], cwd=ROOT, capture_output=True, text=True,
+                          check=False)
+    if read.returncode:
+        return {}, f"mfu-methods: the method registry was unreadable at the job's start:\n{read.stderr[-LOG_TAIL:]}"
+    return json.loads(read.stdout.splitlines()[-1]), None
 
 
 def ladder_ends_of(bert_base: list[str], method: str, work: Path, overrides: list[str]) -> list[str]:
@@ -103,6 +120,7 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
     ladder = bert_base + ["--ladder", "--methods", *LADDER_METHODS, "--skip", *LADDER_SKIP,
                           "--top-only", *LADDER_METHODS[1:], "--out", str(work / "pretrain_throughput_gpu.json")]
     profiled = ladder_rungs(PROFILED_RUNGS)
+    new_methods, unread = ladder_new_methods()
     qwen3 = [python, "-m", "benchmarks.pretrain_throughput", "--method", "llama2vec", "--size", "qwen3-0.6b",
              "--seq-len", "512", "--batch", "8", "--steps", "12", "--warmup", "4", "--zero-stage", "1",
              "--out", str(work / "pretrain_throughput_gpu.json")]
@@ -158,12 +176,14 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
                           "--out", str(work / "unpadding_gpu.json")], results=str(work / "unpadding_gpu.json"))]
               + [Command(qwen3 + ["--lora", str(rank)], results=str(work / "pretrain_throughput_gpu.json"))
                  for rank in (0, 16)]),
-        # the newer methods at the ladder's baseline and top (ends only, no peers): 10 runs of ~35 s, coCondenser's
-        # GradCache (chunks of 16 of its 64 spans) encoding each span twice
+        # the newer methods at the ladder's baseline and top (ends only, no peers): two runs of ~35 s a method (76 s
+        # estimated, 88 s boxed), coCondenser's GradCache (chunks of 16 of its 64 spans) encoding each span twice
         Stage("mfu-methods", "the speed ladder's baseline and top rungs at BERT-base L512 bf16 for "
-              f"{', '.join(LADDER_NEW_METHODS)} (coCondenser through GradCache, chunks of 16 spans)", 380, 440,
+              f"{', '.join(new_methods)} (coCondenser through GradCache, chunks of 16 spans)", 76 * len(new_methods),
+              88 * len(new_methods),
               [Command(ladder_ends_of(bert_base, method, work, extra), results=str(work / "pretrain_throughput_gpu.json"))
-               for method, extra in LADDER_NEW_METHODS.items()]),
+               for method, extra in new_methods.items()] + ([Command([python, "-c", f"raise SystemExit({unread!r})"])]
+                                                            if unread else [])),
         # the first job's quality stage had its data (39 s) and base (41 s) when its box ran out; each arm added since
         # (bow, condenser, cocondenser, simlm, lexmae) adds a pre-training run, one fine-tuning and its evaluations:
         # ~20 s each

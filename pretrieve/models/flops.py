@@ -37,6 +37,12 @@ def vocab_flops(config, positions: int) -> int:
     return 2 * positions * (transform + h * config.vocab_size)
 
 
+def vocab_projection_flops(config, positions: int) -> int:
+    """A d x |V| projection to the vocabulary at `positions`, the matmul alone (DupMAE's separate linear map
+    W^O, eq. 6; the max-pooled projections of DupMAE and LexMAE, whose backward is no matmul)."""
+    return 2 * positions * config.hidden_size * config.vocab_size
+
+
 def labelled(labels: torch.Tensor) -> int:
     """The positions a token loss reads: labels != -100."""
     return int((labels != -100).sum())

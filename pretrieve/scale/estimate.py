@@ -94,7 +94,7 @@ def micro_batch_cost(exp, batch: dict, samples: int, world: int, count=None, hea
 
     head = meta_head(exp) if head is None else head
     config = exp.model.hf_config()
-    flops = train_flops(exp.method.name, exp.options, config, batch, adapter_shape(head.encoder.model))
+    flops = train_flops(exp.method, exp.options, config, batch, adapter_shape(head.encoder.model))
     recompute = 0.0
     if exp.train.activation_checkpointing:
         recompute = sum(config.num_hidden_layers * layer_flops(config, ids.shape[0], ids.shape[1], ids.shape[1])

@@ -9,8 +9,9 @@ every arm's continued pre-training takes the same steps of the same batch of `ma
 method reads besides (CoT-MAE's neighbouring span goes to its decoder, COSTA's spans are positions of the same
 block) costs FLOPs, which the results report per arm (engine/flops.py), not tokens.
 
-Pooling (`pooling`), the same in fine-tuning and evaluation, is each method's paper's: [CLS] for RetroMAE,
-SEED-Encoder, COSTA and CoT-MAE (the representation their papers fine-tune and evaluate); for DupMAE its joint
+Pooling (`pooling`), the same in fine-tuning and evaluation, is each method's paper's (the `eval_pooling` its
+head file registers): [CLS] for RetroMAE, SEED-Encoder, COSTA and CoT-MAE (the representation their papers
+fine-tune and evaluate); for DupMAE its joint
 representation of eq. 12 ([CLS] through W^cls plus the top-384 entries of the max-pooled vocabulary vector): its
 default, which §4.2 Table 4 shows beating either half (0.4102 MRR@10 against 0.3941 for "CLS:768", [CLS]
 alone), and what its fine-tuning, eqs. 13-15, scores with; for LexMAE its SPLADE vector (`sparse`: what its
@@ -31,16 +32,17 @@ import json
 import time
 from pathlib import Path
 
-ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "costa", "cotmae", "bow", "condenser", "cocondenser", "simlm",
-        "lexmae")
+from pretrieve.models.heads.registry import study_arms
+
+# The arms, their pooling and their overrides are the method registry's (each method's head file registers its
+# `study_arm`, `eval_pooling` and `tiny_overrides`): a method joins the study by registering as an arm.
+ARMS = ("none", *(method.name for method in study_arms()))
 CPU_ARMS = ARMS[:7]  # the cpu study's, run and committed; the arms added since are for the gpu scales
 REFERENCES = ("none", "mlm")  # the arms every other is compared with
-POOLING = {"none": "base", "mlm": "base", "retromae": "cls", "dupmae": "dupmae", "seed": "cls", "costa": "cls",
-           "cotmae": "cls", "bow": "cls", "condenser": "cls", "cocondenser": "cls", "simlm": "cls",
-           "lexmae": "sparse"}  # "base": its own
-# an arm's own overrides of its tiny config: GradCache saves memory these small models do not need (its loss and
-# gradients are the one-graph ones: tests/test_equations_condenser.py), and would only encode each span twice
-ARM_OVERRIDES = {"cocondenser": ["method.grad_cache=null"]}
+# "base": the base model's own pooling (none, and a method that trains no representation of its own: mlm)
+POOLING = {"none": "base", **{method.name: method.eval_pooling or "base" for method in study_arms()}}
+# an arm's own overrides of its tiny config (coCondenser's: no GradCache, whose memory these models do not need)
+ARM_OVERRIDES = {method.name: list(method.tiny_overrides) for method in study_arms() if method.tiny_overrides}
 GENERAL_DATASETS = ("scifact", "cacm", "cranfield")
 
 def merge(base: dict, changes: dict) -> dict:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
-from pretrieve.data.collators import BoWCollator
+from pretrieve.data.collators import MLMCollator, bag_of_words_targets
+from pretrieve.data.masking import ordinary_positions
+from pretrieve.models.bag_of_words import bag_of_words_loss
 from pretrieve.models.flops import vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
-from pretrieve.models.heads.dupmae import bag_of_words_loss
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
 
 
@@ -25,6 +27,19 @@ class BoWOptions(MethodOptions):
     # the bag-of-words weight decays, cosine over train.max_steps, to this fraction of bow_weight (the released
     # recipe's --bow_factor_cosine_decay_to 0.1); 1: a constant weight
     bow_decay_to: float = option(0.1, at_least=0, at_most=1)
+
+
+@dataclass
+class BoWCollator(MLMCollator):
+    """Bag-of-words prediction batches: MLM keys plus `bow_targets` [B, U], the unique ordinary token ids of
+    each unmasked input, the tokenizer's special tokens ([UNK] ...) left out, padded with -100."""
+
+    mlm_ratio: float = 0.30
+    budget_counts_cls_sep: ClassVar[bool] = True  # bowdpr's max(1, round(p x n)) over [CLS] text [SEP]
+
+    def extend(self, out, batch, words, num_words, rng):
+        keep = ordinary_positions(batch.lengths, batch.ids.shape[1]) & ~self.vocab.special[batch.ids]
+        out["bow_targets"] = bag_of_words_targets(batch, keep)
 
 
 class BoWHead(PretrainingHead):
@@ -63,4 +78,4 @@ def bow_flops(options: BoWOptions, config, batch) -> int:
     return vocab_flops(config, batch["input_ids"].shape[0])
 
 
-register_method("bow", BoWHead, BoWCollator, BoWOptions, flops=bow_flops)
+register_method("bow", BoWHead, BoWCollator, BoWOptions, flops=bow_flops, eval_pooling="cls", study_arm=7)

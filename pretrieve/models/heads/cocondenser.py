@@ -23,9 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+import numpy as np
 import torch
 
-from pretrieve.data.collators import CoCondenserCollator
+from pretrieve.data.collators import MLMCollator
 from pretrieve.models.grad_cache import encode_in_chunks, grad_cache_of
 from pretrieve.models.heads.condenser import CondenserHead, condenser_flops
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
@@ -50,6 +51,44 @@ class CoCondenserOptions(MethodOptions):
             raise ValueError(f"method.span_len: {self.span_len} tokens do not fit method.max_len {self.max_len} "
                              f"with [CLS] and [SEP] ({self.max_len - 2} at most); leave span_len out (max_len - 2) "
                              "or raise max_len")
+
+
+@dataclass
+class CoCondenserCollator(MLMCollator):
+    """coCondenser batches: two spans of each sample's block, one after the other (rows 2i and 2i + 1 are
+    sample i's), each masked for MLM as a text of its own, plus `pad` [2B] (the spans of a stream pad sample,
+    which are neither anchors nor candidates of the contrastive loss).
+
+    The block is cut into max(2, ceil(tokens / span_len)) windows of equal length (each at most `span_len`
+    tokens, `span_len` None: max_len - 2) and two different windows are drawn: two disjoint spans of one
+    document, as the released data holds documents as lists of spans and samples two of them. A block of one
+    token gives that token twice."""
+
+    mlm_ratio: float = 0.15
+    max_len: int = 128
+    span_len: int | None = None
+
+    def texts(self, samples, rng):
+        room = self.max_len - 2 if self.span_len is None else min(self.span_len, self.max_len - 2)
+        spans = []
+        for sample in samples:
+            ids = np.asarray(sample["ids"])
+            cuts = max(2, -(-len(ids) // room))
+            edges = np.linspace(0, len(ids), cuts + 1).round().astype(np.int64)
+            for window in rng.choice(cuts, size=2, replace=False):
+                start, end = edges[window], edges[window + 1]
+                piece = ids[start:end] if end > start else ids[:1]
+                spans.append({**sample, "ids": piece})
+        return spans
+
+    def extend(self, out, batch, words, num_words, rng):
+        out["pad"] = torch.from_numpy(batch.pad)
+
+    @staticmethod
+    def count(batch: dict) -> tuple[int, int, int]:
+        """(blocks, non-padding tokens, positions) of a batch: a sample is a block, whose two spans are rows."""
+        mask = batch["attention_mask"]
+        return len(mask) // 2, int(mask.sum()), mask.numel()
 
 
 def span_contrastive_loss(reps: torch.Tensor, pad: torch.Tensor, first: int, rows: int) -> torch.Tensor:
@@ -120,4 +159,9 @@ def cocondenser_flops(options, config, batch: dict[str, torch.Tensor]) -> int:
     return condenser_flops(options, config, batch)
 
 
-register_method("cocondenser", CoCondenserHead, CoCondenserCollator, CoCondenserOptions, flops=cocondenser_flops)
+register_method("cocondenser", CoCondenserHead, CoCondenserCollator, CoCondenserOptions, flops=cocondenser_flops,
+                eval_pooling="cls", study_arm=9,
+                # a tiny model needs no GradCache (its loss and gradients are the one-graph ones:
+                # tests/test_equations_condenser.py), which would only encode each span twice; a BERT-base run at
+                # the speed ladder's 32 documents (64 spans) encodes them 16 at a time, as the paper trains (§3.3)
+                tiny_overrides=("method.grad_cache=null",), paper_overrides=("method.grad_cache.chunk=16",))

@@ -83,4 +83,5 @@ def condenser_flops(options, config, batch: dict[str, torch.Tensor]) -> int:
             + vocab_flops(config, labelled(batch["mlm_labels"])))
 
 
-register_method("condenser", CondenserHead, MLMCollator, CondenserOptions, flops=condenser_flops)
+register_method("condenser", CondenserHead, MLMCollator, CondenserOptions, flops=condenser_flops,
+                eval_pooling="cls", study_arm=8)

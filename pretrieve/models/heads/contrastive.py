@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pretrieve.data.collators import ContrastiveCollator
+from pretrieve.data.collators import collator_from_options, pad_texts, text_hash
+from pretrieve.data.masking import Vocabulary
 from pretrieve.models.backbones import backbone_of
 from pretrieve.models.dense_pooling import POOLINGS
 from pretrieve.models.flops import layer_flops
@@ -60,6 +63,68 @@ class ContrastiveOptions(MethodOptions):
         super().__post_init__()
         grad_cache_of(self.grad_cache, "method")
         matryoshka_of(self.matryoshka_dims, self.matryoshka_weights, "method")
+
+
+@dataclass
+class ContrastiveCollator:
+    """Batches of (query, passage) pairs for contrastive pre-training, from a pair stream's samples (`query`,
+    `pos`, `negs`: token ids without special tokens; `source`, `doc`):
+
+    - `q_input_ids` / `q_attention_mask` [B, Lq] and `p_input_ids` / `p_attention_mask` [B, Lp]: [CLS] text [SEP];
+    - with `negatives` N > 0, the pair's own negatives `n_input_ids` / `n_attention_mask` [B x N, Ln] (row i's
+      at i x N ...), N of them drawn when it has more, and `n_valid` [B x N] False where it has fewer;
+    - for false-negative masking: `q_hash`, `p_hash` [B] and `n_hash` [B x N] (the texts' fingerprints, uncut),
+      `doc_hash` [B] (the pair's source and document);
+    - `pad` [B]: stream pad samples, which are neither anchors nor candidates.
+    """
+
+    vocab: Vocabulary
+    max_len: int = 128
+    query_max_len: int = 128
+    negatives: int = 0
+    seed: int = 0
+    pad_to_multiple_of: int = 8
+    data_kind: ClassVar[str] = "pairs"
+
+    @classmethod
+    def from_options(cls, options, vocab: Vocabulary, seed: int = 0):
+        return collator_from_options(cls, options, vocab, seed)
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        if not samples:
+            raise ValueError("cannot collate an empty batch")
+        queries = [np.asarray(s["query"], dtype=np.int64) for s in samples]
+        passages = [np.asarray(s["pos"], dtype=np.int64) for s in samples]
+        out = {}
+        for prefix, texts, max_len in (("q", queries, self.query_max_len), ("p", passages, self.max_len)):
+            ids, mask = pad_texts(texts, max_len, self.vocab, self.pad_to_multiple_of)
+            out[f"{prefix}_input_ids"], out[f"{prefix}_attention_mask"] = torch.from_numpy(ids), torch.from_numpy(mask)
+            out[f"{prefix}_hash"] = torch.tensor([text_hash(t) for t in texts], dtype=torch.int64)
+        out["doc_hash"] = torch.tensor([text_hash(np.frombuffer(f"{s.get('source', '')}\0{s.get('doc', '')}".encode(),
+                                                                dtype=np.uint8)) for s in samples], dtype=torch.int64)
+        out["pad"] = torch.tensor([bool(s.get("pad", False)) for s in samples])
+        if self.negatives:
+            rng = np.random.default_rng([self.seed, samples[0].get("epoch", 0), samples[0].get("shard", 0),
+                                         samples[0].get("index", 0), len(samples)])
+            negatives, valid = [], []
+            for s in samples:
+                own = [np.asarray(n, dtype=np.int64) for n in (s.get("negs") or [])]
+                if len(own) > self.negatives:
+                    own = [own[i] for i in sorted(rng.choice(len(own), self.negatives, replace=False))]
+                valid += [True] * len(own) + [False] * (self.negatives - len(own))
+                negatives += own + [np.empty(0, dtype=np.int64)] * (self.negatives - len(own))
+            ids, mask = pad_texts(negatives, self.max_len, self.vocab, self.pad_to_multiple_of)
+            out["n_input_ids"], out["n_attention_mask"] = torch.from_numpy(ids), torch.from_numpy(mask)
+            out["n_valid"] = torch.tensor(valid)
+            out["n_hash"] = torch.tensor([text_hash(t) for t in negatives], dtype=torch.int64)
+        return out
+
+    @staticmethod
+    def count(batch: dict) -> tuple[int, int, int]:
+        """(pairs, non-padding tokens, positions) of a batch: every text, queries, passages and negatives."""
+        masks = [v for k, v in batch.items() if k.endswith("attention_mask")]
+        return len(batch["q_attention_mask"]), int(sum(m.sum() for m in masks)), sum(m.numel() for m in masks)
+
 
 
 @dataclass

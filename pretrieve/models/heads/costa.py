@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pretrieve.data.collators import COSTACollator
+from pretrieve.data.collators import MLMCollator
+from pretrieve.data.spans import sample_spans, word_candidates
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
 from pretrieve.models.infonce import gather_across_ranks, world
@@ -23,6 +24,26 @@ class COSTAOptions(MethodOptions):
     temperature: float = option(0.1, above=0)  # §4.5.1: tau of eq. 8
     # §4.5.1 sets "the hyper-parameter in Eq. 3.3" to 0.1; read as the MLM loss weight
     mlm_weight: float = option(0.1, at_least=0)
+
+
+@dataclass
+class COSTACollator(MLMCollator):
+    """COSTA batches: MLM keys plus `span_bounds` [B, 4 levels x spans_per_level, 2], (start, end) token positions
+    of the sampled multi-granularity spans (data/spans.py), (-1, -1) where a text is too short for a level and
+    throughout a stream pad sample."""
+
+    spans_per_level: int = 5
+    span_alpha: float = 4.0
+    span_beta: float = 2.0
+
+    def __post_init__(self):
+        self._candidates = word_candidates(self.vocab)  # one-token words the word level may take
+
+    def extend(self, out, batch, words, num_words, rng):
+        bounds = sample_spans(batch.ids, batch.lengths, words, self.vocab, self._candidates, rng,
+                              self.spans_per_level, self.span_alpha, self.span_beta)
+        bounds[batch.pad] = -1  # a pad sample carries no target: without spans it is no anchor of eq. (8)
+        out["span_bounds"] = torch.from_numpy(bounds)
 
 
 def span_means(hidden: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
@@ -97,4 +118,5 @@ def costa_flops(options: COSTAOptions, config, batch: dict[str, torch.Tensor]) -
     return 4 * batch["input_ids"].shape[0] * config.hidden_size * config.hidden_size
 
 
-register_method("costa", COSTAHead, COSTACollator, COSTAOptions, flops=costa_flops)
+register_method("costa", COSTAHead, COSTACollator, COSTAOptions, flops=costa_flops, eval_pooling="cls",
+                study_arm=5)

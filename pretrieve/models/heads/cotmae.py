@@ -10,9 +10,8 @@ import torch
 
 from pretrieve.data.cotmae import CoTMAECollator
 from pretrieve.models.heads.base import PretrainingHead
-from pretrieve.models.heads.decoder import Decoder, masked_attention
+from pretrieve.models.heads.decoder import CausalDecoder, Decoder, causal_decoder_flops, masked_attention
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
-from pretrieve.models.heads.seed import CausalDecoder, causal_decoder_flops
 
 
 @dataclass
@@ -85,4 +84,5 @@ def cotmae_flops(options: CoTMAEOptions, config, batch: dict[str, torch.Tensor])
     return causal_decoder_flops(options.decoder_layers, config, batch["dec_input_ids"], batch["dec_labels"])
 
 
-register_method("cotmae", CoTMAEHead, CoTMAECollator, CoTMAEOptions, flops=cotmae_flops)
+register_method("cotmae", CoTMAEHead, CoTMAECollator, CoTMAEOptions, flops=cotmae_flops, eval_pooling="cls",
+                study_arm=6)

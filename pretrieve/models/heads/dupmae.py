@@ -8,11 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretrieve.data.collators import DupMAECollator
+from pretrieve.data import masking
+from pretrieve.data.collators import bag_of_words_targets
 from pretrieve.models.encoder import ordinary_positions
-from pretrieve.models.flops import vocab_flops
+from pretrieve.models.bag_of_words import bag_of_words_loss
+from pretrieve.models.flops import vocab_flops, vocab_projection_flops
 from pretrieve.models.heads.registry import option, register_method
-from pretrieve.models.heads.retromae import QUERY_STREAM_CHOICES, RetroMAEHead, RetroMAEOptions, retromae_flops
+from pretrieve.models.heads.retromae import (QUERY_STREAM_CHOICES, RetroMAECollator, RetroMAEHead, RetroMAEOptions,
+                                             retromae_flops)
 from pretrieve.models.vocab_projection import max_pooled_linear
 
 LPU_CHOICES = ("mlm_head", "linear")
@@ -32,6 +35,16 @@ class DupMAEOptions(RetroMAEOptions):
     bow_normalize: str = option("length", choices=BOW_NORMALIZE_CHOICES)
     # H1 through the embedding module, as the official DupMAE code
     query_stream: str = option("embeddings", choices=QUERY_STREAM_CHOICES)
+
+
+@dataclass
+class DupMAECollator(RetroMAECollator):
+    """DupMAE batches: RetroMAE keys plus `bow_targets` [B, U], the unique ordinary token ids of each input
+    (set(X) of eq. 8), padded with -100."""
+
+    def extend(self, out, batch, words, num_words, rng):
+        super().extend(out, batch, words, num_words, rng)
+        out["bow_targets"] = bag_of_words_targets(batch, masking.ordinary_positions(batch.lengths, batch.ids.shape[1]))
 
 
 class DupMAEHead(RetroMAEHead):
@@ -92,43 +105,19 @@ def ot_vector(logits: torch.Tensor, ot_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(ot_mask.any(dim=1, keepdim=True), pooled, torch.zeros_like(pooled))
 
 
-def bag_of_words_loss(mu: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor,
-                      normalize: str = "length") -> torch.Tensor:
-    """Eq. (8) averaged over texts: -sum_{x in set(X)} w_x log softmax(mu_X)[x] for mu_X [B, vocab] (eq. 7);
-    `targets` [B, U] = set(X) padded with -100; w_x = 1/(length - 2), the number of ordinary tokens
-    ("length"), 1/|set(X)| ("unique": bag-of-words prediction's uniform target distribution), or 1 ("none")."""
-    log_probs = F.log_softmax(mu.to(torch.promote_types(mu.dtype, torch.float32)), dim=-1)
-    present = targets != -100
-    picked = torch.gather(log_probs, 1, targets.clamp(min=0)) * present
-    if normalize == "length":
-        weight = 1.0 / (lengths - 2).clamp(min=1).to(picked.dtype)
-    elif normalize == "unique":
-        weight = 1.0 / present.sum(dim=1).clamp(min=1).to(picked.dtype)
-    else:
-        weight = 1.0
-    per_text = -(picked.sum(dim=1) * weight)
-    texts = present.any(dim=1)  # stream pad samples have no targets
-    return per_text[texts].sum() / texts.sum().clamp(min=1)
-
-
 def dupmae_flops(options: DupMAEOptions, config, batch: dict[str, torch.Tensor]) -> int:
     """RetroMAE's decoder, plus the OT projection of every position to the vocabulary (eq. 6): the MLM head's
     transform and decoder for `lpu: mlm_head`, a d x |V| linear map for `lpu: linear`."""
     positions = batch["input_ids"].numel()
-    ot = vocab_flops(config, positions) if options.lpu == "mlm_head" else ot_projection_flops(config, positions)
+    ot = vocab_flops(config, positions) if options.lpu == "mlm_head" else vocab_projection_flops(config, positions)
     return retromae_flops(options, config, batch) + ot
-
-
-def ot_projection_flops(config, positions: int) -> int:
-    """The d x |V| projection of eq. (6) at `positions`."""
-    return 2 * positions * config.hidden_size * config.vocab_size
 
 
 def dupmae_no_backward_flops(options: DupMAEOptions, config, batch: dict[str, torch.Tensor]) -> int:
     """The OT projection to the vocabulary: its backward is a gather of each entry's winning position
     (models.vocab_projection), no matmul."""
-    return ot_projection_flops(config, batch["input_ids"].numel())
+    return vocab_projection_flops(config, batch["input_ids"].numel())
 
 
 register_method("dupmae", DupMAEHead, DupMAECollator, DupMAEOptions, flops=dupmae_flops,
-                no_backward_flops=dupmae_no_backward_flops)
+                no_backward_flops=dupmae_no_backward_flops, eval_pooling="dupmae", study_arm=3)  # eq. 12's joint one

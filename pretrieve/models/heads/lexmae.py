@@ -17,14 +17,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pretrieve.data.collators import LexMAECollator
+from pretrieve.data.collators import MLMCollator, covering_mask
+from pretrieve.data.masking import corrupt
 from pretrieve.models.encoder import masked_token_loss, ordinary_positions
-from pretrieve.models.flops import labelled, layer_flops, vocab_flops
+from pretrieve.models.flops import labelled, layer_flops, vocab_flops, vocab_projection_flops
 from pretrieve.models.heads.base import PretrainingHead
-from pretrieve.models.heads.decoder import Decoder, masked_attention
-from pretrieve.models.heads.dupmae import ot_projection_flops
+from pretrieve.models.heads.decoder import BottleneckDecoderOptions, Decoder, masked_attention
 from pretrieve.models.heads.registry import option, register_method
-from pretrieve.models.heads.simlm import BottleneckDecoderOptions
 from pretrieve.models.vocab_projection import max_pooled_linear
 
 # how the pooled logits become the lexicon-importance distribution (the released --dec_mlm_bottleneck_src):
@@ -48,6 +47,24 @@ class LexMAEOptions(BottleneckDecoderOptions):
             raise ValueError(f"method.decoder_mask_ratio: {self.decoder_mask_ratio} is below method.mlm_ratio "
                              f"{self.mlm_ratio}, but the decoder's mask covers the encoder's, so it would mask "
                              f"{self.mlm_ratio}: give a decoder_mask_ratio of {self.mlm_ratio} or more")
+
+
+@dataclass
+class LexMAECollator(MLMCollator):
+    """LexMAE batches: MLM keys (80/10/10 at `mlm_ratio`) plus the decoder's `dec_input_ids` (the text corrupted
+    80/10/10 again, drawn anew, at the decoder's masked positions) and `dec_labels` (the original token there,
+    -100 elsewhere). The decoder's mask holds the encoder's and adds whole words to cover `decoder_mask_ratio` of
+    the tokens in expectation (the released code's `dec_mlm_overlap: inclusive`), as SimLM's collator does."""
+
+    mlm_ratio: float = 0.30
+    decoder_mask_ratio: float = 0.50
+
+    def extend(self, out, batch, words, num_words, rng):
+        dec_masked = covering_mask(out, batch, words, num_words, self.budget_tokens(batch), self.mlm_ratio,
+                                   self.decoder_mask_ratio, rng)
+        dec_input_ids, dec_labels = corrupt(batch.ids, dec_masked, self.vocab, rng, *self.corruption)
+        out["dec_input_ids"] = torch.from_numpy(dec_input_ids)
+        out["dec_labels"] = torch.from_numpy(dec_labels)
 
 
 class LexMAEHead(PretrainingHead):
@@ -124,8 +141,8 @@ def lexmae_no_backward_flops(options: LexMAEOptions, config, batch: dict[str, to
     """The max-pooled projection to the vocabulary (its backward is a gather of each entry's winning position,
     models.vocab_projection), and half of p E, whose E takes no gradient: one backward matmul, not two."""
     b, length = batch["input_ids"].shape
-    return ot_projection_flops(config, b * length) + bottleneck_flops(config, b) // 2
+    return vocab_projection_flops(config, b * length) + bottleneck_flops(config, b) // 2
 
 
 register_method("lexmae", LexMAEHead, LexMAECollator, LexMAEOptions, flops=lexmae_flops,
-                no_backward_flops=lexmae_no_backward_flops, eval_pooling="sparse")
+                no_backward_flops=lexmae_no_backward_flops, eval_pooling="sparse", study_arm=11)

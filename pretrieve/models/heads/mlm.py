@@ -26,4 +26,5 @@ class MLMHead(PretrainingHead):
         return {"loss": loss, "mlm": loss.detach()}
 
 
-register_method("mlm", MLMHead, MLMCollator, MLMOptions, flops=no_flops)  # the encoder alone
+register_method("mlm", MLMHead, MLMCollator, MLMOptions, flops=no_flops,  # the encoder alone
+                study_arm=1)  # no representation of its own: evaluated with the base's pooling

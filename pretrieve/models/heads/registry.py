@@ -6,6 +6,7 @@ method is a file; docs/methods.md, "Add a method"):
     head = method.build(options, ModelOptions(...))
     collate = method.collator.from_options(options, vocab, seed)
     method.flops(options, hf_config, batch)               # the head's forward FLOPs beyond the encoder's
+    method.eval_pooling, method.study_arm                 # what the method study reads (study/plan.py)
 
 An options dataclass declares each option's valid values beside it, with `option(default, at_least=...,
 choices=...)`: ranges are checked when the config is read (every violation named at once), choices when the
@@ -111,13 +112,23 @@ Flops = Callable[[Any, Any, dict], int]
 class Method:
     name: str
     head: type  # a PretrainingHead subclass
-    collator: type  # an MLMCollator subclass (pretrieve.data.collators)
+    collator: type  # a collator class with `from_options` (pretrieve.data.collators.MLMCollator's subclasses)
     options: type  # a MethodOptions dataclass; its defaults are the paper's settings
     flops: Flops  # forward FLOPs of the head beyond the encoder's (decoders, projections; engine/flops.py)
     no_backward_flops: Flops = no_flops  # the part of `flops` whose backward does no matmul (a gather instead)
-    # the pooling the method's export is evaluated with (`pretrieve eval --pooling`) where it is not the
-    # sentence-transformers vector the export also describes: lexmae's "sparse" (its model card says so)
+    # the pooling the method's export is fine-tuned and evaluated with (`pretrieve eval --pooling`): "cls" where
+    # the method trains its [CLS] vector as the text's representation, "dupmae" / "sparse" for the vocabulary
+    # ones (lexmae's model card says so); None: none of its own, the export's (the sentence-transformers vector)
     eval_pooling: str | None = None
+    # its place among the method study's arms (study/plan.py: its tables and plots in this order, the cpu study
+    # ran the first six, the GPU check's ladder measures those after them); None: not an arm
+    study_arm: int | None = None
+    # overrides of a run on a tiny model (the method study's arms): what a paper-sized run needs and such a
+    # model does not (coCondenser's GradCache: without it, the one-graph loss, each span encoded once)
+    tiny_overrides: tuple[str, ...] = ()
+    # overrides of a BERT-base run (the GPU check's speed ladder) to train as the paper does where the options'
+    # defaults leave it out (coCondenser's GradCache)
+    paper_overrides: tuple[str, ...] = ()
 
     def options_from(self, values: dict[str, Any] | None = None, where: str = "method") -> Any:
         """Options with `values` over the defaults; an unknown key or a value out of range is a ConfigError
@@ -150,17 +161,29 @@ METHODS: dict[str, Method] = {}
 
 
 def register_method(name: str, head: type, collator: type, options: type, *, flops: Flops,
-                    no_backward_flops: Flops = no_flops, eval_pooling: str | None = None) -> Method:
-    """Make method `name` known to configs, training, FLOPs counting and export; its head file calls this."""
+                    no_backward_flops: Flops = no_flops, eval_pooling: str | None = None,
+                    study_arm: int | None = None, tiny_overrides: tuple[str, ...] = (),
+                    paper_overrides: tuple[str, ...] = ()) -> Method:
+    """Make method `name` known to configs, training, FLOPs counting, export and the method study; its head file
+    calls this."""
     if name in METHODS:
         raise ValueError(f"method {name!r} registered twice")
-    METHODS[name] = Method(name, head, collator, options, flops, no_backward_flops, eval_pooling)
+    taken = {m.study_arm: m.name for m in METHODS.values() if m.study_arm is not None}
+    if study_arm is not None and study_arm in taken:
+        raise ValueError(f"method {name!r}: study arm {study_arm} is {taken[study_arm]!r}'s")
+    METHODS[name] = Method(name, head, collator, options, flops, no_backward_flops, eval_pooling, study_arm,
+                           tuple(tiny_overrides), tuple(paper_overrides))
     return METHODS[name]
 
 
 def unregister_method(name: str) -> None:
     """Forget method `name` (a method registered for a while, such as a test's)."""
     del METHODS[name]
+
+
+def study_arms() -> list[Method]:
+    """The methods that are arms of the method study, in their order (`study_arm`)."""
+    return sorted((m for m in METHODS.values() if m.study_arm is not None), key=lambda m: m.study_arm)
 
 
 def get_method(name: str) -> Method:

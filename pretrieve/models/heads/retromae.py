@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
+import numpy as np
 import torch
 
-from pretrieve.data.collators import RetroMAECollator
+from pretrieve.data.collators import MLMCollator
+from pretrieve.data.masking import decoder_mask_pool, ordinary_positions, word_ids
 from pretrieve.kernels import IMPLEMENTATIONS, CompactMask, fused_problem, two_stream_attention
 from pretrieve.models.flops import labelled, layer_flops, vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
@@ -31,6 +34,29 @@ class RetroMAEOptions(MethodOptions):
     # H1 of eq. (2): "position" = h + p_i (paper, official RetroMAE code); "embeddings" = h through the embedding
     # module (+ token type 0, LayerNorm, dropout: official DupMAE code)
     query_stream: str = option("position", choices=QUERY_STREAM_CHOICES)
+
+
+@dataclass
+class RetroMAECollator(MLMCollator):
+    """RetroMAE batches: MLM keys plus the decoder's `dec_input_ids` (the unmasked ids), `dec_labels` (every
+    ordinary token, eq. 4) and the compact position-specific mask `dec_pool` / `dec_row` (eq. 5, see
+    masking.decoder_mask_pool)."""
+
+    mlm_ratio: float = 0.30
+    decoder_hide_ratio: float = 0.50
+    decoder_pool_size: int = 256
+    budget_counts_cls_sep: ClassVar[bool] = True
+
+    def extend(self, out, batch, words, num_words, rng):
+        ordinary = ordinary_positions(batch.lengths, batch.ids.shape[1]) & ~batch.pad[:, None]
+        # the released decoder mask hides an [UNK] like a word (attention only: its id is no MLM target)
+        words, num_words = word_ids(batch.ids, batch.lengths, self.vocab, specials=True)
+        pool, rows = decoder_mask_pool(words, num_words, batch.lengths, self.decoder_pool_size,
+                                       self.decoder_hide_ratio, rng)
+        out["dec_input_ids"] = torch.from_numpy(batch.ids)
+        out["dec_labels"] = torch.from_numpy(np.where(ordinary, batch.ids, -100))
+        out["dec_pool"] = torch.from_numpy(pool)
+        out["dec_row"] = torch.from_numpy(rows)
 
 
 class RetroMAEHead(PretrainingHead):
@@ -89,4 +115,5 @@ def retromae_flops(options: RetroMAEOptions, config, batch: dict[str, torch.Tens
     return layer_flops(config, b, length, length) + vocab_flops(config, labelled(batch["dec_labels"]))
 
 
-register_method("retromae", RetroMAEHead, RetroMAECollator, RetroMAEOptions, flops=retromae_flops)
+register_method("retromae", RetroMAEHead, RetroMAECollator, RetroMAEOptions, flops=retromae_flops,
+                eval_pooling="cls", study_arm=2)

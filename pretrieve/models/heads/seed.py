@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pretrieve.data.collators import SEEDCollator
-from pretrieve.models.flops import labelled, layer_flops, vocab_flops
+from pretrieve.data.collators import MLMCollator, next_token_labels
 from pretrieve.models.heads.base import PretrainingHead
-from pretrieve.models.heads.decoder import Decoder, masked_attention
+from pretrieve.models.heads.decoder import CausalDecoder, causal_decoder_flops
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
 
 
@@ -21,37 +20,14 @@ class SEEDOptions(MethodOptions):
     decoder_window: int = option(2, at_least=1)  # §4.1: attention span k = 2
 
 
-def window_mask(lengths: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
-    """bool [B, L, L] of a causal decoder whose position 0 holds the encoder's [CLS] state.
+@dataclass
+class SEEDCollator(MLMCollator):
+    """SEED-Encoder batches: MLM keys plus `dec_input_ids` (the unmasked ids) and `dec_labels` (next ordinary
+    token at each position; position 0 will hold the encoder's [CLS] state)."""
 
-    visible(i, j) = j < length and (j == 0 or i - window < j <= i): each position sees itself and the
-    window - 1 tokens before it (x_{t-k..t-1} of eq. 9 when position t-1 predicts x_t), plus the [CLS] state;
-    window None = the full causal prefix (CoT-MAE). Every layer applies it, as the official SEED code does, so
-    L layers reach x_{t-L(k-1)-1..t-1}.
-    """
-    i = torch.arange(width, device=lengths.device)[:, None]
-    j = torch.arange(width, device=lengths.device)[None, :]
-    allowed = j <= i if window is None else (j <= i) & (j > i - window)
-    allowed = allowed | (j == 0)
-    return allowed[None] & (j[None] < lengths[:, None, None])
-
-
-class CausalDecoder(Decoder):
-    """Decoder layers over [h_cls, e_x1 + p_1, ...]; position t predicts token t + 1 with the tied MLM head.
-
-    The encoder's [CLS] state enters as the decoder's first position, visible to every position in every
-    layer: it is the decoder's only view of the encoder (its token inputs are the target text, shifted).
-    """
-
-    def __init__(self, encoder, layers: int, window: int | None):
-        super().__init__(encoder, layers)
-        self.window = window
-
-    def loss(self, encoder, h_cls: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-             labels: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([h_cls[:, None], encoder.embeddings(input_ids=input_ids)[:, 1:]], dim=1)
-        attend = masked_attention(window_mask(attention_mask.sum(dim=1), input_ids.shape[1], self.window))
-        return encoder.token_loss(self(x, None, attend), labels)
+    def extend(self, out, batch, words, num_words, rng):
+        out["dec_input_ids"] = torch.from_numpy(batch.ids)
+        out["dec_labels"] = torch.from_numpy(next_token_labels(batch.ids, batch.lengths, batch.pad))
 
 
 class SEEDHead(PretrainingHead):
@@ -71,15 +47,8 @@ class SEEDHead(PretrainingHead):
         return {"loss": mlm + dec, "mlm": mlm.detach(), "dec": dec.detach()}
 
 
-def causal_decoder_flops(layers: int, config, input_ids: torch.Tensor, labels: torch.Tensor) -> int:
-    """`layers` decoder layers over the decoder's text `input_ids` (dense masks: every score is computed) and
-    the MLM head at its targets."""
-    b, width = input_ids.shape
-    return layers * layer_flops(config, b, width, width) + vocab_flops(config, labelled(labels))
-
-
 def seed_flops(options: SEEDOptions, config, batch: dict[str, torch.Tensor]) -> int:
     return causal_decoder_flops(options.decoder_layers, config, batch["dec_input_ids"], batch["dec_labels"])
 
 
-register_method("seed", SEEDHead, SEEDCollator, SEEDOptions, flops=seed_flops)
+register_method("seed", SEEDHead, SEEDCollator, SEEDOptions, flops=seed_flops, eval_pooling="cls", study_arm=4)

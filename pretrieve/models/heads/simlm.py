@@ -15,29 +15,21 @@ from __future__ import annotations
 import copy
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pretrieve.data.collators import SimLMCollator
+from pretrieve.data.collators import MLMCollator, covering_mask
+from pretrieve.data.masking import ordinary_positions
 from pretrieve.models.encoder import Encoder
 from pretrieve.models.flops import encoder_flops, labelled, layer_flops, vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
-from pretrieve.models.heads.decoder import Decoder, masked_attention
-from pretrieve.models.heads.registry import MethodOptions, option, register_method
+from pretrieve.models.heads.decoder import BottleneckDecoderOptions, Decoder, masked_attention
+from pretrieve.models.heads.registry import option, register_method
 
 DECODER_INITS = ("copy", "new")
-
-
-@dataclass
-class BottleneckDecoderOptions(MethodOptions):
-    """A shallow decoder reconstructing a more heavily masked copy of the text from one vector (SimLM, LexMAE: the
-    two released recipes agree on these defaults)."""
-
-    max_len: int = option(144, at_least=3, why="[CLS], a token, [SEP]")  # released: --rlm_max_length 144
-    mlm_ratio: float = option(0.30, above=0, below=1)  # the encoder's masking: --rlm_encoder_mask_prob 0.3
-    decoder_mask_ratio: float = option(0.50, at_least=0, at_most=1)  # the decoder's: --rlm_decoder_mask_prob 0.5
-    decoder_layers: int = option(2, at_least=1)  # released: --rlm_decoder_layers 2
 
 
 @dataclass
@@ -54,6 +46,36 @@ class SimLMOptions(BottleneckDecoderOptions):
     # encoder when new (a frozen untrained generator would sample noise, and is refused)
     freeze_generator: bool | None = None
     generator_weight: float = option(0.2, at_least=0)  # its MLM loss in the total when trained (released 0.2)
+
+
+@dataclass
+class SimLMCollator(MLMCollator):
+    """SimLM batches: `input_ids` with [MASK] at every masked position (the released recipe's
+    all_use_mask_token: the generator, not the collator, puts other tokens there), `attention_mask`, `mlm_labels`
+    (the original token at the encoder's masked positions: where the generator samples, and its MLM target), plus
+    `dec_input_ids` ([MASK] at the decoder's masked positions), `dec_masked` (bool [B, L], those positions) and
+    `rlm_labels` (the original token at every ordinary position, the tokenizer's special tokens left out: the
+    target of both the encoder and the decoder), and `replace_seed` [1], the seed of the generator's draws, drawn
+    with the masks: a batch's replacements are a pure function of its samples, as its masks are.
+
+    The decoder's mask holds the encoder's and adds whole words drawn independently at the rate that makes the
+    union cover `decoder_mask_ratio` of the tokens in expectation, (d - e) / (1 - e), as the released collator
+    does; a decoder ratio at or below the encoder's masks the decoder where the encoder is masked."""
+
+    mlm_ratio: float = 0.30
+    decoder_mask_ratio: float = 0.50
+    corruption: ClassVar[tuple[float, float]] = (1.0, 0.0)
+    budget_counts_cls_sep: ClassVar[bool] = True
+
+    def extend(self, out, batch, words, num_words, rng):
+        dec_masked = covering_mask(out, batch, words, num_words, self.budget_tokens(batch), self.mlm_ratio,
+                                   self.decoder_mask_ratio, rng)
+        targets = ordinary_positions(batch.lengths, batch.ids.shape[1]) & ~self.vocab.special[batch.ids]
+        targets[batch.pad] = False
+        out["dec_input_ids"] = torch.from_numpy(np.where(dec_masked, self.vocab.mask_id, batch.ids))
+        out["dec_masked"] = torch.from_numpy(dec_masked)
+        out["rlm_labels"] = torch.from_numpy(np.where(targets, batch.ids, -100))
+        out["replace_seed"] = torch.from_numpy(rng.integers(0, 2**62, size=1))
 
 
 def generator_config(options: SimLMOptions, encoder_config):
@@ -215,4 +237,4 @@ def simlm_no_backward_flops(options: SimLMOptions, config, batch: dict[str, torc
 
 
 register_method("simlm", SimLMHead, SimLMCollator, SimLMOptions, flops=simlm_flops,
-                no_backward_flops=simlm_no_backward_flops)
+                no_backward_flops=simlm_no_backward_flops, eval_pooling="cls", study_arm=10)

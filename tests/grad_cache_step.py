@@ -22,13 +22,13 @@ if "MASTER_PORT" not in os.environ:
     os.environ["MASTER_PORT"] = str(free_loopback_port())
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from pretrieve.models.heads.contrastive import ContrastiveCollator  # noqa: E402
 from pretrieve.data.masking import Vocabulary  # noqa: E402
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend  # noqa: E402
 from pretrieve.engine.ops import environment_ops  # noqa: E402
 from pretrieve.engine.preemption import prebuild_ops  # noqa: E402
 from pretrieve.models.encoder import ModelOptions  # noqa: E402
 from pretrieve.models.heads import get_method  # noqa: E402
+from pretrieve.models.heads.contrastive import ContrastiveCollator  # noqa: E402
 
 PAIRS, CHUNK = 6, 4  # per rank and micro-batch: 6 pairs of 2 negatives each, encoded 4 texts at a time
 MATRYOSHKA_DIMS = [32, 16, 8]

@@ -10,12 +10,17 @@ from torch import nn
 
 from pretrieve.data import masking
 from pretrieve.data.collators import bag_of_words_targets
-from pretrieve.models.encoder import ordinary_positions
 from pretrieve.models.bag_of_words import bag_of_words_loss
+from pretrieve.models.encoder import ordinary_positions
 from pretrieve.models.flops import vocab_flops, vocab_projection_flops
 from pretrieve.models.heads.registry import option, register_method
-from pretrieve.models.heads.retromae import (QUERY_STREAM_CHOICES, RetroMAECollator, RetroMAEHead, RetroMAEOptions,
-                                             retromae_flops)
+from pretrieve.models.heads.retromae import (
+    QUERY_STREAM_CHOICES,
+    RetroMAECollator,
+    RetroMAEHead,
+    RetroMAEOptions,
+    retromae_flops,
+)
 from pretrieve.models.vocab_projection import max_pooled_linear
 
 LPU_CHOICES = ("mlm_head", "linear")

@@ -53,7 +53,7 @@ def flops_against_mlm(texts: list[dict], names: tuple[str, ...] = METHODS) -> di
             spec = get_method(name)
             options = spec.options_from({"max_len": length})
             batch = spec.collator.from_options(options, vocab)(texts)
-            flops[name] = train_flops(name, options, config, batch)
+            flops[name] = train_flops(spec, options, config, batch)
             if name == "simlm":  # frozen (a loaded generator of the new one's shape): the encoder text's pass
                 # takes no backward either
                 options = replace(options, freeze_generator=False)

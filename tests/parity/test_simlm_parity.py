@@ -121,9 +121,9 @@ def pretrieve_collator(work: Path) -> dict:
     """mask_statistics of pretrieve's SimLMCollator on work/texts.json, DRAWS collations."""
     import numpy as np
 
-    from pretrieve.data.collators import SimLMCollator
     from pretrieve.data.masking import Vocabulary
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
+    from pretrieve.models.heads.simlm import SimLMCollator
 
     vocab = Vocabulary.from_backend(load_backend(DEFAULT_TOKENIZER))
     samples = [{"ids": np.array(vocab.encode(text))} for text in json.loads((work / "texts.json").read_text())]

@@ -47,7 +47,7 @@ def test_plan_counts_parameters_and_flops_of_the_real_models(tmp_path, wiki_shar
         assert point.N_total == sum(n for name, n in counted.items() if not name.startswith("pooler."))
         assert point.D == point.steps * 4 * 64 and exp.train.max_steps == point.steps
         batch = exp.method.collator.from_options(exp.options, vocab, seed=0)(samples)
-        assert point.C == train_flops(point.method, exp.options, exp.model.hf_config(), batch) * point.steps
+        assert point.C == train_flops(exp.method, exp.options, exp.model.hf_config(), batch) * point.steps
         assert point.lr == pytest.approx(1e-3 * 64 / exp.model.hidden_size)  # the inverse-width rule
         assert exp.run_dir == tmp_path / "study" / "points" / point.id
     retromae, mlm = (next(p for p in points if p.method == m and p.size == "h64" and p.steps == 8)

@@ -20,7 +20,7 @@ import time
 import torch
 
 from pretrieve.models.flops import adapter_flops, attention_flops, encoder_flops, first_projections_flops
-from pretrieve.models.heads.registry import Method, get_method
+from pretrieve.models.heads.registry import Method
 
 # Dense peak FLOP/s per GPU for MFU, from the vendors' data sheets: tensor cores without sparsity for bf16/fp16,
 # plain FP32 for fp32 (PyTorch does not use TF32 for matmuls by default). The first pattern matching
@@ -46,15 +46,13 @@ def forward_flops(method: Method, options, config, batch: dict[str, torch.Tensor
     return encoder_flops(config, batch) + method.flops(options, config, batch)
 
 
-def train_flops(method: Method | str, options, config, batch: dict[str, torch.Tensor],
+def train_flops(method: Method, options, config, batch: dict[str, torch.Tensor],
                 adapters: tuple[int, int] | None = None) -> int:
     """Forward + backward FLOPs of one micro-batch: 3x the forward, less the backward the method's
     `no_backward_flops` does without a matmul. With LoRA `adapters` (rank, in + out features of the adapted
     layers: models/lora.py's adapter_shape), a frozen weight gets no gradient: its matmul costs 2x its forward
-    (the input's gradient), the attention scores still 3x, the adapters 3x theirs. `method`: its registry entry
-    (a recipe holds it: `Experiment.method`), or a caller's method name, looked up once."""
-    if isinstance(method, str):
-        method = get_method(method)
+    (the input's gradient), the attention scores still 3x, the adapters 3x theirs. `method`: its registry entry,
+    as a recipe holds it (`Experiment.method`)."""
     no_backward = method.no_backward_flops(options, config, batch)
     return with_backward(forward_flops(method, options, config, batch), config, batch, adapters, no_backward)
 

@@ -58,7 +58,7 @@ def flops_per_step(config: str, overrides: list[str], batches: int) -> float:
     stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
                          shuffle_buffer=exp.data.shuffle_buffer)
     loader = StreamLoader(stream, batch_size=exp.train.micro_batch_size, collate_fn=collate)
-    counts = [train_flops(exp.method.name, exp.options, model_config, batch)
+    counts = [train_flops(exp.method, exp.options, model_config, batch)
               for batch in islice(iter(loader), batches)]
     return sum(counts) / len(counts) * exp.train.grad_accum
 

@@ -21,6 +21,7 @@ from pretrieve.engine.train import TrainingJob, run_training
 from pretrieve.engine.validation import VALIDATION_SEED, Validation
 from pretrieve.models.lora import adapter_shape, trained_summary
 from pretrieve.pretrain_config import Experiment
+from pretrieve.pretrain_tokenizer import RUN_TOKENIZER
 from pretrieve.utils.run_dir import locate
 
 ENCODER_CONFIG = "encoder_config.json"  # in the run directory: the encoder's architecture, for the export
@@ -47,13 +48,15 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     # masking's special tokens and word boundaries are the tokenizer's; the shards must have been prepared with it
     tokenizer = exp.data.tokenizer_dir()
     loaded = load_tokenizer(tokenizer)  # once, for the vocabulary's roles and the shards' fingerprint
+    if rank == 0 and tokenizer == exp.model.init_from:  # the export's, even if init_from moves
+        loaded.save_pretrained(str(exp.run_dir / RUN_TOKENIZER))
     collate = exp.method.collator.from_options(exp.options, Vocabulary.of_loaded(loaded, tokenizer), seed=exp.seed)
-    fingerprint = describe(tokenizer, loaded.backend_tokenizer).fingerprint
+    training_tokenizer = describe(tokenizer, loaded.backend_tokenizer)  # what the shards' manifests must record
     read = ReadOptions.from_options(exp.data)  # URLs: retries, timeout, prefetch, storage options
     # a truncated or replaced shard named now, not minutes into the run
     check_shards([*exp.data.manifests, *exp.data.validation], read, exp.data.check_shards)
     stream = ShardStream(exp.data.manifests, weights=exp.data.weights, seed=exp.seed,
-                         shuffle_buffer=exp.data.shuffle_buffer, read=read, tokenizer=fingerprint,
+                         shuffle_buffer=exp.data.shuffle_buffer, read=read, tokenizer=training_tokenizer,
                          one_source_batches=exp.data.one_source_batches, batch_size=exp.train.micro_batch_size)
     # The loader's own generator: starting an iteration must not draw from the global RNG (dropout), or a
     # resumed run, which starts its iteration at another step, would drift from an uninterrupted one.
@@ -64,7 +67,7 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     if exp.data.validation:
         validation = Validation.build(exp.data.validation, exp.method.collator.from_options(
             exp.options, collate.vocab, seed=VALIDATION_SEED), exp.train.micro_batch_size, exp.data.validation_batches,
-            read, tokenizer=fingerprint)
+            read, tokenizer=training_tokenizer)
     return TrainingJob(
         name=f"pretrain {exp.method.name}", module=head, loader=loader, position=stream,
         count=getattr(collate, "count", count_texts),
@@ -94,6 +97,7 @@ def export_checkpoint(path: str | Path, out: str | Path, keep_adapter: bool | No
     from pretrieve.models.encoder import Encoder
     from pretrieve.models.export import check_export_folder, export
     from pretrieve.models.lora import add_lora, no_adapter
+    from pretrieve.models.st_config import declared_pooling
     from pretrieve.pretrain_config import DataOptions, method_options, model_options
 
     run_dir, ckpt_dir, tag = locate(Path(path))
@@ -107,6 +111,11 @@ def export_checkpoint(path: str | Path, out: str | Path, keep_adapter: bool | No
     if lora.r:  # the checkpoint holds the adapted layout: the export merges the adapters (or keeps them apart)
         add_lora(head.encoder.model, lora)
     load_checkpoint_weights(head, ckpt_dir, tag)
-    return export(head, out, tokenizer=section(config, "data", DataOptions).tokenizer_dir(),
+    # a run from a checkpoint keeps a copy of the checkpoint's tokenizer; the others name theirs in config.yaml
+    copy = run_dir / RUN_TOKENIZER
+    tokenizer = str(copy) if copy.is_dir() else section(config, "data", DataOptions).tokenizer_dir()
+    init_from = model_options(config).init_from
+    return export(head, out, tokenizer=tokenizer,
                   before_rename=lambda tmp: write_model_card(out, run_dir, tag, card_dir=tmp),
-                  keep_adapter=lora.keep_adapter if keep_adapter is None else keep_adapter)
+                  keep_adapter=lora.keep_adapter if keep_adapter is None else keep_adapter,
+                  continued=declared_pooling(init_from) if init_from else None)

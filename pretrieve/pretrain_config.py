@@ -28,6 +28,7 @@ from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 from pretrieve.models.backbones import DECODER_LLMS, ENCODER_FAMILIES, backbone_named, backbone_of
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.models.speed_switches import check_switches, check_train
+from pretrieve.pretrain_tokenizer import tokenizer_problems, training_tokenizer
 from pretrieve.utils.options import ConfigError, Problems, options_of
 
 
@@ -146,6 +147,10 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
         data.corpora = _corpus_names(data, manifests, problems)
     if model is not None:
         _check_model(model, options, data, manifests, problems)
+        # the tokenizers are read once their folders are sound
+        if data is not None and not any(m.startswith(("model.init_from", "data.tokenizer")) for m in problems.messages):
+            for message in tokenizer_problems(data, model, manifests or {}):
+                problems.add(message)
         if method is not None:
             _check_attention(model, method, options, problems)
         check_switches(problems, model=model, method=method, options=options)  # models/speed_switches.py
@@ -155,6 +160,10 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
         _check_grad_cache(options, sections[0], problems)
     problems.raise_any()
     config = OmegaConf.merge(config, {"data": {"corpora": data.corpora}})  # config.yaml names them: the model card
+    # continued pre-training keeps the checkpoint's tokenizer (pretrain_tokenizer.py); set in the options, not in
+    # config.yaml, so that a run from before the default resumes without a change of data.tokenizer
+    if (tokenizer := training_tokenizer(data, model)).from_checkpoint:
+        data.tokenizer = tokenizer.path
     if model.pad_token_id is None and not model.init_from:  # the model pads as the shards do
         model.pad_token_id = _pad_token_id(data.tokenizer_dir())
     train, checkpoint, tracking = sections
@@ -301,6 +310,9 @@ def _check_model(model: ModelOptions, options: Any, data: DataOptions | None, ma
                  problems: Problems) -> None:
     if model.init_from and not Path(model.init_from).is_dir():
         problems.add(f"model.init_from: {model.init_from} is not a directory")
+    elif model.init_from and not (Path(model.init_from) / "config.json").is_file():
+        problems.add(f"model.init_from: {model.init_from} holds no config.json, so it is no HF model directory"
+                     f"{_transformer_folder_hint(Path(model.init_from))}")
     if model.init_from:
         _check_checkpoint_positions(model, getattr(options, "max_len", None), problems)
         return
@@ -347,6 +359,20 @@ def _check_attention(model: ModelOptions, method, options: Any, problems: Proble
     if getattr(options, "pooling", None) == "cls" and not model.bidirectional:
         problems.add(f"method.pooling: cls on a causal {backbone.display_name} is its first token's state, which "
                      "sees nothing of the text after it (every text gets the same vector): use last or mean")
+
+
+def _transformer_folder_hint(path: Path) -> str:
+    """Where a sentence-transformers folder that keeps its Transformer module in a subfolder (an older layout)
+    holds the HF model, as a hint; "" when it is not one."""
+    from pretrieve.models.st_config import MODULES_JSON
+
+    try:
+        modules = json.loads((path / MODULES_JSON).read_text(encoding="utf-8"))
+        folder = next(m.get("path") for m in modules if str(m.get("type", "")).endswith(".Transformer"))
+    except (OSError, ValueError, StopIteration, AttributeError, TypeError):
+        return ""
+    return f"; it is a sentence-transformers model whose transformer is in {path / folder}: give that folder" \
+        if folder and (path / folder / "config.json").is_file() else ""
 
 
 def _init_config(path: str):

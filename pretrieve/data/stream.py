@@ -65,6 +65,7 @@ from pretrieve.data.pairs import split_pair
 from pretrieve.data.prefetch import prefetched
 from pretrieve.data.remote import NotFound, ReadError, ReadOptions, fetch, local_path, resolve, scheme
 from pretrieve.data.shards import MANIFEST_FORMAT, ShardError, load_shard, parse_shard
+from pretrieve.data.tokenizer import TokenizerInfo
 from pretrieve.utils.stop_signals import STOP_SIGNALS
 
 STATE_FORMAT = "pretrieve-stream/1"
@@ -137,9 +138,10 @@ class BatchOrigin:
 class ShardStream(IterableDataset):
     def __init__(self, manifests: Sequence[str | os.PathLike], weights: Sequence[float] | None = None, seed: int = 0,
                  shuffle_buffer: int = 1000, rank: int | None = None, world_size: int | None = None,
-                 tokenizer: str | None = None, epoch_samples: int | None = None, verify: bool = True,
+                 tokenizer: str | TokenizerInfo | None = None, epoch_samples: int | None = None, verify: bool = True,
                  read: ReadOptions | None = None, one_source_batches: bool = False, batch_size: int | None = None):
-        """`tokenizer`: the training tokenizer (a directory or a "sha256:..." fingerprint) the shards must match.
+        """`tokenizer`: the training tokenizer (a directory, a "sha256:..." fingerprint or a TokenizerInfo) the
+        shards must match.
         `read`: retries, timeouts, prefetching and fsspec options for remote manifests and shards.
         `one_source_batches`: every `batch_size` samples in a row come from one manifest (module docstring)."""
         self.read = read or ReadOptions()
@@ -149,10 +151,10 @@ class ShardStream(IterableDataset):
             raise StreamError("no manifests given")
         self.shards: list[ShardRef] = []
         groups: list[list[int]] = []
-        fingerprints, kinds = {}, {}
+        tokenizers, kinds = {}, {}
         for m in manifests:
             location, manifest = load_manifest(m, self.read)
-            fingerprints[location] = manifest["tokenizer"]["fingerprint"]
+            tokenizers[location] = manifest["tokenizer"]
             kinds.setdefault(manifest.get("kind", "text"), location)
             groups.append([])
             for shard in manifest["shards"]:
@@ -166,11 +168,12 @@ class ShardStream(IterableDataset):
             raise StreamError(f"one stream reads one kind of sample: {kinds.get('text')} holds text and "
                               f"{kinds.get('pairs')} holds pairs; stream them separately")
         self.kind = next(iter(kinds))
+        fingerprints = {location: record["fingerprint"] for location, record in tokenizers.items()}
         if len(set(fingerprints.values())) > 1:
             raise StreamError(f"manifests were prepared with different tokenizers: {fingerprints}")
         self.tokenizer_fingerprint = next(iter(fingerprints.values()))
         if tokenizer is not None:
-            self._check_tokenizer(tokenizer, fingerprints)
+            self._check_tokenizer(tokenizer, tokenizers)
         if one_source_batches and (batch_size is None or batch_size < 1):
             raise StreamError(f"one_source_batches needs the batch size (batch_size >= 1), got {batch_size}")
         self.one_source_batches, self.batch_size = one_source_batches, batch_size
@@ -188,16 +191,23 @@ class ShardStream(IterableDataset):
         self._managed = False  # True while a StreamLoader drives the stream (and in the copies its workers get)
         self.last_batch: BatchOrigin | None = None  # where the loader's last batch came from
 
-    def _check_tokenizer(self, tokenizer: str, fingerprints: dict) -> None:
-        from pretrieve.data.tokenizer import describe
+    def _check_tokenizer(self, tokenizer: str | TokenizerInfo, recorded: dict) -> None:
+        """`tokenizer`: a directory, a "sha256:..." fingerprint or a TokenizerInfo; `recorded`: each manifest's
+        `tokenizer` record. A mismatch names the tokenizer of the shards and the training one."""
+        from pretrieve.data.tokenizer import describe, in_words
 
-        expected = tokenizer if str(tokenizer).startswith("sha256:") else describe(tokenizer).fingerprint
-        wrong = [p for p, f in fingerprints.items() if f != expected]
+        if isinstance(tokenizer, TokenizerInfo):
+            training = tokenizer.as_dict()
+        elif str(tokenizer).startswith("sha256:"):
+            training = {"fingerprint": str(tokenizer)}
+        else:
+            training = describe(tokenizer).as_dict()
+        wrong = [p for p, record in recorded.items() if record["fingerprint"] != training["fingerprint"]]
         if wrong:
             raise StreamError(f"{', '.join(wrong)}: shards were tokenized with another vocabulary than the training "
-                              f"tokenizer {tokenizer} ({fingerprints[wrong[0]][:19]}... != {expected[:19]}...); "
-                              "set data.tokenizer to the tokenizer they were prepared with, or re-run "
-                              "`pretrieve prepare --tokenizer` with the training tokenizer")
+                              f"tokenizer: prepared with {in_words(recorded[wrong[0]])}, trained with "
+                              f"{in_words(training)}; set data.tokenizer to the tokenizer they were prepared with, "
+                              "or re-run `pretrieve prepare --tokenizer` with the training tokenizer")
 
     # --- positions and state --------------------------------------------------------------------------
     def _begin(self, slots: int) -> None:

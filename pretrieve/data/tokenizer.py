@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_TOKENIZER = str(Path(__file__).resolve().parent.parent / "assets" / "tokenizer")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                   "sentencepiece.bpe.model")  # any one: transformers can load a tokenizer from the folder
 
 
 class TokenizerError(ValueError):
@@ -62,3 +64,16 @@ def describe(path: str | Path, backend=None) -> TokenizerInfo:
     if config.exists():
         name = json.loads(config.read_text(encoding="utf-8")).get("name_or_path") or name
     return TokenizerInfo(name=name, path=str(path), vocab_size=len(vocab), fingerprint=f"sha256:{digest}")
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether the folder `path` holds a tokenizer (a model checkpoint saved with its own, say)."""
+    return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def in_words(info: dict) -> str:
+    """A tokenizer as a manifest (`tokenizer`) or TokenizerInfo.as_dict records it: name, folder, size and the
+    start of its fingerprint, so that an error about two tokenizers names both."""
+    size = info.get("vocab_size")
+    size = f"{size:,} tokens" if isinstance(size, int) else "size not recorded"
+    return f"{info.get('name') or '?'} ({info.get('path') or '?'}, {size}, {str(info.get('fingerprint'))[:19]}...)"

@@ -24,9 +24,10 @@ class Validation:
 
     @classmethod
     def build(cls, manifests: list[str], collate, batch_size: int, num_batches: int, read=None,
-              tokenizer: str | None = None) -> "Validation":
+              tokenizer=None) -> "Validation":
         """This rank's share of the first `num_batches` x world batches of the validation stream (`read`:
-        data.remote.ReadOptions for manifests at URLs; `tokenizer`: the training tokenizer the shards must match)."""
+        data.remote.ReadOptions for manifests at URLs; `tokenizer`: the training tokenizer the shards must match,
+        as ShardStream takes it)."""
         from pretrieve.data.stream import ShardStream, StreamLoader
 
         stream = ShardStream(manifests, seed=VALIDATION_SEED, shuffle_buffer=1, read=read, tokenizer=tokenizer)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+from pretrieve.data.tokenizer import TOKENIZER_FILES
 from pretrieve.models.backbones import backbone_of
 from pretrieve.models.encoder import FINETUNE_META, export_meta, finetune_meta
 from pretrieve.models.poolings import DENSE_POOLINGS, PROMPT_POOLINGS
@@ -77,8 +78,6 @@ class DeclaredEncoding:
     prompts: dict = field(default_factory=dict)  # the sentence-transformers config's: query, passage
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
-                   "sentencepiece.bpe.model")  # any one: transformers can load a tokenizer from the folder
 
 
 def check_model_dir(model_dir: str | Path) -> None:

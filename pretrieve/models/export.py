@@ -32,6 +32,10 @@ from pretrieve.utils.output_folder import check_whole_output, replace_directory,
 
 log = logging.getLogger(__name__)
 
+# methods that train token predictions and no pooled vector: their export pools as the model they continued did
+# (a sentence-transformers model's mean pooling, say), as the quality study reads an mlm arm (study/plan.py)
+NO_REPRESENTATION = ("mlm", "mntp")
+
 
 def is_export(path: Path) -> bool:
     """Whether `path` holds an export of pretrieve's: a pre-training head's or a fine-tuning run's."""
@@ -131,10 +135,13 @@ def method_name(head: PretrainingHead) -> str:
 
 
 def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAULT_TOKENIZER,
-           before_rename: Callable[[Path], None] | None = None, keep_adapter: bool = False) -> Path:
+           before_rename: Callable[[Path], None] | None = None, keep_adapter: bool = False,
+           continued: tuple[str, bool] | None = None) -> Path:
     """Export `head` to `out`; `before_rename(tmp)` adds files (a model card) to the finished temporary
     directory before it becomes `out`. LoRA adapters (models/lora.py) are merged into the base model, in `head`
-    itself, or with `keep_adapter` written apart (`head`'s base model then has no adapters)."""
+    itself, or with `keep_adapter` written apart (`head`'s base model then has no adapters). `continued`: the
+    (pooling, normalize) of the sentence-transformers model the run started from, which a method that trains no
+    representation keeps (NO_REPRESENTATION)."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
@@ -149,11 +156,14 @@ def export(head: PretrainingHead, out: str | Path, tokenizer: str | Path = DEFAU
             "pretrieve_version": __version__}
     (tmp / HEAD_CONFIG).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     config = head.encoder.config
-    # a head that trains its representation says how it pools (contrastive); the others are read at [CLS], or
-    # at the last token on a decoder LLM (its first token sees nothing of the text)
-    default = "last" if head.encoder.backbone.causal else "cls"
-    write_st_config(tmp, getattr(head.options, "pooling", default), getattr(head.options, "normalize", False),
-                    getattr(head.options, "max_len", min(512, config.max_position_embeddings)),
+    # a head that trains its representation says how it pools (contrastive); one that trains none keeps the
+    # encoding of the model it continued; the others are read at [CLS], or at the last token on a decoder LLM
+    # (its first token sees nothing of the text)
+    pooling = getattr(head.options, "pooling", "last" if head.encoder.backbone.causal else "cls")
+    normalize = getattr(head.options, "normalize", False)
+    if continued is not None and meta["method"] in NO_REPRESENTATION:
+        pooling, normalize = continued
+    write_st_config(tmp, pooling, normalize, getattr(head.options, "max_len", min(512, config.max_position_embeddings)),
                     matryoshka_dims=getattr(head.options, "matryoshka_dims", None))
     if before_rename is not None:
         before_rename(tmp)

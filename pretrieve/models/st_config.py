@@ -81,6 +81,16 @@ def read_st_config(model_dir: str | Path) -> STConfig | None:
                     _matryoshka_dims(model_config))
 
 
+def declared_pooling(model_dir: str | Path) -> tuple[str, bool] | None:
+    """(pooling, normalize) of a sentence-transformers model whose encoding pretrieve applies whole (a Pooling
+    of cls, mean or last, maybe a Normalize); None for any other folder."""
+    try:
+        st = read_st_config(model_dir)
+    except ValueError:
+        return None
+    return None if st is None or st.dense or st.unsupported else (st.pooling, st.normalize)
+
+
 def _model_config(model_dir: Path) -> tuple[Path, dict]:
     """(config_sentence_transformers.json, its content: {} when there is none)."""
     file = model_dir / ST_MODEL_CONFIG

@@ -148,7 +148,8 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
     if model is not None:
         _check_model(model, options, data, manifests, problems)
         # the tokenizers are read once their folders are sound
-        if data is not None and not any(m.startswith(("model.init_from", "data.tokenizer")) for m in problems.messages):
+        folders = ("model.init_from", "data.tokenizer")
+        if data is not None and not any(message.startswith(folders) for message in problems.messages):
             for message in tokenizer_problems(data, model, manifests or {}):
                 problems.add(message)
         if method is not None:

@@ -65,7 +65,7 @@ from pretrieve.data.pairs import split_pair
 from pretrieve.data.prefetch import prefetched
 from pretrieve.data.remote import NotFound, ReadError, ReadOptions, fetch, local_path, resolve, scheme
 from pretrieve.data.shards import MANIFEST_FORMAT, ShardError, load_shard, parse_shard
-from pretrieve.data.tokenizer import TokenizerInfo
+from pretrieve.data.tokenizer import TokenizerInfo, describe, in_words
 from pretrieve.utils.stop_signals import STOP_SIGNALS
 
 STATE_FORMAT = "pretrieve-stream/1"
@@ -194,8 +194,6 @@ class ShardStream(IterableDataset):
     def _check_tokenizer(self, tokenizer: str | TokenizerInfo, recorded: dict) -> None:
         """`tokenizer`: a directory, a "sha256:..." fingerprint or a TokenizerInfo; `recorded`: each manifest's
         `tokenizer` record. A mismatch names the tokenizer of the shards and the training one."""
-        from pretrieve.data.tokenizer import describe, in_words
-
         if isinstance(tokenizer, TokenizerInfo):
             training = tokenizer.as_dict()
         elif str(tokenizer).startswith("sha256:"):

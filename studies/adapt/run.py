@@ -39,7 +39,7 @@ def minilm() -> str:
 
 def pretrieve(*args: str, done: Path, times: dict, stage: str) -> dict | None:
     """Run `pretrieve ARGS` unless `done` exists; its wall time goes into `times`. Returns its result line (the
-    last line of its stdout), None when skipped."""
+    last line of its stdout, a JSON object for pretrain and eval), None when skipped or not JSON."""
     if done.exists():
         print(f"{stage}: {done} exists, skipped", file=sys.stderr, flush=True)
         return None
@@ -49,7 +49,8 @@ def pretrieve(*args: str, done: Path, times: dict, stage: str) -> dict | None:
                          text=True, env={**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")})
     times[stage] = round(time.perf_counter() - start, 1)
     print(out.stdout, end="", flush=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    last = (out.stdout.strip().splitlines() or [""])[-1]
+    return json.loads(last) if last.startswith("{") else None
 
 
 def losses(run_dir: Path) -> dict:
@@ -83,7 +84,7 @@ def main() -> int:
               f"checkpoint.every={args.steps}", "tracking.enabled=false",
               done=run / "export" / "config.json", times=times, stage="pretrain")
     if result is not None:  # steps, samples and tokens read, kept for a later invocation
-        (work / "pretrain.json").write_text(json.dumps(result) + "\n")
+        (work / "pretrain.json").write_text(json.dumps({k: result[k] for k in ("step", "samples", "tokens")}) + "\n")
     encoders = {"as-was": checkpoint, "adapted": str(run / "export")}
     if args.finetune_steps:
         for name in list(encoders):

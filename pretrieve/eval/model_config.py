@@ -78,8 +78,6 @@ class DeclaredEncoding:
     prompts: dict = field(default_factory=dict)  # the sentence-transformers config's: query, passage
 
 
-
-
 def check_model_dir(model_dir: str | Path) -> None:
     """`model_dir` is a model directory (a HF config and a tokenizer), or a ValueError says what it is instead;
     a run directory points at its export."""

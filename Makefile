@@ -120,13 +120,13 @@ test-parity: install
 
 # on a machine with an NVIDIA GPU (`make install` there gets PyPI's CUDA build of torch): the kernel and engine
 # tests that need CUDA (tests/test_kernels_gpu.py, tests/test_engine_gpu.py, tests/test_farm_gpu.py,
-# tests/test_unpadding_gpu.py, tests/test_sdpa_kernels_gpu.py), then the fused vs eager vs SDPA attention
+# tests/test_unpadding_gpu.py, tests/test_sdpa_kernels_gpu.py, tests/test_cuda_graphs_gpu.py), then the fused vs eager vs SDPA attention
 # benchmark, the BERT-base L = 512 bf16 throughput of retromae and dupmae and ModernBERT-base's unpadded against padded, JSON to benchmarks/results/,
 # then the retrieval-quality study at its gpu scale
 test-gpu: install
 	$(VENV_PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make test-gpu: torch ' + torch.__version__ + ' sees no CUDA device')"
 	$(VENV_PY) -m pytest -q -rs --durations=10 tests/test_kernels_gpu.py tests/test_engine_gpu.py tests/test_farm_gpu.py \
-	    tests/test_unpadding_gpu.py tests/test_sdpa_kernels_gpu.py
+	    tests/test_unpadding_gpu.py tests/test_sdpa_kernels_gpu.py tests/test_cuda_graphs_gpu.py
 	$(VENV_PY) -m pretrieve.kernels.tune --out benchmarks/results/two_stream_attention.json
 	for method in retromae dupmae; do \
 	    $(VENV_PY) -m benchmarks.pretrain_throughput --method $$method --size base --seq-len 512 --batch 32 --steps 20 \

@@ -19,8 +19,9 @@ L x L additive mask and eager attention, logits at every decoder position, torch
 autocast on a GPU) and reports `ratio_to_baseline` (`--baseline-only`: that model alone); the anchor figures
 came from a faster machine than this one can be at times.
 `--profile FILE` runs the training under torch.profiler and writes where the time went: the ops by self device
-time on a GPU (self CPU time on CPU), their share, the host syncs counted, and on a GPU the timed steps' device
-time by kernel kind (GEMM, attention, elementwise, copies) and idle (docs/benchmarks.md, the MFU work).
+time on a GPU (self CPU time on CPU), their share, the host syncs counted, the package's named regions (RetroMAE's
+decoder and its vocabulary loss), and on a GPU the timed steps' device time by kernel kind (GEMM, attention,
+elementwise, copies) and idle (docs/benchmarks.md, the MFU work).
 `--against M ...` times --method and each M in turns, `--rounds` times over, in one process, and records each one's
 median tokens/s and --method's ratio to each (a shared machine's drifting load falls on all alike):
 `--method bow --against mlm retromae`.
@@ -142,6 +143,9 @@ KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "_forward", "_backw
                           "::addmm", "::bmm", "::baddbmm")),  # the last: the aten ops that launch them
                 ("memcpy", ("memcpy", "memset")))
 OPTIMIZER_KERNELS = ("adam", "multi_tensor_apply")  # their last launch ends a step
+# the package's named regions of a step (torch.profiler.record_function), as RetroMAE's decoder and its vocabulary
+# loss: their kernels share names with others (the encoder's GEMMs), so a region's own line says what they took
+REGION = "pretrieve/"
 
 
 def kernel_kind(name: str) -> str:
@@ -215,7 +219,8 @@ def timed_window(kernels: list[tuple[str, float, float]], timed_steps: int) -> t
 @contextlib.contextmanager
 def profiled(path: str | None, gpu: bool, timed_steps: int, top: int = 40):
     """torch.profiler around the block when `path` is given; the summary goes to `path` as JSON: the ops by self
-    device time, the host syncs, and on a GPU the timed steps' device time by kernel kind and idle."""
+    device time, the host syncs, the package's named regions (REGION), and on a GPU the timed steps' device time by
+    kernel kind and idle."""
     if not path:
         yield
         return
@@ -232,7 +237,11 @@ def profiled(path: str | None, gpu: bool, timed_steps: int, top: int = 40):
             for us, e in timed[:top]]
     summary = {"sorted_by": key, "scope": "the whole training call: start-up and warm-up steps included",
                "total_ms": round(total / 1e3, 3), "top": rows,
-               "syncs": {e.key: e.count for _, e in timed if e.key in SYNCS}}
+               "syncs": {e.key: e.count for _, e in timed if e.key in SYNCS},
+               # the forward of each: backward runs outside the region (the chunked loss makes its gradients there)
+               "regions": {e.key: {"calls": e.count, "device_ms": round(e.device_time_total / 1e3, 3),
+                                   "cpu_ms": round(e.cpu_time_total / 1e3, 3)}
+                           for _, e in timed if e.key.startswith(REGION)}}
     if gpu:
         from torch.autograd import DeviceType
 

@@ -80,6 +80,9 @@ class TrainOptions:
     compile: bool = False
     # under bf16-autocast, the LayerNorms normalise in bf16 (models/low_precision_norm.py): how a step runs, as above
     low_precision_norm: bool = False
+    # the step's forward and backward captured once as a CUDA graph and replayed for each batch of the same shapes
+    # (engine/cuda_graphs.py): the host launches one graph a step instead of each kernel; how a step runs, as above
+    cuda_graphs: bool = False
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step on the CPU (zero_stage >= 1)
     offload_params: bool = False  # ZeRO-Infinity: the parameters too, fetched layer by layer (zero_stage 3)
     max_runtime: float | None = None  # seconds of wall clock; then checkpoint and exit 85, as on SIGTERM

@@ -28,24 +28,27 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
 
 def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     done = _tool("--dry-run", "--stages", "all", "--bundle", str(tmp_path / "no-bundle"))
-    for index, name in enumerate(("install", "correctness", "attention", "floor", "mfu", "profile", "mfu-models",
-                                  "mfu-methods", "quality", "recipe"), start=1):
+    for index, name in enumerate(("install", "correctness", "attention", "floor", "mfu", "profile", "profile-compile",
+                                  "mfu-models", "mfu-methods", "quality", "recipe"), start=1):
         assert f"{index}. {name}" in done.stdout
     total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0"))
     assert f"estimated total {total} s of 540 s" in done.stdout
-    # 10 records, the summary and the logs: more than a job returns
-    assert done.returncode == 1 and "12 files of the 8 a job returns: TOO MANY" in done.stdout
+    # 11 records, the summary and the logs: more than a job returns
+    assert done.returncode == 1 and "13 files of the 8 a job returns: TOO MANY" in done.stdout
+    # why compile lost: the compiled floor (profiled) beside its bf16 variant, and the engine's compile rung
+    assert ("--variants bf16-compile bf16 --profile " in done.stdout
+            and "--rung compile --set model.vocab_loss=plain" in done.stdout)
     # the methods added since the first ladder job: their ladder ends, coCondenser through GradCache
-    assert ("--ladder --ends-only --no-peers --methods bow --skip unpad batch-128 decoder-fused vocab-liger --out"
+    assert ("--ladder --ends-only --no-peers --methods bow --skip unpad batch-128 decoder-fused vocab-liger cuda-graphs --out"
             in done.stdout)
-    assert ("--ladder --ends-only --no-peers --methods cocondenser --skip unpad batch-128 decoder-fused vocab-liger --set "
+    assert ("--ladder --ends-only --no-peers --methods cocondenser --skip unpad batch-128 decoder-fused vocab-liger cuda-graphs --set "
             "method.grad_cache.chunk=16") in done.stdout
     assert "make gpu-bundle" in done.stdout  # no bundle: said, since the install then needs network
 
     # what a job runs unless told (DEFAULT_STAGES: the speed ladder's job) fits the default budget
     assert gpu_check.DEFAULT_STAGES == ("install", "floor", "mfu", "profile")
     default = _tool("--dry-run", "--bundle", str(tmp_path / "no-bundle"))
-    assert ("--ladder --methods mlm retromae --skip unpad batch-128 decoder-fused vocab-liger --top-only retromae "
+    assert ("--ladder --methods mlm retromae --skip unpad batch-128 decoder-fused vocab-liger cuda-graphs --top-only retromae "
             "--out") in default.stdout
     # the profile of the engine's step at batch 32 beside the floor's: the switches before unpadding and compile
     assert ("--rung fused-adamw --set model.vocab_loss=plain --set train.optimizer=torch-fused --set model.unpad=false "

@@ -24,7 +24,7 @@ def _settings(overrides: list[str]) -> dict:
 def test_the_first_method_climbs_every_rung_with_the_switches_before_it():
     runs = plan(["mlm", "retromae"], batch=32).runs
     mlm = [r for r in runs if r[0] == "mlm"]
-    assert [r[1] for r in mlm] == [*(rung.name for rung in LADDER), "vocab-liger"]
+    assert [r[1] for r in mlm] == [*(rung.name for rung in LADDER), "vocab-liger", "cuda-graphs"]
     assert _settings(mlm[0][2]) == {"model.vocab_loss": "chunked", "train.optimizer": "deepspeed",
                                     "model.unpad": "false", "train.compile": "false"}
     # each rung keeps the ones before it; a key set again takes its new value, once
@@ -32,29 +32,36 @@ def test_the_first_method_climbs_every_rung_with_the_switches_before_it():
                                     "model.unpad": "true", "train.compile": "true", "train.precision": "bf16-autocast",
                                     "train.low_precision_norm": "true"}
     assert all(len(r[2]) == len(_settings(r[2])) for r in runs)
-    assert [r[3] for r in mlm] == [32, 32, 32, 32, 32, 32, 32, 64, 128, 128]
-    assert _settings(mlm[-1][2])["model.vocab_loss"] == "liger"
+    assert [r[3] for r in mlm] == [32, 32, 32, 32, 32, 32, 32, 64, 128, 128, 128]
+    assert _settings(mlm[-2][2])["model.vocab_loss"] == "liger"
+    # the captured step on top of the whole ladder, on padded batches of one shape
+    assert {k: v for k, v in _settings(mlm[-1][2]).items() if v != _settings(mlm[-3][2]).get(k)} == {
+        "model.unpad": "false", "train.static_shapes": "true", "train.cuda_graphs": "true"}
     retromae = [r for r in runs if r[0] == "retromae"]
-    assert [r[1] for r in retromae] == ["baseline", "batch-128", "decoder-fused"]  # the ends, its alternative
-    assert _settings(retromae[2][2])["method.attention_impl"] == "fused"
-    assert _settings(retromae[2][2])["method.decoder_attention_dropout"] == "0"
+    # the ends, its alternatives: its decoder's vocabulary loss is the token loss Liger's replaces
+    assert [r[1] for r in retromae] == ["baseline", "batch-128", "vocab-liger", "cuda-graphs", "decoder-fused"]
+    assert _settings(retromae[2][2])["model.vocab_loss"] == "liger"
+    assert _settings(retromae[4][2])["method.attention_impl"] == "fused"
+    assert _settings(retromae[4][2])["method.decoder_attention_dropout"] == "0"
 
 
 def test_a_short_job_skips_rungs_but_never_the_baseline():
     runs = plan(["mlm"], batch=32, skip=("batch-128", "vocab-liger")).runs
-    assert [r[1] for r in runs] == [rung.name for rung in LADDER if rung.name != "batch-128"]
+    assert [r[1] for r in runs] == [*(rung.name for rung in LADDER if rung.name != "batch-128"), "cuda-graphs"]
     assert [r[1] for r in plan(["dupmae", "mlm"], 32, full=False).runs] == \
-        ["baseline", "batch-128", "decoder-fused", "baseline", "batch-128", "vocab-liger"]
+        ["baseline", "batch-128", "cuda-graphs", "decoder-fused", "baseline", "batch-128", "vocab-liger",
+         "cuda-graphs"]
     for skip in (("baseline",), ("batch-256",)):
         with pytest.raises(ValueError, match="--skip: .*not a rung one can skip"):
             plan(["mlm"], 32, skip=skip)
-    assert {alt.name for alt in ALTERNATIVES} == {"vocab-liger", "decoder-fused"}
+    assert {alt.name for alt in ALTERNATIVES} == {"vocab-liger", "cuda-graphs", "decoder-fused"}
 
 
 def test_a_method_may_take_the_top_rung_alone():
-    runs = plan(["mlm", "retromae", "bow"], 32, skip=("batch-128",), top_only=("bow",)).runs
+    runs = plan(["mlm", "retromae", "bow"], 32, skip=("batch-128", "cuda-graphs"), top_only=("bow",)).runs
     assert [(r[0], r[1]) for r in runs if r[0] != "mlm"] == [
-        ("retromae", "baseline"), ("retromae", "batch-64"), ("retromae", "decoder-fused"), ("bow", "batch-64")]
+        ("retromae", "baseline"), ("retromae", "batch-64"), ("retromae", "vocab-liger"), ("retromae", "decoder-fused"),
+        ("bow", "batch-64")]
     assert [r for r in runs if r[0] == "bow"][0][2:] == [r for r in runs if r[0] == "mlm"][-2][2:]  # mlm's top
     for top_only in (("mlm",), ("dupmae",)):  # the first climbs every rung; an unknown method is no cut
         with pytest.raises(ValueError, match="--top-only: .*one of --methods after the first"):
@@ -63,7 +70,8 @@ def test_a_method_may_take_the_top_rung_alone():
 
 def test_set_goes_to_every_run_of_the_engine_before_the_rungs_settings():
     """coCondenser's GradCache chunk (the GPU job's mfu-methods stage) reaches both of its ladder runs."""
-    args = SimpleNamespace(methods=["cocondenser"], batch=32, ends_only=True, skip=("batch-128",), top_only=(), peers=False,
+    args = SimpleNamespace(methods=["cocondenser"], batch=32, ends_only=True, skip=("batch-128", "cuda-graphs"),
+                           top_only=(), peers=False,
                            set=["method.grad_cache.chunk=16"])
     commands = ladder_commands(args, ["--size", "base"])
     assert [name for name, _ in commands] == ["cocondenser/baseline", "cocondenser/batch-64"]
@@ -128,13 +136,14 @@ def test_the_ladder_and_its_peers_run_at_the_tiny_size_on_cpu(tmp_path):
     done = subprocess.run([sys.executable, "-m", "benchmarks.pretrain_throughput", "--ladder",
                            "--size", "tiny", "--seq-len", "64", "--batch", "4", "--steps", "3", "--warmup", "1",
                            "--threads", "1", "--methods", "mlm", "retromae", "--out", str(out),
-                           # the Triton interpreter runs the fused decoder kernel at seconds a text: small batches
-                           "--skip", "batch-64", "batch-128"],
+                           # the Triton interpreter runs the fused decoder kernel at seconds a text: small batches;
+                           # a CUDA graph needs a CUDA device
+                           "--skip", "batch-64", "batch-128", "cuda-graphs"],
                           env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = json.loads(out.read_text())
     ran = [(r.get("method"), r.get("rung") or r.get("peer")) for r in records]
-    runs = plan(["mlm", "retromae"], 4, skip=("batch-64", "batch-128")).runs
+    runs = plan(["mlm", "retromae"], 4, skip=("batch-64", "batch-128", "cuda-graphs")).runs
     expected = [*(("mlm", r[1]) for r in runs if r[0] == "mlm"), ("mlm", "hf-trainer"),
                 ("retromae", "official-retromae"), *(("retromae", r[1]) for r in runs if r[0] == "retromae")]
     assert ran == expected

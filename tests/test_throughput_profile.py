@@ -26,3 +26,30 @@ def test_a_profiled_run_says_where_the_time_went(tmp_path):
     assert {"aten::mm", "aten::addmm"} & {row["name"] for row in summary["top"][:5]}  # matmuls lead
     assert summary["syncs"].get("aten::item", 0) > 0  # the loop's log steps read values back
     assert len(json.loads(out.read_text())) == 1  # the throughput record beside it
+
+
+def test_retromaes_decoder_and_its_vocabulary_loss_are_regions_of_the_profile(tmp_path, vocab, wiki_samples):
+    """The decoder projects onto the vocabulary at every ordinary token with the kernels of the encoder's MLM loss:
+    the profile's record gives it a line of its own, a region with the projection's products inside it."""
+    import torch
+    from conftest import collated_with_a_pad_sample, tiny_head
+
+    from benchmarks.pretrain_throughput import profiled
+
+    method, options, head = tiny_head("retromae")
+    batch, _ = collated_with_a_pad_sample(method, options, vocab, wiki_samples)
+    with profiled(str(tmp_path / "profile.json"), gpu=False, timed_steps=1), \
+            torch.profiler.record_function("step"):
+        head(batch)["loss"].backward()
+    regions = json.loads((tmp_path / "profile.json").read_text())["regions"]
+    assert set(regions) == {"pretrieve/retromae.decoder", "pretrieve/retromae.decoder_vocab_loss"}
+    assert all(r["calls"] == 1 and r["cpu_ms"] > 0 for r in regions.values())
+    # the projection's products are the region's own: its events' descendants
+    with torch.profiler.profile() as prof:
+        head(batch)
+
+    def below(event):
+        return [event, *(e for child in event.cpu_children for e in below(child))]
+
+    [region] = [e for e in prof.events() if e.name == "pretrieve/retromae.decoder_vocab_loss"]
+    assert {"aten::mm", "aten::addmm", "aten::linear"} & {e.name for e in below(region)}

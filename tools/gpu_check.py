@@ -64,10 +64,13 @@ class Stage:
 DEFAULT_STAGES = ("install", "floor", "mfu", "profile")
 # the ladder's rungs the profile stage profiles: every switch at batch 32 but unpadding and compile, as the floor
 PROFILED_RUNGS = ("fused-adamw",)
+# why train.compile lost on the H200 (docs/benchmarks.md): the compiled rung and the compiled floor profiled, beside
+# the uncompiled ones (a stage of its own: the default job has no room for it)
+PROFILED_COMPILED = ("compile",)
 # the ladder's BERT-base L512 runs (benchmarks/throughput_ladder.py): mlm climbs every rung, retromae takes the top
 # alone; the rungs skipped wait for a later job (unpadding lost on batches with 7 % padding)
 LADDER_METHODS = ("mlm", "retromae")
-LADDER_SKIP = ("unpad", "batch-128", "decoder-fused", "vocab-liger")
+LADDER_SKIP = ("unpad", "batch-128", "decoder-fused", "vocab-liger", "cuda-graphs")
 
 
 # the methods added since, each at the ladder's baseline and top rungs in a stage of its own (the default job is full)
@@ -119,7 +122,13 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
     throughput = bert_base + ["--out", str(work / "pretrain_throughput_gpu.json")]
     ladder = bert_base + ["--ladder", "--methods", *LADDER_METHODS, "--skip", *LADDER_SKIP,
                           "--top-only", *LADDER_METHODS[1:], "--out", str(work / "pretrain_throughput_gpu.json")]
-    profiled = ladder_rungs(PROFILED_RUNGS)
+
+    def profiled(names: tuple[str, ...]) -> list[Command]:  # the engine's step at the ladder's rungs `names`
+        return [Command(bert_base_at + ["--method", "mlm", "--rung", name, *[a for o in overrides for a in ("--set", o)],
+                                        "--batch", str(batch), "--profile", str(work / f"profile_{name}.json"),
+                                        "--out", str(work / "profiled_throughput.json")],  # slowed by the profiler
+                        results=str(work / f"profile_{name}.json")) for name, overrides, batch in ladder_rungs(names)]
+
     new_methods, unread = ladder_new_methods()
     qwen3 = [python, "-m", "benchmarks.pretrain_throughput", "--method", "llama2vec", "--size", "qwen3-0.6b",
              "--seq-len", "512", "--batch", "8", "--steps", "12", "--warmup", "4", "--zero-stage", "1",
@@ -162,10 +171,19 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
         Stage("profile", f"torch.profiler over BERT-base L512 bf16 mlm at the ladder's {', '.join(PROFILED_RUNGS)} "
               "rung: kernels by device time, the share of GEMMs, attention, elementwise, copies and idle, and the "
               "host's launches, waits, data loading and optimizer steps per step", 80, 110,
-              [Command(bert_base_at + ["--method", "mlm", "--rung", name, *[a for o in overrides for a in ("--set", o)],
-                                       "--batch", str(batch), "--profile", str(work / f"profile_{name}.json"),
-                                       "--out", str(work / "profiled_throughput.json")],  # slowed by the profiler
-                       results=str(work / f"profile_{name}.json")) for name, overrides, batch in profiled]),
+              profiled(PROFILED_RUNGS)),
+        # the floor's compiled variant first (the one it profiles) beside its bf16 one, then the engine's compile
+        # rung: each compiles its layers (~30 s), the profiler's summary ~40 s
+        Stage("profile-compile", "torch.profiler over the compiled step of BERT-base L512 bf16 mlm: the floor's "
+              f"bf16-compile variant (timed beside bf16) and the ladder's {', '.join(PROFILED_COMPILED)} rung, their "
+              "kernels by device time", 170, 220,
+              [Command([python, "-m", "benchmarks.step_floor", "--method", "mlm", "--size", "base", "--seq-len", "512",
+                        "--batch", "32", "--steps", "10", "--warmup", "3", "--rounds", "1", "--variants",
+                        "bf16-compile", "bf16", "--profile", str(work / "profile_floor_bf16-compile.json"),
+                        "--out", str(work / "step_floor_compile_gpu.json")],
+                       results=str(work / "profile_floor_bf16-compile.json"),
+                       also=(str(work / "step_floor_compile_gpu.json"),)),
+               *profiled(PROFILED_COMPILED)]),
         # mlm / retromae / dupmae at their defaults, ModernBERT unpadded, a Qwen3-0.6B llama2vec
         Stage("mfu-models", "BERT-base L512 bf16 throughput and MFU of mlm, retromae, dupmae at the defaults; "
               "ModernBERT-base unpadded against padded; a Qwen3-0.6B-shaped llama2vec at L512, full and LoRA r 16",

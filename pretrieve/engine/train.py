@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +25,7 @@ import torch
 from pretrieve.config import ConfigError, RunExperiment
 from pretrieve.engine.allocator import keep_freed_memory
 from pretrieve.engine.checkpoint import Checkpointer, prune_tags
+from pretrieve.engine.cuda_graphs import CapturedStep, check_device, check_module
 from pretrieve.engine.deepspeed_import import import_deepspeed
 from pretrieve.engine.determinism import deterministic
 from pretrieve.engine.ds_config import deepspeed_config
@@ -90,6 +92,8 @@ def run_training(exp: RunExperiment, build_job: Callable[[Any, int], TrainingJob
     if exp.train.precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("train.precision: fp16 needs a CUDA device (DeepSpeed refuses fp16 on CPU); "
                           "use bf16 or fp32")
+    if exp.train.cuda_graphs:
+        check_device()
     rank, world = _distributed_env()
     # the export a finished run writes to run_dir/export: a folder there that is no export is refused now, not
     # after the last step (the same check as the export's own)
@@ -198,6 +202,8 @@ def _run_training(exp: RunExperiment, build_job, rank: int, world: int, stop: St
     run_dir, ckpt_dir = exp.run_dir, exp.run_dir / "checkpoints"
     start = _start(exp, rank)
     job = build_job(exp, rank)
+    if exp.train.cuda_graphs:  # what the config cannot say: the module the recipe built, the world
+        check_module(job.module, world)
     apply_switches(job.module, Settings(train=exp.train))  # the speed switches' passes, in their one order
     engine, ds_config, clip = _initialize(exp, job, start)
     if why := stop.should_stop(world, engine.device):  # stopped during start-up: nothing trained since `tag`
@@ -258,6 +264,7 @@ def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWi
     last_step = min(exp.train.max_steps, exp.train.stop_at or exp.train.max_steps)  # of this invocation
     eval_every = exp.train.eval_every or exp.train.max_steps  # held-out loss: every N steps, and at the end
     trainable = [p for p in engine.module.parameters() if p.requires_grad] if clip is not None else []
+    captured = CapturedStep(engine) if exp.train.cuda_graphs else None
     bar = Progress(exp.train.max_steps, job.name, unit="step", enabled=checkpoints.rank == 0,
                    initial=engine.global_steps)
     health.progress = bar
@@ -268,12 +275,16 @@ def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWi
                 # counted on the host before the copy: counting device tensors would wait for the GPU each step
                 samples, tokens, positions = job.count(batch)
                 flops = job.flops(batch)
-                batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
                 if job.at_step is not None:
                     job.at_step(engine.global_steps)
-                out = engine(batch)
-                health.add_micro(engine.global_steps + 1, out["loss"], origin)  # judged on the device
-                engine.backward(out["loss"])
+                if captured is not None:  # train.cuda_graphs: forward and backward replayed (engine/cuda_graphs.py)
+                    out = captured(batch)
+                    health.add_micro(engine.global_steps + 1, out["loss"], origin)
+                else:
+                    batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
+                    out = engine(batch)
+                    health.add_micro(engine.global_steps + 1, out["loss"], origin)  # judged on the device
+                    engine.backward(out["loss"])
                 boundary = engine.is_gradient_accumulation_boundary()  # asked before step(), which advances it
                 # the same steps wherever the run stops: a stop between them carries the window (checkpoint.py)
                 log_now = boundary and ((engine.global_steps + 1) % exp.train.log_every == 0
@@ -314,3 +325,5 @@ def _train_steps(exp: RunExperiment, job: TrainingJob, engine, window: MetricsWi
                     return
     finally:
         bar.close()
+        if captured is not None and checkpoints.rank == 0:
+            print(captured.summary(), file=sys.stderr, flush=True)

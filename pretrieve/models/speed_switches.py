@@ -11,7 +11,7 @@ place the same way (composer/core/passes.py).
            reads the key (the engine's DeepSpeed config, the optimizer, the encoder when it is built)
   place    the row's place in the table: the engine applies the passes in it, and the ladder climbs the rungs in
            it. Activation checkpointing first, then the LayerNorms swapped, then compile: the compiled layers
-           hold the swapped norms. The rungs: first what the host pays every step (the optimizer's bf16
+           hold the swapped norms; the CUDA graphs last, capturing the step all of them make. The rungs: first what the host pays every step (the optimizer's bf16
            wrapper), then what the device pays every step (the norms, the loss, the optimizer), then what
            removes work (padding), then the compiler
   rung     (name, overrides) that the ladder adds on top of the rungs before it; `baseline`: the key's value on
@@ -127,6 +127,28 @@ def _compile(on: bool, s: Settings) -> Iterator[str]:
                "recompiles layer after layer until its limit, then runs them eager; use train.zero_stage 0, 1 or 2")
 
 
+def _cuda_graphs(on: bool, s: Settings) -> Iterator[str]:
+    """What a captured step cannot hold (engine/cuda_graphs.py says why each); the device, the world and the
+    module (model.unpad, a loss schedule) are checked at start-up."""
+    if not on:
+        return
+    t = s.train
+    if not getattr(t, "static_shapes", False):  # a field of TrainOptions where the padded batches exist
+        yield ("train.cuda_graphs: a graph replays the shapes it captured: needs train.static_shapes=true (each batch "
+               "padded to max_len and its labelled positions to a fixed count, no reads of the device in the step)")
+    if t.grad_accum != 1:
+        yield f"train.cuda_graphs: needs train.grad_accum=1, got {t.grad_accum} (the graph writes each gradient anew)"
+    if t.precision not in ("fp32", "bf16-autocast"):
+        yield (f"train.cuda_graphs: train.precision {t.precision} steps through DeepSpeed's wrapper, which checks the "
+               "gradients on the host: use bf16-autocast or fp32")
+    if t.zero_stage != 0:
+        yield (f"train.cuda_graphs: needs train.zero_stage 0, got {t.zero_stage} (ZeRO's hooks partition and reduce "
+               "the gradients inside backward)")
+    if t.activation_checkpointing:
+        yield ("train.cuda_graphs: train.activation_checkpointing recomputes layers in backward with their random "
+               "states read on the host: leave one of them out")
+
+
 def _attention_impl(value: str | None, _: Settings) -> Iterator[str]:
     from pretrieve.kernels import fused_problem
 
@@ -168,7 +190,7 @@ _SWITCHES: list[Switch] = [
     # plain: bf16 F.linear + cross-entropy on the masked positions; liger replaces it, measured on top of the ladder
     Switch("model.vocab_loss", _vocab_loss, read_by="the encoder's token loss (models/vocab_loss.py)",
            baseline="chunked", rung=Rung("vocab-plain", ("model.vocab_loss=plain",)),
-           alternatives=(Rung("vocab-liger", ("model.vocab_loss=liger",), methods=("mlm",)),)),
+           alternatives=(Rung("vocab-liger", ("model.vocab_loss=liger",), methods=("mlm", "retromae")),)),
     Switch("train.optimizer", _optimizer, read_by="the engine: the optimizer it hands DeepSpeed (engine/optimizer.py)",
            baseline="deepspeed", rung=Rung("fused-adamw", ("train.optimizer=torch-fused",))),
     # varlen attention, no compute on padding
@@ -177,6 +199,11 @@ _SWITCHES: list[Switch] = [
     # regional torch.compile of each layer, after every pass that changes the layers
     Switch("train.compile", _compile, _compile_layers, baseline="false",
            rung=Rung("compile", ("train.compile=true",))),
+    # the step's forward and backward replayed as one CUDA graph: the host's launches gone, on padded batches of one
+    # shape (unpadding off), measured on top of the ladder
+    Switch("train.cuda_graphs", _cuda_graphs, read_by="the engine's loop: the step captured and replayed "
+           "(engine/cuda_graphs.py)", alternatives=(Rung("cuda-graphs", (
+               "model.unpad=false", "train.static_shapes=true", "train.cuda_graphs=true")),)),
     # the fused two-stream kernel has no attention dropout: it changes what is computed, measured on top of the ladder
     Switch("method.attention_impl", _attention_impl, read_by="the two-stream decoder of retromae and dupmae (kernels/)",
            alternatives=(Rung("decoder-fused", ("method.attention_impl=fused", "method.decoder_attention_dropout=0"),

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from pretrieve.data.collators import MLMCollator
 from pretrieve.data.masking import decoder_mask_pool, ordinary_positions, word_ids
@@ -90,15 +91,19 @@ class RetroMAEHead(PretrainingHead):
         return {"loss": mlm + dec, "mlm": mlm.detach(), "dec": dec.detach()}
 
     def decoder_loss(self, h_cls: torch.Tensor, batch: dict) -> torch.Tensor:
-        embeddings = self.encoder.embeddings
-        ids = batch["dec_input_ids"]
-        h2 = torch.cat([h_cls[:, None], embeddings(input_ids=ids)[:, 1:]], dim=1)
-        h1 = self.query_stream(h_cls, ids.shape[1])
-        lengths = batch["attention_mask"].sum(dim=1)
-        mask = CompactMask(batch["dec_pool"], batch["dec_row"], lengths)
-        out = self.decoder(h1, h2, lambda q, k, v, dropout_p: two_stream_attention(
-            q, k, v, mask, self.options.attention_impl, dropout_p))
-        return self.encoder.token_loss(out, batch["dec_labels"])
+        # named regions of a profile (benchmarks/pretrain_throughput.py --profile): the decoder's kernels, and its
+        # projection onto the vocabulary at every ordinary token apart from the encoder's MLM loss (the same kernels)
+        with record_function("pretrieve/retromae.decoder"):
+            embeddings = self.encoder.embeddings
+            ids = batch["dec_input_ids"]
+            h2 = torch.cat([h_cls[:, None], embeddings(input_ids=ids)[:, 1:]], dim=1)
+            h1 = self.query_stream(h_cls, ids.shape[1])
+            lengths = batch["attention_mask"].sum(dim=1)
+            mask = CompactMask(batch["dec_pool"], batch["dec_row"], lengths)
+            out = self.decoder(h1, h2, lambda q, k, v, dropout_p: two_stream_attention(
+                q, k, v, mask, self.options.attention_impl, dropout_p))
+        with record_function("pretrieve/retromae.decoder_vocab_loss"):
+            return self.encoder.token_loss(out, batch["dec_labels"])
 
     def query_stream(self, h_cls: torch.Tensor, width: int) -> torch.Tensor:
         """H1 [B, L, hidden] of eq. (2) from the [CLS] states h_cls [B, hidden]. With rotary positions

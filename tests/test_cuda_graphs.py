@@ -50,8 +50,8 @@ def test_each_thing_a_captured_step_cannot_hold_is_refused_by_key():
         ("train.cuda_graphs: needs train.zero_stage 0, got 1 (ZeRO's hooks partition and reduce the gradients "
          "inside backward)")]
     assert _problems(activation_checkpointing=True) == [
-        ("train.cuda_graphs: train.activation_checkpointing recomputes layers in backward with their random states "
-         "read on the host: leave one of them out")]
+        ("train.cuda_graphs: train.activation_checkpointing restores the device's random state to recompute each "
+         "layer in backward, which a graph capture does not allow: leave one of them out")]
 
 
 def test_every_experiment_checks_it_with_train_and_reports_every_problem():

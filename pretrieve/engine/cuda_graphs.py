@@ -15,8 +15,9 @@ DeepSpeed's forward is not captured: it synchronises the device for its throughp
 module under the engine's autocast (bf16-autocast, with autocast's cast cache off, as capture needs) and the
 engine's backward, which at ZeRO 0 on one rank adds only host bookkeeping and the division by the gradient
 accumulation steps. So the switch needs ZeRO 0, one rank, fp32 or bf16-autocast (no DeepSpeed wrapper), no
-accumulation, no activation checkpointing, and batches of one shape (`train.static_shapes`): config.py and the
-table of speed switches refuse the rest by key; the device, the module and the engine are checked at start-up.
+accumulation, no activation checkpointing, and batches of one shape (`train.static_shapes`): its row in the
+table of speed switches refuses the rest by key when the config is read; the device, the world, the module and
+the engine built are checked at start-up.
 
 The first WARMUP_STEPS micro-batches run eagerly on a side stream (lazy initialisation, compiled layers' first
 calls, cuBLAS workspaces happen there, not in the capture); then the next batch is captured and replayed. Its

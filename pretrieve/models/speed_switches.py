@@ -11,9 +11,9 @@ place the same way (composer/core/passes.py).
            reads the key (the engine's DeepSpeed config, the optimizer, the encoder when it is built)
   place    the row's place in the table: the engine applies the passes in it, and the ladder climbs the rungs in
            it. Activation checkpointing first, then the LayerNorms swapped, then compile: the compiled layers
-           hold the swapped norms; the CUDA graphs last, capturing the step all of them make. The rungs: first what the host pays every step (the optimizer's bf16
-           wrapper), then what the device pays every step (the norms, the loss, the optimizer), then what
-           removes work (padding), then the compiler
+           hold the swapped norms; the CUDA graphs last, capturing the step all of them make. The rungs: first
+           what the host pays every step (the optimizer's bf16 wrapper), then what the device pays every step
+           (the norms, the loss, the optimizer), then what removes work (padding), then the compiler
   rung     (name, overrides) that the ladder adds on top of the rungs before it; `baseline`: the key's value on
            the ladder's first rung; `alternatives`: rungs measured once on top of the whole ladder
 
@@ -145,8 +145,8 @@ def _cuda_graphs(on: bool, s: Settings) -> Iterator[str]:
         yield (f"train.cuda_graphs: needs train.zero_stage 0, got {t.zero_stage} (ZeRO's hooks partition and reduce "
                "the gradients inside backward)")
     if t.activation_checkpointing:
-        yield ("train.cuda_graphs: train.activation_checkpointing recomputes layers in backward with their random "
-               "states read on the host: leave one of them out")
+        yield ("train.cuda_graphs: train.activation_checkpointing restores the device's random state to recompute "
+               "each layer in backward, which a graph capture does not allow: leave one of them out")
 
 
 def _attention_impl(value: str | None, _: Settings) -> Iterator[str]:

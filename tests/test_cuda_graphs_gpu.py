@@ -1,7 +1,8 @@
 """`train.cuda_graphs` on a GPU (`make test-gpu`; skipped without CUDA): the tiny `mlm` and `retromae`, dropout off,
 trained 8 steps with the step captured and replayed give the eager run's losses (within 1e-4 relative in fp32,
-1e-2 under bf16-autocast), every full batch after the warm-up replayed; a ds_config with ZeRO is refused at
-start-up, naming the key. The refusals by config are tested on CPU (tests/test_cuda_graphs.py)."""
+1e-2 under bf16-autocast, with and without compiled layers), every full batch after the warm-up replayed; a
+ds_config with ZeRO is refused at start-up, naming the key. The refusals by config are tested on CPU
+(tests/test_cuda_graphs.py)."""
 
 import dataclasses
 import json
@@ -45,12 +46,14 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 @pytest.mark.parametrize("method", ["mlm", "retromae"])
-@pytest.mark.parametrize("precision,tolerance", [("fp32", 1e-4), ("bf16-autocast", 1e-2)])
-def test_the_replayed_step_gives_the_eager_steps_losses(tmp_path, wiki_shards, method, precision, tolerance):
+@pytest.mark.parametrize("precision,compiled,tolerance", [("fp32", "false", 1e-4), ("bf16-autocast", "false", 1e-2),
+                                                         ("bf16-autocast", "true", 1e-2)])  # the ladder's rung
+def test_the_replayed_step_gives_the_eager_steps_losses(tmp_path, wiki_shards, method, precision, compiled,
+                                                        tolerance):
     runs = {}
     for graphs in ("false", "true"):
         done = _pretrain(tmp_path / graphs, wiki_shards, method, f"train.precision={precision}",
-                         f"train.cuda_graphs={graphs}")
+                         f"train.compile={compiled}", f"train.cuda_graphs={graphs}")
         assert done.returncode == 0, done.stderr[-4000:]
         runs[graphs] = (_losses(tmp_path / graphs), done.stderr)
     (eager, _), (graphed, said) = runs["false"], runs["true"]

@@ -139,7 +139,8 @@ class CapturedStep:
         self.eager += 1
         stream = self.side if warmup else torch.cuda.current_stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        # autocast's cache off as in the capture: torch.compile guards on it, and compiled layers would recompile
+        with torch.cuda.stream(stream), _no_autocast_cache():
             out = engine(batch)
             engine.backward(out["loss"])
         torch.cuda.current_stream().wait_stream(stream)

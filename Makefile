@@ -26,9 +26,9 @@ OUT ?= gpu-check-out
 GPU_BUNDLE ?= gpu-bundle
 DRY_RUN ?=
 # the stages a job runs, in priority order: names, at most 6 (a job returns 8 files), or all for the dry run's
-# whole plan (tools/gpu_check.py DEFAULT_STAGES when unset)
+# whole plan (benchmarks/gpu_job.py DEFAULT_STAGES when unset)
 STAGES ?=
-# the seeds a job runs of the quality study and of the recipe's arms (tools/gpu_check.py --seeds; default 0)
+# the seeds a job runs of the quality study and of the recipe's arms (benchmarks/gpu_job.py --seeds; default 0)
 SEEDS ?=
 NO_DEPS ?=
 # make test, test-integration and test-cluster run on TEST_JOBS pytest-xdist workers: most tests drive one-thread
@@ -144,9 +144,9 @@ gpu-bundle:
 # the whole job of one short GPU allocation, on the node: the offline install, then (by default) the GPU tests of
 # the kernels, a profile of the speed ladder's ends and the ladder with its peers (STAGES= the quality study, the
 # recipe, ...), each in its own time box inside BUDGET seconds, each stage's JSON into OUT as soon as it ends;
-# DRY_RUN=1 prints the plan against the budget (tools/gpu_check.py)
+# DRY_RUN=1 prints the plan against the budget (benchmarks/gpu_job.py)
 gpu-check:
-	$(PYTHON) tools/gpu_check.py --out $(OUT) --budget $(BUDGET) --bundle $(GPU_BUNDLE) $(if $(STAGES),--stages $(STAGES)) \
+	$(PYTHON) -m benchmarks.gpu_job --out $(OUT) --budget $(BUDGET) --bundle $(GPU_BUNDLE) $(if $(STAGES),--stages $(STAGES)) \
 	    $(if $(SEEDS),--seeds $(SEEDS)) $(if $(DRY_RUN),--dry-run)
 
 bench: install

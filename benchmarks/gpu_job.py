@@ -1,6 +1,6 @@
 """`make gpu-check`: the whole job of one short GPU allocation (docs/offline.md, "A short GPU allocation").
 
-    python tools/gpu_check.py --out OUT [--budget 540] [--bundle gpu-bundle] [--dry-run]
+    python -m benchmarks.gpu_job --out OUT [--budget 540] [--bundle gpu-bundle] [--dry-run]
 
 An allocation is one job of about 9 minutes on a node with no network, whose output folder is all that comes
 back. So the job runs its stages in priority order, each inside its own time box and all inside `--budget`
@@ -33,6 +33,10 @@ import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# the job is planned before its install stage, in a Python that may lack torch and the package's dependencies: the
+# ladder and the table of speed switches it climbs (pretrieve/models/speed_switches.py) need neither to be read
+from benchmarks.throughput_ladder import plan as ladder_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 CARRY_LIMIT_MIB = 64  # what one job may take in, the repository included
@@ -137,7 +141,7 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
         # estimates and boxes: what each stage took where a job ran it whole (docs/benchmarks.md)
         Stage("install", "offline install from the bundle's wheelhouse, its data unpacked, then torch.cuda sanity", 35, 90,
               ([Command(make_install)] if install else []) + unpack
-              + [Command([python, str(Path(__file__)), "--sanity", str(work / "sanity.json")],
+              + [Command([python, "-m", "benchmarks.gpu_job", "--sanity", str(work / "sanity.json")],
                          results=str(work / "sanity.json"))], needs_cuda=False),
         # the kernels' and the unpadded path's GPU tests; the engine's bf16 step and resume, the farm's placement and
         # the fp16 variants are left to `make test-gpu`, whose engine tests alone outgrow this box
@@ -223,13 +227,6 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
 
 def ladder_rungs(names: tuple[str, ...]) -> list[tuple[str, list[str], int]]:
     """(name, overrides, micro-batch) of the named rungs of the ladder's first method, as the default job runs them."""
-    # this tool runs as a script (`python tools/gpu_check.py`), with tools/ on sys.path, and plans the job before
-    # its install stage: the ladder, and the table of speed switches it climbs (pretrieve/models/speed_switches.py,
-    # which needs no torch to read), are imported from the repository root
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from benchmarks.throughput_ladder import plan as ladder_plan
-
     return [(name, overrides, batch) for method, name, overrides, batch in
             ladder_plan([LADDER_METHODS[0]], 32, skip=LADDER_SKIP).runs if name in names]
 
@@ -491,10 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     print(text, flush=True)
     if len(stages) + 2 > RETURNED_FILES:  # a record would not come back: refused before the allocation is spent
         p.error(f"--stages: {len(stages)} stages, and a job returns the records of {RETURNED_FILES - 2}")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                            check=False).stdout.strip()
     # changes not yet committed ran too: their files, so that a record says what code it measured
     changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                             text=True).stdout.split("\n")
+                             text=True, check=False).stdout.split("\n")
     summary = {"started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit or None,
                "uncommitted": sorted(line[3:] for line in changed if line.strip()),
                "plan": [{"stage": s.name, "estimate_s": s.estimate_s, "box_s": s.box_s} for s in stages]}

@@ -155,7 +155,7 @@ def test_a_new_method_touches_six_files():
     the path: every built-in method on text has those) or a page's line. And nothing else: a method registered
     from one file, here the toy method as an arm of the method study, is at once an arm with its pooling and its
     tiny runs' overrides (pretrieve/study/plan.py, every plan's pooling) and a method of the GPU check's ladder with
-    its paper's overrides (tools/gpu_check.py)."""
+    its paper's overrides (benchmarks/gpu_job.py)."""
     from conftest import text_methods
 
     from pretrieve.models.heads import METHODS
@@ -175,7 +175,7 @@ def test_a_new_method_touches_six_files():
 
     seen = subprocess.run([sys.executable, "-c", f"""
 import json, sys
-sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT / "tools")!r}]
+sys.path.insert(0, {str(ROOT / "tests")!r})
 import test_toy_method as toy
 from pretrieve.models.heads.registry import register_method, study_arms
 register_method("first_token", toy.FirstTokenHead, toy.FirstTokenCollator, toy.FirstTokenOptions,
@@ -183,8 +183,8 @@ register_method("first_token", toy.FirstTokenHead, toy.FirstTokenCollator, toy.F
                 tiny_overrides=("method.first_token_weight=1",), paper_overrides=("method.first_token_weight=0.1",))
 from pretrieve.study import plan
 print(json.dumps({{"arms": plan.ARMS, "pooling": plan.POOLING, "overrides": plan.ARM_OVERRIDES}}))
-import gpu_check
-exec(gpu_check.LADDER_NEW_METHODS)  # the GPU check's reading of the registry
+from benchmarks import gpu_job
+exec(gpu_job.LADDER_NEW_METHODS)  # the GPU check's reading of the registry
 """], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300, check=False)
     assert seen.returncode == 0, seen.stderr[-3000:]
     study, ladder = map(json.loads, seen.stdout.splitlines()[-2:])

@@ -26,10 +26,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-# run as a script: its own folder, tools/, is first on sys.path
-from gpu_check import CARRY_LIMIT_MIB, repository_mib, tree_mib
-
 ROOT = Path(__file__).resolve().parent.parent
+# run as a script, with tools/ first on sys.path: the GPU job's carry limit and sizes come from the repository root
+sys.path.insert(0, str(ROOT))
+from benchmarks.gpu_job import CARRY_LIMIT_MIB, repository_mib, tree_mib
 
 WIKI = Path("pretrain") / "enwiki-sample" / "enwiki_2015_wikiextractor_100shards.jsonl.gz"
 COLLECTIONS = ("scifact", "cacm", "cranfield")

@@ -21,7 +21,7 @@ A new switch is its option's field, its pass, its row here (`register_switch`), 
 (docs/design.md, "Add a speed switch"; tests/test_toy_switch.py).
 
 The checks and passes import what they use when called: the ladder reads the table in a Python that may have
-neither torch nor the package's dependencies yet (tools/gpu_check.py plans a GPU job before its install stage).
+neither torch nor the package's dependencies yet (benchmarks/gpu_job.py plans a GPU job before its install stage).
 """
 
 from __future__ import annotations

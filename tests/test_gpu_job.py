@@ -1,4 +1,4 @@
-"""`make gpu-check` (tools/gpu_check.py) on a CPU machine: the dry run's plan against the budget, and every stage's
+"""`make gpu-check` (benchmarks/gpu_job.py) on a CPU machine: the dry run's plan against the budget, and every stage's
 record written on success, failure, time-out, a spent budget and a job killed mid-stage."""
 
 import contextlib
@@ -14,16 +14,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+from benchmarks import gpu_job
+from benchmarks.gpu_job import Command, Stage
 
-import gpu_check  # noqa: E402
-from gpu_check import Command, Stage  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), *args], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_job", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=False)
 
 
 def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
@@ -31,7 +30,7 @@ def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     for index, name in enumerate(("install", "correctness", "attention", "floor", "mfu", "profile", "profile-compile",
                                   "mfu-models", "mfu-methods", "quality", "recipe"), start=1):
         assert f"{index}. {name}" in done.stdout
-    total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0"))
+    total = sum(stage.estimate_s for stage in gpu_job.plan("python", tmp_path, tmp_path, True, "0"))
     assert f"estimated total {total} s of 540 s" in done.stdout
     # 11 records, the summary and the logs: more than a job returns
     assert done.returncode == 1 and "13 files of the 8 a job returns: TOO MANY" in done.stdout
@@ -46,7 +45,7 @@ def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     assert "make gpu-bundle" in done.stdout  # no bundle: said, since the install then needs network
 
     # what a job runs unless told (DEFAULT_STAGES: the speed ladder's job) fits the default budget
-    assert gpu_check.DEFAULT_STAGES == ("install", "floor", "mfu", "profile")
+    assert gpu_job.DEFAULT_STAGES == ("install", "floor", "mfu", "profile")
     default = _tool("--dry-run", "--bundle", str(tmp_path / "no-bundle"))
     assert ("--ladder --methods mlm retromae --skip unpad batch-128 decoder-fused vocab-liger cuda-graphs --top-only retromae "
             "--out") in default.stdout
@@ -57,8 +56,8 @@ def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     assert "-m benchmarks.step_floor --method mlm --size base --seq-len 512 --batch 32" in default.stdout
     assert "--variants autocast autocast-lpnorm bf16 --out" in default.stdout
     assert "pytest -q -rs -p no:cacheprovider tests/test_sdpa_kernels_gpu.py" in default.stdout
-    total = sum(stage.estimate_s for stage in gpu_check.plan("python", tmp_path, tmp_path, True, "0")
-                if stage.name in gpu_check.DEFAULT_STAGES)
+    total = sum(stage.estimate_s for stage in gpu_job.plan("python", tmp_path, tmp_path, True, "0")
+                if stage.name in gpu_job.DEFAULT_STAGES)
     assert default.returncode == 0 and f"estimated total {total} s of 540 s: fits" in default.stdout, default.stdout
 
     over = _tool("--dry-run", "--budget", str(total - 1), "--bundle", str(tmp_path / "no-bundle"))
@@ -92,7 +91,7 @@ def test_each_stage_writes_its_record_whatever_its_end(tmp_path):
         Stage("slow", "over its box", 1, 2, [Command(_python("import time; time.sleep(60)"))]),
         Stage("late", "no budget left", 1, 30, [Command(_python("pass"))]),
     ]
-    summary = gpu_check.run(stages, out, work, budget=6, summary={"plan": []})  # < 5 s left after "slow"
+    summary = gpu_job.run(stages, out, work, budget=6, summary={"plan": []})  # < 5 s left after "slow"
     records = {p.name: json.loads(p.read_text()) for p in out.glob("*.json")}
     assert sorted(records) == ["0-summary.json", "1-install.json", "2-fails.json", "3-slow.json", "4-late.json"]
     install = records["1-install.json"]
@@ -115,7 +114,7 @@ def test_stages_that_need_the_device_are_skipped_when_the_install_stage_fails(tm
     stages = [Stage("install", "no device", 1, 30, [Command(_python("raise SystemExit(1)"))], needs_cuda=False),
               Stage("kernels", "needs CUDA", 1, 30, [Command(_python("pass"))]),
               Stage("host", "does not", 1, 30, [Command(_python("pass"))], needs_cuda=False)]
-    gpu_check.run(stages, tmp_path / "out", tmp_path / "work", budget=60, summary={})
+    gpu_job.run(stages, tmp_path / "out", tmp_path / "work", budget=60, summary={})
     status = {p.stem: json.loads(p.read_text()).get("status") for p in (tmp_path / "out").glob("[1-9]-*.json")}
     assert status == {"1-install": "failed", "2-kernels": "skipped", "3-host": "ok"}
 
@@ -146,12 +145,12 @@ def test_the_real_job_on_a_machine_without_cuda_records_every_stage(tmp_path):
 
 def test_recipe_stage_runs_the_budget_until_it_is_committed_then_the_arms(tmp_path):
     committed = tmp_path / "results" / "recipe-gpu-short.json"
-    first = gpu_check.recipe_commands("py", tmp_path / "work", tmp_path / "bundle", "1-2", committed)
+    first = gpu_job.recipe_commands("py", tmp_path / "work", tmp_path / "bundle", "1-2", committed)
     assert len(first) == 1 and first[0].argv[first[0].argv.index("--part") + 1] == "budget"
     committed.parent.mkdir()
     committed.write_text(json.dumps({"budget": {"mean": {}}}))
     committed.with_name("recipe-gpu-short-per-query.json").write_text("{}")
-    copy_results, copy_scores, run = gpu_check.recipe_commands("py", tmp_path / "work", tmp_path / "bundle", "1-2",
+    copy_results, copy_scores, run = gpu_job.recipe_commands("py", tmp_path / "work", tmp_path / "bundle", "1-2",
                                                                committed)
     # the committed seeds are copied where the job merges into them, and both files come back in the record
     assert copy_results.argv == ["cp", str(committed), str(tmp_path / "work" / committed.name)]
@@ -163,11 +162,11 @@ def test_recipe_stage_runs_the_budget_until_it_is_committed_then_the_arms(tmp_pa
 
 def test_a_job_killed_mid_stage_keeps_what_it_measured(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    script = (f"import sys; sys.path.insert(0, {str(ROOT / 'tools')!r}); import gpu_check as g\n"
+    script = ("import sys; from benchmarks import gpu_job as g\n"
               f"g.run([g.Stage('first', '', 1, 30, [g.Command([sys.executable, '-c', 'print(1)'])], needs_cuda=False),"
               f" g.Stage('second', '', 1, 300, [g.Command([sys.executable, '-c', 'import time; time.sleep(300)'])],"
               f" needs_cuda=False)], g.Path({str(out)!r}), g.Path({str(work)!r}), 600, {{}})")
-    job = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    job = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, start_new_session=True)
     try:
         second = out / "2-second.json"
         deadline = time.monotonic() + 120
@@ -183,7 +182,8 @@ def test_a_job_killed_mid_stage_keeps_what_it_measured(tmp_path):
                 child.kill()
     assert json.loads((out / "1-first.json").read_text())["status"] == "ok"
     assert json.loads(second.read_text())["status"] == "running"
-    assert tarfile.open(out / "logs.tar.gz").getnames() == ["logs/1-first.log"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert tar.getnames() == ["logs/1-first.log"]
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no half-written file
 
 

@@ -28,12 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.hf_whole_word import hf_whole_word_mask
 from pretrieve.data.masking import Vocabulary
 from pretrieve.data.prepare import PrepareOptions, prepare
 from pretrieve.data.stream import ShardStream
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
 from pretrieve.models.heads import get_method
-from tests.hf_whole_word import hf_whole_word_mask
 
 SAMPLES = Path(__file__).resolve().parent.parent / "pretrieve" / "assets" / "samples"
 BATCH, MAX_LEN = 32, 512  # defaults; --batch, --max-len

@@ -5,8 +5,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from hf_whole_word import hf_whole_word_mask
 
+from benchmarks.hf_whole_word import hf_whole_word_mask
 from pretrieve.data.collators import MLMCollator
 from pretrieve.data.masking import ordinary_positions, word_ids
 from pretrieve.kernels.reference import expand_decoder_mask, two_stream_attention, unpack_pool

@@ -1,6 +1,6 @@
-"""HF's whole-word draw as the official collators run it (standard library only): tests/test_masking.py compares
-pretrieve's draw with it, and the official RetroMAE collator of benchmarks/collators.py, the speed baseline of
-pretrieve's, calls it."""
+"""HF's whole-word draw as the official collators run it (standard library only): the official RetroMAE collator
+of benchmarks/collators.py, the speed baseline of pretrieve's, calls it, and tests/test_masking.py compares
+pretrieve's draw with it."""
 
 from __future__ import annotations
 

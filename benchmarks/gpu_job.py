@@ -72,16 +72,15 @@ PROFILED_RUNGS = ("fused-adamw",)
 # the uncompiled ones (a stage of its own: the default job has no room for it)
 PROFILED_COMPILED = ("compile",)
 # the ladder's BERT-base L512 runs (benchmarks/throughput_ladder.py): mlm climbs every rung, retromae takes the top
-# alone; the rungs skipped wait for a later job (unpadding lost on batches with 7 % padding)
+# alone; the rungs a short job skips (docs/benchmarks.md, "The speed ladder", says why)
 LADDER_METHODS = ("mlm", "retromae")
 LADDER_SKIP = ("unpad", "batch-128", "decoder-fused", "vocab-liger", "cuda-graphs")
 
 
-# the methods added since, each at the ladder's baseline and top rungs in a stage of its own (the default job is full)
-# with the overrides its paper trains with: the method registry's, the method study's arms beyond the cpu study's
-# (pretrieve/study/plan.py) with their `paper_overrides`. This code reads them in a Python of its own, started in the
-# repository's root, where the package imports before `make install`; a dependency missing then fails the stage,
-# not the job
+# the method study's arms beyond the cpu study's (pretrieve/study/plan.py), each at the ladder's baseline and top
+# rungs in a stage of its own (the default job is full), with the overrides its paper trains with (the method
+# registry's `paper_overrides`). This code reads them in a Python of its own, started in the repository's root,
+# where the package imports before `make install`; a dependency missing then fails the stage, not the job
 LADDER_NEW_METHODS = ("import json\n"
                       "from pretrieve.models.heads import get_method\n"
                       "from pretrieve.study.plan import ARMS, CPU_ARMS\n"
@@ -108,8 +107,9 @@ def ladder_ends_of(bert_base: list[str], method: str, work: Path, overrides: lis
 def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: str) -> list[Stage]:
     """The stages in priority order. `python` runs everything after the install (the job's venv)."""
     wheelhouse = bundle / "wheelhouse"
-    # the speed extra alone (Liger-Kernel; exact search needs no faiss), no DeepSpeed CPU op (the node trains on its GPU), and the wheels as
-    # they are: a resolution against the image's own versions fails where one is below a wheel's floor
+    # the speed extra alone (Liger-Kernel; exact search needs no faiss), no DeepSpeed CPU op (the node trains on its
+    # GPU), and the wheels as they are: a resolution against the image's own versions fails where one is below a
+    # wheel's floor
     make_install = ["make", "install", f"PYTHON={sys.executable}", "EXTRAS=speed", "DS_CPU_OP=0", "NO_DEPS=1"]
     if wheelhouse.is_dir():
         make_install.append(f"WHEELHOUSE={wheelhouse}")
@@ -138,7 +138,8 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
              "--seq-len", "512", "--batch", "8", "--steps", "12", "--warmup", "4", "--zero-stage", "1",
              "--out", str(work / "pretrain_throughput_gpu.json")]
     return [
-        # estimates and boxes: what each stage took where a job ran it whole (docs/benchmarks.md)
+        # estimates and boxes: what each stage took where a job ran it whole, else made from its parts' runs
+        # (docs/offline.md's table; docs/benchmarks.md, "The job's time boxes")
         Stage("install", "offline install from the bundle's wheelhouse, its data unpacked, then torch.cuda sanity", 35, 90,
               ([Command(make_install)] if install else []) + unpack
               + [Command([python, "-m", "benchmarks.gpu_job", "--sanity", str(work / "sanity.json")],
@@ -164,14 +165,12 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
                         "autocast-lpnorm", "bf16", "--out", str(work / "step_floor_gpu.json")],
                        results=str(work / "step_floor_gpu.json")),
                Command(pytest + ["tests/test_sdpa_kernels_gpu.py"])]),
-        # each run ~26 s with its start-up, a compiled rung ~35 s: 7 mlm rungs, 2 peers and retromae's top fit the
-        # box; no benchmark run writes an export
+        # no benchmark run writes an export
         Stage("mfu", "the speed ladder at BERT-base L512 bf16 (each switch on top of the ones before, each rung "
               f"its own process: {', '.join(LADDER_METHODS)}) and its peers, HF's Trainer with BertForMaskedLM and "
               "the official RetroMAE model re-stated", 340, 380,
               [Command(ladder, results=str(work / "pretrain_throughput_gpu.json"))]),
-        # where the time goes in the engine's step at batch 32 (mlm), beside the floor's. Start-up ~25 s, the
-        # profiler's summary ~40 s
+        # where the time goes in the engine's step at batch 32 (mlm), beside the floor's
         Stage("profile", f"torch.profiler over BERT-base L512 bf16 mlm at the ladder's {', '.join(PROFILED_RUNGS)} "
               "rung: kernels by device time, the share of GEMMs, attention, elementwise, copies and idle, and the "
               "host's launches, waits, data loading and optimizer steps per step", 80, 110,
@@ -198,27 +197,20 @@ def plan(python: str, work: Path, bundle: Path, install: bool, quality_seeds: st
                           "--out", str(work / "unpadding_gpu.json")], results=str(work / "unpadding_gpu.json"))]
               + [Command(qwen3 + ["--lora", str(rank)], results=str(work / "pretrain_throughput_gpu.json"))
                  for rank in (0, 16)]),
-        # the newer methods at the ladder's baseline and top (ends only, no peers): two runs of ~35 s a method (76 s
-        # estimated, 88 s boxed), coCondenser's GradCache (chunks of 16 of its 64 spans) encoding each span twice
+        # the newer methods at the ladder's baseline and top (ends only, no peers), a time box a method;
+        # coCondenser's GradCache (chunks of 16 of its 64 spans) encodes each span twice
         Stage("mfu-methods", "the speed ladder's baseline and top rungs at BERT-base L512 bf16 for "
               f"{', '.join(new_methods)} (coCondenser through GradCache, chunks of 16 spans)", 76 * len(new_methods),
               88 * len(new_methods),
               [Command(ladder_ends_of(bert_base, method, work, extra), results=str(work / "pretrain_throughput_gpu.json"))
                for method, extra in new_methods.items()] + ([Command([python, "-c", f"raise SystemExit({unread!r})"])]
                                                             if unread else [])),
-        # the first job's quality stage had its data (39 s) and base (41 s) when its box ran out; each arm added since
-        # (bow, condenser, cocondenser, simlm, lexmae) adds a pre-training run, one fine-tuning and its evaluations:
-        # ~20 s each
         Stage("quality", "the quality study at --scale gpu-short: base -> arms -> the same fine-tuning -> eval", 320,
               380, merge_into + [Command([python, "-m", "pretrieve", "study", "run", "studies/quality/gpu-short.yaml",
                                           "--seeds", quality_seeds, "--data", str(bundle / "data"),
                                           "--out", str(work / "quality"), "--results", str(work / "quality-gpu.json")],
                                          results=str(work / "quality-gpu.json"))]),
-        # BGE's recipe on the quality stage's base (the same work folder: a job running both trains it once). Not yet
-        # run: data 39 s and base 41 s as the quality stage's; the pairs ~20 s on 8 workers; three 1,600-step runs of
-        # 512 pairs side by side ~140 s (the base's steps read 0.8x the tokens); 45 evaluations 4 at a time ~120 s;
-        # the arms added since (bow, condenser, cocondenser, simlm: the arms stage) two more contrastive runs each and their
-        # evaluations, ~20-40 s each
+        # BGE's recipe on the quality stage's base (the same work folder: a job running both trains it once)
         Stage("recipe", "BGE's recipe at --scale gpu-short: the contrastive budget curve of `none`, or, once the "
               "budget is fixed from it, the arms: pre-training -> contrastive -> fine-tuning -> eval, [CLS] and mean",
               480, 540, recipe),

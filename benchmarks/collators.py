@@ -115,7 +115,8 @@ def main() -> None:
         method = get_method(name)
         options = method.options_from({"max_len": args.max_len})
         rate, out = measure(method.collator.from_options(options, vocab, seed=0), batches)
-        assert out["input_ids"].shape[0] == args.batch and out["input_ids"].shape[1] <= args.max_len
+        # a row a text, or two (CoT-MAE's and CoT-MoTE's: each text and its context, encoded alike)
+        assert out["input_ids"].shape[0] in (args.batch, 2 * args.batch) and out["input_ids"].shape[1] <= args.max_len
         mask_bytes = sum(out[k].numel() * out[k].element_size()
                          for k in ("dec_pool", "dec_row") if k in out) / args.batch
         results[name] = {"samples_per_s": round(rate, 2), "ms_per_sample": round(1000 / rate, 2),

@@ -164,3 +164,26 @@ def test_the_layout_page_names_every_module():
     unnamed = [str(path.relative_to(PACKAGE)) for name, path in modules().items()
                if name not in faces and f"| `{path.relative_to(PACKAGE)}` |" not in page]
     assert not unnamed, f"docs/layout.md names no line for {unnamed}"
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The first name of every absolute import of a file, lazy ones too."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_house_around_the_package_imports_downward():
+    """The package imports nothing of the repository around it, and the benchmarks, tools, studies and launchers
+    nothing of the tests (a benchmark's reference lives in benchmarks/, the tests import it from there)."""
+    tests = {"tests"} | {path.stem for path in (ROOT / "tests").rglob("*.py")}
+    rules = {"pretrieve": tests | {"benchmarks", "tools", "studies", "launchers"},
+             **dict.fromkeys(("benchmarks", "tools", "studies", "launchers"), tests)}
+    wrong = [f"{path.relative_to(ROOT)} imports {', '.join(sorted(top_level_imports(path) & forbidden))}"
+             for folder, forbidden in rules.items() for path in sorted((ROOT / folder).rglob("*.py"))
+             if top_level_imports(path) & forbidden]
+    assert not wrong, "\n".join(wrong)

@@ -41,13 +41,13 @@ NODE_HAVE = ("torch==2.11.*,triton==3.6.*,transformers==5.17.*,tokenizers,safete
 def wiki_subset(source: Path, out: Path, limit_mib: float) -> dict:
     """The first articles of `source` whose gzip stays under `limit_mib`."""
     articles = 0
-    with gzip.open(source, "rt", encoding="utf-8") as lines, open(out, "wb") as raw:
-        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as sink:
-            for line in lines:
-                sink.write(line.encode("utf-8"))
-                articles += 1
-                if raw.tell() > limit_mib * 2**20:
-                    break
+    with gzip.open(source, "rt", encoding="utf-8") as lines, open(out, "wb") as raw, \
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as sink:
+        for line in lines:
+            sink.write(line.encode("utf-8"))
+            articles += 1
+            if raw.tell() > limit_mib * 2**20:
+                break
     return {"articles": articles, "of": sum(1 for _ in gzip.open(source, "rt", encoding="utf-8")),
             "bytes": out.stat().st_size}
 

@@ -1,10 +1,11 @@
 """The SLURM launchers on a real cluster (tests/slurm_cluster.py: slurmctld and two slurmd on this host): a fresh
 checkout's first job; USR1 before the time limit -> checkpoint -> exit 85 -> requeue -> resume with every loss
 equal to an uninterrupted run's, on one node and on two; USR1 while DeepSpeed compiles its op at start-up; SLURM's
-own preemption (PreemptMode=REQUEUE); the evaluation farm's array with a failing task; a GPU request on a CPU
-cluster. Root only (`make test-cluster`)."""
+own preemption (PreemptMode=REQUEUE); the evaluation farm's array with a failing task; a follower job beside a
+training job (`farm --follow`); a GPU request on a CPU cluster. Root only (`make test-cluster`)."""
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -334,3 +335,35 @@ def _listen(port: int) -> socket.socket:
     listener.bind(("0.0.0.0", port))
     listener.listen()
     return listener
+
+
+def test_a_follower_job_evaluates_a_training_jobs_checkpoints_and_ends_with_it(cluster, checkout, wiki_shards,
+                                                                              tmp_path):
+    """docs/evaluation.md's SLURM path for `farm --follow`: the follower is a job of its own (a one-line job list
+    through eval_farm.sbatch), submitted beside the training job before its first checkpoint; it evaluates each
+    checkpoint the run writes (steps 20 and 40), logs each as an MLflow run nested under the run's, and ends when
+    the run has ended."""
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()  # the run is to start: the follower waits for its checkpoints
+    scifact = ROOT / "pretrieve" / "assets" / "samples" / "beir" / "scifact-sample"
+    farm = tmp_path / "farm.yaml"
+    farm.write_text(f"out: {tmp_path / 'farm'}\ngpus: 0\neval: {{max_length: 32, depth: 20}}\n"
+                    f"datasets: [{{name: scifact, beir: {scifact}}}]\nfollow: {{run_dir: {run_dir}, poll: 1}}\n")
+    jobs = tmp_path / "follow.jobs"
+    jobs.write_text(f"farm {farm} --follow {run_dir}\n")
+    follower = cluster.submit("--array=0", "launchers/slurm/eval_farm.sbatch", str(jobs), cwd=checkout, env=_env())
+    training = _pretrain(cluster, checkout, wiki_shards, run_dir, extra=["tracking.system_metrics_every=null"])
+    _finished(cluster, training, checkout, restarts=0)
+    state = cluster.wait(follower)
+    log = (checkout / f"pretrieve-eval-{follower}_0.out").read_text()
+    assert state["JobState"] == "COMPLETED", f"{state}\n{log[-3000:]}"
+    followed = json.loads((tmp_path / "farm" / "run" / "follow.json").read_text())
+    assert followed["evaluated"] == [20, 40] and not followed["skipped"], followed
+
+    record = json.loads((run_dir / "run.json").read_text())
+    client = MlflowClient(tracking_uri=record["tracking_uri"])
+    runs = client.search_runs([client.get_run(record["run_id"]).info.experiment_id], "tags.follow = 'run'")
+    assert sorted(int(r.data.tags["step"]) for r in runs) == [20, 40]
+    assert all(r.data.tags["mlflow.parentRunId"] == record["run_id"] for r in runs)

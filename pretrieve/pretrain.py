@@ -82,7 +82,10 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
 def count_texts(batch: dict) -> tuple[int, int, int]:
     """(texts, non-padding tokens, positions) of a batch of the encoder's texts; a collator of other batches
     (pairs) has its own `count`."""
-    return len(batch["input_ids"]), int(batch["attention_mask"].sum()), batch["attention_mask"].numel()
+    mask = batch["attention_mask"]
+    # counted on the host batch by numpy: no torch op a step (on a GPU, not even one to launch)
+    tokens = int(mask.numpy().sum()) if mask.device.type == "cpu" else int(mask.sum())
+    return len(batch["input_ids"]), tokens, mask.numel()
 
 
 def export_checkpoint(path: str | Path, out: str | Path, keep_adapter: bool | None = None,

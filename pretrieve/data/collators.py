@@ -23,6 +23,11 @@ import torch
 from pretrieve.data.masking import Vocabulary, corrupt, ordinary_positions, whole_word_mask, word_ids
 
 
+# beside a token loss's labels `<key>` [B, L]: its labelled positions and their labels, a fixed count of each
+# (labelled_positions; models/token_targets.py reads them)
+POSITIONS, TARGETS = "_positions", "_targets"
+
+
 @dataclass
 class Padded:
     ids: np.ndarray  # int64 [B, L]: [CLS] tokens [SEP] [PAD]...
@@ -40,7 +45,11 @@ class MLMCollator:
     mlm_ratio: float = 0.15
     seed: int = 0
     pad_to_multiple_of: int = 8
+    # train.static_shapes: every batch max_len wide, each token loss's positions a count fixed for the run
+    static_shapes: bool = False
     data_kind: ClassVar[str] = "text"  # the manifests' `kind` it collates: blocks of text
+    # the labels of the head's token losses (Encoder.token_loss), each given its labelled positions
+    token_losses: ClassVar[tuple[str, ...]] = ("mlm_labels",)
     # (share of masked tokens set to [MASK], share set to a random token; the rest keep theirs): BERT's 80/10/10
     corruption: ClassVar[tuple[float, float]] = (0.8, 0.1)
     # the mask budget round(mlm_ratio x n) counts [CLS] and [SEP] in n, as the released collators that mask the
@@ -64,7 +73,22 @@ class MLMCollator:
         out = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
                "mlm_labels": torch.from_numpy(labels)}
         self.extend(out, batch, words, num_words, rng)
+        for key in (key for key in self.token_losses if key in out):  # a variant may go without one
+            labels = out[key].numpy()
+            slots = self.label_slots(key, *labels.shape) if self.static_shapes else None
+            positions, targets = labelled_positions(labels, slots)
+            out[key + POSITIONS], out[key + TARGETS] = torch.from_numpy(positions), torch.from_numpy(targets)
         return out
+
+    def label_slots(self, key: str, rows: int, width: int) -> int:
+        """The run-wide count of labelled positions of `key` in a batch of `rows` texts `width` wide
+        (train.static_shapes): a bound no batch exceeds. The MLM mask takes whole words within each row's budget
+        max(1, round(mlm_ratio x n)) (masking.whole_word_mask), n at most max_len (budget_counts_cls_sep) or
+        max_len - 2; other labels: every position."""
+        if key != "mlm_labels":
+            return rows * width
+        most = self.max_len if self.budget_counts_cls_sep else self.max_len - 2
+        return rows * max(1, int(np.rint(self.mlm_ratio * most)))
 
     def extend(self, out: dict, batch: Padded, words: np.ndarray, num_words: np.ndarray,
                rng: np.random.Generator) -> None:
@@ -85,6 +109,8 @@ class MLMCollator:
         lengths = np.array([min(len(s["ids"]), room) + 2 for s in samples], dtype=np.int64)
         width = int(lengths.max())
         width = min(-(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of, max(self.max_len, width))
+        if self.static_shapes:  # texts are cut to max_len
+            width = self.max_len
         ids = np.full((len(samples), width), self.vocab.pad_id, dtype=np.int64)
         ids[:, 0] = self.vocab.cls_id
         for row, (s, n) in enumerate(zip(samples, lengths)):
@@ -98,6 +124,22 @@ class MLMCollator:
         key = [self.seed, first.get("epoch", 0), first.get("shard", 0), first.get("index", 0),
                int(bool(first.get("pad", False))), len(samples)]
         return np.random.default_rng(key)
+
+
+def labelled_positions(labels: np.ndarray, slots: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(positions [N], targets [N]) of labels [B, L] (-100: no target): the flat indices into [B * L] of the
+    labelled entries in row-major order, and their labels; N = `slots` (None: the count, at least 1), the
+    padding entries at position 0 with target -100. Counted here on the host, where it costs no wait."""
+    flat = labels.reshape(-1)
+    index = np.flatnonzero(flat != -100)
+    slots = max(len(index), 1) if slots is None else slots
+    if len(index) > slots:
+        raise ValueError(f"{len(index)} labelled positions in a batch, more than its {slots} slots")
+    positions = np.zeros(slots, dtype=np.int64)
+    positions[:len(index)] = index
+    targets = np.full(slots, -100, dtype=np.int64)
+    targets[:len(index)] = flat[index]
+    return positions, targets
 
 
 def covering_mask(out: dict, batch: Padded, words: np.ndarray, num_words: np.ndarray, budget_tokens: np.ndarray,

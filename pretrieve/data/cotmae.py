@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -52,6 +53,7 @@ class CoTMAECollator(MLMCollator):
 
     max_len: int = 128
     mlm_ratio: float = 0.30
+    token_losses: ClassVar[tuple[str, ...]] = ("mlm_labels", "dec_labels", "ctx_labels")
     decoder_mask_ratio: float | None = 0.45
     decoder_objective: str = "mlm"
     # mixed | random | neighbour | overlap | query (pseudo-queries only) | auto (a query when the document has one)

@@ -27,6 +27,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from pretrieve.data.collators import POSITIONS, TARGETS, labelled_positions
 from pretrieve.data.masking import Vocabulary
 from pretrieve.data.spans import word_candidates
 
@@ -112,6 +113,8 @@ class Llama2VecCollator:
                 out[f"{task}_slots"] = np.stack([np.flatnonzero(out["segments"][b] == segment)[-k:]
                                                  for b in range(len(rows))])
                 out[f"{task}_targets"] = self.bags([t[:0] if pad else t for t, pad in zip(targets, pads)])
+        positions = labelled_positions(out["mlm_labels"])  # the LM loss's, gathered with no wait (token_targets)
+        out["mlm_labels" + POSITIONS], out["mlm_labels" + TARGETS] = positions
         return {name: torch.from_numpy(value) for name, value in out.items()}
 
     def split(self, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -25,6 +25,7 @@ from pretrieve.models import unpadding
 from pretrieve.models.backbones import UNPADDING, backbone_named, backbone_of
 from pretrieve.models.backbones.base import TextTypes
 from pretrieve.models.lora import LoraOptions, lora_options, merge_saved_adapter
+from pretrieve.models.token_targets import IGNORE, Targets
 from pretrieve.models.vocab_loss import vocab_cross_entropy
 
 log = logging.getLogger(__name__)
@@ -269,24 +270,29 @@ class Encoder(nn.Module):
         """[..., vocab] logits of BERT's MLM head (a decoder LLM's LM head) for hidden states [..., hidden]."""
         return F.linear(self.mlm_transform(hidden), self.output_weight, self.mlm_bias)
 
-    def token_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of the MLM head over the positions whose label is not -100 (only those are projected)."""
-        return masked_token_loss(hidden, labels, self.mlm_transform, self.output_weight, self.mlm_bias,
+    def token_loss(self, hidden: torch.Tensor, targets: Targets | torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the MLM head over the targets (models/token_targets.py; labels [B, L] with -100
+        where there is none), only their positions projected."""
+        return masked_token_loss(hidden, targets, self.mlm_transform, self.output_weight, self.mlm_bias,
                                  self.vocab_loss)
 
 
-def masked_token_loss(hidden: torch.Tensor, labels: torch.Tensor, transform, weight: torch.Tensor,
+def masked_token_loss(hidden: torch.Tensor, targets: Targets | torch.Tensor, transform, weight: torch.Tensor,
                       bias: torch.Tensor | None, vocab_loss: str) -> torch.Tensor:
-    """Mean cross-entropy of an MLM head (`transform`, output `weight`, `bias`) over the positions whose label is
-    not -100, only those projected: == F.cross_entropy(F.linear(transform(hidden[selected]), weight, bias), ...),
-    by the path `vocab_loss` (model.vocab_loss) names."""
-    # one read of the device a call (the count; on a GPU a wait): index_select, not a boolean index, whose forward
-    # reads the mask twice (states, labels) and whose backward (an index_put by the mask) once more
-    index = (labels != -100).flatten().nonzero().squeeze(1)
-    if not len(index):
-        return hidden.sum() * 0.0  # a batch of pad samples: zero loss, graph kept
-    return vocab_cross_entropy(transform(hidden.flatten(0, -2).index_select(0, index)), weight, bias,
-                               labels.flatten().index_select(0, index), vocab_loss)
+    """Mean cross-entropy of an MLM head (`transform`, output `weight`, `bias`) over the real targets, only their
+    positions projected: == F.cross_entropy(F.linear(transform(hidden[selected]), weight, bias), ...), by the
+    path `vocab_loss` (model.vocab_loss) names. Given positions, it reads nothing of the device: index_select,
+    not a boolean index (whose forward reads the mask for the states and the labels, and its backward once more),
+    and the mean over real targets by ignore_index, so the padding entries of a fixed count add nothing."""
+    if isinstance(targets, torch.Tensor):
+        targets = Targets.of(targets)  # labels alone: the count read (a wait for the device on a GPU)
+    if not targets.positions.numel():
+        return hidden.sum() * 0.0  # nothing labelled: zero loss, graph kept
+    states = hidden.flatten(0, -2).index_select(0, targets.positions)
+    loss = vocab_cross_entropy(transform(states), weight, bias, targets.labels, vocab_loss)
+    # padding entries alone (a batch of pad samples): the mean over no target is 0 / 0; zero instead, and no
+    # gradient (cross-entropy's backward writes none at ignored rows), decided on the device
+    return torch.where((targets.labels != IGNORE).any(), loss, 0.0)
 
 
 def _rename_old_keys(module, state_dict, prefix, *args) -> None:

@@ -67,12 +67,17 @@ class Packed:
         return flat.view(rows, width, *x.shape[2:])
 
 
-def padded_mask(model, attention_mask: torch.Tensor, build=create_bidirectional_mask) -> torch.Tensor | None:
+def padded_mask(model, attention_mask: torch.Tensor, build=create_bidirectional_mask,
+                ready: bool = False) -> torch.Tensor | None:
     """The padded batch's [B, 1, L, L] mask as `build` (an HF mask function) makes it for `model`, from its
     [B, L] padding mask (None: no padding): what attention takes where it runs padded. A prepared 4D mask is
-    passed through by HF's models, so the stack sees it and not a mask of the packed row."""
+    passed through by HF's models, so the stack sees it and not a mask of the packed row.
+
+    `ready`: the mask even where there is no padding, in the format the model's attention takes (SDPA: bool;
+    eager: 0 / dtype min added to the scores). HF would otherwise read the mask back to find out (a wait for the
+    device each forward, on a GPU) and return None; the padded forward passes this one, so that no step waits."""
     shape = torch.empty(*attention_mask.shape, 0, dtype=model.dtype, device=attention_mask.device)
-    return build(model.config, shape, attention_mask)
+    return build(model.config, shape, attention_mask, allow_is_bidirectional_skip=not ready)
 
 
 def unpadded_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,

@@ -12,7 +12,9 @@ Each path computes that loss and its gradients for x, weight and bias; they diff
   liger    Liger-Kernel's fused linear cross-entropy (Triton kernels, chunked, bf16 GEMMs into an fp32
            gradient): needs a CUDA device, or the Triton interpreter (TRITON_INTERPRET=1: tests on CPU)
   auto     chunked on CPU, plain on CUDA (until the GPU ladder has measured them)
-The heads pass the labelled positions alone; rows labelled -100 are dropped (chunked) or ignored (plain, liger).
+The heads pass the labelled positions, padded to a fixed count by rows labelled -100 (models/token_targets.py),
+which are dropped (chunked: the CPU path, which reads their count by `nonzero`) or ignored (plain, liger: no
+read of the device).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def vocab_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     path = resolve(impl, x.device)
     if path == "chunked":  # drops the unlabelled rows: one read of the count (a device sync on a GPU)
         keep = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+        if not len(keep):  # padding entries alone: no mean to take (the caller's loss is 0 there)
+            return x.sum() * 0.0
         return linear_cross_entropy(x.index_select(0, keep), weight, bias, labels.index_select(0, keep))
     # the GPU paths skip unlabelled rows by ignore_index: a boolean index would make the host wait for the device
     # (the heads pass the labelled positions alone anyway)

@@ -20,6 +20,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from pretrieve.models.unpadding import padded_mask
+
 Attend = Callable[..., torch.Tensor]  # attend(q, k, v, dropout_p) -> [B, heads, L, d] under the layer's mask
 
 
@@ -64,8 +66,10 @@ class Backbone:
 
     @staticmethod
     def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Last hidden states [B, L, hidden] of the padded batch."""
-        return model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        """Last hidden states [B, L, hidden] of the padded batch, under a mask built here on the device (HF's own
+        build would read it back to check for padding: unpadding.padded_mask)."""
+        mask = padded_mask(model, attention_mask, ready=True)
+        return model(input_ids=input_ids, attention_mask=mask).last_hidden_state
 
     @staticmethod
     def packed_forward(model, input_ids: torch.Tensor, packed, attention_mask: torch.Tensor) -> torch.Tensor:

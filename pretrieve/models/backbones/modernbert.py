@@ -33,6 +33,12 @@ GLOBAL = "full_attention"  # the layer type of ModernBERT's global-attention lay
 LOCAL = "sliding_attention"  # ... and of its local (sliding-window) ones
 
 
+def layer_masks(model, attention_mask: torch.Tensor, ready: bool = False) -> dict:
+    """{layer type: the padded batch's mask} for the global and the local layers (unpadding.padded_mask)."""
+    return {GLOBAL: padded_mask(model, attention_mask, ready=ready),
+            LOCAL: padded_mask(model, attention_mask, create_bidirectional_sliding_window_mask, ready=ready)}
+
+
 class ModernBertDecoderLayer(ModernBertEncoderLayer):
     """ModernBERT's layer with queries from H1 and keys/values from H2, both rotated by their positions 0..L-1."""
 
@@ -78,14 +84,18 @@ class ModernBertBackbone(Backbone):
             bos_token_id=None, eos_token_id=None, cls_token_id=None, sep_token_id=None)
 
     @staticmethod
+    def forward(model, input_ids, attention_mask):
+        """The padded batch under its global and local masks, built here on the device (unpadding.padded_mask)."""
+        masks = layer_masks(model, attention_mask, ready=True)
+        return model(input_ids=input_ids, attention_mask=masks).last_hidden_state
+
+    @staticmethod
     def packed_forward(model, input_ids, packed, attention_mask):
         """ModernBERT's stack on one packed row, positions restarting at each text (RoPE). Attention runs by
         cu_seqlens on the varlen kernel where it can, else padded under the padded batch's global and local
         masks."""
-        masks = {GLOBAL: padded_mask(model, attention_mask),
-                 LOCAL: padded_mask(model, attention_mask, create_bidirectional_sliding_window_mask)}
-        return model(input_ids=input_ids, attention_mask=masks, position_ids=packed.position_ids,
-                     packed=packed).last_hidden_state
+        return model(input_ids=input_ids, attention_mask=layer_masks(model, attention_mask),
+                     position_ids=packed.position_ids, packed=packed).last_hidden_state
 
     @staticmethod
     def mlm_transform(config) -> nn.Module:

@@ -17,6 +17,7 @@ from pretrieve.models.bag_of_words import bag_of_words_loss
 from pretrieve.models.flops import vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
+from pretrieve.models.token_targets import token_targets
 
 
 @dataclass
@@ -60,7 +61,7 @@ class BoWHead(PretrainingHead):
 
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
-        mlm = self.encoder.token_loss(hidden, batch["mlm_labels"])
+        mlm = self.encoder.token_loss(hidden, token_targets(batch, "mlm_labels"))
         logits = self.encoder.mlm_logits(hidden[:, 0])  # [B, vocab]: only the [CLS] row is projected
         bow = bag_of_words_loss(logits, batch["bow_targets"], batch["attention_mask"].sum(dim=1), "unique")
         loss = mlm + self.options.bow_weight * self.bow_scale * bow

@@ -66,6 +66,7 @@ class CoCondenserCollator(MLMCollator):
 
     mlm_ratio: float = 0.15
     max_len: int = 128
+    token_losses: ClassVar[tuple[str, ...]] = ()  # the head cuts the batch in chunks: labels alone (token_targets)
     span_len: int | None = None
 
     def texts(self, samples, rng):

@@ -24,6 +24,7 @@ from pretrieve.models.flops import labelled, layer_flops, vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.decoder import Decoder, masked_attention
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
+from pretrieve.models.token_targets import token_targets
 
 
 @dataclass
@@ -70,8 +71,8 @@ class CondenserHead(PretrainingHead):
 
     def forward(self, batch):
         late, condensed = self.condense(batch["input_ids"], batch["attention_mask"])
-        head = self.encoder.token_loss(condensed, batch["mlm_labels"])  # L_mlm, eq. 9 (a token mean)
-        mlm = self.encoder.token_loss(late, batch["mlm_labels"])  # L^c_mlm, eq. 10 (a token mean)
+        head = self.encoder.token_loss(condensed, token_targets(batch, "mlm_labels"))  # L_mlm, eq. 9 (a token mean)
+        mlm = self.encoder.token_loss(late, token_targets(batch, "mlm_labels"))  # L^c_mlm, eq. 10 (a token mean)
         return {"loss": head + mlm, "mlm": mlm.detach(), "head": head.detach()}  # L, eq. 11
 
 

@@ -12,6 +12,7 @@ from pretrieve.data.spans import sample_spans, word_candidates
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
 from pretrieve.models.infonce import gather_across_ranks, world
+from pretrieve.models.token_targets import token_targets
 
 
 @dataclass
@@ -99,7 +100,7 @@ class COSTAHead(PretrainingHead):
 
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
-        mlm = self.encoder.token_loss(hidden, batch["mlm_labels"])
+        mlm = self.encoder.token_loss(hidden, token_targets(batch, "mlm_labels"))
         bounds = batch["span_bounds"]
         texts = self.projector(hidden[:, 0])
         spans = span_means(hidden, bounds)

@@ -12,6 +12,7 @@ from pretrieve.data.cotmae import CoTMAECollator
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.decoder import CausalDecoder, Decoder, causal_decoder_flops, masked_attention
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
+from pretrieve.models.token_targets import token_targets
 
 
 @dataclass
@@ -60,12 +61,12 @@ class CoTMAEHead(PretrainingHead):
     def forward(self, batch):
         # text_type only in CoT-MoTE batches: it picks each text's expert (cotmote.py)
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"], batch.get("text_type"))
-        mlm = self.encoder.token_loss(hidden, batch["mlm_labels"])
+        mlm = self.encoder.token_loss(hidden, token_targets(batch, "mlm_labels"))
         if self.options.decoder_objective == "clm":
             dec = self.decoder.loss(self.encoder, hidden[:, 0], batch["ctx_input_ids"], batch["ctx_attention_mask"],
-                                    batch["ctx_labels"])
+                                    token_targets(batch, "ctx_labels"))
         else:
-            dec = self.encoder.token_loss(self.decode(hidden[:, 0], batch), batch["dec_labels"])
+            dec = self.encoder.token_loss(self.decode(hidden[:, 0], batch), token_targets(batch, "dec_labels"))
         return {"loss": mlm + dec, "mlm": mlm.detach(), "dec": dec.detach()}
 
     def decode(self, h_cls: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -80,7 +81,7 @@ def cotmae_flops(options: CoTMAEOptions, config, batch: dict[str, torch.Tensor])
     """The decoder's layers over its input (mlm: the partners' texts, one per encoder row; clm: the contexts) and
     the MLM head at its targets; the encoder's pass over every row is counted with the encoder."""
     if options.decoder_objective == "clm":
-        return causal_decoder_flops(options.decoder_layers, config, batch["ctx_input_ids"], batch["ctx_labels"])
+        return causal_decoder_flops(options.decoder_layers, config, batch["ctx_input_ids"], token_targets(batch, "ctx_labels"))
     return causal_decoder_flops(options.decoder_layers, config, batch["dec_input_ids"], batch["dec_labels"])
 
 

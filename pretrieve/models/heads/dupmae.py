@@ -22,6 +22,7 @@ from pretrieve.models.heads.retromae import (
     retromae_flops,
 )
 from pretrieve.models.vocab_projection import max_pooled_linear
+from pretrieve.models.token_targets import token_targets
 
 LPU_CHOICES = ("mlm_head", "linear")
 OT_POSITION_CHOICES = ("unmasked", "all")
@@ -77,7 +78,7 @@ class DupMAEHead(RetroMAEHead):
 
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
-        mlm = self.encoder.token_loss(hidden, batch["mlm_labels"])
+        mlm = self.encoder.token_loss(hidden, token_targets(batch, "mlm_labels"))
         dec = self.decoder_loss(hidden[:, 0], batch)
         bow = self.bow_loss(hidden, batch)
         loss = mlm + dec + self.options.bow_weight * bow

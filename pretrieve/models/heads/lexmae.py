@@ -13,6 +13,7 @@ text is about, for learned sparse retrieval (its export is scored so by `pretrie
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from pretrieve.models.flops import labelled, layer_flops, vocab_flops, vocab_pro
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.decoder import BottleneckDecoderOptions, Decoder, masked_attention
 from pretrieve.models.heads.registry import option, register_method
+from pretrieve.models.token_targets import token_targets
 from pretrieve.models.vocab_projection import max_pooled_linear
 
 # how the pooled logits become the lexicon-importance distribution (the released --dec_mlm_bottleneck_src):
@@ -58,6 +60,7 @@ class LexMAECollator(MLMCollator):
 
     mlm_ratio: float = 0.30
     decoder_mask_ratio: float = 0.50
+    token_losses: ClassVar[tuple[str, ...]] = ("mlm_labels", "dec_labels")
 
     def extend(self, out, batch, words, num_words, rng):
         dec_masked = covering_mask(out, batch, words, num_words, self.budget_tokens(batch), self.mlm_ratio,
@@ -93,14 +96,14 @@ class LexMAEHead(PretrainingHead):
     def forward(self, batch):
         attention_mask = batch["attention_mask"]
         hidden = self.encoder(batch["input_ids"], attention_mask)
-        enc = self.encoder.token_loss(hidden, batch["mlm_labels"])
+        enc = self.encoder.token_loss(hidden, token_targets(batch, "mlm_labels"))
         importance = self.lexicon_importance(hidden, attention_mask)
         bottleneck = importance.to(hidden.dtype) @ self.encoder.word_embeddings.weight.detach()  # [B, hidden]
         states = torch.cat([bottleneck[:, None], self.encoder.embeddings(input_ids=batch["dec_input_ids"])[:, 1:]],
                            dim=1)
         width = attention_mask.shape[1]
         visible = attention_mask.bool()[:, None, :].expand(-1, width, -1)  # padding hidden, as in the encoder
-        dec = self.decoder_loss(self.decoder(states, None, masked_attention(visible)), batch["dec_labels"])
+        dec = self.decoder_loss(self.decoder(states, None, masked_attention(visible)), token_targets(batch, "dec_labels"))
         loss = self.options.enc_weight * enc + self.options.dec_weight * dec
         # the distribution's entropy (nats): low when a few words carry the text, log V when uniform
         entropy = -(importance * torch.log(importance.clamp(min=1e-30))).sum(dim=-1).mean()

@@ -35,6 +35,7 @@ from pretrieve.data.llama2vec import PAD, PREDICT, SUMMARY, TASKS, Llama2VecColl
 from pretrieve.models.flops import vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
+from pretrieve.models.token_targets import token_targets
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Llama2VecHead(PretrainingHead):
     def forward(self, batch):
         hidden = self.encoder.backbone.masked_forward(self.encoder.model, batch["input_ids"],
                                                       prompt_mask(batch["segments"]), batch["position_ids"])
-        lm = self.encoder.token_loss(hidden[:, :-1], batch["mlm_labels"][:, 1:])  # token i from the state at i-1
+        lm = self.encoder.token_loss(hidden, token_targets(batch, "mlm_labels").shifted(hidden.shape[1]))  # token i from the state at i-1
         out = {"lm": lm.detach()}
         tasks = [task for task in ("ebae", "ebar") if f"{task}_slots" in batch]
         trained = []  # per task, whether any text of the batch has a target (a tensor: no host read)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pretrieve.data.collators import MLMCollator
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import MethodOptions, no_flops, option, register_method
+from pretrieve.models.token_targets import token_targets
 
 
 @dataclass
@@ -22,7 +23,7 @@ class MLMHead(PretrainingHead):
 
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
-        loss = self.encoder.token_loss(hidden, batch["mlm_labels"])
+        loss = self.encoder.token_loss(hidden, token_targets(batch, "mlm_labels"))
         return {"loss": loss, "mlm": loss.detach()}
 
 

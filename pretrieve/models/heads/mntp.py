@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pretrieve.data.collators import MLMCollator
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import MethodOptions, no_flops, option, register_method
+from pretrieve.models.token_targets import token_targets
 
 
 @dataclass
@@ -34,7 +35,7 @@ class MNTPHead(PretrainingHead):
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
         # position 0 (bos) is never masked: every masked token has a state before it
-        loss = self.encoder.token_loss(hidden[:, :-1], batch["mlm_labels"][:, 1:])
+        loss = self.encoder.token_loss(hidden, token_targets(batch, "mlm_labels").shifted(hidden.shape[1]))
         return {"loss": loss, "mntp": loss.detach()}
 
 

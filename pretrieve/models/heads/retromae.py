@@ -16,6 +16,7 @@ from pretrieve.models.flops import labelled, layer_flops, vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.decoder import Decoder
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
+from pretrieve.models.token_targets import token_targets
 
 QUERY_STREAM_CHOICES = ("position", "embeddings")
 
@@ -47,6 +48,7 @@ class RetroMAECollator(MLMCollator):
     decoder_hide_ratio: float = 0.50
     decoder_pool_size: int = 256
     budget_counts_cls_sep: ClassVar[bool] = True
+    token_losses: ClassVar[tuple[str, ...]] = ("mlm_labels", "dec_labels")
 
     def extend(self, out, batch, words, num_words, rng):
         ordinary = ordinary_positions(batch.lengths, batch.ids.shape[1]) & ~batch.pad[:, None]
@@ -86,7 +88,7 @@ class RetroMAEHead(PretrainingHead):
 
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
-        mlm = self.encoder.token_loss(hidden, batch["mlm_labels"])
+        mlm = self.encoder.token_loss(hidden, token_targets(batch, "mlm_labels"))
         dec = self.decoder_loss(hidden[:, 0], batch)
         return {"loss": mlm + dec, "mlm": mlm.detach(), "dec": dec.detach()}
 
@@ -103,7 +105,7 @@ class RetroMAEHead(PretrainingHead):
             out = self.decoder(h1, h2, lambda q, k, v, dropout_p: two_stream_attention(
                 q, k, v, mask, self.options.attention_impl, dropout_p))
         with record_function("pretrieve/retromae.decoder_vocab_loss"):
-            return self.encoder.token_loss(out, batch["dec_labels"])
+            return self.encoder.token_loss(out, token_targets(batch, "dec_labels"))
 
     def query_stream(self, h_cls: torch.Tensor, width: int) -> torch.Tensor:
         """H1 [B, L, hidden] of eq. (2) from the [CLS] states h_cls [B, hidden]. With rotary positions

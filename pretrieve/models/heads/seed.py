@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -10,6 +11,7 @@ from pretrieve.data.collators import MLMCollator, next_token_labels
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.decoder import CausalDecoder, causal_decoder_flops
 from pretrieve.models.heads.registry import MethodOptions, option, register_method
+from pretrieve.models.token_targets import token_targets
 
 
 @dataclass
@@ -24,6 +26,8 @@ class SEEDOptions(MethodOptions):
 class SEEDCollator(MLMCollator):
     """SEED-Encoder batches: MLM keys plus `dec_input_ids` (the unmasked ids) and `dec_labels` (next ordinary
     token at each position; position 0 will hold the encoder's [CLS] state)."""
+
+    token_losses: ClassVar[tuple[str, ...]] = ("mlm_labels", "dec_labels")
 
     def extend(self, out, batch, words, num_words, rng):
         out["dec_input_ids"] = torch.from_numpy(batch.ids)
@@ -41,14 +45,14 @@ class SEEDHead(PretrainingHead):
 
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])
-        mlm = self.encoder.token_loss(hidden, batch["mlm_labels"])
+        mlm = self.encoder.token_loss(hidden, token_targets(batch, "mlm_labels"))
         dec = self.decoder.loss(self.encoder, hidden[:, 0], batch["dec_input_ids"], batch["attention_mask"],
-                                batch["dec_labels"])
+                                token_targets(batch, "dec_labels"))
         return {"loss": mlm + dec, "mlm": mlm.detach(), "dec": dec.detach()}
 
 
 def seed_flops(options: SEEDOptions, config, batch: dict[str, torch.Tensor]) -> int:
-    return causal_decoder_flops(options.decoder_layers, config, batch["dec_input_ids"], batch["dec_labels"])
+    return causal_decoder_flops(options.decoder_layers, config, batch["dec_input_ids"], token_targets(batch, "dec_labels"))
 
 
 register_method("seed", SEEDHead, SEEDCollator, SEEDOptions, flops=seed_flops, eval_pooling="cls", study_arm=4)

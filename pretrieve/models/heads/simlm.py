@@ -28,6 +28,7 @@ from pretrieve.models.flops import encoder_flops, labelled, layer_flops, vocab_f
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.decoder import BottleneckDecoderOptions, Decoder, masked_attention
 from pretrieve.models.heads.registry import option, register_method
+from pretrieve.models.token_targets import token_targets
 
 DECODER_INITS = ("copy", "new")
 
@@ -64,6 +65,7 @@ class SimLMCollator(MLMCollator):
 
     mlm_ratio: float = 0.30
     decoder_mask_ratio: float = 0.50
+    token_losses: ClassVar[tuple[str, ...]] = ("rlm_labels",)  # the generator's MLM loss is its own
     corruption: ClassVar[tuple[float, float]] = (1.0, 0.0)
     budget_counts_cls_sep: ClassVar[bool] = True
 
@@ -177,13 +179,13 @@ class SimLMHead(PretrainingHead):
         enc_ids, gen = self.replace(batch["input_ids"], attention_mask, masked, draws, mlm_labels)
         dec_ids, _ = self.replace(batch["dec_input_ids"], attention_mask, batch["dec_masked"], draws)
         hidden = self.encoder(enc_ids, attention_mask)
-        enc = self.encoder.token_loss(hidden, batch["rlm_labels"])  # eq. 2, L_enc
+        enc = self.encoder.token_loss(hidden, token_targets(batch, "rlm_labels"))  # eq. 2, L_enc
         # the decoder reads h_cls in place of its own [CLS] embedding: the bottleneck (§3.1)
         states = torch.cat([hidden[:, :1], self.encoder.embeddings(input_ids=dec_ids)[:, 1:]], dim=1)
         width = attention_mask.shape[1]
         visible = attention_mask.bool()[:, None, :].expand(-1, width, -1)  # padding hidden, as in the encoder
         # L_dec, eq. 2's form over the decoder's output
-        dec = self.encoder.token_loss(self.decoder(states, None, masked_attention(visible)), batch["rlm_labels"])
+        dec = self.encoder.token_loss(self.decoder(states, None, masked_attention(visible)), token_targets(batch, "rlm_labels"))
         # L_pt = L_enc + L_dec (§3.1); a generator that trains adds its weighted MLM loss, as released
         loss = enc + dec if self.generator_frozen else enc + dec + self.options.generator_weight * gen
         replaced = (masked & (enc_ids != mlm_labels)).sum() / masked.sum().clamp(min=1)

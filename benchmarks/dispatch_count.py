@@ -7,11 +7,13 @@ faster by dispatching less; a count does not drift with a machine's load, so a t
 
 The model is BERT-base's depth at a tiny width (12 layers, 202 parameter tensors, hidden 64): its op counts are
 BERT-base's, its arithmetic negligible. Counted per optimizer step, as the median over the steps after the first
-(the optimizer's state is made there); the engine's batches are collated in a loader worker, whose ops are not
-the step's. Prints one JSON record: both counts, the engine's extra ops, and those per trainable parameter tensor
-(DeepSpeed's per-parameter work shows there), and the host reads of a step by the line that asks for them (an
-op whose result the host needs: a value read by item/bool/int/float, nonzero, a boolean mask's indexing; on a GPU
-each waits for the device to get there); `--out` appends it to a JSON list.
+(the optimizer's state is made there) that do not log (train.log_every 2: every other step logs, and its ops and
+reads are listed apart); the engine's batches are collated in a loader worker, whose ops are not the step's.
+Prints one JSON record: both counts, the engine's extra ops, and those per trainable parameter tensor
+(DeepSpeed's per-parameter work shows there), the host reads of a step that does not log and of one that does,
+by the line that asks for them (an op whose result the host needs: a value read by item/bool/int/float,
+nonzero, a boolean mask's indexing; on a GPU each waits for the device to get there), and each counted step
+(`steps`: its number, whether it logs, its ops and reads); `--out` appends it to a JSON list.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from benchmarks.pretrain_throughput import ROOT, append_record, engine_overrides
 from benchmarks.step_floor import batches, run_steps, variant
 
 WIDE = {"hidden_size": 64, "num_layers": 12, "num_heads": 2, "intermediate_size": 128}
+LOG_EVERY = 2  # of the counted steps (2 .. steps - 1) some log and some do not: their reads are listed apart
 
 
 aten = torch.ops.aten
@@ -74,23 +77,25 @@ class Dispatched(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def engine_ops(args, work: Path) -> tuple[list[int], collections.Counter]:
-    """The ops each optimizer step of `pretrieve pretrain` dispatches: between the loop's calls of the job's
-    `at_step` (before each step's forward), so neither start-up nor the final checkpoint counts; and the host
-    reads of its last counted step by site."""
+def engine_ops(args, work: Path) -> list[dict]:
+    """Each optimizer step of `pretrieve pretrain`: its number (1-based), whether it logs (train.log_every), the
+    ops it dispatches and its host reads by site; counted between the loop's calls of the job's `at_step` (before
+    each step's forward), so neither start-up nor the final checkpoint counts. The host's count and FLOPs of a
+    batch run before its `at_step`: they count in the step before, a step that reads nothing of the device."""
     from pretrieve.config import load_config
     from pretrieve.engine.train import run_training
     from pretrieve.pretrain import pretraining_job
     from pretrieve.pretrain_config import experiment
 
-    marks, counter = [], Dispatched()
+    marks, counter, train = [], Dispatched(), {}
 
     def marked_job(exp, rank):
         job = pretraining_job(exp, rank)
         schedule = job.at_step
+        train["options"] = exp.train
 
         def at_step(step):
-            marks.append((counter.count, collections.Counter(counter.reads)))
+            marks.append((counter.count, collections.Counter(counter.reads), step))
             if schedule is not None:
                 schedule(step)
         job.at_step = at_step
@@ -98,10 +103,13 @@ def engine_ops(args, work: Path) -> tuple[list[int], collections.Counter]:
 
     config = load_config(ROOT / "configs" / "pretrain" / f"{args.method}.yaml",
                          [*engine_overrides(args, work / "shards", None), "data.num_workers=1",
-                          f"run_dir={work / 'run'}", *args.set])
+                          f"run_dir={work / 'run'}", f"train.log_every={LOG_EVERY}", *args.set])
     with counter:
         run_training(experiment(config), marked_job)
-    return [b - a for (a, _), (b, _) in zip(marks[1:], marks[2:])], marks[-1][1] - marks[-2][1]
+    options = train["options"]
+    return [{"step": step + 1, "logs": (step + 1) % options.log_every == 0 or step + 1 == options.max_steps,
+             "ops": b - a, "reads": dict(sorted((reads_b - reads_a).items()))}
+            for (a, reads_a, step), (b, reads_b, _) in zip(marks[1:], marks[2:])]
 
 
 def floor_ops(head_batches) -> tuple[list[int], collections.Counter]:
@@ -135,14 +143,21 @@ def main(argv: list[str] | None = None) -> dict:
         args.set = [f"model.{k}={v}" for k, v in WIDE.items()] + args.set
         head_batches = batches(args, work, args.set)  # the sample prepared once, for both
         floor_counts, floor_reads = floor_ops(head_batches)
-        engine_counts, engine_reads = engine_ops(args, work)
-    floor, engine = statistics.median(floor_counts), statistics.median(engine_counts)
+        steps = engine_ops(args, work)
+    quiet, logging = [s for s in steps if not s["logs"]], [s for s in steps if s["logs"]]
+    if not quiet or not logging:
+        raise SystemExit(f"--steps {args.steps} with train.log_every: the counted steps need one that logs and one "
+                         "that does not; give more steps")
+    floor, engine = statistics.median(floor_counts), statistics.median(s["ops"] for s in quiet)
     tensors = sum(p.requires_grad for p in head_batches[0].parameters())
     record = {"method": args.method, "overrides": args.set[len(WIDE):], "parameter_tensors": tensors,
-              "engine_ops_per_step": engine, "floor_ops_per_step": floor, "extra_ops_per_step": engine - floor,
+              "engine_ops_per_step": engine, "engine_ops_per_log_step": statistics.median(s["ops"] for s in logging),
+              "floor_ops_per_step": floor, "extra_ops_per_step": engine - floor,
               "extra_ops_per_parameter": round((engine - floor) / tensors, 2),
               "floor_reads_per_step": dict(sorted(floor_reads.items())),
-              "engine_reads_per_step": dict(sorted(engine_reads.items())), "torch": torch.__version__}
+              # a step that does not log, and one that does: their reads by site (the engine's and the head's)
+              "engine_reads_per_step": quiet[-1]["reads"], "engine_reads_per_log_step": logging[-1]["reads"],
+              "steps": steps, "torch": torch.__version__}
     if args.out:
         append_record(Path(args.out), record)
     else:

@@ -74,7 +74,7 @@ PROFILED_COMPILED = ("compile",)
 # the ladder's BERT-base L512 runs (benchmarks/throughput_ladder.py): mlm climbs every rung, retromae takes the top
 # alone; the rungs a short job skips (docs/benchmarks.md, "The speed ladder", says why)
 LADDER_METHODS = ("mlm", "retromae")
-LADDER_SKIP = ("unpad", "batch-128", "decoder-fused", "vocab-liger", "cuda-graphs")
+LADDER_SKIP = ("unpad", "batch-128", "decoder-fused", "vocab-liger", "cuda-graphs", "static-shapes")
 
 
 # the method study's arms beyond the cpu study's (pretrieve/study/plan.py), each at the ladder's baseline and top

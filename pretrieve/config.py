@@ -80,6 +80,9 @@ class TrainOptions:
     compile: bool = False
     # under bf16-autocast, the LayerNorms normalise in bf16 (models/low_precision_norm.py): how a step runs, as above
     low_precision_norm: bool = False
+    # every batch padded to max_len, each token loss's labelled positions to a count fixed for the run: one set of
+    # tensor shapes for every step (data/collators.py); refused with model.unpad, whose packed rows vary
+    static_shapes: bool = False
     # the step's forward and backward captured once as a CUDA graph and replayed for each batch of the same shapes
     # (engine/cuda_graphs.py): the host launches one graph a step instead of each kernel; how a step runs, as above
     cuda_graphs: bool = False

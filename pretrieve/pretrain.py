@@ -50,7 +50,8 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
     loaded = load_tokenizer(tokenizer)  # once, for the vocabulary's roles and the shards' fingerprint
     if rank == 0 and tokenizer == exp.model.init_from:  # the export's, even if init_from moves
         loaded.save_pretrained(str(exp.run_dir / RUN_TOKENIZER))
-    collate = exp.method.collator.from_options(exp.options, Vocabulary.of_loaded(loaded, tokenizer), seed=exp.seed)
+    collate = static(exp, exp.method.collator.from_options(exp.options, Vocabulary.of_loaded(loaded, tokenizer),
+                                                           seed=exp.seed))
     training_tokenizer = describe(tokenizer, loaded.backend_tokenizer)  # what the shards' manifests must record
     read = ReadOptions.from_options(exp.data)  # URLs: retries, timeout, prefetch, storage options
     # a truncated or replaced shard named now, not minutes into the run
@@ -65,8 +66,8 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
                           pin_memory=torch.cuda.is_available())  # page-locked batches: asynchronous copies
     validation = None
     if exp.data.validation:
-        validation = Validation.build(exp.data.validation, exp.method.collator.from_options(
-            exp.options, collate.vocab, seed=VALIDATION_SEED), exp.train.micro_batch_size, exp.data.validation_batches,
+        validation = Validation.build(exp.data.validation, static(exp, exp.method.collator.from_options(
+            exp.options, collate.vocab, seed=VALIDATION_SEED)), exp.train.micro_batch_size, exp.data.validation_batches,
             read, tokenizer=training_tokenizer)
     return TrainingJob(
         name=f"pretrain {exp.method.name}", module=head, loader=loader, position=stream,
@@ -77,6 +78,13 @@ def pretraining_job(exp: Experiment, rank: int) -> TrainingJob:
         tags=run_tags(exp.method.name, exp.data.corpora, head.encoder.config), validation=validation,
         at_step=lambda step: head.set_step(step, exp.train.max_steps),
         resolved={"method": {"name": exp.method.name, **asdict(head.resolved_options())}})
+
+
+def static(exp: Experiment, collate):
+    """The collator with train.static_shapes (its check refused a method whose collator does not take it)."""
+    if exp.train.static_shapes:
+        collate.static_shapes = True
+    return collate
 
 
 def count_texts(batch: dict) -> tuple[int, int, int]:

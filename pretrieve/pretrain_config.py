@@ -27,7 +27,7 @@ from pretrieve.data.shard_check import CHECKS as SHARD_CHECKS
 from pretrieve.data.tokenizer import DEFAULT_TOKENIZER
 from pretrieve.models.backbones import DECODER_LLMS, ENCODER_FAMILIES, backbone_named, backbone_of
 from pretrieve.models.encoder import ModelOptions
-from pretrieve.models.speed_switches import check_switches, check_train
+from pretrieve.models.speed_switches import CROSS_SECTION, check_switches, check_train
 from pretrieve.pretrain_tokenizer import tokenizer_problems, training_tokenizer
 from pretrieve.utils.options import ConfigError, Problems, options_of
 
@@ -145,6 +145,8 @@ def experiment(config: DictConfig, world_size: int = 1) -> Experiment:
         _check_data(data, sections[0] if sections else None, problems)
         manifests = _read_manifests(data, problems)
         data.corpora = _corpus_names(data, manifests, problems)
+    if model is not None and sections:  # the train keys that depend on the model and method
+        check_switches(problems, CROSS_SECTION, train=sections[0], model=model, method=method, options=options)
     if model is not None:
         _check_model(model, options, data, manifests, problems)
         # the tokenizers are read once their folders are sound

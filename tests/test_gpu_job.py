@@ -38,16 +38,16 @@ def test_dry_run_prints_each_stage_against_the_budget(tmp_path):
     assert ("--variants bf16-compile bf16 --profile " in done.stdout
             and "--rung compile --set model.vocab_loss=plain" in done.stdout)
     # the methods added since the first ladder job: their ladder ends, coCondenser through GradCache
-    assert ("--ladder --ends-only --no-peers --methods bow --skip unpad batch-128 decoder-fused vocab-liger cuda-graphs --out"
+    assert ("--ladder --ends-only --no-peers --methods bow --skip unpad batch-128 decoder-fused vocab-liger cuda-graphs static-shapes --out"
             in done.stdout)
-    assert ("--ladder --ends-only --no-peers --methods cocondenser --skip unpad batch-128 decoder-fused vocab-liger cuda-graphs --set "
+    assert ("--ladder --ends-only --no-peers --methods cocondenser --skip unpad batch-128 decoder-fused vocab-liger cuda-graphs static-shapes --set "
             "method.grad_cache.chunk=16") in done.stdout
     assert "make gpu-bundle" in done.stdout  # no bundle: said, since the install then needs network
 
     # what a job runs unless told (DEFAULT_STAGES: the speed ladder's job) fits the default budget
     assert gpu_job.DEFAULT_STAGES == ("install", "floor", "mfu", "profile")
     default = _tool("--dry-run", "--bundle", str(tmp_path / "no-bundle"))
-    assert ("--ladder --methods mlm retromae --skip unpad batch-128 decoder-fused vocab-liger cuda-graphs --top-only retromae "
+    assert ("--ladder --methods mlm retromae --skip unpad batch-128 decoder-fused vocab-liger cuda-graphs static-shapes --top-only retromae "
             "--out") in default.stdout
     # the profile of the engine's step at batch 32 beside the floor's: the switches before unpadding and compile
     assert ("--rung fused-adamw --set model.vocab_loss=plain --set train.optimizer=torch-fused --set model.unpad=false "

@@ -24,7 +24,7 @@ def _settings(overrides: list[str]) -> dict:
 def test_the_first_method_climbs_every_rung_with_the_switches_before_it():
     runs = plan(["mlm", "retromae"], batch=32).runs
     mlm = [r for r in runs if r[0] == "mlm"]
-    assert [r[1] for r in mlm] == [*(rung.name for rung in LADDER), "vocab-liger", "cuda-graphs"]
+    assert [r[1] for r in mlm] == [*(rung.name for rung in LADDER), "vocab-liger", "cuda-graphs", "static-shapes"]
     assert _settings(mlm[0][2]) == {"model.vocab_loss": "chunked", "train.optimizer": "deepspeed",
                                     "model.unpad": "false", "train.compile": "false"}
     # each rung keeps the ones before it; a key set again takes its new value, once
@@ -32,10 +32,12 @@ def test_the_first_method_climbs_every_rung_with_the_switches_before_it():
                                     "model.unpad": "true", "train.compile": "true", "train.precision": "bf16-autocast",
                                     "train.low_precision_norm": "true"}
     assert all(len(r[2]) == len(_settings(r[2])) for r in runs)
-    assert [r[3] for r in mlm] == [32, 32, 32, 32, 32, 32, 32, 64, 128, 128, 128]
-    assert _settings(mlm[-2][2])["model.vocab_loss"] == "liger"
+    assert [r[3] for r in mlm] == [32, 32, 32, 32, 32, 32, 32, 64, 128, 128, 128, 128]
+    assert _settings(mlm[-3][2])["model.vocab_loss"] == "liger"
+    assert {k: v for k, v in _settings(mlm[-1][2]).items() if v != _settings(mlm[-4][2]).get(k)} == {
+        "model.unpad": "false", "train.static_shapes": "true"}
     # the captured step on top of the whole ladder, on padded batches of one shape
-    assert {k: v for k, v in _settings(mlm[-1][2]).items() if v != _settings(mlm[-3][2]).get(k)} == {
+    assert {k: v for k, v in _settings(mlm[-2][2]).items() if v != _settings(mlm[-4][2]).get(k)} == {
         "model.unpad": "false", "train.static_shapes": "true", "train.cuda_graphs": "true"}
     retromae = [r for r in runs if r[0] == "retromae"]
     # the ends, its alternatives: its decoder's vocabulary loss is the token loss Liger's replaces
@@ -46,19 +48,20 @@ def test_the_first_method_climbs_every_rung_with_the_switches_before_it():
 
 
 def test_a_short_job_skips_rungs_but_never_the_baseline():
-    runs = plan(["mlm"], batch=32, skip=("batch-128", "vocab-liger")).runs
+    runs = plan(["mlm"], batch=32, skip=("batch-128", "vocab-liger", "static-shapes")).runs
     assert [r[1] for r in runs] == [*(rung.name for rung in LADDER if rung.name != "batch-128"), "cuda-graphs"]
     assert [r[1] for r in plan(["dupmae", "mlm"], 32, full=False).runs] == \
         ["baseline", "batch-128", "cuda-graphs", "decoder-fused", "baseline", "batch-128", "vocab-liger",
-         "cuda-graphs"]
+         "cuda-graphs", "static-shapes"]
     for skip in (("baseline",), ("batch-256",)):
         with pytest.raises(ValueError, match="--skip: .*not a rung one can skip"):
             plan(["mlm"], 32, skip=skip)
-    assert {alt.name for alt in ALTERNATIVES} == {"vocab-liger", "cuda-graphs", "decoder-fused"}
+    assert {alt.name for alt in ALTERNATIVES} == {"vocab-liger", "cuda-graphs", "static-shapes", "decoder-fused"}
 
 
 def test_a_method_may_take_the_top_rung_alone():
-    runs = plan(["mlm", "retromae", "bow"], 32, skip=("batch-128", "cuda-graphs"), top_only=("bow",)).runs
+    runs = plan(["mlm", "retromae", "bow"], 32, skip=("batch-128", "static-shapes", "cuda-graphs"),
+                top_only=("bow",)).runs
     assert [(r[0], r[1]) for r in runs if r[0] != "mlm"] == [
         ("retromae", "baseline"), ("retromae", "batch-64"), ("retromae", "vocab-liger"), ("retromae", "decoder-fused"),
         ("bow", "batch-64")]
@@ -138,7 +141,7 @@ def test_the_ladder_and_its_peers_run_at_the_tiny_size_on_cpu(tmp_path):
                            "--threads", "1", "--methods", "mlm", "retromae", "--out", str(out),
                            # the Triton interpreter runs the fused decoder kernel at seconds a text: small batches;
                            # a CUDA graph needs a CUDA device
-                           "--skip", "batch-64", "batch-128", "cuda-graphs"],
+                           "--skip", "batch-64", "batch-128", "cuda-graphs", "static-shapes"],
                           env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = json.loads(out.read_text())

@@ -121,6 +121,18 @@ def _unpad(on: bool, s: Settings) -> Iterator[str]:
         yield f"model.unpad: the {s.model.backbone} backbone has no unpadded path ({UNPADDING} have)"
 
 
+CROSS_SECTION = ("train.static_shapes",)  # train keys whose checks read the model and method too (pretrain_config)
+
+
+def _static_shapes(on: bool, s: Settings) -> Iterator[str]:
+    if on and s.model is not None and s.model.unpad:
+        yield ("train.static_shapes: model.unpad packs each batch's texts into a row as long as their tokens, a "
+               "shape that changes every step; set one of them to false")
+    if on and s.method is not None and "static_shapes" not in getattr(s.method.collator, "__dataclass_fields__", {}):
+        yield (f"train.static_shapes: method {s.method.name}'s collator pads its batches its own way (only those "
+               "built on the MLM collator take it); leave it out")
+
+
 def _compile(on: bool, s: Settings) -> Iterator[str]:
     if on and s.train.zero_stage == 3:  # measured on CPU: the recompile limit hit at the first step
         yield ("train.compile: ZeRO 3 gathers each layer's parameters by hooks inside it, on which torch.compile "
@@ -204,6 +216,12 @@ _SWITCHES: list[Switch] = [
     Switch("train.cuda_graphs", _cuda_graphs, read_by="the engine's loop: the step captured and replayed "
            "(engine/cuda_graphs.py)", alternatives=(Rung("cuda-graphs", (
                "model.unpad=false", "train.static_shapes=true", "train.cuda_graphs=true")),)),
+    # one set of tensor shapes for every step (the CUDA graphs need it): padding costs again (unpad is refused with
+    # it). Measured on top of the ladder without the graph, what the cuda-graphs rung gains against, not as a rung
+    # of it: alone it removes no work, so the ladder's top stays unpadded
+    Switch("train.static_shapes", _static_shapes,
+           read_by="the method's collator, when the job builds it (data/collators.py, MLMCollator)",
+           alternatives=(Rung("static-shapes", ("train.static_shapes=true", "model.unpad=false"), methods=("mlm",)),)),
     # the fused two-stream kernel has no attention dropout: it changes what is computed, measured on top of the ladder
     Switch("method.attention_impl", _attention_impl, read_by="the two-stream decoder of retromae and dupmae (kernels/)",
            alternatives=(Rung("decoder-fused", ("method.attention_impl=fused", "method.decoder_attention_dropout=0"),
@@ -234,11 +252,14 @@ def unregister_switch(key: str) -> None:
     _SWITCHES[:] = [s for s in _SWITCHES if s.key != key]
 
 
-def check_switches(problems: Problems, **sections: Any) -> None:
+def check_switches(problems: Problems, keys: Iterable[str] | None = None, **sections: Any) -> None:
     """Add to `problems` what each switch's check finds in `sections` (Settings' fields), in the table's order; a
-    switch whose section is not given is not checked."""
+    switch whose section is not given is not checked. `keys`: only those switches (a check across sections, run
+    once they are all read)."""
     settings = Settings(**sections)
     for switch in _SWITCHES:
+        if keys is not None and switch.key not in keys:
+            continue
         if switch.check is not None and switch.section(settings) is not None:
             for problem in switch.check(switch.value(settings), settings):
                 problems.add(problem)

@@ -154,7 +154,7 @@ def test_static_shapes_give_every_step_of_a_run_the_same_batch_shapes(tmp_path, 
                  "tracking.enabled=false", "data.num_workers=0"]
     done = subprocess.run([sys.executable, "-c", _STATIC_RUN, config, *overrides, "train.static_shapes=true",
                            f"run_dir={tmp_path / 'run'}"], env=pretrain_env(), capture_output=True, text=True,
-                          timeout=900)
+                          check=False, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     shapes = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(shapes) == 6 and all(s == shapes[0] for s in shapes), shapes
@@ -163,3 +163,14 @@ def test_static_shapes_give_every_step_of_a_run_the_same_batch_shapes(tmp_path, 
     loader = pretraining_job(experiment(load_config(config, [*overrides, f"run_dir={tmp_path / 'plain'}"])), 0).loader
     widths = {batch["input_ids"].shape[1] for batch, _ in zip(loader, range(6))}
     assert len(widths) > 1, widths
+
+
+def test_static_shapes_are_refused_by_key_with_unpadding(wiki_shards):
+    from pretrieve.config import ConfigError, load_config
+    from pretrieve.pretrain_config import experiment
+
+    config = load_config(Path(__file__).resolve().parent.parent / "configs" / "pretrain" / "tiny-mlm.yaml",
+                         [f"data.manifests=[{wiki_shards / 'manifest.json'}]", "data.weights=null",
+                          "train.static_shapes=true", "model.unpad=true"])
+    with pytest.raises(ConfigError, match=r"train\.static_shapes: model\.unpad packs"):
+        experiment(config)

@@ -25,7 +25,7 @@ from pretrieve.models import unpadding
 from pretrieve.models.backbones import UNPADDING, backbone_named, backbone_of
 from pretrieve.models.backbones.base import TextTypes
 from pretrieve.models.lora import LoraOptions, lora_options, merge_saved_adapter
-from pretrieve.models.token_targets import IGNORE, Targets
+from pretrieve.models.token_targets import Targets
 from pretrieve.models.vocab_loss import vocab_cross_entropy
 
 log = logging.getLogger(__name__)
@@ -289,10 +289,7 @@ def masked_token_loss(hidden: torch.Tensor, targets: Targets | torch.Tensor, tra
     if not targets.positions.numel():
         return hidden.sum() * 0.0  # nothing labelled: zero loss, graph kept
     states = hidden.flatten(0, -2).index_select(0, targets.positions)
-    loss = vocab_cross_entropy(transform(states), weight, bias, targets.labels, vocab_loss)
-    # padding entries alone (a batch of pad samples): the mean over no target is 0 / 0; zero instead, and no
-    # gradient (cross-entropy's backward writes none at ignored rows), decided on the device
-    return torch.where((targets.labels != IGNORE).any(), loss, 0.0)
+    return vocab_cross_entropy(transform(states), weight, bias, targets.labels, vocab_loss)
 
 
 def _rename_old_keys(module, state_dict, prefix, *args) -> None:

@@ -72,8 +72,16 @@ def vocab_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if path == "liger":
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-        return liger_fused_linear_cross_entropy(x, weight, labels, bias, ignore_index=IGNORE_INDEX,
-                                                accum_dtype=torch.float32)
+        return zero_without_labels(liger_fused_linear_cross_entropy(x, weight, labels, bias, ignore_index=IGNORE_INDEX,
+                                                                    accum_dtype=torch.float32), labels)
     logits = F.linear(x, weight, bias)
     # log-softmax and its sums in fp32, as the chunked path: a bf16 loss would keep 3 significant digits
-    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
+    return zero_without_labels(F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels),
+                               labels)
+
+
+def zero_without_labels(loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """`loss`, or 0 where every label is IGNORE_INDEX (a fixed count's padding alone: a batch of stream pad
+    samples), whose mean is 0 / 0; decided on the device, no read. No gradient flows there: cross-entropy's
+    backward writes none at ignored rows."""
+    return torch.where((labels != IGNORE_INDEX).any(), loss, 0.0)

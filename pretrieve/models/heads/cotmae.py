@@ -81,7 +81,7 @@ def cotmae_flops(options: CoTMAEOptions, config, batch: dict[str, torch.Tensor])
     """The decoder's layers over its input (mlm: the partners' texts, one per encoder row; clm: the contexts) and
     the MLM head at its targets; the encoder's pass over every row is counted with the encoder."""
     if options.decoder_objective == "clm":
-        return causal_decoder_flops(options.decoder_layers, config, batch["ctx_input_ids"], token_targets(batch, "ctx_labels"))
+        return causal_decoder_flops(options.decoder_layers, config, batch["ctx_input_ids"], batch["ctx_labels"])
     return causal_decoder_flops(options.decoder_layers, config, batch["dec_input_ids"], batch["dec_labels"])
 
 

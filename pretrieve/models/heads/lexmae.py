@@ -103,7 +103,8 @@ class LexMAEHead(PretrainingHead):
                            dim=1)
         width = attention_mask.shape[1]
         visible = attention_mask.bool()[:, None, :].expand(-1, width, -1)  # padding hidden, as in the encoder
-        dec = self.decoder_loss(self.decoder(states, None, masked_attention(visible)), token_targets(batch, "dec_labels"))
+        dec = self.decoder_loss(self.decoder(states, None, masked_attention(visible)),
+                                token_targets(batch, "dec_labels"))
         loss = self.options.enc_weight * enc + self.options.dec_weight * dec
         # the distribution's entropy (nats): low when a few words carry the text, log V when uniform
         entropy = -(importance * torch.log(importance.clamp(min=1e-30))).sum(dim=-1).mean()

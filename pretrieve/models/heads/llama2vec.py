@@ -68,7 +68,8 @@ class Llama2VecHead(PretrainingHead):
     def forward(self, batch):
         hidden = self.encoder.backbone.masked_forward(self.encoder.model, batch["input_ids"],
                                                       prompt_mask(batch["segments"]), batch["position_ids"])
-        lm = self.encoder.token_loss(hidden, token_targets(batch, "mlm_labels").shifted(hidden.shape[1]))  # token i from the state at i-1
+        # token i from the state at i - 1
+        lm = self.encoder.token_loss(hidden, token_targets(batch, "mlm_labels").shifted(hidden.shape[1]))
         out = {"lm": lm.detach()}
         tasks = [task for task in ("ebae", "ebar") if f"{task}_slots" in batch]
         trained = []  # per task, whether any text of the batch has a target (a tensor: no host read)

@@ -52,7 +52,7 @@ class SEEDHead(PretrainingHead):
 
 
 def seed_flops(options: SEEDOptions, config, batch: dict[str, torch.Tensor]) -> int:
-    return causal_decoder_flops(options.decoder_layers, config, batch["dec_input_ids"], token_targets(batch, "dec_labels"))
+    return causal_decoder_flops(options.decoder_layers, config, batch["dec_input_ids"], batch["dec_labels"])
 
 
 register_method("seed", SEEDHead, SEEDCollator, SEEDOptions, flops=seed_flops, eval_pooling="cls", study_arm=4)

@@ -185,7 +185,8 @@ class SimLMHead(PretrainingHead):
         width = attention_mask.shape[1]
         visible = attention_mask.bool()[:, None, :].expand(-1, width, -1)  # padding hidden, as in the encoder
         # L_dec, eq. 2's form over the decoder's output
-        dec = self.encoder.token_loss(self.decoder(states, None, masked_attention(visible)), token_targets(batch, "rlm_labels"))
+        dec = self.encoder.token_loss(self.decoder(states, None, masked_attention(visible)),
+                                      token_targets(batch, "rlm_labels"))
         # L_pt = L_enc + L_dec (§3.1); a generator that trains adds its weighted MLM loss, as released
         loss = enc + dec if self.generator_frozen else enc + dec + self.options.generator_weight * gen
         replaced = (masked & (enc_ids != mlm_labels)).sum() / masked.sum().clamp(min=1)

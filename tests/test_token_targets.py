@@ -89,7 +89,7 @@ def test_shifted_targets_are_the_sliced_selection():
     _within_rounding(*_loss_and_grads(encoder, hidden, lambda h: encoder.token_loss(h, shifted)), old_loss, old_grads)
 
 
-@pytest.mark.parametrize("method", ["mlm", "retromae", "mntp"])
+@pytest.mark.parametrize("method", ["mlm", "retromae", "mntp", "bow"])
 def test_a_head_on_positions_equals_the_head_on_labels_alone(method, wiki_samples, vocab):
     """The collator's positions against the labels alone (found on the device by nonzero, as before them): the
     same loss and gradients bit for bit, and with train.static_shapes' padded positions within fp32 rounding."""

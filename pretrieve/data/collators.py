@@ -155,12 +155,13 @@ def covering_mask(out: dict, batch: Padded, words: np.ndarray, num_words: np.nda
     return dec_masked
 
 
-def bag_of_words_targets(batch: Padded, keep: np.ndarray) -> torch.Tensor:
+def bag_of_words_targets(batch: Padded, keep: np.ndarray, static_shapes: bool = False) -> torch.Tensor:
     """[B, U]: the unique ids of each text at the positions `keep` [B, L], padded with -100; none for a stream
-    pad sample."""
+    pad sample. U: the most of a text, or L with `static_shapes` (a text has no more positions)."""
     unique = [np.unique(row[kept]) if not is_pad else np.empty(0, dtype=np.int64)
               for row, kept, is_pad in zip(batch.ids, keep, batch.pad)]
-    targets = np.full((len(unique), max(1, max(len(u) for u in unique))), -100, dtype=np.int64)
+    width = batch.ids.shape[1] if static_shapes else max(1, max(len(u) for u in unique))
+    targets = np.full((len(unique), width), -100, dtype=np.int64)
     for row, u in enumerate(unique):
         targets[row, :len(u)] = u
     return torch.from_numpy(targets)

@@ -40,7 +40,7 @@ class BoWCollator(MLMCollator):
 
     def extend(self, out, batch, words, num_words, rng):
         keep = ordinary_positions(batch.lengths, batch.ids.shape[1]) & ~self.vocab.special[batch.ids]
-        out["bow_targets"] = bag_of_words_targets(batch, keep)
+        out["bow_targets"] = bag_of_words_targets(batch, keep, self.static_shapes)
 
 
 class BoWHead(PretrainingHead):

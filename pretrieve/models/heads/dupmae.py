@@ -50,7 +50,8 @@ class DupMAECollator(RetroMAECollator):
 
     def extend(self, out, batch, words, num_words, rng):
         super().extend(out, batch, words, num_words, rng)
-        out["bow_targets"] = bag_of_words_targets(batch, masking.ordinary_positions(batch.lengths, batch.ids.shape[1]))
+        out["bow_targets"] = bag_of_words_targets(batch, masking.ordinary_positions(batch.lengths, batch.ids.shape[1]),
+                                                  self.static_shapes)
 
 
 class DupMAEHead(RetroMAEHead):

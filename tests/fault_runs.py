@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import free_port
+from support import free_port
 from pretrieve.utils.run_dir import TAG_CONFIG
 from test_launchers import BIN, CONFIG, PRETRAIN_SH, _env, _losses, _overrides, _weights
 

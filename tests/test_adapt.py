@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForMaskedLM, AutoTokenizer, BertConfig, BertModel
 
-from conftest import SAMPLES, pretrain_env, result_line
+from support import SAMPLES, pretrain_env, result_line
 from pretrieve.config import ConfigError, load_config
 from pretrieve.data.masking import Vocabulary
 from pretrieve.data.prepare import prepare

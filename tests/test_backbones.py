@@ -17,7 +17,7 @@ from transformers.models.modernbert.modeling_modernbert import ModernBertEncoder
 from transformers.models.roberta.modeling_roberta import RobertaLayer
 from transformers.models.xlm_roberta.modeling_xlm_roberta import XLMRobertaLayer
 
-from conftest import SAMPLES, adamw_steps, old_parameter_name, pretrain_env, result_line, text_methods
+from support import SAMPLES, adamw_steps, old_parameter_name, pretrain_env, result_line, text_methods
 from pretrieve.cli import main
 from pretrieve.config import ConfigError, load_config
 from pretrieve.data.masking import Vocabulary

@@ -7,7 +7,7 @@ import bm25s
 import numpy as np
 import pytest
 import Stemmer
-from conftest import SAMPLES
+from support import SAMPLES
 
 import pretrieve.data.retrieval as retrieval
 from pretrieve.data.retrieval import RetrievalDataError, load_beir, stream_corpus

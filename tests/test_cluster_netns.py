@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import netns
-from conftest import free_port
+from support import free_port
 from fault_runs import TAG, assert_same_run, complete, overrides, reference
 from inject_fault import python_with_fault
 from pretrieve.utils.run_dir import latest_checkpoint

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import pretrain_stopped_and_resumed
+from support import pretrain_stopped_and_resumed
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.models.export import load_export
 from pretrieve.models.heads import get_method

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import SAMPLES
+from support import SAMPLES
 
 from pretrieve.cli import main as cli
 from pretrieve.data.retrieval import load_beir

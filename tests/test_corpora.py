@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import SAMPLES
+from support import SAMPLES
 from pretrieve.data.corpora import BadRecord, CorpusError, Document, ReaderOptions, read_corpus
 
 

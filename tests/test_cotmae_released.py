@@ -180,7 +180,7 @@ def test_engine_trains_the_released_objective_and_its_export_loads(tmp_path, wik
 
     from transformers import AutoModel
 
-    from conftest import json_lines, pretrain_env
+    from support import json_lines, pretrain_env
     from pretrieve.models.export import load_export
 
     script = Path(__file__).resolve().parent / "one_step.py"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SAMPLES, adamw_steps, pretrain_env
+from support import SAMPLES, adamw_steps, pretrain_env
 from pretrieve.config import ConfigError, load_config
 from pretrieve.models.dense_pooling import last_token_pooling, mean_pooling
 from pretrieve.models.encoder import Encoder, ModelOptions

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import pretrain_env
+from support import pretrain_env
 
 SCRIPT = """
 import sys

@@ -2,7 +2,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import pretrain_env
+from support import pretrain_env
 
 
 @pytest.mark.integration

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import pretrain_env
+from support import pretrain_env
 
 ROOT = Path(__file__).resolve().parent.parent
 

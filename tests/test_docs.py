@@ -25,7 +25,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
-from conftest import pretrain_env
+from support import pretrain_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "launchers" / "README.md", *sorted((ROOT / "docs").rglob("*.md")),

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import free_port, old_parameter_name, pretrain_env, result_line
+from support import free_port, old_parameter_name, pretrain_env, result_line
 from pretrieve.config import LR_SCHEDULES, ConfigError, load_config
 from pretrieve.engine.ds_config import DS_CONFIG_DIR, deepspeed_config
 from pretrieve.engine.lr_schedule import LRSchedule

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, json_lines, pretrain_env, save_tiny_bert, text_methods
+from support import free_port, json_lines, pretrain_env, save_tiny_bert, text_methods
 from pretrieve.models.heads import METHODS
 
 SCRIPT = Path(__file__).resolve().parent / "one_step.py"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import free_port, json_lines, pretrain_env, signal_in_mask
 from fault_runs import assert_same_run
+from support import free_port, json_lines, pretrain_env, signal_in_mask
 from transformers import AutoModel
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"

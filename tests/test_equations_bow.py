@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import pretrain_stopped_and_resumed
+from support import pretrain_stopped_and_resumed
 from pretrieve.config import load_config
 from pretrieve.models.heads.bow import cosine_decay
 from pretrieve.pretrain_config import method_options, model_options

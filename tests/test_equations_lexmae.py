@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (TINY_CONFIGS, assert_resumed_run_repeats, collated_with_a_pad_sample, exported_after_a_step,
+from support import (TINY_CONFIGS, assert_resumed_run_repeats, collated_with_a_pad_sample, exported_after_a_step,
                       pretrain_stopped_and_resumed, tiny_head)
 
 
@@ -146,7 +146,7 @@ def test_an_export_evaluates_with_sparse_pooling(vocab, wiki_samples, tmp_path):
     its ranking and scores are the SPLADE products written out, max over the tokens but [CLS] and [SEP] of
     log(1 + relu(MLM logits)) from the MLM head LexMAE trained (documents keeping their top 256 entries), and the
     export holds that head."""
-    from conftest import SAMPLES, write_beir
+    from support import SAMPLES, write_beir
     from pretrieve.data.retrieval import load_beir
     from pretrieve.eval.evaluate import EvalOptions, run_eval
     from pretrieve.eval.metrics import METRICS

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (TINY_CONFIGS, assert_resumed_run_repeats, collated_with_a_pad_sample, exported_after_a_step,
+from support import (TINY_CONFIGS, assert_resumed_run_repeats, collated_with_a_pad_sample, exported_after_a_step,
                       pretrain_stopped_and_resumed, save_tiny_bert, tiny_head)
 from pretrieve.engine.flops import forward_flops, train_flops
 from pretrieve.models.flops import encoder_flops

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import SAMPLES, write_beir
+from support import SAMPLES, write_beir
 
 from pretrieve.cli import main as cli
 from pretrieve.data.retrieval import RetrievalDataError, load_beir, load_msmarco, write_msmarco
@@ -322,7 +322,7 @@ def test_an_interrupted_farm_leaves_its_jobs_not_done_and_the_next_run_does_them
     from pathlib import Path
 
     import psutil
-    from conftest import ctrl_c_when
+    from support import ctrl_c_when
 
     from pretrieve.orchestrate.farm import run_farm
 

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import SAMPLES
+from support import SAMPLES
 
 from pretrieve.cli import main as cli
 from pretrieve.data.retrieval import RetrievalDataError, load_beir, load_retrieval_set, stream_corpus, write_msmarco

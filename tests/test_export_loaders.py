@@ -6,7 +6,7 @@ error naming it, in every loader."""
 import pytest
 import torch
 
-from conftest import SAMPLES
+from support import SAMPLES
 
 from pretrieve.data.masking import Vocabulary
 from pretrieve.eval.encode import DenseEncoder

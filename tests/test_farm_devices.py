@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import psutil
 import pytest
-from conftest import SAMPLES
+from support import SAMPLES
 
 from pretrieve.engine.devices import DevicePool, node_devices
 from pretrieve.orchestrate.farm import load_farm, run_farm

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import SAMPLES, ctrl_c_when, json_lines, pretrain_env
+from support import SAMPLES, ctrl_c_when, json_lines, pretrain_env
 
 from pretrieve.cli import main as cli
 from pretrieve.orchestrate.farm import jobs_of, load_farm

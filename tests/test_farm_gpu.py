@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SAMPLES
+from support import SAMPLES
 from test_farm_devices import watch_jobs
 
 from pretrieve.engine.devices import node_devices

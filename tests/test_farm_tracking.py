@@ -8,7 +8,7 @@ import sys
 import threading
 
 import pytest
-from conftest import SAMPLES
+from support import SAMPLES
 
 from pretrieve.data.retrieval import load_beir, write_msmarco
 from pretrieve.engine.tracking import experiment_id_of

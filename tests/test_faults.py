@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import stop_server
+from support import stop_server
 from fault_runs import TAG, assert_same_run, complete, one_rank, reference, tags, two_ranks, with_fault
 from inject_fault import python_with_fault
 from pretrieve.utils.run_dir import latest_checkpoint

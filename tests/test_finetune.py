@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SAMPLES
 from omegaconf import OmegaConf
+from support import SAMPLES
 from transformers import AutoTokenizer, BertConfig
 
 from pretrieve.config import ConfigError
@@ -435,7 +435,7 @@ def test_dupmae_fine_tuning_exports_its_joint_score_to_eval(tmp_path):
     import subprocess
     import sys
 
-    from conftest import pretrain_env
+    from support import pretrain_env
 
     from pretrieve.eval.evaluate import EvalOptions, run_eval
     from pretrieve.finetune.mine import MineOptions, mine
@@ -578,7 +578,7 @@ def test_finetune_stages_passes_ctrl_c_to_its_ranks_once_and_holds_signals_from_
     import sys
     import time
 
-    from conftest import pretrain_env, signal_in_mask
+    from support import pretrain_env, signal_in_mask
 
     _tiny_encoder().model.save_pretrained(str(tmp_path / "bert"))
     tokenizer.save_pretrained(str(tmp_path / "bert"))

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SAMPLES, pretrain_env, write_beir
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
+from support import SAMPLES, pretrain_env, write_beir
 from transformers import AutoModelForMaskedLM, AutoTokenizer, BertConfig, BertForMaskedLM
 
 from pretrieve.config import ConfigError
@@ -280,8 +280,8 @@ def test_a_lexmae_checkpoint_goes_through_the_farm_sparse_beside_bm25_and_dense(
     """The farm evaluates a LexMAE export with pooling sparse, zero-shot and fine-tuned (stage 1 with pooling
     sparse), beside the same export pooled by [CLS] and BM25, on part of the bundled SciFact sample; every job is
     logged to MLflow with its retriever."""
-    from conftest import beir_subset
     from mlflow.tracking import MlflowClient
+    from support import beir_subset
 
     from pretrieve.orchestrate.farm import run_farm
 

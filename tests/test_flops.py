@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import text_methods
+from support import text_methods
 from pretrieve.engine.flops import forward_flops, measured_cpu_peak, train_flops
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.models.heads import METHODS

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import json_lines, pretrain_env
+from support import json_lines, pretrain_env
 from pretrieve.config import ConfigError, load_config
 from pretrieve.engine.determinism import CUBLAS_WORKSPACE, deterministic
 from pretrieve.engine.flops import device_peak, gpu_peak

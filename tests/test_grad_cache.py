@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import free_port, pretrain_env, save_tiny_bert
+from support import free_port, pretrain_env, save_tiny_bert
 
 SCRIPT = Path(__file__).resolve().parent / "grad_cache_step.py"
 
@@ -114,7 +114,7 @@ def test_interrupted_grad_cache_fine_tuning_resumes_exactly(tmp_path, tiny_bert)
     stopped, then resumed to 4, give the same losses at every step and the same weights."""
     from safetensors.torch import load_file
 
-    from conftest import SAMPLES
+    from support import SAMPLES
 
     config = Path(__file__).resolve().parent.parent / "configs" / "finetune" / "tiny.yaml"
     common = [f"finetune.init_from={tiny_bert}", f"finetune.data=[{SAMPLES / 'finetune' / 'embedder_retrieval_msmarco.jsonl'}]",
@@ -149,7 +149,7 @@ def test_pretrain_contrastive_with_grad_cache_resumes_exactly(tmp_path):
     log the same losses and export the same weights."""
     from safetensors.torch import load_file
 
-    from conftest import SAMPLES
+    from support import SAMPLES
     from pretrieve.data.prepare import prepare
     from pretrieve.data.prepare_options import PrepareOptions
 
@@ -222,7 +222,7 @@ def test_a_chunk_that_splits_no_micro_batch_is_refused_naming_its_key(tiny_bert)
     the method's own check names its key once (not `method: method.grad_cache...`)."""
     from omegaconf import OmegaConf
 
-    from conftest import SAMPLES
+    from support import SAMPLES
     from pretrieve.config import load_config
     from pretrieve.finetune.config import finetune_experiment
     from pretrieve.pretrain_config import experiment

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import text_methods
+from support import text_methods
 
 from pretrieve.config import ConfigError, load_config
 from pretrieve.models.bag_of_words import bag_of_words_loss

@@ -6,7 +6,7 @@ from itertools import islice
 import numpy as np
 import pytest
 import torch
-from conftest import free_port
+from support import free_port
 
 from pretrieve.data.cotmae import CoTMAECollator
 from pretrieve.data.neighbours import NeighbourBlocks

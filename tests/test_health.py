@@ -10,8 +10,8 @@ from itertools import islice
 from pathlib import Path
 
 import pytest
-from conftest import pretrain_env
 from mlflow import MlflowClient
+from support import pretrain_env
 
 from pretrieve.config import load_config
 from pretrieve.pretrain_config import experiment
@@ -185,7 +185,7 @@ def test_train_health_is_checked_by_key(wiki_shards, override, message):
 def test_a_fine_tuning_batch_is_named_by_its_examples():
     """Fine-tuning's loader keeps the rows of the batch it yielded last: their queries are the batch's, and an
     alarm names them by file:line."""
-    from conftest import SAMPLES
+    from support import SAMPLES
     from transformers import AutoTokenizer
 
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER

@@ -11,7 +11,7 @@ import sys
 import datasets
 import pytest
 
-from conftest import SAMPLES
+from support import SAMPLES
 from http_shards import ShardServer
 from pretrieve.cli import main as cli
 from pretrieve.data import corpora, remote

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port, json_lines, pretrain_env
 from safetensors.torch import load_file
+from support import free_port, json_lines, pretrain_env
 
 from pretrieve.cli import main as cli
 from pretrieve.config import ConfigError, load_config

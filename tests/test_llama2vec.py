@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import adamw_steps, pretrain_env
+from support import adamw_steps, pretrain_env
 from pretrieve.data.llama2vec import PREDICT, SUMMARY, TEXT
 from pretrieve.data.masking import Vocabulary
 from pretrieve.data.spans import STOPWORDS

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SAMPLES, pretrain_env
+from support import SAMPLES, pretrain_env
 from pretrieve.cli import main
 from pretrieve.data.masking import Vocabulary
 from pretrieve.models.encoder import ModelOptions

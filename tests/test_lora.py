@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import adamw_steps, free_port, pretrain_env
+from support import adamw_steps, free_port, pretrain_env
 from pretrieve.config import load_config
 from pretrieve.data.masking import Vocabulary
 from pretrieve.data.tokenizer import load_tokenizer

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import TINY_CONFIGS, tiny_head
+from support import TINY_CONFIGS, tiny_head
 from pretrieve.config import ConfigError, load_config
 from pretrieve.data.stream import ShardStream
 from pretrieve.models.low_precision_norm import LowPrecisionLayerNorm, lower_norm_precision

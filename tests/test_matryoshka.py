@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SAMPLES, beir_subset
+from support import SAMPLES, beir_subset
 
 from pretrieve.cli import main as cli
 from pretrieve.data.retrieval import load_beir

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SAMPLES, beir_subset
 from omegaconf import OmegaConf
+from support import SAMPLES, beir_subset
 
 from pretrieve.config import load_config
 from pretrieve.eval.evaluate import EvalOptions, run_eval

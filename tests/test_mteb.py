@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import beir_subset
+from support import beir_subset
 
 from pretrieve.cli import main as cli
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import netns
-from conftest import pretrain_env, result_line
+from support import pretrain_env, result_line
 
 pytestmark = pytest.mark.integration
 

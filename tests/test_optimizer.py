@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import pretrain_env
+from support import pretrain_env
 from pretrieve.config import ConfigError, load_config
 from pretrieve.engine.ds_config import deepspeed_config
 from pretrieve.engine.optimizer import client_optimizer, clip_in_loop

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import SAMPLES, pretrain_env
+from support import SAMPLES, pretrain_env
 from pretrieve.cli import main as cli
 from pretrieve.utils.output_folder import (OutputInUse, check_file_output, check_own_entries, check_whole_output,
                                            replace_directory)

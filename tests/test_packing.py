@@ -44,9 +44,10 @@ def test_sentence_boundaries_follow_tokens():
 def test_sentence_bounds_match_token_offsets():
     """Sentence starts map to the first token at or after them, also where the start character is dropped by
     normalization (the NULs below), on short and long real documents (both lookup strategies)."""
+    from support import SAMPLES
+
     from pretrieve.data.corpora import read_corpus
     from pretrieve.data.tokenizer import DEFAULT_TOKENIZER, load_backend
-    from tests.conftest import SAMPLES
 
     texts = [doc.text for doc in read_corpus("wikipedia", [SAMPLES / "wikipedia"])][:10]
     texts += [doc.text for doc in read_corpus("books", [SAMPLES / "books"])]

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conftest import SAMPLES
+from support import SAMPLES
 from pretrieve.cli import main as cli
 from pretrieve.data.corpora import CorpusError
 from pretrieve.data.pairs import is_heading, split_pair

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from conftest import SAMPLES, prepare_sample
+from support import SAMPLES, prepare_sample
 from pretrieve.data.corpora import CorpusError
 from pretrieve.data.prepare import prepare
 from pretrieve.data.prepare_options import PrepareError, PrepareOptions

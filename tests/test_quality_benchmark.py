@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import pretrain_env
+from support import pretrain_env
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = '{"none": 1, "mlm": 1, "retromae": 1, "dupmae": 1, "bow": 1, "lexmae": 1}'

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from conftest import pretrain_env
+from support import pretrain_env
 from pretrieve.config import ConfigError, load_config
 from pretrieve.models.encoder import Encoder, ModelOptions
 from pretrieve.models.heads import get_method

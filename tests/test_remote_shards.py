@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SAMPLES
+from support import SAMPLES
 from http_shards import ShardServer
 from pretrieve.data.prepare import prepare
 from pretrieve.data.prepare_options import PrepareError, PrepareOptions
@@ -321,7 +321,7 @@ def test_pretraining_reads_its_shards_over_http_with_the_configured_retries(serv
     import subprocess
     import sys
 
-    from conftest import pretrain_env
+    from support import pretrain_env
 
     config = Path(__file__).resolve().parent.parent / "configs" / "pretrain" / "tiny-mlm.yaml"
 

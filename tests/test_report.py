@@ -2,7 +2,7 @@ import base64
 import json
 
 import pytest
-from conftest import SAMPLES
+from support import SAMPLES
 
 from pretrieve.cli import main as cli
 from pretrieve.orchestrate.farm import jobs_of, load_farm, run_farm

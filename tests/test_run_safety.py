@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import pretrain_env
+from support import pretrain_env
 from pretrieve.config import ConfigError, load_config
 from pretrieve.engine.checkpoint import prune_tags
 from pretrieve.models.heads import get_method
@@ -95,7 +95,7 @@ def test_a_lock_is_not_inherited_by_forked_children(tmp_path):
 
 
 def test_a_second_prepare_into_one_folder_is_refused(tmp_path):
-    from conftest import SAMPLES
+    from support import SAMPLES
 
     out = tmp_path / "shards"
     holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out), "prepare"], stdout=subprocess.PIPE, text=True)
@@ -362,7 +362,7 @@ def test_a_foreign_file_in_the_export_folder_is_refused_before_the_first_step(tm
                                                                               command):
     """RUN/export is where a finished run writes its export: a user's file there is refused by the export's own
     check before start-up, with nothing written (no step, no checkpoint, no MLflow run), not after training."""
-    from conftest import SAMPLES
+    from support import SAMPLES
 
     run_dir = tmp_path / "runs" / "run"
     (run_dir / "export").mkdir(parents=True)

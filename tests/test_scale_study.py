@@ -126,7 +126,7 @@ def test_scale_run_pretrains_evaluates_and_resumes(tmp_path, wiki_shards, books_
 
     from mlflow.tracking import MlflowClient
 
-    from conftest import SAMPLES, pretrain_env
+    from support import SAMPLES, pretrain_env
     from pretrieve.orchestrate.scale_run import pretrain_args, run_study, study_parent
     from pretrieve.scale.points import read_points_mlflow
 
@@ -254,7 +254,7 @@ def test_an_interrupted_scale_run_saves_its_point_and_starts_no_other(tmp_path, 
     import subprocess
     import sys
 
-    from conftest import ctrl_c_when
+    from support import ctrl_c_when
 
     path = write_study(tmp_path, wiki_shards, methods=["mlm"], budgets={"tokens": [65536, 131072]},
                        sizes={"h32": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 128}},

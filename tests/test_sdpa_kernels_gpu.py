@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from conftest import tiny_head
+from support import tiny_head
 from test_unpadding_gpu import batch as padded_batch  # 8 texts of 20 to `width` tokens, padded
 from pretrieve.models.encoder import Encoder, ModelOptions
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import free_port, pretrain_env, signal_in_mask
+from support import free_port, pretrain_env, signal_in_mask
 from slurm_cluster import Cluster, missing
 from test_launchers import _losses, _weights
 

@@ -4,8 +4,8 @@ a running top k; the result is the exact ranking (score, then row) whatever the 
 
 import numpy as np
 import pytest
-from conftest import SAMPLES, write_beir
 from scipy import sparse
+from support import SAMPLES, write_beir
 
 from pretrieve.eval import search
 from pretrieve.eval.search import sparse_search

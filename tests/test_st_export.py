@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import SAMPLES, beir_subset, pretrain_env, result_line
+from support import SAMPLES, beir_subset, pretrain_env, result_line
 
 from pretrieve.cli import main as cli
 from pretrieve.data.retrieval import load_beir

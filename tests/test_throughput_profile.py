@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import pretrain_env
+from support import pretrain_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ def test_retromaes_decoder_and_its_vocabulary_loss_are_regions_of_the_profile(tm
     """The decoder projects onto the vocabulary at every ordinary token with the kernels of the encoder's MLM loss:
     the profile's record gives it a line of its own, a region with the projection's products inside it."""
     import torch
-    from conftest import collated_with_a_pad_sample, tiny_head
+    from support import collated_with_a_pad_sample, tiny_head
 
     from benchmarks.pretrain_throughput import profiled
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import SAMPLES, pretrain_env, result_line, text_methods
+from support import SAMPLES, pretrain_env, result_line, text_methods
 from pretrieve.cli import main
 from pretrieve.data.collators import MLMCollator
 from pretrieve.data.masking import Vocabulary, word_ids

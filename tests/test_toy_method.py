@@ -89,7 +89,7 @@ def _overrides(run_dir, wiki_shards, *more):
 
 
 def test_the_toy_method_trains_through_pretrieve_pretrain(tmp_path, wiki_shards):
-    from conftest import pretrain_env
+    from support import pretrain_env
 
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, __file__, str(ROOT / "configs" / "pretrain" / "tiny-mlm.yaml"),
@@ -144,7 +144,7 @@ def test_an_unregistered_method_is_unknown():
 
 def test_the_walk_through_is_this_files_code():
     """Each of the five steps' code in docs/methods.md is this file's, line for line (indentation aside)."""
-    from conftest import walk_through_blocks
+    from support import walk_through_blocks
 
     _, blocks = walk_through_blocks("methods.md", "## Add a method", __file__)
     assert len(blocks) == 5
@@ -156,7 +156,7 @@ def test_a_new_method_touches_six_files():
     from one file, here the toy method as an arm of the method study, is at once an arm with its pooling and its
     tiny runs' overrides (pretrieve/study/plan.py, every plan's pooling) and a method of the GPU check's ladder with
     its paper's overrides (benchmarks/gpu_job.py)."""
-    from conftest import text_methods
+    from support import text_methods
 
     from pretrieve.models.heads import METHODS
 

@@ -85,7 +85,7 @@ def test_the_toy_switch_is_checked_by_key_in_its_place(toy_switch):
 def test_the_toy_switch_is_applied_after_the_pass_it_needs(toy_switch):
     """Activation checkpointing turns every layer's on, then the toy switch turns every second one off (had it run
     first, it would have found none on); the norms are swapped and the layers compiled after it."""
-    from conftest import tiny_head
+    from support import tiny_head
 
     from pretrieve.models.low_precision_norm import LowPrecisionLayerNorm
     from pretrieve.models.speed_switches import Settings, apply_switches
@@ -134,7 +134,7 @@ def test_a_switch_is_refused_where_it_would_clash(toy_switch):
 
 def test_the_engine_applies_the_toy_switch_for_pretraining_and_finetuning(tmp_path, wiki_shards, tiny_encoder):
     """One step of each: at its first step, every second layer of the trained module's encoder recomputes."""
-    from conftest import pretrain_env
+    from support import pretrain_env
 
     flag = ROOT / "pretrieve" / "assets" / "samples" / "finetune" / "embedder_retrieval_msmarco.jsonl"
     runs = {"pretrain": ([str(ROOT / "configs" / "pretrain" / "tiny-mlm.yaml"), "model.num_layers=4",
@@ -153,7 +153,7 @@ def test_the_engine_applies_the_toy_switch_for_pretraining_and_finetuning(tmp_pa
 def test_the_walk_through_is_this_files_code():
     """Each code block of docs/training.md's walk-through is this file's, line for line (indentation aside), and
     its steps name the five files a switch touches."""
-    from conftest import walk_through_blocks
+    from support import walk_through_blocks
 
     section, blocks = walk_through_blocks("training.md", "### Add a speed switch", __file__)
     assert len(blocks) == 4

@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import mlflow_job_stores, pretrain_env, running_mlflow_server
 from mlflow import MlflowClient
+from support import mlflow_job_stores, pretrain_env, running_mlflow_server
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 

@@ -36,11 +36,16 @@ NO_DEPS ?=
 # gives a test file to a worker (its module fixtures are built once); the integration tests, a few long ones, go
 # one by one. TEST_JOBS=0: one process, as plain pytest
 TEST_JOBS ?= 2
+# make test's selection (pyproject.toml names the tiers), split into the fast unit tier (`make test-fast`) and the
+# rest (`make test-system`): the system tier, whose files train in subprocesses, start DeepSpeed engines or servers,
+# and the GPU test files, which skip on CPU
+SUITE = not integration and not cluster and not parity
+FAST = $(SUITE) and not system and not gpu
 XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist $(1))
 PIP_FROM := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)))
 OFFLINE_AS_IS := $(and $(NO_DEPS),$(WHEELHOUSE))
 
-.PHONY: help install wheelhouse demo test test-integration test-cluster test-parity test-gpu gpu-bundle gpu-check bench docs clean
+.PHONY: help install wheelhouse demo test test-fast test-system test-integration test-cluster test-parity test-gpu gpu-bundle gpu-check bench docs clean
 
 # the targets, a line each (the comments above each target say more); a bare `make` installs
 .DEFAULT_GOAL := install
@@ -48,7 +53,9 @@ help:
 	@echo "make install           .venv: torch (the local CPU build where none is importable), pretrieve -e .[EXTRAS]"
 	@echo "make wheelhouse        the wheels of an install with no network, for PY= PLATFORM= (docs/offline.md)"
 	@echo "make demo              the whole pipeline on the bundled samples, on CPU, into DEMO_OUT (demo-out)"
-	@echo "make test              the CPU test suite on TEST_JOBS pytest-xdist workers"
+	@echo "make test              the CPU test suite on TEST_JOBS pytest-xdist workers: test-fast and test-system"
+	@echo "make test-fast         its fast unit tier (under 5 minutes on 2 cores)"
+	@echo "make test-system       its system tier: training subprocesses, DeepSpeed, servers; the GPU files"
 	@echo "make test-integration  the slow end-to-end tests"
 	@echo "make test-cluster      the tests on real cluster parts (SLURM, network namespaces); needs root"
 	@echo "make test-parity       the methods against their released code (PRETRIEVE_RELEASED_<METHOD>: tests/parity)"
@@ -98,7 +105,13 @@ demo: install
 	$(VENV_PY) -m pretrieve.demo --out $(DEMO_OUT)
 
 test: install
-	$(VENV_PY) -m pytest -q --durations=30 $(call XDIST,loadfile) -m "not integration and not cluster and not parity" tests
+	$(VENV_PY) -m pytest -q --durations=30 $(call XDIST,loadfile) -m "$(SUITE)" tests
+
+test-fast: install
+	$(VENV_PY) -m pytest -q --durations=10 $(call XDIST,loadfile) -m "$(FAST)" tests
+
+test-system: install
+	$(VENV_PY) -m pytest -q --durations=30 $(call XDIST,loadfile) -m "$(SUITE) and (system or gpu)" tests
 
 # slow end-to-end tests (a scaling study run, the method studies' smoke runs, as root an install from a
 # wheelhouse in a network namespace with no network); .ci/run runs them after `test`

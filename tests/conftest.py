@@ -16,16 +16,6 @@ import pytest
 from support import SAMPLES, prepare_sample, running_mlflow_server
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "integration: a slow end-to-end test of several commands together "
-                                       "(`make test-integration`, also run by .ci/run); `make test` leaves it out")
-    config.addinivalue_line("markers", "cluster: a test on real cluster parts (a SLURM cluster, network namespaces, "
-                                       "fault injection) that needs root (`make test-cluster`, also run by .ci/run)")
-    config.addinivalue_line("markers", "parity: a method's losses and gradients against its released code, a checkout "
-                                       "and venv named by environment variables (`make test-parity`, "
-                                       "tests/parity/released.py); `make test` leaves it out")
-
-
 @pytest.fixture
 def sigint_at_default():
     """Children start with SIGINT at its default: under a background job of a non-interactive shell (`make test &`)

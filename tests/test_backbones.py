@@ -29,6 +29,8 @@ from pretrieve.models.export import export
 from pretrieve.models.heads import METHODS, get_method
 from pretrieve.pretrain_config import experiment
 
+pytestmark = pytest.mark.system
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 # each backbone with the tokenizer kind of its family, and its layer class
 BACKBONES = {"bert": ("wordpiece", BertLayer), "roberta": ("bpe", RobertaLayer),

@@ -15,6 +15,8 @@ from pretrieve.data.stream import ShardStream
 from pretrieve.models.heads import get_method
 from test_equations_causal import build
 
+pytestmark = pytest.mark.system
+
 
 def unmasked(batch: dict, row: int, ids="input_ids", labels="mlm_labels", mask="attention_mask") -> list[int]:
     """A row's original text without [CLS] and [SEP]: the label where masked, else the input."""

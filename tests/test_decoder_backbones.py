@@ -17,6 +17,8 @@ from pretrieve.models.dense_pooling import last_token_pooling, mean_pooling
 from pretrieve.models.encoder import Encoder, ModelOptions
 from pretrieve.pretrain_config import experiment
 
+pytestmark = pytest.mark.system
+
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 

@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
+import pytest
 from support import pretrain_env
+
+pytestmark = pytest.mark.system
 
 SCRIPT = """
 import sys

@@ -15,6 +15,8 @@ import pytest
 
 from support import pretrain_env
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -27,6 +27,8 @@ from urllib.parse import unquote, urlsplit
 import pytest
 from support import pretrain_env
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "launchers" / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
          *sorted((ROOT / "studies").glob("*/README.md"))]

@@ -18,6 +18,8 @@ from pretrieve.engine.ds_config import DS_CONFIG_DIR, deepspeed_config
 from pretrieve.engine.lr_schedule import LRSchedule
 from pretrieve.pretrain_config import experiment
 
+pytestmark = pytest.mark.system
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 
 

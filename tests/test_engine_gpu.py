@@ -13,7 +13,7 @@ import pytest
 import torch
 from support import json_lines
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = "mlm,retromae,dupmae,seed,costa,cotmae,cotmote"

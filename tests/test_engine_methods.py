@@ -12,6 +12,8 @@ import pytest
 from support import free_port, json_lines, pretrain_env, save_tiny_bert, text_methods
 from pretrieve.models.heads import METHODS
 
+pytestmark = pytest.mark.system
+
 SCRIPT = Path(__file__).resolve().parent / "one_step.py"
 ALL = (*text_methods(METHODS), "finetune")
 

@@ -17,6 +17,8 @@ from fault_runs import assert_same_run
 from support import free_port, json_lines, pretrain_env, signal_in_mask
 from transformers import AutoModel
 
+pytestmark = pytest.mark.system
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 
 

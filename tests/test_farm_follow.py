@@ -21,6 +21,8 @@ from pretrieve.orchestrate.farm import jobs_of, load_farm
 from pretrieve.orchestrate.follow import FollowState, follow_settings
 from pretrieve.orchestrate.follow_plan import Next, look, next_steps, wanted
 
+pytestmark = pytest.mark.system
+
 SCIFACT = SAMPLES / "beir" / "scifact-sample"
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 DELETED = "deleted by the run (checkpoint.keep: 2) before being exported"

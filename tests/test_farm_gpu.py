@@ -17,7 +17,7 @@ from test_farm_devices import watch_jobs
 
 from pretrieve.engine.devices import node_devices
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def placement(job) -> tuple[str | None, frozenset[str]]:

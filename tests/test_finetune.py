@@ -21,6 +21,8 @@ from pretrieve.finetune.examples import examples_from_ids, read_examples
 from pretrieve.finetune.models import DualEncoder, contrastive_loss
 from pretrieve.models.encoder import Encoder
 
+pytestmark = pytest.mark.system
+
 FLAG = SAMPLES / "finetune" / "embedder_retrieval_msmarco.jsonl"
 SCIFACT = SAMPLES / "beir" / "scifact-sample"
 

@@ -26,6 +26,8 @@ from pretrieve.finetune.models import DualEncoder
 from pretrieve.models.encoder import Encoder
 from pretrieve.models.representation import keep_top_k, sparse_representation
 
+pytestmark = pytest.mark.system
+
 FLAG = SAMPLES / "finetune" / "embedder_retrieval_msmarco.jsonl"
 CONFIGS = Path(__file__).parent.parent / "configs" / "finetune"
 

@@ -18,6 +18,8 @@ from pretrieve.engine.flops import device_peak, gpu_peak
 from pretrieve.engine.rng import generator_states, rng_state, set_generator_states, set_rng_state
 from pretrieve.pretrain_config import experiment
 
+pytestmark = pytest.mark.system
+
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "pretrain" / "tiny-retromae.yaml"
 
 

@@ -16,6 +16,8 @@ import torch
 
 from support import free_port, pretrain_env, save_tiny_bert
 
+pytestmark = pytest.mark.system
+
 SCRIPT = Path(__file__).resolve().parent / "grad_cache_step.py"
 
 

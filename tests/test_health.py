@@ -18,6 +18,8 @@ from pretrieve.pretrain_config import experiment
 from pretrieve.utils.options import ConfigError
 from pretrieve.utils.run_dir import latest_checkpoint
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "pretrain" / "tiny-mlm.yaml"
 INJECT = Path(__file__).resolve().parent / "inject_fault.py"

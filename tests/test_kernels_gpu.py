@@ -10,7 +10,8 @@ from pretrieve.kernels import two_stream_attention
 from pretrieve.kernels.fused import available
 from test_kernels import _mask, decoder_steps
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and available()), reason="needs CUDA and triton")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (torch.cuda.is_available() and available()), reason="needs CUDA and triton")]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

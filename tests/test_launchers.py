@@ -21,6 +21,8 @@ from pretrieve.engine.ds_config import deepspeed_config
 from pretrieve.pretrain_config import experiment
 from pretrieve.utils.stop_signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHERS = ROOT / "launchers"
 PRETRAIN_SH = LAUNCHERS / "pretrain.sh"

@@ -24,6 +24,8 @@ from pretrieve.models.encoder import ModelOptions
 from pretrieve.models.heads import get_method
 from pretrieve.models.heads.llama2vec import prompt_mask
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs" / "pretrain"
 TEXTS = ["The cat sat on the mat while the dog slept near the door. Later the dog woke and chased the cat "

@@ -27,6 +27,8 @@ from pretrieve.models.lora import ADAPTER_DIR, LoraOptions, has_lora
 from pretrieve.pretrain_config import experiment
 from pretrieve.utils.options import ConfigError
 
+pytestmark = pytest.mark.system
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 TEXTS = ["The cat sat on the mat while the dog slept near the door, and later chased it over the wall.",
          "Rivers carry water from the mountains to the sea.",

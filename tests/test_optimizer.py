@@ -17,6 +17,8 @@ from pretrieve.engine.ds_config import deepspeed_config
 from pretrieve.engine.optimizer import client_optimizer, clip_in_loop
 from pretrieve.pretrain_config import experiment
 
+pytestmark = pytest.mark.system
+
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "pretrain" / "tiny-retromae.yaml"
 STAGES = (0, 2)
 

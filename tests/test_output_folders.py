@@ -15,6 +15,8 @@ from pretrieve.cli import main as cli
 from pretrieve.utils.output_folder import (OutputInUse, check_file_output, check_own_entries, check_whole_output,
                                            replace_directory)
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parent.parent
 FLAG = SAMPLES / "finetune" / "embedder_retrieval_msmarco.jsonl"
 

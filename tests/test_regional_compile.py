@@ -22,6 +22,8 @@ from pretrieve.models.low_precision_norm import lower_norm_precision
 from pretrieve.models.regional_compile import compile_layers, compiled_layers
 from pretrieve.pretrain_config import experiment
 
+pytestmark = pytest.mark.system
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 LENGTHS = (16, 24, 40, 33)
 TINY = dict(vocab_size=1000, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, pad_token_id=0,

@@ -24,6 +24,8 @@ from pretrieve.data.remote import ReadOptions, fetch, resolve
 from pretrieve.data.shards import ShardError
 from pretrieve.data.stream import ShardStream, StreamError, StreamLoader
 
+pytestmark = pytest.mark.system
+
 BATCH = 8
 # small blocks, so every shard takes several ranged requests; small timeouts and backoffs keep faults quick
 READ = ReadOptions(block_size=16 << 10, timeout=2.0, retries=3, backoff=0.01, backoff_max=0.05)

@@ -23,6 +23,8 @@ from pretrieve.pretrain_config import experiment
 from pretrieve.utils.run_dir import latest_checkpoint
 from pretrieve.utils.run_lock import DirectoryLock
 
+pytestmark = pytest.mark.system
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 
 

@@ -13,6 +13,8 @@ from pretrieve.config import load_config
 from pretrieve.pretrain_config import experiment
 from pretrieve.scale.plan import StudyError, plan
 
+pytestmark = pytest.mark.system
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 
 

@@ -13,7 +13,7 @@ from support import tiny_head
 from test_unpadding_gpu import batch as padded_batch  # 8 texts of 20 to `width` tokens, padded
 from pretrieve.models.encoder import Encoder, ModelOptions
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 BACKBONES = ("bert", "roberta", "xlm-roberta", "modernbert")

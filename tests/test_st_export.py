@@ -19,6 +19,8 @@ from pretrieve.data.retrieval import load_beir
 from pretrieve.eval.model_config import declared_encoding
 from pretrieve.models.st_config import read_st_config, write_st_config
 
+pytestmark = pytest.mark.system
+
 pytest.importorskip("sentence_transformers")
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 FLAG = SAMPLES / "finetune" / "embedder_retrieval_msmarco.jsonl"

@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support import pretrain_env
+
+pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).resolve().parent.parent
 

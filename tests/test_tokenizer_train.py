@@ -24,6 +24,8 @@ from pretrieve.data.tokenizer_train import TRAINING_RECORD
 from pretrieve.models.encoder import ModelOptions
 from pretrieve.models.heads import METHODS, get_method
 
+pytestmark = pytest.mark.system
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 TEXT = "The anarchism movement, a political philosophy"
 # (kind, its special tokens in the order cls sep pad mask, the word-start marker, TEXT's tokens)

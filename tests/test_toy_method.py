@@ -25,6 +25,8 @@ from pretrieve.models.flops import labelled, vocab_flops
 from pretrieve.models.heads.base import PretrainingHead
 from pretrieve.models.heads.registry import MethodOptions, option, register_method, unregister_method
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

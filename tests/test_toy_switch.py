@@ -20,6 +20,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from pretrieve.config import TrainOptions
 from pretrieve.models.speed_switches import Rung, Switch, register_switch
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -6,8 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 from support import mlflow_job_stores, pretrain_env, running_mlflow_server
+
+pytestmark = pytest.mark.system
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 

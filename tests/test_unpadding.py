@@ -24,6 +24,8 @@ from pretrieve.models.heads import METHODS, get_method
 from pretrieve.models.unpadding import Packed
 from pretrieve.pretrain_config import experiment
 
+pytestmark = pytest.mark.system
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 MAX_LEN = 96
 WINDOW = 16  # ModernBERT's local_attention: 8 tokens each side, much less than the texts

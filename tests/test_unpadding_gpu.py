@@ -9,7 +9,7 @@ import torch
 from pretrieve.models import unpadding
 from pretrieve.models.encoder import Encoder, ModelOptions
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def encoders(dropout: float = 0.0, backbone: str = "modernbert"):

@@ -20,6 +20,8 @@ from pretrieve.finetune.examples import read_examples
 from pretrieve.finetune.mine import MineOptions, mine
 from pretrieve.models.representation import POOLINGS
 
+pytestmark = pytest.mark.system
+
 SCIFACT = SAMPLES / "beir" / "scifact-sample"
 FLAG = SAMPLES / "finetune" / "embedder_retrieval_msmarco.jsonl"
 

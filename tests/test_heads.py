@@ -14,6 +14,8 @@ from pretrieve.models.heads.dupmae import ot_vector
 from pretrieve.models.heads.registry import METHODS as REGISTERED
 from pretrieve.pretrain_config import method_options, model_options
 
+pytestmark = pytest.mark.system
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 METHODS = text_methods(REGISTERED)  # every method on blocks of text, each on its tiny config
 # the loss parts each built-in method returns beside the loss; a method added since is held to returning parts,

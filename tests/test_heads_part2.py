@@ -129,6 +129,7 @@ def _gather_worker(rank, world, port, texts, spans, valid, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.system  # two spawned gloo processes
 def test_costa_loss_all_gather_two_gloo_processes():
     """Two ranks with two texts each, gathered: the mean of their losses is the one-process loss of all four
     texts, and each rank's text gradients are that loss's gradients (scaled by the rank count)."""

@@ -12,7 +12,8 @@ from pretrieve.kernels import CompactMask, resolve, two_stream_attention
 from pretrieve.kernels import fused
 from pretrieve.kernels.fused import available
 
-pytestmark = [pytest.mark.skipif(not available(), reason="triton is installed by `make install` ([dev])"),
+pytestmark = [pytest.mark.system,  # Triton's interpreter: seconds a kernel call
+              pytest.mark.skipif(not available(), reason="triton is installed by `make install` ([dev])"),
               # CPU tensors through the Triton interpreter; on a GPU machine test_kernels_gpu.py runs the kernels
               pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; see test_kernels_gpu.py")]
 

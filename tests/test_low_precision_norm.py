@@ -16,6 +16,8 @@ from pretrieve.data.stream import ShardStream
 from pretrieve.models.low_precision_norm import LowPrecisionLayerNorm, lower_norm_precision
 from pretrieve.pretrain_config import experiment
 
+pytestmark = pytest.mark.system
+
 BACKBONES = ("bert", "roberta", "xlm-roberta", "modernbert")
 CASES = [(backbone, method) for backbone in BACKBONES for method in ("mlm", "retromae")] + [("bert", "dupmae")]
 

@@ -29,8 +29,6 @@ from pretrieve.models.export import export
 from pretrieve.models.st_config import read_st_config, write_st_config
 from pretrieve.pretrain_config import experiment
 
-pytestmark = pytest.mark.system
-
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs" / "pretrain"
 FAMILIES = ("bert", "modernbert", "sentence-transformers")  # adapt-<family>.yaml

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from support import (TINY_CONFIGS, assert_resumed_run_repeats, collated_with_a_pad_sample, exported_after_a_step,
                       pretrain_stopped_and_resumed, tiny_head)
 
+pytestmark = pytest.mark.system
+
 
 def tiny_lexmae(*overrides):
     return tiny_head("lexmae", *overrides)

@@ -18,6 +18,8 @@ from pretrieve.engine.flops import forward_flops, train_flops
 from pretrieve.models.flops import encoder_flops
 from pretrieve.models.heads.simlm import generator_config
 
+pytestmark = pytest.mark.system
+
 
 def tiny_simlm(*overrides):
     return tiny_head("simlm", *overrides)

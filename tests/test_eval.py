@@ -17,6 +17,8 @@ from pretrieve.eval.evaluate import TABLE_METRICS, EvalOptions, run_eval
 from pretrieve.eval.metrics import METRICS, evaluate, trec_run_lines
 from pretrieve.eval.search import dense_search, index_recall
 
+pytestmark = pytest.mark.system
+
 SCIFACT = SAMPLES / "beir" / "scifact-sample"
 
 

@@ -17,6 +17,8 @@ from support import SAMPLES
 from pretrieve.engine.devices import DevicePool, node_devices
 from pretrieve.orchestrate.farm import load_farm, run_farm
 
+pytestmark = pytest.mark.system
+
 SCIFACT = SAMPLES / "beir" / "scifact-sample"
 
 

@@ -13,8 +13,6 @@ from support import SAMPLES
 from pretrieve.data.retrieval import load_beir, write_msmarco
 from pretrieve.engine.tracking import experiment_id_of
 
-pytestmark = pytest.mark.system
-
 SCIFACT = SAMPLES / "beir" / "scifact-sample"
 
 

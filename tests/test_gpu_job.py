@@ -19,6 +19,8 @@ from benchmarks.gpu_job import Command, Stage
 
 ROOT = Path(__file__).resolve().parent.parent
 
+pytestmark = pytest.mark.system
+
 
 def _tool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "benchmarks.gpu_job", *args], cwd=ROOT, capture_output=True,

@@ -108,6 +108,7 @@ def test_rerun_is_a_no_op_and_other_arguments_are_refused(tmp_path, capsys):
         prepare_sample(tmp_path, "books", "books", shard_size=32)
 
 
+@pytest.mark.system  # three prepare processes, one killed
 def test_killed_run_resumes_to_identical_shards(tmp_path):
     # A bigger input (the sample five times) so the run is still going when it is killed.
     big = tmp_path / "big.jsonl"

@@ -156,6 +156,7 @@ def test_the_ladder_and_its_peers_run_at_the_tiny_size_on_cpu(tmp_path):
             assert r["overrides"] == next(o for m, n, o, _ in runs if (m, n) == (r["method"], r["rung"]))
 
 
+@pytest.mark.system  # trains in a subprocess
 def test_the_floor_runs_its_variants_at_the_tiny_size_on_cpu(tmp_path):
     """benchmarks/step_floor.py, the GPU job's floor stage, as the job runs it (all but the compiled variant,
     whose inductor build is tested in test_regional_compile.py): one record, each variant timed."""

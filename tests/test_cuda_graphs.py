@@ -3,8 +3,8 @@ config says it, at start-up where only the machine, the world or the module buil
 runs in tests/test_cuda_graphs_gpu.py (`make test-gpu`)."""
 
 import pytest
-from support import tiny_head
 from omegaconf import OmegaConf
+from support import tiny_head
 
 from pretrieve.config import (
     CheckpointOptions,

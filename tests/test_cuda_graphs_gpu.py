@@ -20,6 +20,7 @@ from pretrieve.engine.cuda_graphs import WARMUP_STEPS
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 8
 pytestmark = [
+    pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     # the batches of one shape the switch needs (train.static_shapes) are a field of TrainOptions where they exist
     pytest.mark.skipif("static_shapes" not in {f.name for f in dataclasses.fields(TrainOptions)},

@@ -174,7 +174,8 @@ def _two_ranks(rank, port, reps, pad, results):
         dist.destroy_process_group()
 
 
-@pytest.mark.system  # two spawned gloo processes
+# two spawned gloo processes, seconds to start: make test-system
+@pytest.mark.system
 def test_cross_rank_negatives_are_the_one_process_batch():
     """Two gloo ranks of two documents (four spans) each, gathered: the ranks' sums of eq. 6 add up to the
     one-process sum over all eight spans (every other span of the global batch a candidate), and each rank's

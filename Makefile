@@ -37,8 +37,8 @@ NO_DEPS ?=
 # one by one. TEST_JOBS=0: one process, as plain pytest
 TEST_JOBS ?= 2
 # make test's selection (pyproject.toml names the tiers), split into the fast unit tier (`make test-fast`) and the
-# rest (`make test-system`): the system tier, whose files train in subprocesses, start DeepSpeed engines or servers,
-# and the GPU test files, which skip on CPU
+# rest (`make test-system`): the system tier, tests that train, start DeepSpeed engines, processes or servers, and
+# the GPU test files, which skip on CPU
 SUITE = not integration and not cluster and not parity
 FAST = $(SUITE) and not system and not gpu
 XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist $(1))
@@ -55,7 +55,7 @@ help:
 	@echo "make demo              the whole pipeline on the bundled samples, on CPU, into DEMO_OUT (demo-out)"
 	@echo "make test              the CPU test suite on TEST_JOBS pytest-xdist workers: test-fast and test-system"
 	@echo "make test-fast         its fast unit tier (under 5 minutes on 2 cores)"
-	@echo "make test-system       its system tier: training subprocesses, DeepSpeed, servers; the GPU files"
+	@echo "make test-system       the rest: training, DeepSpeed engines, processes, servers; the GPU files"
 	@echo "make test-integration  the slow end-to-end tests"
 	@echo "make test-cluster      the tests on real cluster parts (SLURM, network namespaces); needs root"
 	@echo "make test-parity       the methods against their released code (PRETRIEVE_RELEASED_<METHOD>: tests/parity)"

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support import pretrain_env, tiny_head
 
-from conftest import pretrain_env, tiny_head
 from pretrieve.data.collators import POSITIONS, TARGETS, labelled_positions
 from pretrieve.models.token_targets import Targets, token_targets
 from pretrieve.models.vocab_loss import vocab_cross_entropy
@@ -141,6 +141,7 @@ print(json.dumps(shapes))
 """
 
 
+@pytest.mark.system  # trains in a subprocess
 def test_static_shapes_give_every_step_of_a_run_the_same_batch_shapes(tmp_path, wiki_shards):
     """A short tiny pre-training on Wikipedia blocks of many lengths (up to 510 tokens): each step's batch, as
     the loop counts it, has the shapes of the first. Without the switch the same batches vary in width."""

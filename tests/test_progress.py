@@ -106,7 +106,8 @@ def test_the_last_progress_line_of_training_shows_the_last_steps_loss(capsys):
         get_global_grad_norm = lambda self: None  # noqa: E731
 
     engine = Engine()
-    exp = SimpleNamespace(train=SimpleNamespace(max_steps=3, stop_at=None, eval_every=None, log_every=2),
+    exp = SimpleNamespace(train=SimpleNamespace(max_steps=3, stop_at=None, eval_every=None, log_every=2,
+                                              cuda_graphs=False),
                           checkpoint=SimpleNamespace(every=100))
     job = SimpleNamespace(loader=[{"x": torch.zeros(1)}] * 3, count=lambda batch: (1, 1, 1), flops=lambda batch: 0,
                           validation=None, at_step=None, name="finetune contrastive", position=None)

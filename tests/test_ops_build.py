@@ -78,3 +78,20 @@ def test_each_environment_builds_into_its_own_extension_cache(monkeypatch, tmp_p
     assert "TORCH_EXTENSIONS_DIR" not in os.environ
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
     assert environment_cache() == str(tmp_path / "mine")
+
+
+def test_a_venv_reached_through_a_link_builds_apart_from_its_real_path(monkeypatch, tmp_path):
+    """A build's include paths name the prefix as Python was started from it: builds of the real and the linked
+    path of one venv, sharing one cache, took each other's for stale and rebuilt at every start-up."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    (tmp_path / "venv").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "venv")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
+    real = environment_cache()
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "link"))
+    linked = environment_cache()
+    assert real == str(tmp_path / "venv" / "torch_extensions")
+    assert Path(linked).parent.resolve() == Path(real) and Path(linked).name.startswith("via-")
+    (tmp_path / "other").symlink_to(tmp_path / "venv")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "other"))
+    assert environment_cache() not in (real, linked)

@@ -4,8 +4,9 @@ wait behind a lock that no build holds.
 - Each environment builds into its own extension cache. torch's default, one per user, is shared by every clone
   and venv; their builds differ (the venv's include paths, its ninja), so each start-up in one rebuilt the op the
   other had built (35-108 s each, over and over). `environment_ops()` sets TORCH_EXTENSIONS_DIR, unless it is
-  set, to `<sys.prefix>/torch_extensions` (the venv's own folder, when it may be written) and puts the
-  environment's ninja first on PATH while ops build and load.
+  set, to `<sys.prefix>/torch_extensions` (the venv's own folder, when it may be written; a folder of its own
+  inside for each linked path it is reached by) and puts the environment's ninja first on PATH while ops build
+  and load.
 - torch takes a lock file for each build and load (`<cache>/<op>/lock`, its FileBaton) and waits for it to go,
   forever. A build killed midway leaves it behind, and every later start-up (and `make install`) then waited
   until someone removed it. `clear_build_lock()` removes a lock that no process holds open, on a file system of
@@ -17,6 +18,7 @@ wait behind a lock that no build holds.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import sys
@@ -34,7 +36,12 @@ def environment_cache() -> str | None:
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return os.environ["TORCH_EXTENSIONS_DIR"]
     cache = Path(sys.prefix) / "torch_extensions"
-    return str(cache) if os.access(cache if cache.exists() else sys.prefix, os.W_OK) else None
+    if os.path.realpath(sys.prefix) != sys.prefix:
+        # reached through a link (a linked home or venv): the build's include paths name the linked path, and a
+        # build of it and one of the real path would take each other's for stale, rebuilding at every start-up
+        cache = cache / f"via-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]}"
+    existing = next(p for p in (cache, cache.parent, Path(sys.prefix)) if p.exists())
+    return str(cache) if os.access(existing, os.W_OK) else None
 
 
 @contextlib.contextmanager

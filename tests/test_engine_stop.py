@@ -275,8 +275,11 @@ def test_a_start_up_past_its_deadline_unlinks_its_cpu_allreduce_buffer(tmp_path,
     deepspeed.initialize until train.startup_timeout, exits 86, and its buffer is gone from /dev/shm with it."""
     port = free_port()
     env = pretrain_env(WORLD_SIZE="2", LOCAL_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    # the engine's extension cache, where `make install` built the CPU op: in torch's default one the peer built
+    # it anew, past rank 0's deadline, and never formed the group
     peer = subprocess.Popen([sys.executable, "-c", "import time, deepspeed\n"
-                             "deepspeed.init_distributed(dist_backend='gloo')\ntime.sleep(600)\n"],
+                             "from pretrieve.engine.ops import environment_ops\nwith environment_ops():\n"
+                             "    deepspeed.init_distributed(dist_backend='gloo')\ntime.sleep(600)\n"],
                             env={**env, "RANK": "1", "LOCAL_RANK": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:

@@ -57,7 +57,6 @@ def inputs(work: Path) -> dict:
 def init_exports(work: Path, tokenizer: Path) -> dict[str, Path]:
     """A tiny random model of each family, exported: every run of that family starts from it."""
     from pretrieve.data.masking import Vocabulary
-    from pretrieve.data.tokenizer import TOKENIZER_FILES
     from pretrieve.models.encoder import ModelOptions
     from pretrieve.models.export import export
     from pretrieve.models.heads import get_method
@@ -72,10 +71,6 @@ def init_exports(work: Path, tokenizer: Path) -> dict[str, Path]:
                                  intermediate_size=64, pad_token_id=vocab.pad_id, dropout=0.0)
             export(method.build(method.options_from({"pooling": "last", "max_len": 128}), model, seed=0),
                    out[family], tokenizer=tokenizer)
-            # no tokenizer of its own: loaded from a qwen2 folder, the tokenizer gains Qwen2's default
-            # <|endoftext|>, and the runs' data.tokenizer (the shards') would be refused as another vocabulary
-            for name in TOKENIZER_FILES:
-                (out[family] / name).unlink(missing_ok=True)
     return out
 
 

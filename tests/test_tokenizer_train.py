@@ -104,6 +104,23 @@ def test_the_llm_kind_splits_as_llama3_and_ends_each_text_with_eos(trained):
     assert llm.unk_token is None  # byte-level: every text has its bytes
 
 
+def test_a_trained_tokenizer_beside_a_models_config_keeps_its_vocabulary(trained, tmp_path):
+    """An export of a decoder LLM holds the shards' tokenizer beside the model's config.json: read from there, its
+    vocabulary (and fingerprint) is the one trained, not the model type's class with its own special tokens
+    (a qwen2 folder once gained Qwen2's <|endoftext|>), so runs from the export take the same shards."""
+    import shutil
+
+    from transformers import Qwen2Config
+
+    folder = tmp_path / "export"
+    shutil.copytree(trained["llm"], folder)
+    Qwen2Config(vocab_size=1000, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=64).save_pretrained(folder)
+    alone, beside = describe(trained["llm"]), describe(folder)
+    assert beside.vocab_size == alone.vocab_size == 1000 and beside.fingerprint == alone.fingerprint
+    assert "<|endoftext|>" not in load_backend(folder).get_vocab(with_added_tokens=True)
+
+
 def test_the_bundled_vocabulary_is_read_as_before():
     """The bundled bert-base-uncased tokenizer gives the same Vocabulary through its config's roles as through
     BERT's names: masking on BERT is unchanged."""

@@ -10,6 +10,7 @@ from pathlib import Path
 DEFAULT_TOKENIZER = str(Path(__file__).resolve().parent.parent / "assets" / "tokenizer")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
                    "sentencepiece.bpe.model")  # any one: transformers can load a tokenizer from the folder
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # tokenizer.json as it is, no model's defaults
 
 
 class TokenizerError(ValueError):
@@ -30,20 +31,33 @@ class TokenizerInfo:
 def load_tokenizer(path: str | Path):
     """The transformers tokenizer of a local HF tokenizer directory, which must be a fast one.
 
-    Goes through `AutoTokenizer` so a directory with only `vocab.txt` works too (converted to fast).
+    Goes through `AutoTokenizer` so a directory with only `vocab.txt` works too (converted to fast). A tokenizer
+    saved as the generic fast class (`pretrieve tokenizer train`'s) loads as that class even beside a model's
+    config.json: AutoTokenizer would take the model type's class, which adds its own special tokens (a qwen2
+    folder gained Qwen2's <|endoftext|>), and the vocabulary would no longer be the shards'.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(path)
     if not path.is_dir():
         raise TokenizerError(f"tokenizer directory not found: {path} (pass a local HF tokenizer directory)")
+    loader = PreTrainedTokenizerFast if declared_class(path) in GENERIC_CLASSES else AutoTokenizer
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok = loader.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad directory
         raise TokenizerError(f"{path}: cannot load a tokenizer ({e})") from e
     if getattr(tok, "backend_tokenizer", None) is None:
         raise TokenizerError(f"{path}: no fast tokenizer available; pretrieve needs a HF fast tokenizer")
     return tok
+
+
+def declared_class(path: Path) -> str | None:
+    """The tokenizer class a folder's tokenizer_config.json names, if any."""
+    config = path / "tokenizer_config.json"
+    try:
+        return json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class") if config.is_file() else None
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"{config}: cannot read it ({e})") from e
 
 
 def load_backend(path: str | Path):

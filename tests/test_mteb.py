@@ -84,7 +84,8 @@ def test_mteb_scores_a_matryoshka_prefix_as_the_beir_evaluation_does(tmp_path, t
     assert json.loads(meta.read_text())["embed_dim"] == 8
 
 
-def test_a_stopped_mteb_run_leaves_nothing_half_written(tmp_path, tiny_encoder, local_task, monkeypatch):
+def test_a_stopped_mteb_run_leaves_nothing_half_written(tmp_path, tiny_encoder, local_task, monkeypatch,
+                                                      sigint_at_default):
     """Ctrl-C (a real SIGINT) while the second task encodes, after MTEB saved the first task's result: no OUT/mteb/
     nor its temporary folder is left, nor the OUT the run made; into a folder that was there (a farm job's, with
     its log), the folder and the log stay."""

@@ -59,10 +59,11 @@ class BertBackbone(Backbone):
         """The stack on one packed row: positions restart at each text, from the family's offset (RoBERTa's
         padding_idx + 1), and the token types, read from HF's buffer at those positions, are each text's own
         (all 0). Attention runs by cu_seqlens on the varlen kernel where it can, else padded under the padded
-        batch's mask."""
+        batch's mask. The mask goes in even without padding: given none, HF (5.25 on) builds one of the packed row
+        from the positions, which the padded fallback cannot take."""
         positions = packed.position_ids + cls.position_offset(model.config.pad_token_id)
-        return model(input_ids=input_ids, attention_mask=padded_mask(model, attention_mask), position_ids=positions,
-                     packed=packed).last_hidden_state
+        return model(input_ids=input_ids, attention_mask=padded_mask(model, attention_mask, ready=True),
+                     position_ids=positions, packed=packed).last_hidden_state
 
     @classmethod
     def config(cls, options, pad_token_id: int):

@@ -93,8 +93,8 @@ class ModernBertBackbone(Backbone):
     def packed_forward(model, input_ids, packed, attention_mask):
         """ModernBERT's stack on one packed row, positions restarting at each text (RoPE). Attention runs by
         cu_seqlens on the varlen kernel where it can, else padded under the padded batch's global and local
-        masks."""
-        return model(input_ids=input_ids, attention_mask=layer_masks(model, attention_mask),
+        masks (given even without padding, as BERT's packed forward says)."""
+        return model(input_ids=input_ids, attention_mask=layer_masks(model, attention_mask, ready=True),
                      position_ids=packed.position_ids, packed=packed).last_hidden_state
 
     @staticmethod

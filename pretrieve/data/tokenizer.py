@@ -41,7 +41,8 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     if not path.is_dir():
         raise TokenizerError(f"tokenizer directory not found: {path} (pass a local HF tokenizer directory)")
-    loader = PreTrainedTokenizerFast if declared_class(path) in GENERIC_CLASSES else AutoTokenizer
+    declared = tokenizer_config(path).get("tokenizer_class")
+    loader = PreTrainedTokenizerFast if declared in GENERIC_CLASSES else AutoTokenizer
     try:
         tok = loader.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad directory
@@ -51,11 +52,11 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-def declared_class(path: Path) -> str | None:
-    """The tokenizer class a folder's tokenizer_config.json names, if any."""
-    config = path / "tokenizer_config.json"
+def tokenizer_config(path: str | Path) -> dict:
+    """A folder's tokenizer_config.json ({} without one)."""
+    config = Path(path) / "tokenizer_config.json"
     try:
-        return json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class") if config.is_file() else None
+        return json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
     except (OSError, ValueError) as e:
         raise TokenizerError(f"{config}: cannot read it ({e})") from e
 
@@ -73,10 +74,7 @@ def describe(path: str | Path, backend=None) -> TokenizerInfo:
     vocab = backend.get_vocab(with_added_tokens=True)
     by_id = sorted(vocab.items(), key=lambda kv: kv[1])
     digest = hashlib.sha256("\n".join(token for token, _ in by_id).encode("utf-8")).hexdigest()
-    config = Path(path) / "tokenizer_config.json"
-    name = Path(path).name
-    if config.exists():
-        name = json.loads(config.read_text(encoding="utf-8")).get("name_or_path") or name
+    name = tokenizer_config(path).get("name_or_path") or Path(path).name
     return TokenizerInfo(name=name, path=str(path), vocab_size=len(vocab), fingerprint=f"sha256:{digest}")
 
 

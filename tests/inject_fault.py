@@ -136,10 +136,10 @@ def _install(at: str, step: int) -> None:
     elif at == "prune":
         real_prune = checkpoint.prune_tags
 
-        def prune_tags(ckpt_dir, latest, keep):
+        def prune_tags(ckpt_dir, latest, keep, every):
             if latest == tag:
                 _act()
-            return real_prune(ckpt_dir, latest, keep)
+            return real_prune(ckpt_dir, latest, keep, every)
 
         checkpoint.prune_tags = prune_tags
     elif at in ("nan", "leak", "frozen"):

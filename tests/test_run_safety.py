@@ -198,8 +198,19 @@ def test_prune_keeps_latest_and_the_tags_before_it(tmp_path):
     finish, stays until that step is saved again."""
     for step in range(1, 6):
         (tmp_path / f"step{step:08d}").mkdir()
-    prune_tags(tmp_path, "step00000004", keep=2)
+    prune_tags(tmp_path, "step00000004", keep=2, every=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step00000003", "step00000004", "step00000005"]
+
+
+def test_a_stop_save_does_not_push_out_a_regular_checkpoint(tmp_path):
+    """Every 200 steps, keep 5: a stop at step 871 saved a tag off that schedule; once step 1000 is saved it
+    goes, and steps 200-600 (a study evaluates each) stay: four regular tags before the newest."""
+    for step in (200, 400, 600, 871, 1000):
+        (tmp_path / f"step{step:08d}").mkdir()
+    prune_tags(tmp_path, "step00001000", keep=5, every=200)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step{s:08d}" for s in (200, 400, 600, 1000)]
+    prune_tags(tmp_path, "step00001000", keep=2, every=200)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step00000600", "step00001000"]
 
 
 def test_a_full_disk_names_the_checkpoint_and_leaves_latest(tmp_path, wiki_shards):

@@ -28,11 +28,12 @@ from pretrieve.utils.run_dir import LATEST, TAG_CONFIG, latest_checkpoint, write
 class Checkpointer:
     """Saves and loads the checkpoints of one run for one rank; `position` is the loader's position (the job's
     `position`: state_dict, load_state_dict and describe_position), `metrics` the metrics window (state_dict,
-    load_state_dict, merged), `health` the alarms (state_dict, load_state_dict)."""
+    load_state_dict, merged), `health` the alarms (state_dict, load_state_dict); `options` the run's
+    `checkpoint` section (every, keep)."""
 
-    def __init__(self, engine, ckpt_dir: Path, position, keep: int, rank: int, world: int, config_yaml: str,
+    def __init__(self, engine, ckpt_dir: Path, position, options, rank: int, world: int, config_yaml: str,
                  metrics=None, health=None):
-        self.engine, self.ckpt_dir, self.position, self.keep = engine, ckpt_dir, position, keep
+        self.engine, self.ckpt_dir, self.position, self.options = engine, ckpt_dir, position, options
         self.rank, self.world, self.config_yaml, self.metrics = rank, world, config_yaml, metrics
         self.health = health
 
@@ -63,7 +64,7 @@ class Checkpointer:
             raise _save_failed(self.ckpt_dir, tag, e) from e
         if self.rank == 0:
             write_atomic(self.ckpt_dir / LATEST, tag)
-            prune_tags(self.ckpt_dir, tag, self.keep)
+            prune_tags(self.ckpt_dir, tag, self.options.keep, self.options.every)
         return tag
 
     def load(self, folder: Path, tag: str, branch: bool, seed: int) -> dict:
@@ -135,11 +136,14 @@ def rename_old_parameters(module: torch.nn.Module, tag_dir: Path) -> None:
           f"({next(iter(moves))} -> {moves[next(iter(moves))]}, ...)", file=sys.stderr, flush=True)
 
 
-def prune_tags(ckpt_dir: Path, latest: str, keep: int) -> None:
-    """Keep `latest` and the `keep` - 1 tags before it; tags after it (a save that did not finish) stay until
-    their step is saved again."""
+def prune_tags(ckpt_dir: Path, latest: str, keep: int, every: int) -> None:
+    """Keep `latest` and the `keep` - 1 regular tags (steps that are multiples of `every`) before it; tags after
+    it (a save that did not finish) stay until their step is saved again. An older tag off that schedule, the save
+    of a stop, goes: `latest` supersedes it, and it must not push out a regular tag a study or a follower reads."""
     older = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step") and p.name < latest)
-    for old in older[:max(0, len(older) - (keep - 1))]:
+    stops = [p for p in older if p.name[4:].isdigit() and int(p.name[4:]) % every]
+    regular = [p for p in older if p not in stops]
+    for old in stops + regular[:max(0, len(regular) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -161,7 +161,7 @@ def _start(exp: RunExperiment, rank: int) -> _Start:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir / "config.yaml", start.config_yaml)
         if tag is not None:  # a kill between moving `latest` and pruning left older tags
-            prune_tags(ckpt_dir, tag, exp.checkpoint.keep)
+            prune_tags(ckpt_dir, tag, exp.checkpoint.keep, exp.checkpoint.every)
         elif start.fresh:  # what an attempt that died before its first checkpoint logged goes (its MLflow run too)
             truncate_metrics(run_dir / "metrics.jsonl", 0)
     return start
@@ -230,7 +230,7 @@ def _train(exp: RunExperiment, job: TrainingJob, engine, ds_config: dict, start:
     window = MetricsWindow(run_dir / "metrics.jsonl" if rank == 0 else None, tracker, engine,
                            device_peak(engine.device, exp.train.precision, exp.train.peak_flops) if rank == 0 else None,
                            health)
-    checkpoints = Checkpointer(engine, ckpt_dir, job.position, exp.checkpoint.keep, rank, world, start.config_yaml,
+    checkpoints = Checkpointer(engine, ckpt_dir, job.position, exp.checkpoint, rank, world, start.config_yaml,
                                metrics=window, health=health)
     counters = {"samples": 0, "tokens": 0}
     if not start.fresh:

@@ -22,7 +22,7 @@ import torch
 
 from pretrieve.engine.lr_schedule import start_at
 from pretrieve.engine.rng import rng_state, seed_everything, set_rng_state
-from pretrieve.utils.run_dir import LATEST, TAG_CONFIG, latest_checkpoint, write_atomic
+from pretrieve.utils.run_dir import LATEST, TAG_CONFIG, latest_checkpoint, step_of, tag_of, write_atomic
 
 
 class Checkpointer:
@@ -42,7 +42,7 @@ class Checkpointer:
         all but the newest `keep` tags. A failed save (a full disk) names the tag and leaves `latest` as it was."""
         import torch.distributed as dist
 
-        tag = f"step{step:08d}"
+        tag = tag_of(step)
         if self.rank == 0:  # what a crashed attempt left of this tag (never `latest`: that moves only after a save);
             shutil.rmtree(self.ckpt_dir / tag, ignore_errors=True)  # the all_gather below holds the others back
         mine = {"stream": self.position.state_dict(), "rng": rng_state(), "counters": dict(counters)}
@@ -141,7 +141,7 @@ def prune_tags(ckpt_dir: Path, latest: str, keep: int, every: int) -> None:
     it (a save that did not finish) stay until their step is saved again. An older tag off that schedule, the save
     of a stop, goes: `latest` supersedes it, and it must not push out a regular tag a study or a follower reads."""
     older = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step") and p.name < latest)
-    stops = [p for p in older if p.name[4:].isdigit() and int(p.name[4:]) % every]
+    stops = [p for p in older if (step := step_of(p.name)) is not None and step % every]
     regular = [p for p in older if p not in stops]
     for old in stops + regular[:max(0, len(regular) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)

@@ -23,7 +23,7 @@ from pretrieve.models.backbones import BACKBONES
 from pretrieve.models.encoder import FINETUNE_META, HEAD_WEIGHTS
 from pretrieve.models.st_config import read_st_config
 from pretrieve.utils.metric_names import metric_name
-from pretrieve.utils.run_dir import latest_checkpoint, write_atomic
+from pretrieve.utils.run_dir import latest_checkpoint, step_of, write_atomic
 
 CARD = "README.md"
 GENERATED = "<!-- written by pretrieve from the run directory; `pretrieve card RUN_DIR` writes it again -->"
@@ -347,8 +347,8 @@ def _losses_text(record: dict | None) -> str:
 
 
 def _step(tag: str | None, final: dict | None) -> int:
-    if tag and tag.startswith("step") and tag[4:].isdigit():
-        return int(tag[4:])
+    if tag and (step := step_of(tag)) is not None:
+        return step
     return final["step"] if final else 0
 
 

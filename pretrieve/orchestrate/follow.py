@@ -40,7 +40,8 @@ from pretrieve.engine.child_processes import STOPPED, ChildProcesses
 from pretrieve.engine.devices import VISIBLE, device_count
 from pretrieve.engine.preemption import stop_exit
 from pretrieve.orchestrate import farm as farms
-from pretrieve.orchestrate.follow_plan import RunView, look, next_steps, step_of, tag_of
+from pretrieve.orchestrate.follow_plan import RunView, look, next_steps
+from pretrieve.utils.run_dir import step_of, tag_of
 from pretrieve.utils.run_dir import write_atomic
 from pretrieve.utils.run_lock import LOCK_FILE, DirectoryLock
 

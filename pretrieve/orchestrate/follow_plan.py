@@ -16,16 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrieve.config import CheckpointOptions, TrainOptions
-from pretrieve.utils.run_dir import LATEST, TAG_CONFIG
-
-
-def tag_of(step: int) -> str:
-    return f"step{step:08d}"
-
-
-def step_of(name: str) -> int | None:
-    """The step of a tag's folder name (step00000200), None for anything else."""
-    return int(name[4:]) if name.startswith("step") and name[4:].isdigit() else None
+from pretrieve.utils.run_dir import LATEST, TAG_CONFIG, step_of
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,16 @@ def record_settings(path: Path, settings: dict, what: str) -> None:
                          "output, or remove it to start over")
 
 
+def tag_of(step: int) -> str:
+    """The folder name of the checkpoint of `step` (step00000200)."""
+    return f"step{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a tag's folder name (step00000200), None for anything else."""
+    return int(name[4:]) if name.startswith("step") and name[4:].isdigit() else None
+
+
 def latest_checkpoint(run_dir: Path) -> str | None:
     """The tag `latest` names; None before the first checkpoint. A `latest` that is empty or names a missing
     tag (edited, or restored from a backup without its tags) falls back, with a warning, to the newest complete

@@ -131,6 +131,16 @@ class Tracker:
               "training continues and metrics.jsonl keeps every logged step", file=sys.stderr)
         self.client = None
 
+    def _stop_system_metrics(self) -> None:
+        """Stop the sampler and publish the samples of its last, unfinished period: MLflow's monitor drops them,
+        so a run shorter than one sampling interval would otherwise have no system metrics at all."""
+        monitor, self.system = self.system, None
+        monitor.finish()
+        pending = monitor.aggregate_metrics()
+        if pending:
+            monitor.publish_metrics(pending)
+            monitor.mlflow_logger.flush()
+
     def log_metrics(self, step: int, metrics: dict) -> None:
         if self.client is None:
             return
@@ -154,12 +164,11 @@ class Tracker:
             self._fail(e)
 
     def finish(self, status: str = "FINISHED") -> None:
-        if self.system is not None:
-            self.system.finish()
-            self.system = None
         if self.client is None:
             return
         try:
+            if self.system is not None:
+                self._stop_system_metrics()
             self.client.set_terminated(self.run_id, status=status)
         except Exception as e:  # noqa: BLE001
             self._fail(e)

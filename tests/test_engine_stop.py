@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from fault_runs import assert_same_run
+from fault_runs import assert_same_run, with_fault
 from support import free_port, json_lines, pretrain_env, signal_in_mask
 from transformers import AutoModel
 
@@ -39,23 +39,34 @@ def full(tmp_path_factory, wiki_shards) -> Path:
     return run
 
 
+def _paused_at(step: int, command: list[str], mark: Path, **popen) -> subprocess.Popen:
+    """The run started by tests/inject_fault.py, paused right after step `step` is logged, before its stop check:
+    a signal sent while it waits lands at that step however loaded the machine is."""
+    env = pretrain_env(FAULT_AT="step", FAULT_STEP=str(step), FAULT_DO="pause", FAULT_MARK=str(mark))
+    proc = subprocess.Popen(with_fault(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **popen)
+    deadline = time.time() + 300
+    while not mark.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert mark.exists(), proc.communicate(timeout=300)[1][-2000:] if proc.poll() is not None else "no pause"
+    return proc
+
+
+def _go_on(mark: Path) -> None:
+    mark.with_name(mark.name + ".go").touch()
+
+
 def test_sigterm_checkpoints_exits_85_and_resume_matches(tmp_path, wiki_shards, full):
     steps = STEPS
 
-    run = tmp_path / "stopped"
-    proc = subprocess.Popen(_command(run, wiki_shards, steps), env=pretrain_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:  # wait for the first steps, then preempt
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.05)
+    run, mark = tmp_path / "stopped", tmp_path / "paused"
+    proc = _paused_at(3, _command(run, wiki_shards, steps), mark)  # after the first steps, preempted
     proc.send_signal(signal.SIGTERM)
+    _go_on(mark)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 85, err[-2000:]
     stopped_at = int((run / "checkpoints" / "latest").read_text().removeprefix("step"))
-    assert 3 <= stopped_at < 12
+    assert stopped_at == 3
     # the step and where it went, as Ctrl-C's line says them
     assert f"pretrieve pretrain: preempted: saved step {stopped_at} to {run / 'checkpoints'}/step{stopped_at:08d}; " \
            "exit 85 (resume=auto continues)" in err, err[-2000:]
@@ -96,22 +107,16 @@ def test_ctrl_c_saves_its_step_says_so_in_one_line_and_resume_matches(tmp_path, 
     """SIGINT to the process group, as a terminal sends Ctrl-C, after the step-4 checkpoint: a checkpoint at the
     step it came, one line naming it and no traceback, and the process ends by SIGINT (130 in a shell; not 85,
     which the SLURM launcher requeues). resume=auto then gives the uninterrupted run's losses and weights."""
-    run = tmp_path / "run"
+    run, mark = tmp_path / "run", tmp_path / "paused"
     command = _command(run, wiki_shards, STEPS, "checkpoint.every=4", "tracking.enabled=false")
-    proc = subprocess.Popen(command, env=pretrain_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group, as a terminal's foreground job
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
-            break
-        time.sleep(0.05)
+    proc = _paused_at(5, command, mark, start_new_session=True)  # its own process group, as a terminal's job
     assert signal_in_mask(proc.pid, signal.SIGINT, "SigCgt")  # caught: not ignored, not Python's KeyboardInterrupt
     os.killpg(proc.pid, signal.SIGINT)
+    _go_on(mark)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGINT, err[-2000:]
     stopped_at = int((run / "checkpoints" / "latest").read_text().removeprefix("step"))
-    assert 5 <= stopped_at < 12
+    assert stopped_at == 5  # the step it came at, off the checkpoint schedule
     assert [line for line in err.splitlines() if "interrupt" in line.lower()] == [
         f"pretrieve pretrain: interrupted: saved step {stopped_at} to {run / 'checkpoints' / f'step{stopped_at:08d}'}; "
         "resume with resume=auto"]

@@ -47,7 +47,7 @@ import sys, time
 from pretrieve.utils.run_lock import DirectoryLock
 with DirectoryLock(sys.argv[1], sys.argv[2]):
     print("held", flush=True)
-    time.sleep(60)
+    time.sleep(600)  # killed by the test
 """
 
 _HOLD_AND_FORK = """
@@ -56,10 +56,10 @@ from pretrieve.utils.run_lock import DirectoryLock
 lock = DirectoryLock(sys.argv[1], "trainer").__enter__()
 child = os.fork()
 if child == 0:
-    time.sleep(60)
+    time.sleep(600)  # killed by the test
     os._exit(0)
 print(child, flush=True)
-time.sleep(60)
+time.sleep(600)  # killed by the test
 """
 
 

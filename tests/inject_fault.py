@@ -39,14 +39,22 @@ def python_with_fault(folder: Path) -> Path:
     return script
 
 
+def _go(mark: Path) -> Path:
+    return mark.with_name(mark.name + ".go")
+
+
+def release(mark: Path) -> None:
+    """Lets the run paused at FAULT_MARK go on (FAULT_DO=pause)."""
+    _go(mark).touch()
+
+
 def _act() -> None:
     mark = Path(os.environ["FAULT_MARK"]) if os.environ.get("FAULT_MARK") else None
     if mark is not None:
         mark.write_text(str(os.getpid()))
     if os.environ.get("FAULT_DO", "kill") == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    go = mark.with_name(mark.name + ".go")
-    while not go.exists():
+    while not _go(mark).exists():
         time.sleep(0.05)
 
 

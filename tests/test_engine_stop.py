@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from fault_runs import assert_same_run, with_fault
+from inject_fault import release
 from support import free_port, json_lines, pretrain_env, signal_in_mask
 from transformers import AutoModel
 
@@ -52,17 +53,13 @@ def _paused_at(step: int, command: list[str], mark: Path, **popen) -> subprocess
     return proc
 
 
-def _go_on(mark: Path) -> None:
-    mark.with_name(mark.name + ".go").touch()
-
-
 def test_sigterm_checkpoints_exits_85_and_resume_matches(tmp_path, wiki_shards, full):
     steps = STEPS
 
     run, mark = tmp_path / "stopped", tmp_path / "paused"
     proc = _paused_at(3, _command(run, wiki_shards, steps), mark)  # after the first steps, preempted
     proc.send_signal(signal.SIGTERM)
-    _go_on(mark)
+    release(mark)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 85, err[-2000:]
     stopped_at = int((run / "checkpoints" / "latest").read_text().removeprefix("step"))
@@ -112,7 +109,7 @@ def test_ctrl_c_saves_its_step_says_so_in_one_line_and_resume_matches(tmp_path, 
     proc = _paused_at(5, command, mark, start_new_session=True)  # its own process group, as a terminal's job
     assert signal_in_mask(proc.pid, signal.SIGINT, "SigCgt")  # caught: not ignored, not Python's KeyboardInterrupt
     os.killpg(proc.pid, signal.SIGINT)
-    _go_on(mark)
+    release(mark)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGINT, err[-2000:]
     stopped_at = int((run / "checkpoints" / "latest").read_text().removeprefix("step"))

@@ -15,7 +15,7 @@ import pytest
 
 from support import stop_server
 from fault_runs import TAG, assert_same_run, complete, one_rank, reference, tags, two_ranks, with_fault
-from inject_fault import python_with_fault
+from inject_fault import python_with_fault, release
 from pretrieve.utils.run_dir import latest_checkpoint
 from test_launchers import _env, _losses
 
@@ -144,7 +144,7 @@ def test_tracking_server_stopped_mid_run_is_one_warning(tmp_path, tmp_path_facto
         else:
             os.killpg(server.pid, signal.SIGSTOP)
         stopped = time.time()
-        mark.with_name(mark.name + ".go").touch()
+        release(mark)
         job.wait(timeout=600)
         took = time.time() - stopped
     finally:
